@@ -1,0 +1,35 @@
+# Two entry points for a fresh machine: `make demo` and `make test`.
+# Everything the project needs is installed from here; nothing by hand.
+
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.stamp-install
+
+.PHONY: install demo test lint bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip setuptools wheel
+
+# Reinstall only when the dependency list changes.
+$(STAMP): pyproject.toml | $(PY)
+	$(PIP) install --quiet "torch==2.13.0"
+	$(PIP) install --quiet -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(VENV)/bin/tenplex demo
+
+test: install
+	$(VENV)/bin/ruff check tenplex tests benchmarks examples
+	$(PY) -m pytest -q -n 2 --dist loadgroup tests
+
+lint: install
+	$(VENV)/bin/ruff check tenplex tests benchmarks examples
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info

@@ -1,0 +1,3 @@
+"""Tenplex: elastic multi-dimensional-parallel training on Kubernetes."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,3 @@
+from tenplex.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,101 @@
+"""The one exception hierarchy of Tenplex.
+
+Every error a user can cause or meet derives from :class:`TenplexError`. Each
+class carries a stable machine-readable ``code`` and the HTTP status the REST
+layers (store and scheduler) answer with, so that both map exceptions to
+``{"error": code, "detail": message}`` the same way.
+"""
+
+from __future__ import annotations
+
+
+class TenplexError(Exception):
+    """Base class. ``detail`` is the human-readable message."""
+
+    code: str = "tenplex_error"
+    http_status: int = 500
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+    def to_json(self) -> dict[str, str]:
+        return {"error": self.code, "detail": self.detail}
+
+
+class InvalidInput(TenplexError):
+    """A request, file or argument is malformed."""
+
+    code = "invalid_input"
+    http_status = 400
+
+
+class InvalidRegion(InvalidInput):
+    """A region is malformed or does not fit the tensor it addresses."""
+
+    code = "invalid_region"
+    http_status = 400
+
+
+class RegionOutOfBounds(InvalidRegion):
+    """A well-formed region lies (partly) outside the tensor."""
+
+    code = "region_out_of_bounds"
+    http_status = 416
+
+
+class InvalidPTC(InvalidInput):
+    """A parallelizable tensor collection violates an invariant."""
+
+    code = "invalid_ptc"
+
+
+class InvalidConfig(InvalidInput):
+    """A parallel configuration or model description is inconsistent."""
+
+    code = "invalid_config"
+
+
+class Unauthorized(TenplexError):
+    code = "unauthorized"
+    http_status = 401
+
+
+class NotFound(TenplexError):
+    code = "not_found"
+    http_status = 404
+
+
+class Conflict(TenplexError):
+    """The request contradicts the current state (e.g. writing a committed version)."""
+
+    code = "conflict"
+    http_status = 409
+
+
+class ChecksumMismatch(TenplexError):
+    """Bytes read back do not match the checksum recorded when they were written."""
+
+    code = "checksum_mismatch"
+    http_status = 500
+
+
+class StoreUnavailable(TenplexError):
+    """A store server could not be reached or kept failing after the retries."""
+
+    code = "store_unavailable"
+    http_status = 503
+
+
+class StateLost(TenplexError):
+    """Some regions of the job state are held by no surviving host."""
+
+    code = "state_lost"
+    http_status = 409
+
+
+class TransformFailed(TenplexError):
+    """A state transformation could not complete; the old version is intact."""
+
+    code = "transform_failed"
+    http_status = 500
