@@ -2,6 +2,7 @@
 
 from tenplex.ptc.dataset import DatasetState
 from tenplex.ptc.model import FORMAT, PTC, Device, Owner, Shard, Tensor, TensorKind, build_tensor
+from tenplex.ptc.parallel import ParallelConfig, Placement, ranks_by_host
 from tenplex.ptc.region import Region, flat_range_boxes, subtract
 
 __all__ = [
@@ -10,11 +11,14 @@ __all__ = [
     "DatasetState",
     "Device",
     "Owner",
+    "ParallelConfig",
+    "Placement",
     "Region",
     "Shard",
     "Tensor",
     "TensorKind",
     "build_tensor",
+    "ranks_by_host",
     "flat_range_boxes",
     "subtract",
 ]

@@ -9,7 +9,6 @@ planner and the store rely on for exactness.
 from __future__ import annotations
 
 import operator
-
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
