@@ -1,0 +1,1 @@
+"""The control plane: REST API, job state machine, parallelization policy, cluster backends."""
