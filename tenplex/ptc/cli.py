@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import time
 from collections import Counter, defaultdict
 
 from rich.console import Console
 from rich.table import Table
 
+from tenplex.errors import InvalidConfig, InvalidInput
+from tenplex.ptc.dataset import DatasetState
 from tenplex.ptc.model import PTC
+from tenplex.ptc.parallel import ParallelConfig
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -23,6 +27,97 @@ def register(sub: argparse._SubParsersAction) -> None:
     validate = cmds.add_parser("validate", help="check a PTC file; exit 0 if valid, 1 with the reason if not")
     validate.add_argument("file", help="PTC JSON file")
     validate.set_defaults(func=_validate)
+
+    gpt = cmds.add_parser(
+        "megatron-gpt",
+        help="write the PTC of a Megatron-LM style GPT job",
+        description="Compute the layout of a Megatron-LM GPT training job (parameters and optimizer state) "
+        "for a parallel configuration and write it as PTC JSON.",
+    )
+    model = gpt.add_argument_group("model")
+    model.add_argument("--layers", type=int, required=True, help="transformer layers")
+    model.add_argument("--hidden", type=int, required=True, help="hidden size")
+    model.add_argument("--heads", type=int, required=True, help="attention heads")
+    model.add_argument("--kv-heads", type=int, help="query groups for grouped-query attention (default: heads)")
+    model.add_argument("--ffn-hidden", type=int, help="MLP width (default: 4 x hidden)")
+    model.add_argument("--vocab", type=int, required=True, help="vocabulary size before padding")
+    model.add_argument("--tied", action="store_true", help="tie the output layer to the word embeddings")
+    model.add_argument("--gated", action="store_true", help="gated (SwiGLU) MLP: fc1 holds gate and up")
+    model.add_argument("--seq-len", type=int, default=2048, help="learned position embeddings (0: none, rotary)")
+    model.add_argument("--no-bias", action="store_true", help="linear layers without biases")
+    par = gpt.add_argument_group("parallelism and placement")
+    par.add_argument("--dp", type=int, required=True, help="data-parallel degree")
+    par.add_argument("--tp", type=int, required=True, help="tensor-parallel degree")
+    par.add_argument("--pp", type=int, required=True, help="pipeline stages")
+    par.add_argument("--layers-per-stage", help="explicit pipeline split, e.g. 3,3,2 (default: even)")
+    par.add_argument("--zero", type=int, default=0, choices=range(4), help="ZeRO stage 0-3 (default 0)")
+    par.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per host (default 8)")
+    par.add_argument("--hosts", help="comma-separated host names in rank order (default node-0, node-1, ...)")
+    par.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "fp32"], help="default bf16")
+    data = gpt.add_argument_group("dataset position (optional; all three or none)")
+    data.add_argument("--samples", type=int, help="samples in the dataset")
+    data.add_argument("--global-batch", type=int, help="global batch size")
+    data.add_argument("--seed", type=int, help="seed of the sample order")
+    data.add_argument("--consumed", type=int, default=0, help="samples consumed so far (default 0)")
+    gpt.add_argument("-o", "--output", required=True, help="PTC JSON file to write")
+    gpt.set_defaults(func=_megatron_gpt)
+
+
+def _int_list(text: str, what: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise InvalidConfig(f"{what} must be comma-separated integers, got {text!r}") from None
+
+
+def _megatron_gpt(args: argparse.Namespace) -> int:
+    from tenplex.ptc.megatron import GPTSpec, megatron_gpt_ptc
+
+    spec = GPTSpec(
+        num_layers=args.layers,
+        hidden=args.hidden,
+        heads=args.heads,
+        vocab=args.vocab,
+        kv_heads=args.kv_heads,
+        ffn_hidden=args.ffn_hidden,
+        tied_embeddings=args.tied,
+        gated_mlp=args.gated,
+        seq_len=args.seq_len,
+        bias=not args.no_bias,
+    )
+    parallel = ParallelConfig(
+        dp=args.dp,
+        tp=args.tp,
+        pp=args.pp,
+        zero=args.zero,
+        layers_per_stage=_int_list(args.layers_per_stage, "--layers-per-stage") if args.layers_per_stage else None,
+    )
+    data_args = {"--samples": args.samples, "--global-batch": args.global_batch, "--seed": args.seed}
+    given = [k for k, v in data_args.items() if v is not None]
+    if given and len(given) != len(data_args):
+        missing = [k for k in data_args if k not in given]
+        raise InvalidConfig(f"the dataset needs --samples, --global-batch and --seed; {', '.join(missing)} missing")
+    dataset = (
+        DatasetState(args.samples, args.seed, args.global_batch, args.consumed) if given else None
+    )
+    hosts = [h.strip() for h in args.hosts.split(",")] if args.hosts else None
+    started = time.perf_counter()
+    ptc = megatron_gpt_ptc(
+        spec, parallel, gpus_per_node=args.gpus_per_node, hosts=hosts, precision=args.precision, dataset=dataset
+    )
+    elapsed = time.perf_counter() - started
+    try:
+        ptc.save(args.output)
+    except OSError as exc:
+        raise InvalidInput(f"cannot write {args.output!r}: {exc.strerror}") from None
+    per_device = ptc.bytes_per_device().values()
+    print(
+        f"{args.output}: megatron-gpt {parallel.describe()} {args.precision}, {len(ptc.tensors)} tensors, "
+        f"{sum(len(t.shards) for t in ptc.tensors)} shards, {len(ptc.devices)} devices on {len(ptc.hosts)} hosts, "
+        f"{human_bytes(ptc.total_bytes)} state, {human_bytes(max(per_device))} max per device "
+        f"(built in {elapsed:.2f} s)"
+    )
+    return 0
 
 
 def _validate(args: argparse.Namespace) -> int:

@@ -188,14 +188,20 @@ class Region:
         return "[" + ", ".join(f"{a}:{b}" for a, b in self.bounds) + "]"
 
 
-def flat_range_boxes(shape: Sequence[int], start: int, stop: int) -> list[Region]:
+def flat_range_boxes(
+    shape: Sequence[int], start: int, stop: int, origin: Sequence[int] | None = None
+) -> list[Region]:
     """The fewest boxes whose union is the flat row-major index range ``[start, stop)``.
 
     ZeRO-1/2 distributed optimizers partition a flattened buffer across data
     parallel ranks without regard for parameter boundaries; each rank's piece
     of one parameter is such a flat range, and this turns it into rectangles
     (a head of partial rows, one block of whole rows, a tail), recursively per
-    dimension.
+    dimension. At most ``2 * ndim - 1`` boxes result.
+
+    ``origin`` translates the boxes: a flat range of a local shard of shape
+    ``shape`` that starts at ``origin`` in the global tensor comes out in global
+    coordinates directly, without building the local boxes first.
     """
     shape = tuple(int(n) for n in shape)
     total = 1
@@ -205,7 +211,16 @@ def flat_range_boxes(shape: Sequence[int], start: int, stop: int) -> list[Region
         raise InvalidRegion(f"flat range [{start}, {stop}) is outside a tensor of {total} elements (shape {list(shape)})")
     if start == stop:
         return []
-    return [Region(tuple(b)) for b in _flat_boxes(shape, start, stop)]
+    boxes = _flat_boxes(shape, start, stop)
+    if origin is None:
+        return [Region(tuple(b)) for b in boxes]
+    if len(origin) != len(shape):
+        raise InvalidRegion(f"origin {list(origin)} has rank {len(origin)}, the shape {list(shape)} has {len(shape)}")
+    if any(int(o) < 0 for o in origin):
+        raise InvalidRegion(f"origin {list(origin)} has a negative offset")
+    return [
+        Region(tuple((a + o, b + o) for (a, b), o in zip(box, origin, strict=True))) for box in boxes
+    ]
 
 
 def _flat_boxes(shape: tuple[int, ...], start: int, stop: int) -> list[list[tuple[int, int]]]:
