@@ -1,0 +1,246 @@
+"""The worker <-> scheduler REST protocol: the request and reply bodies, and the paths.
+
+Both sides import these models: the scheduler serves exactly them (FastAPI
+validates the bodies and documents them in its OpenAPI), and
+:mod:`tenplex.worker.control` sends and parses them. Keeping them in one
+module is what keeps the two sides from drifting apart.
+
+The life of a worker, as the protocol sees it::
+
+    POST {REGISTER_PATH}                 RegisterRequest  -> Assignment
+    POST {HEARTBEAT_PATH}   (every few s) HeartbeatRequest -> HeartbeatReply
+    POST {SNAPSHOT_PATH}    (per version) SnapshotReport   -> Ack
+    POST {PEER_FAILURE_PATH}(on timeout)  PeerFailureReport-> Ack
+    POST {EXIT_PATH}        (at the end)  ExitReport       -> Ack
+
+A stop request ("stop after step N") travels in the :class:`Assignment` and in
+every :class:`HeartbeatReply`; the worker finishes step N, snapshots it,
+reports the snapshot and exits with :data:`EXIT_STOPPED`.
+
+Every path but none of the bodies carries the job name; all requests carry
+``Authorization: Bearer <token>`` when the scheduler has a token. Errors come
+back as ``{"error": code, "detail": message}`` with the HTTP status of the
+matching :class:`tenplex.errors.TenplexError` subclass.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from tenplex.errors import InvalidConfig, InvalidInput
+from tenplex.ptc.parallel import ParallelConfig
+from tenplex.store.version import Version
+
+PROTOCOL_VERSION = 1
+"""Bumped on any incompatible change of the bodies below."""
+
+# -- environment of a launched worker ---------------------------------------------
+# The scheduler's backends start every worker with these variables (plus
+# torchrun's), so that ``ControlClient.from_env()`` needs no arguments.
+
+ENV_SCHEDULER_URL = "TENPLEX_SCHEDULER_URL"
+"""Base URL of the scheduler's REST API, e.g. ``http://10.0.0.5:8470``."""
+ENV_JOB = "TENPLEX_JOB"
+"""The job name."""
+ENV_WORKER_ID = "TENPLEX_WORKER_ID"
+"""The scheduler's id for this worker process (unique within the job and generation)."""
+ENV_TOKEN = "TENPLEX_TOKEN"
+"""Bearer token for the scheduler and the store (absent: no auth)."""
+ENV_STORE_URL = "TENPLEX_STORE_URL"
+"""Base URL of the node-local store daemon of the host the worker runs on."""
+ENV_HOST = "TENPLEX_HOST"
+"""The (emulated) host name the worker runs on, as named in the PTC."""
+ENV_GENERATION = "TENPLEX_GENERATION"
+"""The layout generation the worker was launched for."""
+
+# torchrun's variables, read as well.
+ENV_RANK = "RANK"
+ENV_WORLD_SIZE = "WORLD_SIZE"
+ENV_LOCAL_RANK = "LOCAL_RANK"
+ENV_MASTER_ADDR = "MASTER_ADDR"
+ENV_MASTER_PORT = "MASTER_PORT"
+
+# -- exit codes ----------------------------------------------------------------------
+
+EXIT_COMPLETED = 0
+"""The job reached its last step."""
+EXIT_STOPPED = 0
+"""The worker obeyed a stop request after snapshotting the requested step."""
+EXIT_FAILED = 1
+"""The worker failed (its ExitReport says why, when it could send one)."""
+
+# -- paths ---------------------------------------------------------------------------
+
+API_PREFIX = "/v1"
+REGISTER_PATH = API_PREFIX + "/jobs/{job}/workers/register"
+ASSIGNMENT_PATH = API_PREFIX + "/jobs/{job}/workers/{worker_id}/assignment"
+HEARTBEAT_PATH = API_PREFIX + "/jobs/{job}/workers/{worker_id}/heartbeat"
+SNAPSHOT_PATH = API_PREFIX + "/jobs/{job}/workers/{worker_id}/snapshot"
+PEER_FAILURE_PATH = API_PREFIX + "/jobs/{job}/workers/{worker_id}/peer-failure"
+EXIT_PATH = API_PREFIX + "/jobs/{job}/workers/{worker_id}/exit"
+
+# -- field types -----------------------------------------------------------------------
+
+JOB_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
+"""A DNS-1123 label: jobs become Kubernetes objects and label values."""
+WORKER_ID_PATTERN = r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,126}[A-Za-z0-9])?$"
+
+JobName = Annotated[str, Field(pattern=JOB_NAME_PATTERN, description="Job name (DNS-1123 label).")]
+WorkerId = Annotated[
+    str, Field(pattern=WORKER_ID_PATTERN, description="Worker id given by the scheduler at launch.")
+]
+Step = Annotated[int, Field(ge=0, description="A training step (the number of steps completed).")]
+Generation = Annotated[int, Field(ge=0, description="Layout generation, bumped by every reconfiguration.")]
+Rank = Annotated[int, Field(ge=0)]
+HostName = Annotated[str, Field(min_length=1, max_length=253, description="Host (node) name as in the PTC.")]
+
+
+class _Model(BaseModel):
+    """Strict about unknown fields, so a typo on either side is a 4xx and not silently dropped."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _check_version(value: str | None) -> str | None:
+    """Pydantic reports only ValueError as a validation error; turn InvalidInput into one."""
+    if value is not None:
+        try:
+            Version.parse(value)
+        except InvalidInput as exc:
+            raise ValueError(exc.detail) from None
+    return value
+
+
+# -- bodies ----------------------------------------------------------------------------
+
+
+class RegisterRequest(_Model):
+    """A worker process announcing itself; the reply is its :class:`Assignment`."""
+
+    worker_id: WorkerId
+    host: HostName | None = Field(None, description="The host the worker runs on, when it knows it.")
+    pid: int | None = Field(None, ge=1, description="Process id, for people reading the job status.")
+    rank: Rank | None = Field(None, description="torchrun's RANK when the launcher set one.")
+    protocol_version: int = Field(PROTOCOL_VERSION, ge=1)
+
+
+class Assignment(_Model):
+    """Everything a worker needs to join the job in its current configuration."""
+
+    job: JobName
+    generation: Generation
+    worker_id: WorkerId
+    rank: Rank = Field(description="Global rank in the Megatron order of `parallel`.")
+    world_size: int = Field(ge=1)
+    local_rank: Rank = Field(description="Index of the worker's device on its host.")
+    host: HostName
+    parallel: dict[str, Any] = Field(
+        description="The parallel configuration, as tenplex.ptc.ParallelConfig JSON (dp, tp, pp, zero, ...)."
+    )
+    master_addr: str = Field(min_length=1, description="Rendezvous address of torch.distributed.")
+    master_port: int = Field(ge=1, le=65535)
+    restore_version: str | None = Field(
+        None, description="Version (s<step>-g<generation>) to restore before training; null: start fresh."
+    )
+    store_url: str = Field(min_length=1, description="Base URL of the node-local store daemon.")
+    ptc: dict[str, Any] | None = Field(None, description="The job's PTC for this generation (tenplex.ptc/v1 JSON).")
+    ptc_url: str | None = Field(None, description="Where to GET the PTC JSON instead, when it is large.")
+    stop_at_step: Step | None = Field(None, description="Finish this step, snapshot it and exit.")
+    total_steps: Step | None = Field(None, description="The step at which the job is complete, when bounded.")
+    heartbeat_interval_s: float = Field(5.0, gt=0, le=3600)
+
+    @field_validator("restore_version")
+    @classmethod
+    def _restore_version(cls, v: str | None) -> str | None:
+        return _check_version(v)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Assignment:
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank {self.rank} is outside world size {self.world_size}")
+        if self.ptc is None and self.ptc_url is None:
+            raise ValueError("an assignment needs the PTC: set ptc or ptc_url")
+        try:
+            parallel = ParallelConfig.from_json(self.parallel)
+        except InvalidConfig as exc:
+            raise ValueError(exc.detail) from None
+        if parallel.world_size != self.world_size:
+            raise ValueError(
+                f"parallel config {parallel.describe()} has world size {parallel.world_size}, "
+                f"the assignment says {self.world_size}"
+            )
+        return self
+
+
+class HeartbeatRequest(_Model):
+    """Proof of life with the last completed step; sent every ``heartbeat_interval_s``."""
+
+    generation: Generation
+    step: Step
+    loss: float | None = Field(None, description="Loss of the last step, when this rank computes it.")
+
+    @field_validator("loss")
+    @classmethod
+    def _finite(cls, v: float | None) -> float | None:
+        # A NaN loss is legitimate training news, but JSON cannot carry it; send null then.
+        if v is not None and not math.isfinite(v):
+            raise ValueError(f"loss must be finite (send null for NaN/inf), got {v}")
+        return v
+
+
+class HeartbeatReply(_Model):
+    """What the scheduler wants next. ``action="stop"`` means: exit now without a snapshot."""
+
+    action: Literal["continue", "stop"] = "continue"
+    generation: Generation
+    stop_at_step: Step | None = Field(None, description="Finish this step, snapshot it and exit.")
+
+
+class SnapshotReport(_Model):
+    """A worker finished writing its part of a version (and maybe committed its host's copy)."""
+
+    generation: Generation
+    step: Step
+    version: str = Field(description="The version written, s<step>-g<generation>.")
+    host: HostName
+    committed: bool = Field(description="Whether this worker saw its host's copy complete and committed it.")
+    bytes_written: int = Field(0, ge=0)
+    seconds: float = Field(0.0, ge=0, description="Wall time of the background write.")
+
+    @field_validator("version")
+    @classmethod
+    def _version(cls, v: str) -> str:
+        return _check_version(v)  # type: ignore[return-value]
+
+    @model_validator(mode="after")
+    def _step_matches(self) -> SnapshotReport:
+        if Version.parse(self.version).step != self.step:
+            raise ValueError(f"version {self.version} is not of step {self.step}")
+        return self
+
+
+class PeerFailureReport(_Model):
+    """A collective failed or timed out: some other worker is probably gone."""
+
+    generation: Generation
+    step: Step | None = Field(None, description="The step during which it happened.")
+    detail: str = Field(min_length=1, max_length=4000, description="The error as the worker saw it.")
+
+
+class ExitReport(_Model):
+    """The worker is about to exit."""
+
+    generation: Generation
+    step: Step = Field(description="The last completed step.")
+    status: Literal["completed", "stopped", "failed"]
+    exit_code: int = Field(ge=0, le=255)
+    detail: str | None = Field(None, max_length=4000)
+
+
+class Ack(_Model):
+    """The reply to reports."""
+
+    ok: bool = True

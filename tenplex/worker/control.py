@@ -1,0 +1,327 @@
+"""The worker's side of the scheduler protocol: register, heartbeat, reports, stop requests.
+
+The bodies are the pydantic models of :mod:`tenplex.scheduler.protocol`, so the
+client and the scheduler cannot disagree about them. Transport is the standard
+library (``urllib``): the messages are a few hundred bytes, and a training
+process should not need another HTTP stack for them.
+
+Stopping has to be collective: every rank of a job must finish the same step,
+snapshot it, and exit, or the ranks that go on would hang in their next
+collective. Each rank learns ``stop_at_step`` on its own (from its assignment
+and its heartbeats), so :func:`agree_stop` takes the minimum over all ranks
+with one tiny all-reduce per step; all ranks then stop after the same step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from tenplex import errors
+from tenplex.errors import InvalidInput, TenplexError
+from tenplex.ptc import PTC
+from tenplex.scheduler import protocol as p
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class SchedulerUnavailable(TenplexError):
+    """The scheduler could not be reached, or kept failing, after the retries."""
+
+    code = "scheduler_unavailable"
+    http_status = 503
+
+
+def _error_classes() -> dict[str, type[TenplexError]]:
+    """code -> class for every TenplexError subclass, to rebuild the scheduler's errors."""
+    out: dict[str, type[TenplexError]] = {}
+    stack: list[type[TenplexError]] = [TenplexError]
+    while stack:
+        cls = stack.pop()
+        out.setdefault(cls.code, cls)
+        stack.extend(cls.__subclasses__())
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class ControlClient:
+    """REST client of one worker: ``ControlClient(url, job, worker_id, token)`` or :meth:`from_env`.
+
+    Calls retry connection failures and 502/503/504 answers with exponential
+    back-off (a scheduler restart must not kill the job); any other error
+    answer is raised as the :class:`~tenplex.errors.TenplexError` subclass
+    whose ``code`` the scheduler sent.
+    """
+
+    base_url: str
+    job: str
+    worker_id: str
+    token: str | None = None
+    timeout_s: float = 10.0
+    retries: int = 5
+    backoff_s: float = 0.2
+
+    def __post_init__(self) -> None:
+        parsed = urllib.parse.urlsplit(self.base_url)
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise InvalidInput(f"scheduler URL must be http(s)://host[:port], got {self.base_url!r}")
+        object.__setattr__(self, "base_url", self.base_url.rstrip("/"))
+        # Validate the names here, not at the first request, so a bad launch fails at once.
+        try:
+            p.RegisterRequest(worker_id=self.worker_id)
+        except ValidationError as exc:
+            raise InvalidInput(f"worker id {self.worker_id!r} is invalid: {_first_error(exc)}") from None
+        if not _matches(p.JOB_NAME_PATTERN, self.job):
+            raise InvalidInput(f"job name {self.job!r} is not a DNS-1123 label (lower case, digits, '-')")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> ControlClient:
+        """The client for a worker the scheduler launched (``TENPLEX_*`` variables)."""
+        env = os.environ if environ is None else environ
+        missing = [k for k in (p.ENV_SCHEDULER_URL, p.ENV_JOB, p.ENV_WORKER_ID) if not env.get(k)]
+        if missing:
+            raise InvalidInput(f"not launched by a Tenplex scheduler: {', '.join(missing)} not set")
+        return cls(
+            base_url=env[p.ENV_SCHEDULER_URL],
+            job=env[p.ENV_JOB],
+            worker_id=env[p.ENV_WORKER_ID],
+            token=env.get(p.ENV_TOKEN) or None,
+        )
+
+    # -- calls -----------------------------------------------------------------------
+
+    def register(self, host: str | None = None, rank: int | None = None) -> p.Assignment:
+        body = p.RegisterRequest(worker_id=self.worker_id, host=host, pid=os.getpid(), rank=rank)
+        return self._call("POST", p.REGISTER_PATH, body, p.Assignment)
+
+    def assignment(self) -> p.Assignment:
+        return self._call("GET", p.ASSIGNMENT_PATH, None, p.Assignment)
+
+    def heartbeat(self, generation: int, step: int, loss: float | None = None) -> p.HeartbeatReply:
+        if loss is not None and not math.isfinite(loss):
+            loss = None  # JSON has no NaN; the scheduler learns of it from the worker's exit instead
+        body = p.HeartbeatRequest(generation=generation, step=step, loss=loss)
+        return self._call("POST", p.HEARTBEAT_PATH, body, p.HeartbeatReply)
+
+    def report_snapshot(self, report: p.SnapshotReport) -> None:
+        self._call("POST", p.SNAPSHOT_PATH, report, p.Ack)
+
+    def report_peer_failure(self, generation: int, detail: str, step: int | None = None) -> None:
+        body = p.PeerFailureReport(generation=generation, step=step, detail=detail[:4000] or "unknown")
+        self._call("POST", p.PEER_FAILURE_PATH, body, p.Ack, retries=1)
+
+    def report_exit(
+        self, generation: int, step: int, status: str, exit_code: int, detail: str | None = None
+    ) -> None:
+        body = p.ExitReport(
+            generation=generation,
+            step=step,
+            status=status,  # type: ignore[arg-type]
+            exit_code=exit_code,
+            detail=None if detail is None else detail[:4000],
+        )
+        self._call("POST", p.EXIT_PATH, body, p.Ack, retries=1)
+
+    def fetch_ptc(self, assignment: p.Assignment) -> PTC:
+        """The PTC of an assignment: inline, or fetched from ``ptc_url``."""
+        if assignment.ptc is not None:
+            return PTC.from_json(assignment.ptc)
+        assert assignment.ptc_url is not None  # the model guarantees one of them
+        url = urllib.parse.urljoin(self.base_url + "/", assignment.ptc_url)
+        raw = self._request("GET", url, None, self.retries)
+        return PTC.loads(raw)
+
+    # -- transport -----------------------------------------------------------------------
+
+    def _call(
+        self,
+        method: str,
+        path_template: str,
+        body: BaseModel | None,
+        reply: type[M],
+        retries: int | None = None,
+    ) -> M:
+        path = path_template.format(
+            job=urllib.parse.quote(self.job, safe=""),
+            worker_id=urllib.parse.quote(self.worker_id, safe=""),
+        )
+        data = None if body is None else body.model_dump_json().encode()
+        raw = self._request(method, self.base_url + path, data, self.retries if retries is None else retries)
+        try:
+            return reply.model_validate_json(raw)
+        except ValidationError as exc:
+            raise SchedulerUnavailable(
+                f"{method} {path}: the scheduler's reply is not a valid {reply.__name__}: {_first_error(exc)}"
+            ) from None
+
+    def _request(self, method: str, url: str, data: bytes | None, retries: int) -> bytes:
+        headers = {"Accept": "application/json"}
+        if data is not None:
+            headers["Content-Type"] = "application/json"
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        delay = self.backoff_s
+        last = ""
+        for attempt in range(retries + 1):
+            req = urllib.request.Request(url, data=data, method=method, headers=headers)
+            try:
+                with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                    return resp.read()
+            except urllib.error.HTTPError as exc:
+                payload = exc.read()
+                if exc.code not in (502, 503, 504):
+                    raise _error_from(method, url, exc.code, payload) from None
+                last = f"HTTP {exc.code}"
+            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as exc:
+                last = str(getattr(exc, "reason", exc))
+            if attempt < retries:
+                log.warning("%s %s failed (%s); retry %d/%d in %.1fs", method, url, last, attempt + 1, retries, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        raise SchedulerUnavailable(f"{method} {url} failed after {retries + 1} attempts: {last}")
+
+
+def _error_from(method: str, url: str, status: int, payload: bytes) -> TenplexError:
+    code, detail = None, payload[:500].decode("utf-8", "replace")
+    try:
+        obj = json.loads(payload)
+        if isinstance(obj, dict):
+            code = obj.get("error")
+            raw_detail = obj.get("detail", detail)
+            detail = raw_detail if isinstance(raw_detail, str) else json.dumps(raw_detail)[:500]
+    except ValueError:
+        pass
+    cls = _error_classes().get(code) if isinstance(code, str) else None
+    if cls is None:
+        cls = errors.InvalidInput if 400 <= status < 500 else SchedulerUnavailable
+    return cls(f"{method} {url}: HTTP {status}: {detail}")
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    where = ".".join(str(x) for x in err.get("loc", ())) or "body"
+    return f"{where}: {err.get('msg')}"
+
+
+def _matches(pattern: str, text: str) -> bool:
+    return re.fullmatch(pattern, text) is not None
+
+
+# -- heartbeats and stop requests -------------------------------------------------------------
+
+
+class Heartbeat:
+    """Background heartbeats: the loop calls :meth:`update` after each step, never blocks.
+
+    The thread sends the latest step every ``interval_s`` and records what the
+    scheduler answers: :attr:`stop_at_step` (finish that step, snapshot, exit)
+    and :attr:`abort` (``action="stop"``: exit at once). A scheduler that is
+    briefly unreachable is logged, not fatal: training goes on.
+    """
+
+    def __init__(
+        self, client: ControlClient, generation: int, interval_s: float, stop_at_step: int | None = None
+    ) -> None:
+        self._client = client
+        self._generation = generation
+        self._interval_s = interval_s
+        self._lock = threading.Lock()
+        self._step = 0
+        self._loss: float | None = None
+        self._stop_at: int | None = stop_at_step
+        self._abort = False
+        self._wake = threading.Event()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tenplex-heartbeat", daemon=True)
+
+    def start(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def update(self, step: int, loss: float | None = None) -> None:
+        with self._lock:
+            self._step, self._loss = step, loss
+
+    @property
+    def stop_at_step(self) -> int | None:
+        with self._lock:
+            return self._stop_at
+
+    @property
+    def abort(self) -> bool:
+        with self._lock:
+            return self._abort
+
+    def beat_now(self) -> None:
+        """Send one heartbeat from the caller's thread (used at start and in tests)."""
+        self._beat()
+
+    def close(self) -> None:
+        self._closed.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=self._client.timeout_s + 1)
+
+    def _run(self) -> None:
+        while not self._closed.is_set():
+            self._wake.wait(self._interval_s)
+            if self._closed.is_set():
+                return
+            try:
+                self._beat()
+            except TenplexError as exc:
+                log.warning("heartbeat failed: %s", exc.detail)
+
+    def _beat(self) -> None:
+        with self._lock:
+            step, loss = self._step, self._loss
+        reply = self._client.heartbeat(self._generation, step, loss)
+        with self._lock:
+            if reply.generation != self._generation:
+                log.warning(
+                    "scheduler is at generation %d, this worker at %d: stopping", reply.generation, self._generation
+                )
+                self._abort = True
+            if reply.action == "stop":
+                self._abort = True
+            if reply.stop_at_step is not None and (self._stop_at is None or reply.stop_at_step < self._stop_at):
+                log.info("scheduler asks to stop after step %d", reply.stop_at_step)
+                self._stop_at = reply.stop_at_step
+
+
+_NO_STOP = 2**62
+
+
+def agree_stop(step: int, local_stop_at: int | None, local_abort: bool = False, group: Any = None) -> tuple[bool, bool]:
+    """Collectively decide, after completing ``step``, whether to stop: ``(stop, abort)``.
+
+    One all-reduce (MIN) of two int64s over ``group`` (default: the world)
+    makes the earliest stop request any rank has heard of binding for all, so
+    every rank snapshots the same step. ``stop`` is true when that request is
+    at or before ``step``; ``abort`` when any rank was told to exit at once.
+    Without an initialized process group the local values decide.
+    """
+    import torch
+    import torch.distributed as dist
+
+    stop_at = _NO_STOP if local_stop_at is None else local_stop_at
+    values = torch.tensor([stop_at, 0 if local_abort else 1], dtype=torch.int64)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(values, op=dist.ReduceOp.MIN, group=group)
+    agreed_stop, not_abort = (int(v) for v in values.tolist())
+    return agreed_stop <= step, not_abort == 0
