@@ -191,13 +191,20 @@ class Region:
 def flat_range_boxes(
     shape: Sequence[int], start: int, stop: int, origin: Sequence[int] | None = None
 ) -> list[Region]:
-    """The fewest boxes whose union is the flat row-major index range ``[start, stop)``.
+    """The flat row-major index range ``[start, stop)`` as the fewest contiguous boxes.
 
     ZeRO-1/2 distributed optimizers partition a flattened buffer across data
     parallel ranks without regard for parameter boundaries; each rank's piece
     of one parameter is such a flat range, and this turns it into rectangles
     (a head of partial rows, one block of whole rows, a tail), recursively per
-    dimension. At most ``2 * ndim - 1`` boxes result.
+    dimension, in flat order. At most ``2 * ndim - 1`` boxes result.
+
+    Every box is itself one contiguous run of the flat range, i.e. one byte
+    range of the tensor's C-order buffer, which is what a flat-buffer reader or
+    writer wants; no cutting of the range into such runs has fewer boxes.
+    (Boxes that are not contiguous runs can occasionally cover the range with
+    one box fewer, e.g. ``[1, 5)`` of a 3x2 tensor as ``[0:2, 1:2]`` plus
+    ``[1:3, 0:1]``; they are deliberately not used.)
 
     ``origin`` translates the boxes: a flat range of a local shard of shape
     ``shape`` that starts at ``origin`` in the global tensor comes out in global
