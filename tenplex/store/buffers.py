@@ -1,0 +1,190 @@
+"""Chunk shapes, payload pieces and zero-copy views of caller buffers.
+
+Shared by the local store, the server and the client: all three move a
+region's bytes in C order and, for large regions, in consecutive pieces
+("slabs") whose bytes are contiguous in the payload, so that a bounded buffer
+can carry any region and a piece maps to a contiguous slice of the caller's
+buffer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import crc32c
+import numpy as np
+
+from tenplex.errors import InvalidInput
+from tenplex.ptc.dtypes import itemsize, storage_dtype
+from tenplex.ptc.region import Region
+
+if TYPE_CHECKING:
+    import torch
+
+DEFAULT_CHUNK_BYTES = 4 << 20
+
+
+def chunk_shape(shape: Sequence[int], item: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> tuple[int, ...]:
+    """A chunk of about ``chunk_bytes``, near-square in the last two dimensions.
+
+    Row slices (tensor parallelism of row-parallel layers, pipeline splits of
+    stacked layers) and column slices (column-parallel layers) are both common
+    reads, so neither direction should cut through many thin chunks. Leading
+    dimensions get whatever budget the last two leave.
+    """
+    n = len(shape)
+    if n == 0:
+        return ()
+    if chunk_bytes < item:
+        raise InvalidInput(f"chunk size {chunk_bytes} bytes is smaller than one element ({item} bytes)")
+    budget = chunk_bytes // item
+    dims = [max(int(s), 1) for s in shape]
+    if n == 1:
+        return (min(dims[0], budget),)
+    side = max(1, math.isqrt(budget))
+    c_last = min(dims[-1], side)
+    c_rows = min(dims[-2], max(1, budget // c_last))
+    if c_rows == dims[-2]:  # few rows: let the rows be wider
+        c_last = min(dims[-1], max(1, budget // c_rows))
+    chunks = [1] * n
+    chunks[-1], chunks[-2] = c_last, c_rows
+    used = c_last * c_rows
+    for d in range(n - 3, -1, -1):
+        c = min(dims[d], max(1, budget // used))
+        chunks[d] = c
+        used *= c
+    return tuple(chunks)
+
+
+def slabs(shape: Sequence[int], item: int, max_bytes: int, align: Sequence[int] | None = None) -> Iterator[Region]:
+    """Cut a box (in its own coordinates) into consecutive C-order pieces of at most ``max_bytes``.
+
+    Each piece's bytes are one contiguous run of the box's C-order bytes and
+    the pieces come in payload order. Along the dimension being cut, piece
+    boundaries are rounded to multiples of ``align`` (the zarr chunk shape)
+    when that is possible, so that writes cover whole chunks.
+    A piece is never larger than ``max_bytes`` unless a single element is.
+    """
+    shape = tuple(int(s) for s in shape)
+    n = len(shape)
+    if n == 0 or math.prod(shape) == 0:
+        yield Region.full(shape)
+        return
+    max_bytes = max(max_bytes, item)
+
+    def rec(prefix: list[tuple[int, int]], d: int) -> Iterator[Region]:
+        rest = [(0, s) for s in shape[d + 1 :]]
+        inner = item * math.prod(shape[d + 1 :])
+        extent = shape[d]
+        if inner * extent <= max_bytes:
+            yield Region(tuple([*prefix, (0, extent), *rest]))
+            return
+        if inner <= max_bytes:
+            step = max(1, max_bytes // inner)
+            if align is not None and 0 < align[d] <= step:
+                step -= step % align[d]
+            for s in range(0, extent, step):
+                yield Region(tuple([*prefix, (s, min(s + step, extent)), *rest]))
+            return
+        for i in range(extent):
+            yield from rec([*prefix, (i, i + 1)], d + 1)
+
+    yield from rec([], 0)
+
+
+def payload_offset(shape: Sequence[int], item: int, piece: Region) -> int:
+    """Byte offset of a slab (from :func:`slabs`) in the C-order payload of ``shape``."""
+    offset = 0
+    stride = item
+    for (a, _b), s in zip(reversed(piece.bounds), reversed(tuple(shape)), strict=True):
+        offset += a * stride
+        stride *= s
+    return offset
+
+
+def byte_view(arr: np.ndarray) -> memoryview:
+    """The C-order bytes of a contiguous array as a flat ``B`` memoryview (no copy)."""
+    if not arr.flags.c_contiguous:
+        raise InvalidInput(f"buffer of shape {arr.shape} is not C-contiguous")
+    return memoryview(arr.reshape(-1).view(np.uint8))
+
+
+def crc_of(arr: np.ndarray, crc: int = 0) -> int:
+    """crc32c of a contiguous array's bytes, continuing from ``crc``."""
+    return crc32c.crc32c(byte_view(arr), crc) if arr.size else crc
+
+
+def _is_torch(x: Any) -> bool:
+    return type(x).__module__.startswith("torch") and hasattr(x, "untyped_storage")
+
+
+def numpy_view(x: np.ndarray | torch.Tensor, dtype: str, *, what: str) -> np.ndarray:
+    """A numpy view (storage dtype) of a CPU, C-contiguous numpy array or torch tensor, without copying.
+
+    ``dtype`` is the PTC dtype name; the buffer's element size must match.
+    bfloat16 tensors are viewed as uint16, their stored form.
+    """
+    st = storage_dtype(dtype)
+    if _is_torch(x):
+        import torch
+
+        t: torch.Tensor = x  # type: ignore[assignment]
+        if t.device.type != "cpu":
+            raise InvalidInput(f"{what}: torch tensor on {t.device} must be on the CPU here")
+        if not t.is_contiguous():
+            raise InvalidInput(f"{what}: torch tensor of shape {tuple(t.shape)} is not contiguous")
+        if t.element_size() != itemsize(dtype):
+            raise InvalidInput(f"{what}: torch {t.dtype} has {t.element_size()}-byte elements, {dtype} needs {itemsize(dtype)}")
+        t = t.detach()
+        return t.numpy() if t.dtype == torch.bool else _torch_as_numpy(t, st)
+    if not isinstance(x, np.ndarray):
+        raise InvalidInput(f"{what} must be a numpy array or a torch tensor, got {type(x).__name__}")
+    if not x.flags.c_contiguous:
+        raise InvalidInput(f"{what}: numpy array of shape {x.shape} is not C-contiguous")
+    if x.dtype.itemsize != st.itemsize:
+        raise InvalidInput(f"{what}: numpy {x.dtype} has {x.dtype.itemsize}-byte elements, {dtype} needs {st.itemsize}")
+    return x if x.dtype == st else x.view(st)
+
+
+def _torch_as_numpy(t: torch.Tensor, st: np.dtype) -> np.ndarray:
+    import torch
+
+    unsigned = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}[t.element_size()]
+    return t.view(unsigned).numpy().view(st)
+
+
+@contextmanager
+def host_buffer(out: np.ndarray | torch.Tensor, dtype: str, *, what: str) -> Iterator[np.ndarray]:
+    """A host numpy view to fill for ``out``; for a GPU tensor a temporary host buffer copied in at the end."""
+    if _is_torch(out) and out.device.type != "cpu":  # type: ignore[union-attr]
+        import torch
+
+        staging = torch.empty(tuple(out.shape), dtype=out.dtype, device="cpu", pin_memory=torch.cuda.is_available())
+        yield numpy_view(staging, dtype, what=what)
+        out.copy_(staging, non_blocking=False)  # type: ignore[union-attr]
+        return
+    yield numpy_view(out, dtype, what=what)
+
+
+def host_data(data: np.ndarray | torch.Tensor, dtype: str, *, what: str) -> np.ndarray:
+    """A host numpy view of data to store; GPU tensors are copied to the host, non-contiguous ones made contiguous."""
+    if _is_torch(data):
+        t = data.detach()  # type: ignore[union-attr]
+        if t.device.type != "cpu":
+            t = t.cpu()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        import torch
+
+        if t.dtype != getattr(torch, dtype):
+            raise InvalidInput(f"{what}: torch tensor is {t.dtype}, but dtype {dtype!r} was given")
+        return numpy_view(t, dtype, what=what)
+    if not isinstance(data, np.ndarray):
+        raise InvalidInput(f"{what} must be a numpy array or a torch tensor, got {type(data).__name__}")
+    st = storage_dtype(dtype)
+    if data.dtype != st:
+        raise InvalidInput(f"{what}: numpy array is {data.dtype}, dtype {dtype!r} is stored as {st} (give a {st} array)")
+    return np.ascontiguousarray(data)

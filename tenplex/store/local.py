@@ -1,0 +1,710 @@
+"""Zarr-backed shard storage on a node's local disk.
+
+Layout under the root (every bookkeeping entry starts with a dot, which no
+job name may)::
+
+    <root>/<job>/<version>/zarr.json                 zarr group of one version
+    <root>/<job>/<version>/<tensor>/zarr.json        zarr group per tensor ('/' encoded as %2F)
+    <root>/<job>/<version>/<tensor>/r0-96_0-64/      zarr array per shard, attributes["tenplex"]
+    <root>/<job>/.commits/<version>.json             commit marker = the manifest at commit time
+    <root>/<job>/.staging/                           shards being written, versions being deleted
+    <root>/<job>/.lock                               flock for structural changes
+
+Why this shape:
+
+- A shard is written into ``.staging`` and renamed into place only when all
+  its bytes and its checksum are on disk, so a reader never sees half a shard
+  and a writer killed mid-shard leaves only garbage in ``.staging``.
+- A version is committed by writing its manifest to a temporary file,
+  fsyncing it and renaming it to ``.commits/<version>.json``; the rename is
+  atomic, so a crash at any point leaves the version either committed with
+  all its data (fsynced first) or visibly uncommitted. Committed versions
+  are immutable, which is what makes caching their metadata safe.
+- Structural changes (installing a shard, committing, deleting) take an
+  exclusive ``flock`` on the job's lock file, so several processes (workers
+  writing directly, the node daemon) can share one root.
+- Chunks are ~4 MiB, uncompressed (weights barely compress, codecs halve the
+  read speed), near-square in the last two dimensions; every chunk is
+  written even when it equals the fill value so that -0.0 and NaN payloads
+  round-trip bit-exactly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import shutil
+import threading
+import uuid
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import zarr
+import zarr.storage
+from zarr.core.buffer.cpu import NDBuffer
+
+from tenplex.errors import Conflict, InvalidInput, InvalidRegion, NotFound, StateLost
+from tenplex.ptc.dtypes import check_dtype, itemsize, storage_dtype
+from tenplex.ptc.region import Region, subtract
+from tenplex.store.buffers import (
+    DEFAULT_CHUNK_BYTES,
+    chunk_shape,
+    crc_of,
+    host_buffer,
+    host_data,
+    slabs,
+)
+from tenplex.store.model import Manifest, ShardInfo, VersionInfo, format_checksum
+from tenplex.store.names import (
+    check_job,
+    check_tensor,
+    check_version,
+    region_from_key,
+    region_key,
+    tensor_dirname,
+    tensor_from_dirname,
+)
+from tenplex.store.version import Version
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+ATTR = "tenplex"  # key of our record in each zarr node's attributes
+_COMMITS = ".commits"
+_STAGING = ".staging"
+_LOCK = ".lock"
+_PIECE_BYTES = 32 << 20  # bounded buffers for streamed writes and verification
+_ZARR_CONFIG = {"write_empty_chunks": True}
+
+
+def _fsync_path(path: Path, *, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json_atomic(path: Path, obj: Any, *, durable: bool) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, separators=(",", ":"))
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if durable:
+        _fsync_path(path.parent, directory=True)
+
+
+def _read_attrs(node_dir: Path) -> dict[str, Any]:
+    """Our record from a zarr node's metadata document (zarr v3 spec: ``attributes`` of zarr.json)."""
+    with open(node_dir / "zarr.json", encoding="utf-8") as f:
+        meta = json.load(f)
+    rec = meta.get("attributes", {}).get(ATTR)
+    if not isinstance(rec, dict):
+        raise InvalidInput(f"{node_dir} is not a shard written by the tenplex store (no '{ATTR}' attribute)")
+    return rec
+
+
+@dataclass(frozen=True, slots=True)
+class _StoredShard:
+    info: ShardInfo
+    path: Path
+
+
+class TensorReader:
+    """The shards of one tensor in one version on this node, and reads of any region they cover.
+
+    Opened zarr arrays are kept, so repeated range reads of a committed
+    version (the transformer pulls many pieces) skip the metadata reads.
+    """
+
+    def __init__(self, job: str, version: Version, tensor: str, committed: bool, shards: list[_StoredShard]) -> None:
+        if not shards:
+            raise NotFound(f"tensor {tensor!r} has no shards in version {version} of job {job!r}")
+        self.job = job
+        self.version = version
+        self.tensor = tensor
+        self.committed = committed
+        self._shards = shards
+        first = shards[0].info
+        self.dtype = first.dtype
+        self.global_shape = first.global_shape
+        self._arrays: dict[Path, zarr.Array] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def shards(self) -> list[ShardInfo]:
+        return [s.info for s in self._shards]
+
+    @property
+    def itemsize(self) -> int:
+        return itemsize(self.dtype)
+
+    def parse_region(self, text: str) -> Region:
+        """The HTTP form ``a:b,c:d`` (``:`` = whole dimension) checked against this tensor's shape."""
+        return Region.parse(text, self.global_shape)
+
+    def exact_shard(self, region: Region) -> ShardInfo | None:
+        """The stored shard whose region is exactly ``region``, if any (its checksum is then known)."""
+        for s in self._shards:
+            if s.info.region == region:
+                return s.info
+        return None
+
+    def _array(self, path: Path) -> zarr.Array:
+        with self._lock:
+            arr = self._arrays.get(path)
+            if arr is None:
+                try:
+                    arr = zarr.open_array(store=zarr.storage.LocalStore(path, read_only=True), mode="r")
+                except FileNotFoundError:
+                    raise NotFound(
+                        f"a shard of tensor {self.tensor!r} in version {self.version} of job {self.job!r} "
+                        "disappeared (the version was deleted or the shard replaced)"
+                    ) from None
+                self._arrays[path] = arr
+            return arr
+
+    def plan(self, region: Region) -> list[tuple[_StoredShard, Region]]:
+        """Which stored shard serves which part of ``region``; raises when the shards do not cover it."""
+        region.check_within(self.global_shape)
+        if region.empty:
+            return []
+        parts: list[tuple[_StoredShard, Region]] = []
+        missing = [region]
+        for s in self._shards:
+            common = s.info.region.intersect(region)
+            if common is None:
+                continue
+            if not any(m.overlaps(common) for m in missing):
+                continue  # an overlapping shard already served this part
+            parts.append((s, common))
+            missing = [piece for m in missing for piece in subtract(m, common)]
+        if missing:
+            raise StateLost(
+                f"tensor {self.tensor!r} (shape {list(self.global_shape)}) in version {self.version} of job "
+                f"{self.job!r}: region {region.format()!r} is not covered by the shards on this node; missing "
+                + ", ".join(m.format() for m in missing[:8])
+                + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            )
+        return parts
+
+    def read(self, region: Region, out: np.ndarray) -> None:
+        """Fill ``out`` (storage dtype, shape ``region.shape``) from the shards; reads only the chunks the region touches."""
+        if out.shape != region.shape:
+            raise InvalidRegion(f"output buffer has shape {list(out.shape)}, region {region.format()!r} has {list(region.shape)}")
+        for shard, common in self.plan(region):
+            src = common.relative_to(shard.info.region).slices()
+            dst = out[common.relative_to(region).slices()]
+            self._array(shard.path).get_basic_selection(src, out=NDBuffer.from_numpy_array(dst))
+
+    def checksum(self, region: Region, piece_bytes: int = _PIECE_BYTES) -> int:
+        """crc32c of the region's C-order bytes, computed through one bounded buffer."""
+        crc = 0
+        st = storage_dtype(self.dtype)
+        for piece in slabs(region.shape, self.itemsize, piece_bytes):
+            buf = np.empty(piece.shape, st)
+            self.read(piece.shift(region.start), buf)
+            crc = crc_of(buf, crc)
+        return crc
+
+
+@dataclass
+class ShardWriter:
+    """A shard being written, piece by piece, in payload order; invisible until :meth:`finish`.
+
+    The server feeds it from the request body stream (so a 2 GiB upload needs
+    only two pieces of memory); :meth:`LocalStore.write_shard` feeds it one
+    array. Pieces must come in the order of :attr:`pieces`.
+    """
+
+    store: LocalStore
+    job: str
+    version: Version
+    tensor: str
+    region: Region
+    dtype: str
+    global_shape: tuple[int, ...]
+    staging: Path
+    array: zarr.Array
+    pieces: list[Region]
+    _next: int = 0
+    _crc: int = 0
+    _done: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def nbytes(self) -> int:
+        return self.region.volume * itemsize(self.dtype)
+
+    def write_piece(self, index: int, data: np.ndarray) -> None:
+        """Store piece ``index`` (a contiguous array of the piece's shape in the storage dtype)."""
+        with self._lock:
+            if self._done:
+                raise Conflict(f"shard {self.tensor!r} {self.region.format()!r} is already finished or aborted")
+            if index != self._next:
+                raise InvalidInput(f"shard pieces must be written in order: expected piece {self._next}, got {index}")
+            piece = self.pieces[index]
+            if data.shape != piece.shape:
+                raise InvalidInput(f"piece {index} has shape {list(data.shape)}, expected {list(piece.shape)}")
+            if piece.volume:
+                self.array.set_basic_selection(piece.slices(), data)
+            self._crc = crc_of(data, self._crc)
+            self._next += 1
+
+    def finish(self) -> ShardInfo:
+        """Record the checksum and move the shard into its version (replacing an earlier copy)."""
+        with self._lock:
+            if self._done:
+                raise Conflict(f"shard {self.tensor!r} {self.region.format()!r} is already finished or aborted")
+            if self._next != len(self.pieces):
+                raise InvalidInput(
+                    f"shard {self.tensor!r} {self.region.format()!r}: only {self._next} of {len(self.pieces)} pieces were written"
+                )
+            self._done = True
+        info = ShardInfo(self.tensor, self.region, self.dtype, self.global_shape, format_checksum(self._crc), self.nbytes)
+        try:
+            self.array.update_attributes({ATTR: info.to_json()})
+            self.store._install(self, info)
+        except BaseException:
+            shutil.rmtree(self.staging, ignore_errors=True)
+            raise
+        return info
+
+    def abort(self) -> None:
+        """Throw the partial shard away (nothing of it was ever visible)."""
+        with self._lock:
+            self._done = True
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+
+class LocalStore:
+    """Zarr-backed shard storage under one root directory; one zarr group per (job, version).
+
+    Thread-safe and safe to share between processes on one root. ``durable``
+    fsyncs a version's files before its commit marker (turn it off only for
+    scratch stores). ``cache_size`` bounds the metadata cache of committed
+    (immutable) versions.
+    """
+
+    def __init__(
+        self,
+        root: str | Path,
+        *,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        durable: bool = True,
+        cache_size: int = 1024,
+    ) -> None:
+        if chunk_bytes < 1024:
+            raise InvalidInput(f"chunk_bytes must be at least 1024, got {chunk_bytes}")
+        self.root = Path(root).resolve()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.chunk_bytes = chunk_bytes
+        self.durable = durable
+        self._cache: OrderedDict[tuple[str, Version, str], TensorReader] = OrderedDict()
+        self._cache_size = cache_size
+        self._cache_lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"LocalStore({str(self.root)!r})"
+
+    # -- paths and locks ----------------------------------------------------
+
+    def _job_dir(self, job: str) -> Path:
+        return self.root / check_job(job)
+
+    def _version_dir(self, job: str, version: Version) -> Path:
+        return self._job_dir(job) / str(version)
+
+    def _marker(self, job: str, version: Version) -> Path:
+        return self._job_dir(job) / _COMMITS / f"{version}.json"
+
+    @contextlib.contextmanager
+    def _locked(self, job: str, *, create: bool = False) -> Iterator[None]:
+        job_dir = self._job_dir(job)
+        if create:
+            job_dir.mkdir(parents=True, exist_ok=True)
+        elif not job_dir.is_dir():
+            raise NotFound(f"job {job!r} is not in this store")
+        fd = os.open(job_dir / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing releases the flock
+
+    def _is_committed(self, job: str, version: Version) -> bool:
+        return self._marker(job, version).is_file()
+
+    # -- writing ------------------------------------------------------------
+
+    def open_writer(
+        self,
+        job: str,
+        version: Version | str,
+        tensor: str,
+        region: Region,
+        *,
+        dtype: str,
+        global_shape: Sequence[int],
+        piece_bytes: int = _PIECE_BYTES,
+    ) -> ShardWriter:
+        """Start writing a shard; check everything that can be checked before any byte arrives."""
+        check_job(job)
+        v = check_version(version)
+        check_tensor(tensor)
+        check_dtype(dtype)
+        try:
+            gshape = tuple(int(n) for n in global_shape)
+        except (TypeError, ValueError):
+            raise InvalidInput(f"global shape {global_shape!r} is not a list of integers") from None
+        if any(n < 0 for n in gshape):
+            raise InvalidInput(f"global shape {list(gshape)} has a negative dimension")
+        if not isinstance(region, Region):
+            raise InvalidInput(f"region must be a Region, got {type(region).__name__}")
+        region.check_within(gshape)
+        if self._is_committed(job, v):
+            raise Conflict(f"version {v} of job {job!r} is committed; committed versions are immutable")
+        self._check_tensor_consistent(job, v, tensor, dtype, gshape)
+
+        staging_root = self._job_dir(job) / _STAGING
+        staging_root.mkdir(parents=True, exist_ok=True)
+        staging = staging_root / f"shard-{uuid.uuid4().hex}"
+        st = storage_dtype(dtype)
+        chunks = chunk_shape(region.shape, st.itemsize, self.chunk_bytes)
+        array = zarr.create_array(
+            zarr.storage.LocalStore(staging),
+            shape=region.shape,
+            dtype=st,
+            chunks=chunks,
+            compressors=None,
+            filters=None,
+            fill_value=0,
+            config=_ZARR_CONFIG,
+            attributes={},
+        )
+        pieces = list(slabs(region.shape, st.itemsize, piece_bytes, align=chunks))
+        return ShardWriter(self, job, v, tensor, region, dtype, gshape, staging, array, pieces)
+
+    def write_shard(
+        self,
+        job: str,
+        version: Version | str,
+        tensor: str,
+        region: Region,
+        data: np.ndarray | torch.Tensor,
+        *,
+        dtype: str,
+        global_shape: Sequence[int],
+    ) -> ShardInfo:
+        """Store ``data`` (shape ``region.shape``; numpy in the storage dtype or a torch tensor of ``dtype``).
+
+        Rewriting the same region of an uncommitted version replaces it;
+        writing into a committed version raises :class:`Conflict`.
+        """
+        check_dtype(dtype)
+        arr = host_data(data, dtype, what=f"data for tensor {tensor!r}")
+        if not isinstance(region, Region):
+            raise InvalidInput(f"region must be a Region, got {type(region).__name__}")
+        if arr.shape != region.shape:
+            raise InvalidInput(f"data has shape {list(arr.shape)}, region {region.format()!r} has shape {list(region.shape)}")
+        writer = self.open_writer(job, version, tensor, region, dtype=dtype, global_shape=global_shape)
+        try:
+            for i, piece in enumerate(writer.pieces):
+                writer.write_piece(i, arr[piece.slices()])
+            return writer.finish()
+        except BaseException:
+            writer.abort()
+            raise
+
+    def _check_tensor_consistent(self, job: str, version: Version, tensor: str, dtype: str, gshape: tuple[int, ...]) -> None:
+        tdir = self._version_dir(job, version) / tensor_dirname(tensor)
+        for shard in self._scan_tensor(tdir, tensor, limit=1):
+            if shard.info.dtype != dtype or shard.info.global_shape != gshape:
+                raise Conflict(
+                    f"tensor {tensor!r} in version {version} of job {job!r} is already stored as {shard.info.dtype} "
+                    f"{list(shard.info.global_shape)}; got {dtype} {list(gshape)}"
+                )
+
+    def _install(self, writer: ShardWriter, info: ShardInfo) -> None:
+        if self.durable:
+            _fsync_tree(writer.staging)
+        vdir = self._version_dir(writer.job, writer.version)
+        tdir = vdir / tensor_dirname(writer.tensor)
+        target = tdir / region_key(writer.region)
+        with self._locked(writer.job, create=True):
+            if self._is_committed(writer.job, writer.version):
+                raise Conflict(
+                    f"version {writer.version} of job {writer.job!r} was committed while shard "
+                    f"{writer.tensor!r} {writer.region.format()!r} was being written"
+                )
+            self._check_tensor_consistent(writer.job, writer.version, writer.tensor, writer.dtype, writer.global_shape)
+            if not (vdir / "zarr.json").is_file():
+                zarr.create_group(
+                    zarr.storage.LocalStore(vdir), attributes={ATTR: {"job": writer.job, "version": str(writer.version)}}
+                )
+            if not (tdir / "zarr.json").is_file():
+                zarr.create_group(zarr.storage.LocalStore(tdir), attributes={ATTR: {"tensor": writer.tensor}})
+            old = None
+            if target.exists():
+                old = writer.staging.with_name(f"replaced-{uuid.uuid4().hex}")
+                os.rename(target, old)
+            os.rename(writer.staging, target)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        log.debug("stored %s %s %s of job %s (%d bytes)", writer.version, info.tensor, info.region, writer.job, info.nbytes)
+
+    # -- reading ------------------------------------------------------------
+
+    def _scan_tensor(self, tdir: Path, tensor: str, limit: int | None = None) -> list[_StoredShard]:
+        out: list[_StoredShard] = []
+        try:
+            entries = sorted(os.listdir(tdir))
+        except FileNotFoundError:
+            return out
+        for name in entries:
+            region = region_from_key(name)
+            if region is None:
+                continue
+            try:
+                info = ShardInfo.from_json(_read_attrs(tdir / name))
+            except FileNotFoundError:
+                continue  # replaced or deleted while we looked
+            if info.tensor != tensor or info.region != region:
+                raise InvalidInput(f"shard {tdir / name} records tensor {info.tensor!r} region {info.region}; the store is corrupt")
+            out.append(_StoredShard(info, tdir / name))
+            if limit is not None and len(out) >= limit:
+                break
+        return out
+
+    def open_tensor(self, job: str, version: Version | str, tensor: str, *, committed_only: bool = True) -> TensorReader:
+        """A reader for one tensor; :class:`NotFound` for an unknown job, version or tensor."""
+        check_job(job)
+        v = check_version(version)
+        check_tensor(tensor)
+        key = (job, v, tensor)
+        with self._cache_lock:
+            cached = self._cache.get(key)
+            if cached is not None:
+                self._cache.move_to_end(key)
+                return cached
+        vdir = self._version_dir(job, v)
+        if not vdir.is_dir():
+            if not self._job_dir(job).is_dir():
+                raise NotFound(f"job {job!r} is not in this store")
+            raise NotFound(f"version {v} of job {job!r} is not in this store")
+        committed = self._is_committed(job, v)
+        if committed_only and not committed:
+            raise NotFound(f"version {v} of job {job!r} is not committed (it is being written or was torn)")
+        shards = self._scan_tensor(vdir / tensor_dirname(tensor), tensor)
+        if not shards:
+            raise NotFound(f"tensor {tensor!r} is not in version {v} of job {job!r}")
+        reader = TensorReader(job, v, tensor, committed, shards)
+        if committed:
+            with self._cache_lock:
+                self._cache[key] = reader
+                while len(self._cache) > self._cache_size:
+                    self._cache.popitem(last=False)
+        return reader
+
+    def read_region(
+        self,
+        job: str,
+        version: Version | str,
+        tensor: str,
+        region: Region,
+        out: np.ndarray | torch.Tensor,
+        *,
+        committed_only: bool = True,
+    ) -> None:
+        """Fill ``out`` (C-contiguous, shape ``region.shape``) with the region, assembled from the local shards.
+
+        Raises :class:`StateLost` when the shards here do not cover it.
+        """
+        reader = self.open_tensor(job, version, tensor, committed_only=committed_only)
+        if not isinstance(region, Region):
+            raise InvalidInput(f"region must be a Region, got {type(region).__name__}")
+        with host_buffer(out, reader.dtype, what=f"output buffer for {tensor!r}") as view:
+            reader.read(region, view)
+
+    # -- versions -----------------------------------------------------------
+
+    def _scan_manifest(self, job: str, version: Version, committed: bool) -> Manifest:
+        vdir = self._version_dir(job, version)
+        shards: list[ShardInfo] = []
+        try:
+            entries = sorted(os.listdir(vdir))
+        except FileNotFoundError:
+            raise NotFound(f"version {version} of job {job!r} is not in this store") from None
+        for name in entries:
+            if name == "zarr.json" or not (vdir / name).is_dir():
+                continue
+            tensor = tensor_from_dirname(name)
+            shards.extend(s.info for s in self._scan_tensor(vdir / name, tensor))
+        return Manifest(job, version, committed, shards)
+
+    def manifest(self, job: str, version: Version | str) -> Manifest:
+        v = check_version(version)
+        check_job(job)
+        marker = self._marker(job, v)
+        try:
+            with open(marker, encoding="utf-8") as f:
+                return Manifest.from_json(json.load(f))
+        except FileNotFoundError:
+            pass
+        if not self._job_dir(job).is_dir():
+            raise NotFound(f"job {job!r} is not in this store")
+        return self._scan_manifest(job, v, committed=False)
+
+    def jobs(self) -> list[str]:
+        out = []
+        for entry in sorted(os.listdir(self.root)):
+            if entry.startswith(".") or not (self.root / entry).is_dir():
+                continue
+            try:
+                out.append(check_job(entry))
+            except InvalidInput:
+                log.warning("ignoring %s: not a job directory of this store", self.root / entry)
+        return out
+
+    def _version_names(self, job: str) -> list[Version]:
+        jdir = self._job_dir(job)
+        if not jdir.is_dir():
+            raise NotFound(f"job {job!r} is not in this store")
+        found = set()
+        for entry in os.listdir(jdir):
+            if entry.startswith(".") or not (jdir / entry).is_dir():
+                continue
+            try:
+                found.add(Version.parse(entry))
+            except InvalidInput:
+                log.warning("ignoring %s: not a version directory", jdir / entry)
+        return sorted(found)
+
+    def versions(self, job: str) -> list[VersionInfo]:
+        """All versions of a job here, committed or not, ordered by (step, generation)."""
+        out = []
+        for v in self._version_names(job):
+            try:
+                m = self.manifest(job, v)
+            except NotFound:
+                continue  # deleted while we looked
+            out.append(VersionInfo(v, m.committed, m.nbytes))
+        return out
+
+    def latest_committed(self, job: str) -> Version | None:
+        committed = [vi.version for vi in self.versions(job) if vi.committed]
+        return committed[-1] if committed else None
+
+    def commit(self, job: str, version: Version | str) -> Manifest:
+        """Make a version visible as committed, atomically; a no-op on a committed version."""
+        v = check_version(version)
+        with self._locked(job):
+            marker = self._marker(job, v)
+            if marker.is_file():
+                return self.manifest(job, v)
+            vdir = self._version_dir(job, v)
+            if not vdir.is_dir():
+                raise NotFound(f"version {v} of job {job!r} is not in this store; nothing to commit")
+            manifest = self._scan_manifest(job, v, committed=True)
+            if self.durable:
+                _fsync_tree(vdir)
+            marker.parent.mkdir(exist_ok=True)
+            _write_json_atomic(marker, manifest.to_json(), durable=self.durable)
+        log.info("committed version %s of job %s: %d shards, %d bytes", v, job, len(manifest.shards), manifest.nbytes)
+        return manifest
+
+    def delete(self, job: str, version: Version | str) -> None:
+        """Remove a version (committed or not): the marker first, then the data, so it never looks committed and partial."""
+        v = check_version(version)
+        trash = None
+        with self._locked(job):
+            marker = self._marker(job, v)
+            vdir = self._version_dir(job, v)
+            if not marker.exists() and not vdir.exists():
+                raise NotFound(f"version {v} of job {job!r} is not in this store")
+            if vdir.exists():
+                trash = self._job_dir(job) / _STAGING / f"deleted-{v}-{uuid.uuid4().hex}"
+                trash.parent.mkdir(exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                marker.unlink()
+            if trash is not None:
+                os.rename(vdir, trash)
+        with self._cache_lock:
+            for key in [k for k in self._cache if k[0] == job and k[1] == v]:
+                del self._cache[key]
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
+        log.info("deleted version %s of job %s", v, job)
+
+    def gc(self, job: str, keep_last: int) -> list[Version]:
+        """Delete all but the newest ``keep_last`` committed versions, and uncommitted ones older than the newest committed.
+
+        Uncommitted versions newer than every committed one may still be being
+        written and are kept. Also clears leftovers of killed writers.
+        """
+        if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+            raise InvalidInput(f"keep_last must be an integer >= 1 (the newest committed version is never collected), got {keep_last!r}")
+        infos = self.versions(job)
+        committed = [vi.version for vi in infos if vi.committed]
+        keep = set(committed[-keep_last:])
+        newest = committed[-1] if committed else None
+        doomed = [
+            vi.version
+            for vi in infos
+            if vi.version not in keep and (vi.committed or (newest is not None and vi.version < newest))
+        ]
+        for v in doomed:
+            with contextlib.suppress(NotFound):
+                self.delete(job, v)
+        self._clean_staging(job)
+        if doomed:
+            log.info("gc of job %s deleted %s", job, ", ".join(map(str, doomed)))
+        return doomed
+
+    def _clean_staging(self, job: str) -> None:
+        """Remove deleted versions and replaced shards left by crashes (never in-flight writes of live processes)."""
+        staging = self._job_dir(job) / _STAGING
+        if not staging.is_dir():
+            return
+        for entry in os.listdir(staging):
+            if entry.startswith(("deleted-", "replaced-")):
+                shutil.rmtree(staging / entry, ignore_errors=True)
+
+    def verify(self, job: str, version: Version | str) -> list[str]:
+        """Re-read every shard and compare its crc32c with the recorded one; the problems found (empty = intact)."""
+        v = check_version(version)
+        manifest = self.manifest(job, v)
+        problems = []
+        for info in manifest.shards:
+            try:
+                reader = self.open_tensor(job, v, info.tensor, committed_only=False)
+                crc = reader.checksum(info.region)
+            except Exception as exc:  # report every broken shard, not just the first
+                problems.append(f"{info.tensor} {info.region.format()}: unreadable: {exc}")
+                continue
+            if format_checksum(crc) != info.checksum:
+                problems.append(f"{info.tensor} {info.region.format()}: checksum {format_checksum(crc)} != recorded {info.checksum}")
+        return problems
+
+    def nbytes(self, job: str, version: Version | str) -> int:
+        return self.manifest(job, version).nbytes
+
+
+def _fsync_tree(path: Path) -> None:
+    for dirpath, _dirs, files in os.walk(path):
+        for name in files:
+            _fsync_path(Path(dirpath) / name)
+        _fsync_path(Path(dirpath), directory=True)
+

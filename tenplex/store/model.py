@@ -1,0 +1,129 @@
+"""What the store records about shards and versions, and their JSON forms.
+
+These are the values exchanged between the local store, the HTTP server and
+the client (the manifest is what the transformer's planner reads to know what
+a node holds), so they are frozen dataclasses with an explicit JSON mapping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tenplex.errors import InvalidInput
+from tenplex.ptc.dtypes import check_dtype, itemsize
+from tenplex.ptc.region import Region
+from tenplex.store.version import Version
+
+CHECKSUM_PREFIX = "crc32c:"
+
+
+def format_checksum(crc: int) -> str:
+    return f"{CHECKSUM_PREFIX}{crc & 0xFFFFFFFF:08x}"
+
+
+def parse_checksum(text: str) -> int:
+    if not text.startswith(CHECKSUM_PREFIX) or len(text) != len(CHECKSUM_PREFIX) + 8:
+        raise InvalidInput(f"checksum {text!r} is not of the form crc32c:xxxxxxxx")
+    try:
+        return int(text[len(CHECKSUM_PREFIX) :], 16)
+    except ValueError:
+        raise InvalidInput(f"checksum {text!r} is not of the form crc32c:xxxxxxxx") from None
+
+
+@dataclass(frozen=True, slots=True)
+class ShardInfo:
+    """One stored shard: a region of a tensor, its element type and the crc32c of its C-order bytes."""
+
+    tensor: str
+    region: Region
+    dtype: str
+    global_shape: tuple[int, ...]
+    checksum: str
+    nbytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "tensor": self.tensor,
+            "region": self.region.to_json(),
+            "dtype": self.dtype,
+            "global_shape": list(self.global_shape),
+            "checksum": self.checksum,
+            "nbytes": self.nbytes,
+        }
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> ShardInfo:
+        try:
+            info = cls(
+                tensor=str(obj["tensor"]),
+                region=Region.of(obj["region"]),
+                dtype=check_dtype(str(obj["dtype"])),
+                global_shape=tuple(int(n) for n in obj["global_shape"]),
+                checksum=str(obj["checksum"]),
+                nbytes=int(obj["nbytes"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidInput(f"shard record {obj!r} is malformed: {exc}") from None
+        if info.nbytes != info.region.volume * itemsize(info.dtype):
+            raise InvalidInput(f"shard record {obj!r}: nbytes does not equal the region volume times the itemsize")
+        return info
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """Everything one node's store holds of one version of one job."""
+
+    job: str
+    version: Version
+    committed: bool
+    shards: list[ShardInfo] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.shards)
+
+    @property
+    def tensors(self) -> list[str]:
+        return sorted({s.tensor for s in self.shards})
+
+    def shards_of(self, tensor: str) -> list[ShardInfo]:
+        return [s for s in self.shards if s.tensor == tensor]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "job": self.job,
+            "version": str(self.version),
+            "committed": self.committed,
+            "nbytes": self.nbytes,
+            "shards": [s.to_json() for s in self.shards],
+        }
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> Manifest:
+        try:
+            return cls(
+                job=str(obj["job"]),
+                version=Version.parse(str(obj["version"])),
+                committed=bool(obj["committed"]),
+                shards=[ShardInfo.from_json(s) for s in obj["shards"]],
+            )
+        except (KeyError, TypeError) as exc:
+            raise InvalidInput(f"manifest is malformed: missing or bad field {exc}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class VersionInfo:
+    version: Version
+    committed: bool
+    nbytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": str(self.version), "committed": self.committed, "nbytes": self.nbytes}
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> VersionInfo:
+        try:
+            return cls(Version.parse(str(obj["version"])), bool(obj["committed"]), int(obj["nbytes"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidInput(f"version record {obj!r} is malformed: {exc}") from None
