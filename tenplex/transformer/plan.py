@@ -34,11 +34,13 @@ need it, and transfers are named tuples.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 from bisect import bisect_left, bisect_right
 from collections import defaultdict
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from io import StringIO
 from operator import itemgetter
@@ -566,6 +568,37 @@ def make_plan(
     ``checkpoint`` (a store URL holding ``old_version``) is given, in which
     case they are read from there.
     """
+    with _gc_paused():
+        return _make_plan(old, new, job, old_version, new_version, holders, alive, checkpoint)
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector while a plan is built.
+
+    A large plan allocates about a million small acyclic objects; the collector
+    would rescan the growing heap many times over (a third of the planning
+    time at 1024 GPUs) and can free nothing. It is re-enabled afterwards.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _make_plan(
+    old: PTC,
+    new: PTC,
+    job: str,
+    old_version: Version | str,
+    new_version: Version | str,
+    holders: Mapping[str, Version | str] | None,
+    alive: Collection[str] | None,
+    checkpoint: str | None,
+) -> Plan:
     ov = _as_version(old_version, "old_version")
     nv = _as_version(new_version, "new_version")
     if ov == nv:
@@ -580,7 +613,7 @@ def make_plan(
             raise InvalidInput(f"the new layout places devices on hosts that are not alive: {dead_targets}")
     dataset = carry_dataset(old, new)
 
-    # Old shards: id -> (tensor, bounds, alive valid holders in old host order).
+    # Old shards: id -> alive valid holders (old host order), and a per-tensor region index.
     host_rank = {h: i for i, h in enumerate(old.hosts)}
     old_host_of = {d.id: d.host for d in old.devices}
     old_cache: dict[tuple[int, ...], tuple[str, ...]] = {}
@@ -598,109 +631,94 @@ def make_plan(
             shard_holders.append(valid)
         old_index[t.name] = _OldTensor(t.shape, entries)
 
-    # Pieces of each distinct destination region, computed once for all hosts that need it.
-    piece_cache: dict[tuple[str, Bounds], tuple[list[tuple[Bounds, int]], list[Bounds]]] = {}
-    dest_cache: dict[tuple[str, Region], DestShard] = {}
+    # "cands minus one host", shared: the alternatives of a transfer.
+    alt_cache: dict[tuple[tuple[str, ...], str], tuple[str, ...]] = {}
 
-    def pieces_of(t: Tensor, region: Region) -> tuple[list[tuple[Bounds, int]], list[Bounds]]:
-        key = (t.name, region.bounds)
-        hit = piece_cache.get(key)
-        if hit is not None:
-            return hit
-        idx = old_index[t.name]
-        bounds = region.bounds
-        clipped = tuple((a, min(b, n)) for (a, b), n in zip(bounds, idx.shape, strict=True))
-        zeros: list[Bounds] = []
-        if clipped != bounds:
-            if any(a >= b for a, b in clipped):
-                clipped_region = None
-                zeros = [bounds]
-            else:
-                clipped_region = _region(clipped)
-                zeros = [r.bounds for r in subtract(region, clipped_region)]
-            found = idx.query(clipped) if clipped_region is not None else []
-        else:
-            found = idx.query(bounds)
-        covered = sum(_volume(p) for p, _ in found) + sum(_volume(z) for z in zeros)
-        if covered != region.volume:
-            raise AssertionError(
-                f"planner bug: pieces of {t.name} {region} cover {covered} of {region.volume} elements"
-            )
-        hit = piece_cache[key] = (found, zeros)
-        return hit
+    def others(cands: tuple[str, ...], host: str) -> tuple[str, ...]:
+        key = (cands, host)
+        alts = alt_cache.get(key)
+        if alts is None:
+            alts = alt_cache[key] = tuple(c for c in cands if c != host)
+        return alts
 
-    # Per target host: destination shards and raw pieces; remote ones wait for balancing.
-    host_shards: dict[str, list[DestShard]] = {}
-    raw: dict[str, list[list[Any]]] = {}  # host -> [source, tensor, bounds, shard idx, nbytes, candidates]
-    pending: list[tuple[int, list[Any]]] = []
+    # Walk the distinct new shards once: their pieces are the same for every host that needs
+    # them; each such host gets the shard once and a row per piece (rows are
+    # [source, tensor, region, shard index, nbytes, alternatives]; remote rows wait for balancing).
+    new_host_of = {d.id: d.host for d in new.devices}
+    new_cache: dict[tuple[int, ...], tuple[str, ...]] = {}
+    host_shards: dict[str, list[DestShard]] = {h: [] for h in new.hosts}
+    raw: dict[str, list[Any]] = {h: [] for h in new.hosts}
+    multi: dict[str, set[int]] = {h: set() for h in new.hosts}  # shards with several pieces (merge candidates)
+    expected: dict[str, int] = dict.fromkeys(new.hosts, 0)  # bytes of each host's shards, for the coverage check
+    pending: list[tuple[int, list[Any], int, str, Region, int, tuple[str, ...]]] = []
     lost: dict[str, list[Bounds]] = defaultdict(list)
-    load: dict[str, int] = dict.fromkeys(sources, 0)
-    requests: dict[str, int] = dict.fromkeys(sources, 0)
-    by_host = _distinct_shards_by_host(new)
-    for host, entries in by_host.items():
-        dests: list[DestShard] = []
-        rows: list[list[Any]] = []
-        host_is_source = host in sources
-        for idx, (t, region) in enumerate(entries):
-            dkey = (t.name, region)
-            dest = dest_cache.get(dkey)
-            if dest is None:
-                dest = dest_cache[dkey] = DestShard(t.name, region, t.dtype, t.shape)
-            dests.append(dest)
-            size = t.itemsize
-            found, zeros = pieces_of(t, region)
-            for z in zeros:
-                rows.append([None, t.name, z, idx, _volume(z) * size, ()])
-            for piece, sid in found:
-                cands = shard_holders[sid]
-                nbytes = _volume(piece) * size
-                if host_is_source and host in cands:
-                    rows.append([host, t.name, piece, idx, nbytes, tuple(c for c in cands if c != host)])
-                elif cands:
-                    row = [None, t.name, piece, idx, nbytes, cands]
-                    rows.append(row)
-                    pending.append((nbytes, row))
-                elif checkpoint is not None:
-                    rows.append([CHECKPOINT, t.name, piece, idx, nbytes, ()])
-                else:
-                    lost[t.name].append(piece)
-        host_shards[host] = dests
-        raw[host] = rows
+    for t in new.tensors:
+        name = t.name
+        index = old_index[name]
+        size = t.itemsize
+        same_shape = index.shape == t.shape
+        for s in t.shards:
+            region = s.region
+            bounds = region.bounds
+            dest = DestShard(name, region, t.dtype, t.shape)
+            found, zeros = _pieces(index, region, same_shape)
+            zero_recs = [(_region(z), _volume(z) * size) for z in zeros]
+            recs = [
+                (region if p == bounds else _region(p), _volume(p) * size, shard_holders[sid]) for p, sid in found
+            ]
+            several = len(zero_recs) + len(recs) > 1
+            dest_bytes = _volume(bounds) * size
+            for host in _hosts_of(s.devices, new_host_of, new_cache):
+                dests = host_shards[host]
+                k = len(dests)
+                dests.append(dest)
+                expected[host] += dest_bytes
+                rows = raw[host]
+                for zr, nbytes in zero_recs:
+                    rows.append(Transfer(None, name, zr, k, nbytes, ()))
+                for pr, nbytes, cands in recs:
+                    if host in cands:  # cands are sources only: a local copy
+                        rows.append(Transfer(host, name, pr, k, nbytes, others(cands, host)))
+                    elif cands:  # remote: the source is chosen below, the slot filled then
+                        pending.append((nbytes, rows, len(rows), name, pr, k, cands))
+                        rows.append(None)
+                    elif checkpoint is not None:
+                        rows.append(Transfer(CHECKPOINT, name, pr, k, nbytes, ()))
+                    else:
+                        lost[name].append(pr.bounds)
+                if several:
+                    multi[host].add(k)
     if lost:
         raise StateLost(_lost_message(lost, old, sources))
 
-    # Greedy balancing: largest pieces first, each to the candidate that has sent the least.
+    # Greedy balancing: largest pieces first, each to the candidate that has sent the fewest bytes
+    # (then the fewest requests). score = bytes << 32 | requests orders both in one integer.
+    score: dict[str, int] = dict.fromkeys(sources, 0)
     pending.sort(key=itemgetter(0), reverse=True)
-    for nbytes, row in pending:
-        cands = row[5]
-        if len(cands) == 1:
-            best = cands[0]
-        else:
-            best = min(cands, key=lambda h: (load[h], requests[h]))
-        load[best] += nbytes
-        requests[best] += 1
-        row[0] = best
-        row[5] = tuple(c for c in cands if c != best)
+    get_score = score.__getitem__
+    for nbytes, rows, pos, name, pr, k, cands in pending:
+        best = cands[0] if len(cands) == 1 else min(cands, key=get_score)
+        score[best] += (nbytes << 32) + 1
+        rows[pos] = Transfer(best, name, pr, k, nbytes, others(cands, best))
 
     hosts_out: dict[str, HostPlan] = {}
     network = local = zero = 0
     for host, rows in raw.items():
-        transfers = _merge(rows)
+        transfers = _merge(rows, multi[host]) if multi[host] else rows
         hp = HostPlan(host, tuple(host_shards[host]), tuple(transfers))
-        got = needed = 0
+        got = 0
         for tr in transfers:
-            got += tr.nbytes
+            nbytes = tr.nbytes
+            got += nbytes
             src = tr.source
             if src is None:
-                zero += tr.nbytes
+                zero += nbytes
             elif src == host:
-                local += tr.nbytes
+                local += nbytes
             else:
-                network += tr.nbytes
-        for d in hp.shards:
-            needed += d.nbytes
-        if got != needed:
-            raise AssertionError(f"planner bug: host {host} gets {got} bytes for shards of {needed} bytes")
+                network += nbytes
+        if got != expected[host]:
+            raise AssertionError(f"planner bug: host {host} gets {got} bytes for shards of {expected[host]} bytes")
         hosts_out[host] = hp
 
     bound = lower_bound_bytes(old, new, old_version=ov, holders=holders, alive=alive)
@@ -722,37 +740,62 @@ def make_plan(
     )
 
 
-def _merge(rows: list[list[Any]]) -> list[Transfer]:
-    """Transfers of one host, with pieces from one source for one shard merged where their union is a box."""
-    groups: dict[tuple[Any, int], list[list[Any]]] = {}
-    order: list[tuple[Any, int]] = []
-    for row in rows:
-        key = (row[0], row[3])
+def _pieces(
+    index: _OldTensor, region: Region, same_shape: bool
+) -> tuple[list[tuple[Bounds, int]], list[Bounds]]:
+    """(piece, old shard id) covering ``region`` inside the old shape, and the boxes outside it (zero-filled)."""
+    bounds = region.bounds
+    clipped = bounds if same_shape else tuple((a, b if b < n else n) for (a, b), n in zip(bounds, index.shape, strict=True))
+    zeros: list[Bounds] = []
+    if clipped == bounds:
+        found = index.query(bounds)
+        if len(found) == 1 and found[0][0] == bounds:
+            return found, zeros
+    elif any(a >= b for a, b in clipped):
+        found, zeros = [], [bounds]
+    else:
+        found = index.query(clipped)
+        zeros = [r.bounds for r in subtract(region, _region(clipped))]
+    covered = sum(_volume(p) for p, _ in found) + sum(_volume(z) for z in zeros)
+    if covered != _volume(bounds):
+        raise AssertionError(f"planner bug: pieces of {region} cover {covered} of {_volume(bounds)} elements")
+    return found, zeros
+
+
+def _merge(rows: list[Transfer], multi: set[int]) -> list[Transfer]:
+    """One host's transfers; pieces from one source for one shard merged where their union is a box.
+
+    Only shards in ``multi`` (those with several pieces) can merge; the rest pass through.
+    """
+    out: list[Transfer] = []
+    groups: dict[tuple[str | None, int], list[Transfer]] = {}
+    for tr in rows:
+        if tr.shard not in multi:
+            out.append(tr)
+            continue
+        key = (tr.source, tr.shard)
         g = groups.get(key)
         if g is None:
-            groups[key] = [row]
-            order.append(key)
+            groups[key] = [tr]
         else:
-            g.append(row)
-    out: list[Transfer] = []
-    for key in order:
-        g = groups[key]
+            g.append(tr)
+    for (src, idx), g in groups.items():
         if len(g) == 1:
-            r = g[0]
-            out.append(Transfer(r[0], r[1], _region(r[2]), r[3], r[4], r[5]))
+            out.append(g[0])
             continue
-        src, idx = key
-        tensor = g[0][1]
-        itemsize = g[0][4] // _volume(g[0][2])
-        alts: dict[Bounds, tuple[str, ...]] = {r[2]: r[5] for r in g}
-        for box, members in merge_boxes([r[2] for r in g]):
+        first = g[0]
+        itemsize = first.nbytes // first.region.volume
+        alts: dict[Bounds, tuple[str, ...]] = {tr.region.bounds: tr.alternatives for tr in g}
+        for box, members in merge_boxes([tr.region.bounds for tr in g]):
+            if len(members) == 1:
+                out.append(next(tr for tr in g if tr.region.bounds == box))
+                continue
             # A merged request can fall back only to hosts that hold all of it.
-            common = None
-            for m in members:
-                s = set(alts[m])
-                common = s if common is None else common & s
-            alt = tuple(a for a in alts[members[0]] if common and a in common)
-            out.append(Transfer(src, tensor, _region(box), idx, _volume(box) * itemsize, alt))
+            common = set(alts[members[0]])
+            for m in members[1:]:
+                common &= set(alts[m])
+            alt = tuple(a for a in alts[members[0]] if a in common)
+            out.append(Transfer(src, first.tensor, _region(box), idx, _volume(box) * itemsize, alt))
     return out
 
 
@@ -830,36 +873,40 @@ def lower_bound_bytes(
         raise InvalidInput("lower_bound_bytes needs old_version when holders are given")
     ov = _as_version(old_version, "old_version") if old_version is not None else Version(0)
     sources = _sources(old, ov, holders, alive)
+    # (host, tensor) -> the old regions that host holds: as a set (exact matches) and a list.
+    held: dict[tuple[str, str], tuple[set[Bounds], list[Bounds]]] = {}
+    host_of = {d.id: d.host for d in old.devices}
+    for t in old.tensors:
+        for s in t.shards:
+            for h in {host_of[d] for d in s.devices}:
+                if h in sources:
+                    entry = held.get((h, t.name))
+                    if entry is None:
+                        entry = held[(h, t.name)] = (set(), [])
+                    entry[0].add(s.region.bounds)
+                    entry[1].append(s.region.bounds)
     old_shape = {t.name: t.shape for t in old.tensors}
-    held: dict[str, dict[str, list[Bounds]]] = {}
-    for host, entries in _distinct_shards_by_host(old).items():
-        if host not in sources:
-            continue
-        per: dict[str, list[Bounds]] = defaultdict(list)
-        for t, r in entries:
-            per[t.name].append(r.bounds)
-        held[host] = per
+    new_host_of = {d.id: d.host for d in new.devices}
     total = 0
-    for host, entries in _distinct_shards_by_host(new).items():
-        mine = held.get(host, {})
-        sets = {name: set(v) for name, v in mine.items()}
-        for t, r in entries:
-            shape = old_shape[t.name]
-            clipped = tuple((a, min(b, n)) for (a, b), n in zip(r.bounds, shape, strict=True))
+    for t in new.tensors:
+        shape = old_shape[t.name]
+        size = t.itemsize
+        for s in t.shards:
+            clipped = tuple((a, min(b, n)) for (a, b), n in zip(s.region.bounds, shape, strict=True))
             if any(a >= b for a, b in clipped):
                 continue
             need = _volume(clipped)
-            have = 0
-            boxes = mine.get(t.name)
-            if boxes:
-                if clipped in sets[t.name]:
-                    have = need
-                else:
-                    for b in boxes:
-                        common = _intersect(b, clipped)
+            for h in {new_host_of[d] for d in s.devices}:  # a host stores a shard once
+                entry = held.get((h, t.name))
+                if entry is None:
+                    total += need * size
+                elif clipped not in entry[0]:
+                    have = 0
+                    for box in entry[1]:
+                        common = _intersect(box, clipped)
                         if common is not None:
                             have += _volume(common)
-            total += (need - have) * t.itemsize
+                    total += (need - have) * size
     return total
 
 
