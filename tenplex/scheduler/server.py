@@ -1,0 +1,124 @@
+"""Assembling a scheduler process: backend + state directory + REST app.
+
+``tenplex scheduler serve`` runs it in the foreground; :class:`LocalScheduler`
+runs a whole emulated cluster (store daemons on 127.0.0.x and the scheduler)
+inside one process for the demo and the tests.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+from tenplex.errors import InvalidConfig
+from tenplex.scheduler.api import create_app
+from tenplex.scheduler.backend import LocalBackend, LocalCluster
+from tenplex.scheduler.controller import SchedulerSettings
+from tenplex.scheduler.service import Scheduler
+from tenplex.scheduler.state import StateDir, atomic_write
+from tenplex.serving import BackgroundServer, bind_socket, serve_forever, url_host
+
+log = logging.getLogger(__name__)
+
+
+def local_cluster(state_dir: Path, hosts: int, gpus_per_host: int, token: str | None) -> LocalCluster:
+    """Start the emulated hosts, or re-attach to them after a scheduler restart."""
+    described = state_dir / "cluster.json"
+    if described.exists():
+        cluster = LocalCluster.attach(state_dir / "cluster", json.loads(described.read_text()), token=token)
+        log.info("re-attached to %d local hosts", len(cluster.hosts()))
+        return cluster
+    cluster = LocalCluster(root=state_dir / "cluster", token=token, gpus_per_host=gpus_per_host)
+    cluster.start(hosts)
+    save_cluster(state_dir, cluster)
+    return cluster
+
+
+def save_cluster(state_dir: Path, cluster: LocalCluster) -> None:
+    atomic_write(state_dir / "cluster.json", json.dumps(cluster.describe(), indent=1))
+
+
+def build_scheduler(backend_name: str, state_dir: Path, url: str, token: str | None, *, hosts: int = 2,
+                    gpus_per_host: int = 2, heartbeat_interval: float = 1.0) -> Scheduler:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    settings = SchedulerSettings(url=url, token=token, heartbeat_interval=heartbeat_interval)
+    if backend_name == "local":
+        backend = LocalBackend(local_cluster(state_dir, hosts, gpus_per_host, token), cwd=Path.cwd())
+    else:
+        raise InvalidConfig(f"unknown backend {backend_name!r}")
+    return Scheduler(backend, StateDir(state_dir), settings)
+
+
+def serve(backend_name: str, state_dir: Path, host: str, port: int, token: str | None, *, hosts: int,
+          gpus_per_host: int, port_file: Path | None = None) -> None:
+    sock = bind_socket(host, port)
+    url = f"http://{url_host(host)}:{sock.getsockname()[1]}"
+    scheduler = build_scheduler(backend_name, state_dir, url, token, hosts=hosts, gpus_per_host=gpus_per_host)
+    recovered = scheduler.recover()
+    if recovered:
+        log.info("resumed jobs: %s", ", ".join(recovered))
+    try:
+        serve_forever(create_app(scheduler, token=token), host, port, port_file=port_file, what="scheduler", sock=sock)
+    finally:
+        scheduler.close()
+
+
+class LocalScheduler:
+    """A scheduler and its emulated hosts inside this process (the REST server runs in a thread)."""
+
+    def __init__(self, state_dir: Path, *, hosts: int = 3, gpus_per_host: int = 2, token: str | None = None,
+                 heartbeat_interval: float = 0.5) -> None:
+        self.state_dir = Path(state_dir)
+        self.token = token
+        self._sock_host = "127.0.0.1"
+        self._hosts = hosts
+        self._gpus = gpus_per_host
+        self._heartbeat = heartbeat_interval
+        self.scheduler: Scheduler | None = None
+        self.server: BackgroundServer | None = None
+
+    def start(self) -> LocalScheduler:
+        # The app needs its URL before it serves: bind first, then build.
+        sock = bind_socket(self._sock_host, 0)
+        url = f"http://{self._sock_host}:{sock.getsockname()[1]}"
+        self.scheduler = build_scheduler("local", self.state_dir, url, self.token, hosts=self._hosts,
+                                         gpus_per_host=self._gpus, heartbeat_interval=self._heartbeat)
+        self.scheduler.recover()
+        self.server = BackgroundServer(create_app(self.scheduler, token=self.token), sock=sock).start()
+        return self
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return self.server.url
+
+    @property
+    def cluster(self) -> LocalCluster:
+        assert self.scheduler is not None
+        backend = self.scheduler.backend
+        assert isinstance(backend, LocalBackend)
+        return backend.cluster
+
+    def stop(self, *, stop_hosts: bool = True) -> None:
+        if self.server is not None:
+            self.server.stop()
+        if self.scheduler is not None:
+            for ctl in self.scheduler.list():
+                with ctl.lock:
+                    ids = [w.worker_id for w in ctl.status.workers]
+                self.scheduler.backend.stop(ctl.spec.name, ids, grace=5.0)
+            self.scheduler.close()
+            if stop_hosts:
+                self.cluster.stop()
+
+    def __enter__(self) -> LocalScheduler:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def token_from(value: str | None) -> str | None:
+    return value or os.environ.get("TENPLEX_TOKEN") or None

@@ -1,0 +1,120 @@
+"""The scheduler service: all jobs of one scheduler process, their controllers and metrics."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from tenplex.errors import Conflict, NotFound
+from tenplex.scheduler.backend import Backend
+from tenplex.scheduler.controller import JobController, SchedulerSettings
+from tenplex.scheduler.state import JobSpec, JobStatus, Phase, StateDir
+
+log = logging.getLogger(__name__)
+
+
+class SchedulerMetrics:
+    """Prometheus series of one scheduler (its own registry: several may live in one test process)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.step = Gauge("tenplex_job_step", "Last completed training step", ["job"], registry=self.registry)
+        self.loss = Gauge("tenplex_job_loss", "Loss of the last reported step", ["job"], registry=self.registry)
+        self.gpus = Gauge("tenplex_job_gpus", "GPUs the job runs on", ["job"], registry=self.registry)
+        self.reconfigurations = Counter(
+            "tenplex_reconfigurations", "Finished reconfigurations", ["job", "reason"], registry=self.registry
+        )
+        self.downtime = Histogram(
+            "tenplex_reconfiguration_downtime_seconds", "Time without training per reconfiguration", ["job"],
+            buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600), registry=self.registry,
+        )
+        self.bytes_moved = Counter(
+            "tenplex_transform_bytes", "State bytes moved by reconfigurations", ["job", "kind"], registry=self.registry
+        )
+        self.requests = Histogram(
+            "tenplex_scheduler_request_seconds", "REST request latency", ["route", "method", "status"],
+            registry=self.registry,
+        )
+
+
+class Scheduler:
+    """Creates, recovers and removes job controllers."""
+
+    def __init__(self, backend: Backend, state: StateDir, settings: SchedulerSettings, *,
+                 store_client: Callable[[str], Any] | None = None) -> None:
+        self.backend = backend
+        self.state = state
+        self.settings = settings
+        self.metrics = SchedulerMetrics()
+        self._jobs: dict[str, JobController] = {}
+        self._lock = threading.Lock()
+        self._clients: dict[str, Any] = {}
+        self._make_client = store_client or self._default_client
+
+    def _default_client(self, url: str) -> Any:
+        from tenplex.store.client import StoreClient
+
+        return StoreClient(url, self.settings.token, retries=2, timeout=60.0)
+
+    def client(self, url: str) -> Any:
+        with self._lock:
+            if url not in self._clients:
+                self._clients[url] = self._make_client(url)
+            return self._clients[url]
+
+    def _controller(self, spec: JobSpec, status: JobStatus) -> JobController:
+        return JobController(spec, status, backend=self.backend, state=self.state, settings=self.settings,
+                             clients=self.client, metrics=self.metrics)
+
+    def recover(self) -> list[str]:
+        """Reload every job of the state directory and resume its state machine where it was."""
+        names = []
+        for spec, status in self.state.load_all():
+            ctl = self._controller(spec, status)
+            with self._lock:
+                self._jobs[spec.name] = ctl
+            if status.phase not in (Phase.FAILED, Phase.SUCCEEDED):
+                ctl.start()
+            names.append(spec.name)
+            log.info("recovered job %s in %s%s", spec.name, status.phase.value, f"/{status.stage.value}" if status.stage else "")
+        return names
+
+    def create(self, spec: JobSpec) -> JobController:
+        with self._lock:
+            if spec.name in self._jobs:
+                raise Conflict(f"job {spec.name!r} already exists")
+            ctl = self._controller(spec, JobStatus(requested_gpus=spec.gpus))
+            self._jobs[spec.name] = ctl
+        ctl._save()
+        ctl.start()
+        return ctl
+
+    def get(self, name: str) -> JobController:
+        with self._lock:
+            ctl = self._jobs.get(name)
+        if ctl is None:
+            raise NotFound(f"job {name!r} does not exist")
+        return ctl
+
+    def list(self) -> list[JobController]:
+        with self._lock:
+            return list(self._jobs.values())
+
+    def delete(self, name: str) -> None:
+        ctl = self.get(name)
+        ctl.delete()
+        with self._lock:
+            self._jobs.pop(name, None)
+
+    def close(self) -> None:
+        for ctl in self.list():
+            ctl.close()
+        for c in self._clients.values():
+            close = getattr(c, "close", None)
+            if close is not None:
+                close()
+        self.backend.close()

@@ -1,0 +1,312 @@
+"""Job records and their crash-safe persistence.
+
+A job is its immutable :class:`JobSpec` (what the user asked for) plus its
+mutable :class:`JobStatus` (where the state machine stands). The status is
+written atomically (temp file, fsync, rename) at every transition, together
+with the PTC of every generation still referenced, so a scheduler killed at
+any point restarts into the same phase and stage and resumes from there. On
+Kubernetes the same JSON lives in the ElasticJob's status.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from tenplex.errors import InvalidConfig, NotFound
+from tenplex.ptc import PTC, DatasetState, ParallelConfig
+from tenplex.scheduler.layouts import LayoutSpec
+from tenplex.scheduler.policy import Policy
+from tenplex.scheduler.protocol import JOB_NAME_PATTERN
+
+_NAME = re.compile(JOB_NAME_PATTERN)
+
+
+class Phase(StrEnum):
+    PENDING = "Pending"
+    RUNNING = "Running"
+    RECONFIGURING = "Reconfiguring"
+    FAILED = "Failed"
+    SUCCEEDED = "Succeeded"
+
+
+class Stage(StrEnum):
+    """The steps of a reconfiguration, in order."""
+
+    STOPPING = "stopping"
+    SNAPSHOT = "snapshot"
+    PLANNING = "planning"
+    TRANSFERRING = "transferring"
+    RESTARTING = "restarting"
+
+
+def check_job_name(name: str) -> str:
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise InvalidConfig(
+            f"job name {name!r} must be a DNS-1123 label: 1-63 lowercase letters, digits or '-', starting and ending with a letter or digit"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What the user asked for; never changes after creation except ``gpus``."""
+
+    name: str
+    layout: LayoutSpec
+    dataset: DatasetState
+    command: tuple[str, ...]
+    gpus: int
+    min_gpus: int = 1
+    max_gpus: int = 1 << 20
+    policy: Policy = field(default_factory=Policy)
+    steps: int = 100
+    snapshot_every: int = 10
+    heartbeat_timeout: float = 60.0
+    image: str | None = None
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_job_name(self.name)
+        if not 1 <= self.min_gpus <= self.max_gpus:
+            raise InvalidConfig(f"need 1 <= min_gpus <= max_gpus, got min {self.min_gpus}, max {self.max_gpus}")
+        self.check_gpus(self.gpus)
+        if self.steps < 1:
+            raise InvalidConfig(f"steps must be >= 1, got {self.steps}")
+        if self.snapshot_every < 1:
+            raise InvalidConfig(f"snapshot_every must be >= 1, got {self.snapshot_every}")
+        if self.heartbeat_timeout <= 0:
+            raise InvalidConfig(f"heartbeat_timeout must be positive, got {self.heartbeat_timeout}")
+        if not self.command and not self.image:
+            raise InvalidConfig("a job needs a worker command (local backend) or an image (kubernetes backend)")
+
+    def check_gpus(self, gpus: int) -> None:
+        if isinstance(gpus, bool) or not isinstance(gpus, int) or not self.min_gpus <= gpus <= self.max_gpus:
+            raise InvalidConfig(f"gpus must be an integer in [{self.min_gpus}, {self.max_gpus}] for job {self.name!r}, got {gpus!r}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "layout": self.layout.to_json(),
+            "dataset": self.dataset.to_json(),
+            "command": list(self.command),
+            "gpus": self.gpus,
+            "min_gpus": self.min_gpus,
+            "max_gpus": self.max_gpus,
+            "policy": policy_to_json(self.policy),
+            "steps": self.steps,
+            "snapshot_every": self.snapshot_every,
+            "heartbeat_timeout": self.heartbeat_timeout,
+            "image": self.image,
+            "env": dict(self.env),
+        }
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> JobSpec:
+        return cls(
+            name=obj["name"],
+            layout=LayoutSpec.from_json(obj["layout"]),
+            dataset=DatasetState.from_json(obj["dataset"]),
+            command=tuple(obj.get("command", ())),
+            gpus=obj["gpus"],
+            min_gpus=obj.get("min_gpus", 1),
+            max_gpus=obj.get("max_gpus", 1 << 20),
+            policy=policy_from_json(obj.get("policy", {})),
+            steps=obj.get("steps", 100),
+            snapshot_every=obj.get("snapshot_every", 10),
+            heartbeat_timeout=obj.get("heartbeat_timeout", 60.0),
+            image=obj.get("image"),
+            env=dict(obj.get("env", {})),
+        )
+
+
+def policy_to_json(p: Policy) -> dict[str, Any]:
+    return {
+        "table": {str(k): v.to_json() for k, v in p.table.items()},
+        "gpu_memory_bytes": p.gpu_memory_bytes,
+        "state_memory_fraction": p.state_memory_fraction,
+        "zero": p.zero,
+    }
+
+
+def policy_from_json(obj: Mapping[str, Any]) -> Policy:
+    if not isinstance(obj, Mapping):
+        raise InvalidConfig(f"policy must be an object, got {type(obj).__name__}")
+    unknown = set(obj) - {"table", "gpu_memory_bytes", "state_memory_fraction", "zero"}
+    if unknown:
+        raise InvalidConfig(f"unknown policy keys: {', '.join(sorted(unknown))}")
+    table = {}
+    for k, v in dict(obj.get("table") or {}).items():
+        try:
+            gpus = int(k)
+        except (TypeError, ValueError):
+            raise InvalidConfig(f"policy table keys must be GPU counts, got {k!r}") from None
+        table[gpus] = ParallelConfig.from_json(v)
+    return Policy(
+        table=table,
+        gpu_memory_bytes=obj.get("gpu_memory_bytes"),
+        state_memory_fraction=obj.get("state_memory_fraction", 0.5),
+        zero=obj.get("zero", 0),
+    )
+
+
+@dataclass
+class WorkerRecord:
+    """One training process of the current generation."""
+
+    worker_id: str
+    rank: int
+    host: str
+    local_rank: int
+    generation: int
+    pid: int | None = None
+    registered: bool = False
+    last_heartbeat: float | None = None
+    step: int | None = None
+    exit_code: int | None = None
+
+
+@dataclass
+class Reconfiguration:
+    """One entry of a job's history: an event and what it cost."""
+
+    reason: str
+    started_at: float
+    from_config: str | None
+    to_config: str | None = None
+    from_gpus: int = 0
+    to_gpus: int = 0
+    from_hosts: list[str] = field(default_factory=list)
+    to_hosts: list[str] = field(default_factory=list)
+    version_from: str | None = None
+    version_to: str | None = None
+    finished_at: float | None = None
+    downtime_seconds: float | None = None
+    bytes_local: int = 0
+    bytes_remote: int = 0
+    bytes_zero: int = 0
+    lower_bound_bytes: int = 0
+    steps_lost: int = 0
+    error: str | None = None
+
+
+@dataclass
+class JobStatus:
+    """Where the job stands. Mutated only by its controller, persisted at every change."""
+
+    phase: Phase = Phase.PENDING
+    stage: Stage | None = None
+    generation: int = 0
+    gpus: int = 0
+    parallel: dict[str, Any] | None = None
+    hosts: list[str] = field(default_factory=list)
+    gpus_per_node: int = 1
+    step: int = 0
+    """Last step any worker reported as completed."""
+    version: str | None = None
+    """Newest fully committed version (the restart point after a failure)."""
+    committed: dict[str, list[str]] = field(default_factory=dict)
+    """Version -> hosts whose store committed it."""
+    version_generation: dict[str, int] = field(default_factory=dict)
+    requested_gpus: int | None = None
+    """The newest scale request not yet acted on."""
+    pending_reason: str | None = None
+    """Why a planned reconfiguration is wanted (scale, redeploy), until one begins."""
+    target_gpus: int | None = None
+    """The GPU count the reconfiguration in progress aims for."""
+    master_addr: str | None = None
+    master_port: int | None = None
+    downtime_started_at: float | None = None
+    """When the workers stopped training (wall clock), until the new ones train again."""
+    restored_step: int | None = None
+    stop_at_step: int | None = None
+    restore_version: str | None = None
+    workers: list[WorkerRecord] = field(default_factory=list)
+    history: list[Reconfiguration] = field(default_factory=list)
+    message: str = ""
+    last_plan: dict[str, Any] | None = None
+    updated_at: float = field(default_factory=time.time)
+
+    @property
+    def parallel_config(self) -> ParallelConfig | None:
+        return ParallelConfig.from_json(self.parallel) if self.parallel else None
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["phase"] = self.phase.value
+        out["stage"] = self.stage.value if self.stage else None
+        return out
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> JobStatus:
+        data = dict(obj)
+        data["phase"] = Phase(data["phase"])
+        data["stage"] = Stage(data["stage"]) if data.get("stage") else None
+        data["workers"] = [WorkerRecord(**w) for w in data.get("workers", [])]
+        data["history"] = [Reconfiguration(**h) for h in data.get("history", [])]
+        return cls(**data)
+
+
+class StateDir:
+    """One directory per scheduler: ``jobs/<name>.json`` plus ``jobs/<name>/ptc-g<N>.json``."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        (self.root / "jobs").mkdir(parents=True, exist_ok=True)
+
+    def _job_file(self, name: str) -> Path:
+        return self.root / "jobs" / f"{check_job_name(name)}.json"
+
+    def _ptc_file(self, name: str, generation: int) -> Path:
+        return self.root / "jobs" / check_job_name(name) / f"ptc-g{generation}.json"
+
+    def save(self, spec: JobSpec, status: JobStatus) -> None:
+        status.updated_at = time.time()
+        atomic_write(self._job_file(spec.name), json.dumps({"spec": spec.to_json(), "status": status.to_json()}, indent=1))
+
+    def save_ptc(self, name: str, generation: int, ptc: PTC) -> None:
+        atomic_write(self._ptc_file(name, generation), ptc.dumps())
+
+    def load_ptc(self, name: str, generation: int) -> PTC:
+        path = self._ptc_file(name, generation)
+        if not path.exists():
+            raise NotFound(f"job {name!r} has no PTC for generation {generation}")
+        return PTC.load(path)
+
+    def load_all(self) -> list[tuple[JobSpec, JobStatus]]:
+        out = []
+        for path in sorted((self.root / "jobs").glob("*.json")):
+            obj = json.loads(path.read_text())
+            out.append((JobSpec.from_json(obj["spec"]), JobStatus.from_json(obj["status"])))
+        return out
+
+    def delete(self, name: str) -> None:
+        self._job_file(name).unlink(missing_ok=True)
+        folder = self.root / "jobs" / check_job_name(name)
+        if folder.exists():
+            for p in folder.iterdir():
+                p.unlink()
+            folder.rmdir()
+
+
+def atomic_write(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text`` so a crash leaves either the old or the new content."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
