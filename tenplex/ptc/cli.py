@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections import Counter, defaultdict
 
@@ -138,6 +139,8 @@ def human_bytes(n: float) -> str:
 def _show(args: argparse.Namespace) -> int:
     ptc = PTC.load(args.file)
     console = Console()
+    if not console.is_terminal and "COLUMNS" not in os.environ:
+        console = Console(width=200)  # a file or pipe has no width; do not fold names to 80 columns
     config = ", ".join(f"{k}={v}" for k, v in ptc.config.items() if not isinstance(v, dict | list))
     console.print(f"[bold]{args.file}[/bold]  {config}")
     console.print(
@@ -157,7 +160,13 @@ def _show(args: argparse.Namespace) -> int:
 
     table = Table(title="tensors", show_lines=False)
     for col in ("name", "shape", "dtype", "kind", "shards", "replication", "bytes"):
-        table.add_column(col, justify="right" if col in ("shards", "replication", "bytes") else "left")
+        # the name folds (never "layers.0.…", which says nothing); the short columns keep their width
+        table.add_column(
+            col,
+            justify="right" if col in ("shards", "replication", "bytes") else "left",
+            overflow="fold",
+            no_wrap=col != "name",
+        )
     limit = len(ptc.tensors) if args.tensors == 0 else args.tensors
     for t in ptc.tensors[:limit]:
         reps = Counter(len(s.devices) for s in t.shards)
