@@ -14,6 +14,7 @@ from tenplex.errors import InvalidConfig, InvalidInput
 from tenplex.ptc.dataset import DatasetState
 from tenplex.ptc.model import PTC
 from tenplex.ptc.parallel import ParallelConfig
+from tenplex.units import human_bytes
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -126,14 +127,6 @@ def _validate(args: argparse.Namespace) -> int:
     shards = sum(len(t.shards) for t in ptc.tensors)
     print(f"{args.file}: valid ({len(ptc.tensors)} tensors, {shards} shards, {len(ptc.devices)} devices on {len(ptc.hosts)} hosts)")
     return 0
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def _show(args: argparse.Namespace) -> int:

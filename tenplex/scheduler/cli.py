@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tenplex.errors import InvalidInput, NotFound, StoreUnavailable, TenplexError, Unauthorized
+from tenplex.units import human_bytes
 
 DEFAULT_URL = "http://127.0.0.1:8470"
 
@@ -156,8 +157,6 @@ def history_table(history: list[dict[str, Any]]) -> Table:
     table = Table(title="reconfigurations")
     for col in ("event", "from", "to", "downtime s", "local", "remote", "lower bound", "steps lost"):
         table.add_column(col, justify="left" if col in ("event", "from", "to") else "right")
-    from tenplex.ptc.cli import human_bytes
-
     for h in history:
         table.add_row(
             h["reason"], f"{h.get('from_config') or '-'} ({h.get('from_gpus')})", f"{h.get('to_config') or '-'} ({h.get('to_gpus')})",

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from tenplex.errors import InvalidConfig, TenplexError
 from tenplex.ptc import PTC, ParallelConfig, Placement
+from tenplex.units import human_bytes
 
 log = logging.getLogger(__name__)
 
@@ -122,5 +123,5 @@ def _try(cfg: ParallelConfig, placement: Placement, policy: Policy, build: Layou
     if budget is not None:
         worst = max(ptc.bytes_per_device().values(), default=0)
         if worst > budget:
-            return f"largest device state {worst / 2**30:.2f} GiB exceeds the budget {budget / 2**30:.2f} GiB"
+            return f"largest device state {human_bytes(worst)} exceeds the budget {human_bytes(budget)}"
     return ptc

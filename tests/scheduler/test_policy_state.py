@@ -1,0 +1,126 @@
+"""Policy decisions and crash-safe job state, without processes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tenplex.errors import InvalidConfig
+from tenplex.ptc import DatasetState, ParallelConfig
+from tenplex.scheduler.layouts import LayoutSpec
+from tenplex.scheduler.policy import Policy, choose
+from tenplex.scheduler.state import (
+    JobSpec,
+    JobStatus,
+    Phase,
+    Reconfiguration,
+    Stage,
+    StateDir,
+    WorkerRecord,
+)
+
+MODEL = {"num_layers": 8, "hidden": 64, "heads": 8, "vocab": 500, "seq_len": 32, "make_vocab_size_divisible_by": 8}
+LAYOUT = LayoutSpec("megatron-gpt", MODEL, "fp32")
+DATA = DatasetState(num_samples=1024, seed=1, global_batch_size=16)
+
+
+def build(cfg, placement):
+    return LAYOUT.build(cfg, placement, DATA)
+
+
+def hosts(n):
+    return [f"node-{i}" for i in range(n)]
+
+
+def test_builtin_prefers_tp_inside_node_then_dp():
+    d = choose(8, Policy(), build, hosts(2), gpus_per_node=4)
+    assert (d.parallel.tp, d.parallel.pp, d.parallel.dp) == (4, 1, 2)
+    assert d.placement.hosts == ("node-0", "node-1")
+    assert d.ptc.config["dp"] == 2
+
+
+def test_builtin_takes_the_smallest_pipeline_that_fits():
+    # One GPU per node: no tensor parallelism; 4 GPUs are pp1/dp4, pp2/dp2 or pp4/dp1.
+    per_stage = {pp: max(choose(4, Policy(table={4: ParallelConfig(dp=4 // pp, pp=pp)}), build, hosts(4), 1)
+                         .ptc.bytes_per_device().values()) for pp in (1, 2, 4)}
+    assert per_stage[1] > per_stage[2] > per_stage[4]
+    budget = (per_stage[1] + per_stage[2]) // 2  # too small for pp1, enough for pp2
+    d = choose(4, Policy(gpu_memory_bytes=budget * 2, state_memory_fraction=0.5), build, hosts(4), gpus_per_node=1)
+    assert (d.parallel.dp, d.parallel.tp, d.parallel.pp) == (2, 1, 2)
+    assert max(d.ptc.bytes_per_device().values()) <= budget
+
+
+def test_impossible_gpu_count_is_rejected_with_reasons():
+    # 9 GPUs, 4 per node: tp must divide the node and 9 -> tp1; dp9 and dp3 do not divide the batch of 16,
+    # and 9 stages exceed 8 layers.
+    with pytest.raises(InvalidConfig) as err:
+        choose(9, Policy(), build, hosts(3), gpus_per_node=4)
+    detail = err.value.detail
+    assert "no parallel configuration runs this job on 9 GPUs" in detail
+    assert "dp9 x tp1 x pp1: global batch size 16 is not divisible by data-parallel size 9" in detail
+    assert "dp1 x tp1 x pp9" in detail
+    with pytest.raises(InvalidConfig, match="17 GPUs requested but the 2 available hosts x 4 GPUs hold 8"):
+        choose(17, Policy(), build, hosts(2), gpus_per_node=4)
+    budget = Policy(gpu_memory_bytes=1024)
+    with pytest.raises(InvalidConfig, match=r"exceeds the budget 512 B"):
+        choose(1, budget, build, hosts(1), gpus_per_node=1)
+
+
+def test_table_is_used_and_checked():
+    table = {4: ParallelConfig(dp=1, tp=2, pp=2)}
+    d = choose(4, Policy(table=table), build, hosts(1), gpus_per_node=4)
+    assert d.parallel == table[4]
+    with pytest.raises(InvalidConfig, match="no entry for 2 GPUs"):
+        choose(2, Policy(table=table), build, hosts(1), gpus_per_node=4)
+    with pytest.raises(InvalidConfig, match="policy table entry for 4 GPUs is dp1 x tp1 x pp2 = 2 GPUs"):
+        Policy(table={4: ParallelConfig(pp=2)})
+
+
+def test_layout_spec_rejects_bad_models_at_creation():
+    with pytest.raises(InvalidConfig, match="unknown layout provider"):
+        LayoutSpec("nope", {})
+    with pytest.raises(InvalidConfig, match="unknown fields bogus"):
+        LayoutSpec("megatron-gpt", {**MODEL, "bogus": 1})
+    with pytest.raises(InvalidConfig, match="precision"):
+        LayoutSpec("megatron-gpt", MODEL, "fp8")
+
+
+def spec(**kw):
+    base = dict(name="gpt", layout=LAYOUT, dataset=DATA, command=("python", "train.py"), gpus=4, min_gpus=1, max_gpus=8)
+    base.update(kw)
+    return JobSpec(**base)
+
+
+def test_job_spec_validation_messages():
+    with pytest.raises(InvalidConfig, match="DNS-1123"):
+        spec(name="Bad_Name")
+    with pytest.raises(InvalidConfig, match=r"gpus must be an integer in \[1, 8\]"):
+        spec(gpus=9)
+    with pytest.raises(InvalidConfig, match="min_gpus <= max_gpus"):
+        spec(min_gpus=4, max_gpus=2)
+    with pytest.raises(InvalidConfig, match="worker command"):
+        spec(command=())
+
+
+def test_state_round_trips_and_writes_atomically(tmp_path):
+    state = StateDir(tmp_path)
+    s = spec()
+    status = JobStatus(phase=Phase.RECONFIGURING, stage=Stage.TRANSFERRING, generation=2, gpus=4,
+                       parallel=ParallelConfig(dp=2, tp=2).to_json(), hosts=["host-0", "host-1"], step=17,
+                       version="s17-g2", committed={"s17-g2": ["host-0"]},
+                       workers=[WorkerRecord("gpt-g2-r0", 0, "host-0", 0, 2, pid=123)],
+                       history=[Reconfiguration(reason="scale", started_at=1.0, from_config="dp1 x tp1 x pp1")])
+    state.save(s, status)
+    state.save_ptc("gpt", 2, build(ParallelConfig(dp=2, tp=2), choose(4, Policy(), build, hosts(1), 4).placement))
+    [(s2, st2)] = state.load_all()
+    assert s2.to_json() == s.to_json()
+    assert st2.to_json() == status.to_json()
+    assert st2.parallel_config == ParallelConfig(dp=2, tp=2)
+    assert state.load_ptc("gpt", 2).config["dp"] == 2
+    # No temp files are left behind, and the file is complete JSON.
+    files = sorted(p.name for p in (tmp_path / "jobs").iterdir())
+    assert files == ["gpt", "gpt.json"]
+    json.loads((tmp_path / "jobs" / "gpt.json").read_text())
+    state.delete("gpt")
+    assert state.load_all() == []
