@@ -319,14 +319,20 @@ def _validate_tensor(t: Tensor, device_ids: set[int]) -> None:
 
 
 def _check_disjoint(t: Tensor, where: str) -> None:
-    """Pairwise overlap test pruned by a sweep over dimension 0."""
+    """Pairwise overlap test pruned by a sweep along one dimension.
+
+    The sweep runs along the dimension where the shards' starts differ most, so
+    that shards cut along any single dimension (row- or column-parallel, flat
+    partitions) are checked in near-linear time instead of all pairs.
+    """
     if not t.shape:
         raise InvalidPTC(f"{where}: a 0-d tensor has {len(t.shards)} shards, expected 1")
-    order = sorted(t.shards, key=lambda s: s.region.bounds[0][0])
+    dim = max(range(len(t.shape)), key=lambda d: len({s.region.bounds[d][0] for s in t.shards}))
+    order = sorted(t.shards, key=lambda s: s.region.bounds[dim][0])
     for i, s in enumerate(order):
-        stop0 = s.region.bounds[0][1]
+        stop0 = s.region.bounds[dim][1]
         for other in order[i + 1 :]:
-            if other.region.bounds[0][0] >= stop0:
+            if other.region.bounds[dim][0] >= stop0:
                 break
             common = s.region.intersect(other.region)
             if common is not None:
