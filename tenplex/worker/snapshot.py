@@ -1,0 +1,257 @@
+"""Snapshots: this rank's part of the job state into the node-local store, off the critical path.
+
+``Snapshotter.snapshot(step, ...)`` runs at a step boundary. It copies this
+rank's shards out of the live tensors (``detach().clone()`` to CPU, into
+pinned memory when the tensors are on an accelerator) and returns; a
+background thread writes the copies into the node-local store as version
+``s<step>-g<generation>``. The next training step therefore waits only for
+the copy. Calling ``snapshot`` again, or :meth:`Snapshotter.wait`, joins the
+previous write and raises its error, if any.
+
+Which rank writes what: a shard held by several devices of one host (data-
+parallel replicas on one node) is written once, by the lowest device id on
+that host that holds it (known from the PTC, so no coordination is needed).
+
+Commit without a barrier: after its writes, each rank reads the version's
+manifest from its host store; if every shard the PTC places on this host, and
+every rank's trainer-state record, is there, it commits. Commit is
+idempotent, so two ranks finishing together both committing is fine; the
+last rank to finish always sees everything (its manifest read happens after
+all writes have returned), so a host's version is always committed once
+complete.
+
+Besides the PTC's tensors, each rank writes one small ``extra/rank<r>/state``
+record (see :mod:`tenplex.worker.trainer_state`): RNG states, LR scheduler,
+optimizer hyper-parameters, step, dataset position and user extras.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tenplex.errors import InvalidConfig, NotFound, TenplexError
+from tenplex.ptc import PTC, DatasetState, Region, TensorKind
+from tenplex.store.version import Version
+from tenplex.worker import trainer_state
+from tenplex.worker.state import check_layout, live_pieces
+from tenplex.worker.stores import ShardStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class _Copy:
+    name: str
+    region: Region
+    global_shape: tuple[int, ...]
+    dtype: str
+    data: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotResult:
+    """The outcome of one background write."""
+
+    version: Version
+    host: str
+    shards_written: int
+    bytes_written: int
+    copy_seconds: float
+    write_seconds: float
+    committed: bool
+    """Whether this rank found its host's copy complete and committed it."""
+
+
+class Snapshotter:
+    """Takes snapshots of one rank; one instance per training process.
+
+    ``store`` is the node-local store of ``host`` (the host of ``rank`` in
+    ``ptc``). ``on_done`` is called in the background thread with each
+    finished :class:`SnapshotResult` (e.g. to report it to the scheduler).
+    """
+
+    def __init__(
+        self,
+        store: ShardStore,
+        job: str,
+        ptc: PTC,
+        rank: int,
+        *,
+        on_done: Callable[[SnapshotResult], None] | None = None,
+        check: bool = True,
+    ) -> None:
+        self.store = store
+        self.job = job
+        self.ptc = ptc
+        self.rank = rank
+        self.host = ptc.device(rank).host
+        self._on_done = on_done
+        self._check = check
+        self._thread: threading.Thread | None = None
+        self._result: SnapshotResult | None = None
+        self._error: BaseException | None = None
+        host_ids = {d.id for d in ptc.devices_on_host(self.host)}
+        # (tensor, region) this rank writes: the shards where it is the lowest holder on its host.
+        self._mine: set[tuple[str, Region]] = set()
+        self._host_needs: set[tuple[str, Region]] = set()
+        self._host_records = {trainer_state.record_name(d) for d in host_ids}
+        for t, s in ptc.shards_on_host(self.host):
+            if t.kind == TensorKind.EXTRA:
+                continue
+            self._host_needs.add((t.name, s.region))
+            if min(d for d in s.devices if d in host_ids) == rank:
+                self._mine.add((t.name, s.region))
+        self._layout_checked = False
+
+    # -- public -------------------------------------------------------------------
+
+    def snapshot(
+        self,
+        step: int,
+        generation: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        *,
+        lr_scheduler: Any | None = None,
+        dataset: DatasetState | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> Version:
+        """Copy this rank's shards out now; write and commit them in the background.
+
+        Returns the version being written. Raises the previous snapshot's
+        error, if it failed, before starting (a failed snapshot must not go
+        unnoticed until the job needs it).
+        """
+        self.wait()
+        version = Version(step, generation)
+        t0 = time.perf_counter()
+        pieces = live_pieces(model, optimizer)
+        if self._check and not self._layout_checked:
+            check_layout(pieces, self.ptc, self.rank)
+            self._layout_checked = True
+        copies = []
+        for piece in pieces:
+            if (piece.name, piece.region) not in self._mine:
+                continue
+            copies.append(_Copy(piece.name, piece.region, piece.global_shape, piece.dtype, _copy_out(piece.local)))
+        _sync_copies(pieces)
+        missing = self._mine - {(c.name, c.region) for c in copies}
+        if missing:
+            name, region = sorted(missing, key=str)[0]
+            raise InvalidConfig(
+                f"rank {self.rank} must write {name!r} {region} for host {self.host}, but the live state has no such "
+                "tensor (has the optimizer taken a step?)"
+            )
+        record = trainer_state.capture(
+            step=step,
+            rank=self.rank,
+            parallel=dict(self.ptc.config),
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            dataset=dataset,
+            extra=extra,
+        )
+        copy_s = time.perf_counter() - t0
+        self._thread = threading.Thread(
+            target=self._write, args=(version, copies, record, copy_s), name=f"tenplex-snapshot-{version}", daemon=True
+        )
+        self._thread.start()
+        return version
+
+    def wait(self) -> SnapshotResult | None:
+        """Join the background write; return its result or raise its error."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+        error, self._error = self._error, None
+        if error is not None:
+            if isinstance(error, TenplexError):
+                raise error
+            raise TenplexError(f"snapshot write failed: {error!r}") from error
+        return self._result
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- background -------------------------------------------------------------------
+
+    def _write(self, version: Version, copies: list[_Copy], record: bytes, copy_s: float) -> None:
+        t0 = time.perf_counter()
+        try:
+            nbytes = 0
+            for c in copies:
+                self.store.write_shard(
+                    self.job, version, c.name, c.region, c.data, dtype=c.dtype, global_shape=c.global_shape
+                )
+                nbytes += c.data.numel() * c.data.element_size()
+            rec = torch.frombuffer(bytearray(record), dtype=torch.uint8)
+            self.store.write_shard(
+                self.job,
+                version,
+                trainer_state.record_name(self.rank),
+                Region.full((len(record),)),
+                rec,
+                dtype="uint8",
+                global_shape=(len(record),),
+            )
+            nbytes += len(record)
+            committed = self._commit_if_complete(version)
+            self._result = SnapshotResult(
+                version, self.host, len(copies) + 1, nbytes, copy_s, time.perf_counter() - t0, committed
+            )
+            log.info(
+                "rank %d wrote %s: %d shards, %.1f MB in %.2fs (copy %.3fs)%s",
+                self.rank,
+                version,
+                len(copies) + 1,
+                nbytes / 1e6,
+                self._result.write_seconds,
+                copy_s,
+                f"; committed {self.host}" if committed else "",
+            )
+            if self._on_done is not None:
+                self._on_done(self._result)
+        except BaseException as exc:  # surfaced by wait()
+            log.error("rank %d: snapshot %s failed: %s", self.rank, version, exc)
+            self._error = exc
+
+    def _commit_if_complete(self, version: Version) -> bool:
+        try:
+            manifest = self.store.manifest(self.job, version)
+        except NotFound:
+            return False
+        if manifest.committed:
+            return False
+        have = {(s.tensor, s.region) for s in manifest.shards}
+        have_names = {s.tensor for s in manifest.shards}
+        if not (self._host_needs <= have and self._host_records <= have_names):
+            left = len(self._host_needs - have) + len(self._host_records - have_names)
+            log.debug("rank %d: %s on %s still misses %d shards; leaving the commit to the last writer", self.rank, version, self.host, left)
+            return False
+        self.store.commit(self.job, version)
+        return True
+
+
+def _copy_out(t: torch.Tensor) -> torch.Tensor:
+    """A private CPU copy of ``t`` (pinned when ``t`` is on an accelerator, so the copy is fast)."""
+    t = t.detach()
+    if t.device.type == "cpu":
+        return t.clone(memory_format=torch.contiguous_format)
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)  # completed by _sync_copies before the writer reads it
+    return out
+
+
+def _sync_copies(pieces: list[Any]) -> None:
+    """Wait for the non-blocking device-to-host copies (one synchronize per device, not per tensor)."""
+    for device in {p.local.device for p in pieces if p.local.device.type == "cuda"}:
+        torch.cuda.synchronize(device)

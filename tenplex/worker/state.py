@@ -1,0 +1,196 @@
+"""What one rank holds of the job state, in PTC terms: the live layout.
+
+Snapshot and restore both need, for every tensor of the state this rank holds,
+its global name, global shape, dtype, the region of the global tensor this rank
+holds, and the local torch tensor whose storage holds it. This module reads
+that off the live model and optimizer:
+
+- parameters by their fully qualified name (wrapper prefixes such as
+  ``_orig_mod.`` or ``module.`` removed, so the names are those of the model);
+- a DTensor's region from its mesh and placements (TP shards, FSDP2 shards,
+  replicas); a plain tensor is the whole tensor (e.g. a norm weight on a
+  pipeline stage);
+- optimizer state as ``optim/<param>/<key>`` (``exp_avg``, ``exp_avg_sq``,
+  ``step`` for AdamW): same-shape state has the parameter's region, scalars
+  (``step``) are whole.
+
+:func:`check_layout` compares it with the device's part of a PTC and names the
+first tensor that differs, with both layouts.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tenplex.errors import InvalidConfig
+from tenplex.ptc import PTC, Region, TensorKind
+from tenplex.ptc import dtypes as ptc_dtypes
+
+log = logging.getLogger(__name__)
+
+OPTIM_PREFIX = "optim/"
+EXTRA_PREFIX = "extra/"
+_WRAPPER_PREFIXES = ("_orig_mod.", "module.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+
+
+@dataclass(frozen=True, slots=True)
+class LocalPiece:
+    """One tensor of the state as this rank holds it."""
+
+    name: str
+    kind: TensorKind
+    global_shape: tuple[int, ...]
+    dtype: str
+    region: Region
+    local: torch.Tensor
+    """The local torch tensor (a DTensor's ``to_local()``), sharing the live storage."""
+
+    def layout(self) -> str:
+        return f"{self.region} of {list(self.global_shape)} {self.dtype}"
+
+
+def clean_name(name: str) -> str:
+    """A parameter name without the prefixes that wrappers (compile, DDP, FSDP1) insert."""
+    parts = []
+    for part in name.split("."):
+        if f"{part}." in _WRAPPER_PREFIXES:
+            continue
+        parts.append(part)
+    return ".".join(parts)
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def local_view(t: torch.Tensor) -> tuple[torch.Tensor, Region]:
+    """The local tensor of ``t`` and the region of the global tensor it holds."""
+    if _is_dtensor(t):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        local = t.to_local()
+        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        if tuple(local.shape) != tuple(shape):
+            raise InvalidConfig(
+                f"DTensor local shape {list(local.shape)} differs from the shape {list(shape)} its placements "
+                f"{t.placements} imply on global shape {list(t.shape)}"
+            )
+        return local, Region.from_offsets(offset, shape)
+    return t, Region.full(tuple(t.shape))
+
+
+def named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Distinct parameters by cleaned FQN (a tied weight appears once, under its first name)."""
+    out: list[tuple[str, nn.Parameter]] = []
+    seen: set[int] = set()
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        out.append((clean_name(name), p))
+    return out
+
+
+def _piece(name: str, kind: TensorKind, t: torch.Tensor) -> LocalPiece:
+    local, region = local_view(t)
+    return LocalPiece(
+        name=name,
+        kind=kind,
+        global_shape=tuple(t.shape),
+        dtype=ptc_dtypes.name_of_torch(t.dtype),
+        region=region,
+        local=local,
+    )
+
+
+def live_pieces(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[LocalPiece]:
+    """Every tensor of the state this rank holds: parameters, then optimizer state."""
+    params = named_parameters(model)
+    pieces = [_piece(name, TensorKind.PARAM, p) for name, p in params]
+    if optimizer is not None:
+        name_of = {id(p): name for name, p in params}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in name_of:
+                    raise InvalidConfig(
+                        f"the optimizer holds a parameter of shape {list(p.shape)} that is not in the model"
+                    )
+                for key, value in optimizer.state.get(p, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        pieces.append(_piece(f"{OPTIM_PREFIX}{name_of[id(p)]}/{key}", TensorKind.OPTIMIZER, value))
+    return pieces
+
+
+def ensure_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, ptc: PTC) -> int:
+    """Create the optimizer state the PTC names but the optimizer lacks (it has not stepped yet).
+
+    A state tensor of the parameter's global shape is created like the
+    parameter (``zeros_like``: same DTensor placements, same device), any other
+    (``step``) as a plain zero tensor of the PTC's shape and dtype on CPU, which
+    is where AdamW keeps its step counter. Values do not matter: restore
+    overwrites them all. Returns the number of tensors created.
+    """
+    created = 0
+    for name, p in named_parameters(model):
+        prefix = f"{OPTIM_PREFIX}{name}/"
+        wanted = [t for t in ptc.tensors if t.name.startswith(prefix) and "/" not in t.name[len(prefix) :]]
+        if not wanted:
+            continue
+        state = optimizer.state[p]
+        for t in wanted:
+            key = t.name[len(prefix) :]
+            if key in state:
+                continue
+            dtype = ptc_dtypes.torch_dtype(t.dtype)
+            if tuple(t.shape) == tuple(p.shape) and t.shape:
+                state[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+            else:
+                state[key] = torch.zeros(t.shape, dtype=dtype)
+            created += 1
+    return created
+
+
+def expected_pieces(ptc: PTC, device: int) -> dict[str, tuple[tuple[int, ...], str, Region]]:
+    """name -> (global shape, dtype, region) for the non-extra tensors ``device`` holds in ``ptc``."""
+    out: dict[str, tuple[tuple[int, ...], str, Region]] = {}
+    for t, s in ptc.shards_of_device(device):
+        if t.kind == TensorKind.EXTRA:
+            continue
+        if t.name in out:
+            raise InvalidConfig(
+                f"device {device} holds two shards of {t.name!r} ({out[t.name][2]} and {s.region}); "
+                "a rank's live tensor is one region, so this PTC does not describe a PyTorch job"
+            )
+        out[t.name] = (tuple(t.shape), t.dtype, s.region)
+    return out
+
+
+def check_layout(pieces: Iterable[LocalPiece], ptc: PTC, device: int) -> None:
+    """Raise :class:`InvalidConfig` naming the first tensor whose live layout differs from the PTC's."""
+    expected = expected_pieces(ptc, device)
+    live = {p.name: p for p in pieces}
+    for name, (shape, dtype, region) in expected.items():
+        want = f"{region} of {list(shape)} {dtype}"
+        piece = live.get(name)
+        if piece is None:
+            raise InvalidConfig(
+                f"layout mismatch on device {device}: the PTC gives it {name!r} ({want}), "
+                "the live model/optimizer has no such tensor"
+            )
+        if piece.global_shape != shape or piece.dtype != dtype or piece.region != region:
+            raise InvalidConfig(
+                f"layout mismatch on device {device} for {name!r}: live {piece.layout()}, PTC {want}"
+            )
+    for name, piece in live.items():
+        if name not in expected:
+            where = "is not in the PTC" if not ptc.has_tensor(name) else "is not held by this device in the PTC"
+            raise InvalidConfig(
+                f"layout mismatch on device {device}: live tensor {name!r} ({piece.layout()}) {where}"
+            )
