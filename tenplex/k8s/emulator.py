@@ -109,6 +109,8 @@ class ResourceType:
     validate: Callable[[Mapping[str, Any]], list[str]] | None = None
     defaults: Callable[[dict[str, Any]], dict[str, Any]] | None = None
     short_names: tuple[str, ...] = ()
+    printer_columns: tuple[Mapping[str, Any], ...] = ()
+    """additionalPrinterColumns; with them, ``Accept: ...;as=Table`` gets a server-side Table as from the real server."""
 
     @property
     def api_version(self) -> str:
@@ -150,7 +152,8 @@ def default_resources() -> tuple[ResourceType, ...]:
         ResourceType("coordination.k8s.io", "v1", "leases", "Lease", True),
         ResourceType(crd.GROUP, crd.VERSION, crd.PLURAL, crd.KIND, True, status_subresource=True, scale=ej_scale,
                      custom=True, returns_object_on_delete=True, validate=crd.elasticjob_errors,
-                     defaults=_elasticjob_defaults, short_names=crd.SHORT_NAMES),
+                     defaults=_elasticjob_defaults, short_names=crd.SHORT_NAMES,
+                     printer_columns=crd.PRINTER_COLUMNS),
     )
 
 
@@ -420,7 +423,7 @@ class _Store:
         self.lock = threading.RLock()
         self.types = tuple(resources)
         self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
-        self.rv = 0
+        self.rv = 1  # as on a real cluster, no object is ever at "0" (which means "any" to a watch)
         self.history: deque[_Event] = deque(maxlen=HISTORY_LIMIT)
         self.oldest_rv = 0  # a watch may resume from any rv >= this
         self.watchers: set[_Watcher] = set()
@@ -637,7 +640,7 @@ class _Store:
     def compact(self) -> None:
         with self.lock:
             self.history.clear()
-            self.oldest_rv = self.rv + 1
+            self.oldest_rv = self.rv
 
     def end_watches(self, gone: bool) -> int:
         with self.lock:
@@ -692,6 +695,45 @@ class _Target:
     namespace: str | None
     name: str | None
     subresource: str | None
+
+
+def _json_path(obj: Any, path: str) -> Any:
+    """Evaluate a simple printer-column JSONPath such as ``.status.parallel.dp``."""
+    cur = obj
+    for part in path.lstrip(".").split("."):
+        cur = cur.get(part) if isinstance(cur, Mapping) else None
+    return cur
+
+
+def _age(timestamp: str | None) -> str:
+    """Human-readable age, as kubectl prints it (``45s``, ``12m``, ``3h``, ``2d``)."""
+    if not timestamp:
+        return "<unknown>"
+    seconds = max(0, int((datetime.now(UTC) - datetime.strptime(timestamp, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)).total_seconds()))
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
+
+
+def _table(rt: ResourceType, items: list[dict[str, Any]], rv: int) -> dict[str, Any]:
+    columns = [{"name": "Name", "type": "string", "format": "name", "description": "Name of the object", "priority": 0}]
+    columns += [{"name": c["name"], "type": c["type"], "format": c.get("format", ""), "description": c.get("description", ""),
+                 "priority": c.get("priority", 0)} for c in rt.printer_columns]
+    rows = []
+    for obj in items:
+        cells: list[Any] = [obj["metadata"]["name"]]
+        for c in rt.printer_columns:
+            value = _json_path(obj, c["jsonPath"])
+            cells.append(_age(value) if c["type"] == "date" else value)
+        rows.append({"cells": cells, "object": {"kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1",
+                                                 "metadata": obj["metadata"]}})
+    return {"kind": "Table", "apiVersion": "meta.k8s.io/v1", "metadata": {"resourceVersion": str(rv)},
+            "columnDefinitions": columns, "rows": rows}
+
+
+def _wants_table(request: Request, rt: ResourceType) -> bool:
+    return bool(rt.printer_columns) and "as=Table" in request.headers.get("accept", "")
 
 
 class _App:
@@ -799,6 +841,8 @@ class _App:
             if method == "GET":
                 with store.lock:
                     items, rv = copy.deepcopy(store.list(filt)), store.rv
+                if _wants_table(request, t.rt):
+                    return JSONResponse(_table(t.rt, items, rv))
                 return JSONResponse({"kind": f"{t.rt.kind}List", "apiVersion": t.rt.api_version,
                                      "metadata": {"resourceVersion": str(rv)}, "items": items})
             if method == "POST":
@@ -822,7 +866,8 @@ class _App:
                                 status_code=201)
         if method == "GET":
             with store.lock:
-                return JSONResponse(copy.deepcopy(store.get(t.rt, t.namespace, t.name)))
+                obj, rv = copy.deepcopy(store.get(t.rt, t.namespace, t.name)), store.rv
+            return JSONResponse(_table(t.rt, [obj], rv) if _wants_table(request, t.rt) else obj)
         if method == "PUT":
             body = await self._body(request)
             if not isinstance(body, Mapping):
