@@ -8,6 +8,7 @@ bit-exact restore of parameters and AdamW state, and the trainer-state record.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -18,11 +19,13 @@ from torch import nn
 from tenplex.errors import Conflict, InvalidConfig, NotFound, TenplexError
 from tenplex.ptc import PTC, Device, Region, TensorKind, build_tensor
 from tenplex.store import LocalStore, Version
+from tenplex.store.client import StoreClient
+from tenplex.store.server import StoreServer
 from tenplex.worker import trainer_state
 from tenplex.worker.restore import restore
 from tenplex.worker.snapshot import Snapshotter
 from tenplex.worker.state import check_layout, live_pieces
-from tenplex.worker.stores import DirectStore
+from tenplex.worker.stores import DirectStore, ShardStore
 
 JOB = "unit"
 
@@ -39,9 +42,12 @@ class Tiny(nn.Module):
         return self.fc2(self.norm(torch.relu(self.fc1(x))).to(torch.bfloat16)).float()
 
 
-def make(seed: int = 0) -> tuple[Tiny, torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+def make(seed: int = 0, optimizer: str = "adamw") -> tuple[Tiny, torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     model = Tiny(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    if optimizer == "adamw":
+        opt: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     return model, opt, sched
 
@@ -60,14 +66,16 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, sched: object, steps: in
     return losses
 
 
-def replicated_ptc(model: nn.Module, devices: list[Device], with_optim: bool = True) -> PTC:
+def replicated_ptc(model: nn.Module, devices: list[Device], with_optim: bool = True, optimizer: str = "adamw") -> PTC:
     """Every device holds every tensor whole (data parallelism)."""
     ids = tuple(d.id for d in devices)
     tensors = []
     for name, p in model.named_parameters():
         dtype = str(p.dtype).removeprefix("torch.")
         tensors.append(build_tensor(name, p.shape, dtype, TensorKind.PARAM, [(Region.full(p.shape), ids)]))
-        if with_optim:
+        if with_optim and optimizer == "sgd":
+            tensors.append(build_tensor(f"optim/{name}/momentum_buffer", p.shape, dtype, TensorKind.OPTIMIZER, [(Region.full(p.shape), ids)]))
+        elif with_optim:
             for key in ("exp_avg", "exp_avg_sq"):
                 tensors.append(build_tensor(f"optim/{name}/{key}", p.shape, dtype, TensorKind.OPTIMIZER, [(Region.full(p.shape), ids)]))
             tensors.append(build_tensor(f"optim/{name}/step", (), "float32", TensorKind.OPTIMIZER, [(Region.full(()), ids)]))
@@ -90,10 +98,24 @@ def store(tmp_path: Path) -> DirectStore:
     return DirectStore(LocalStore(tmp_path / "store", durable=False))
 
 
-def test_snapshot_then_restore_is_bit_exact_and_training_continues_identically(store: DirectStore) -> None:
-    model, opt, sched = make()
+@pytest.fixture
+def http_store(tmp_path: Path) -> Iterator[ShardStore]:
+    """The node-local store through its HTTP daemon, as a worker on another machine sees it."""
+    local = LocalStore(tmp_path / "store", durable=False)
+    with StoreServer(tmp_path / "store", store=local, token="tok") as server:
+        client = StoreClient(server.url, token="tok")
+        yield client
+        client.close()
+
+
+@pytest.mark.parametrize(("kind", "optimizer"), [("direct", "adamw"), ("direct", "sgd"), ("http", "sgd")])
+def test_snapshot_then_restore_is_bit_exact_and_training_continues_identically(
+    request: pytest.FixtureRequest, kind: str, optimizer: str
+) -> None:
+    store = request.getfixturevalue("store" if kind == "direct" else "http_store")
+    model, opt, sched = make(optimizer=optimizer)
     train(model, opt, sched, 3)
-    ptc = replicated_ptc(model, [Device(0, "h0")])
+    ptc = replicated_ptc(model, [Device(0, "h0")], optimizer=optimizer)
     snap = Snapshotter(store, JOB, ptc, rank=0)
     saved = state_of(model, opt)
     v = snap.snapshot(3, 0, model, opt, lr_scheduler=sched, extra={"note": "hello"})
@@ -101,7 +123,7 @@ def test_snapshot_then_restore_is_bit_exact_and_training_continues_identically(s
     assert v == Version(3, 0) and result is not None and result.committed
     assert store.manifest(JOB, v).committed
 
-    model2, opt2, sched2 = make(seed=99)  # different values, optimizer never stepped
+    model2, opt2, sched2 = make(seed=99, optimizer=optimizer)  # different values, optimizer never stepped
     restored = restore(store, JOB, v, ptc, 0, model2, opt2, lr_scheduler=sched2)
     assert restored.step == 3 and restored.exact and restored.extra == {"note": "hello"}
     assert_bitwise_equal(saved, state_of(model2, opt2))
