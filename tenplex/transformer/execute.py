@@ -1,0 +1,434 @@
+"""The executor: runs one target host's part of a plan against the store daemons.
+
+For each destination shard one buffer of exactly the shard's size is filled
+from its pieces: local pieces are read from the host's own store (old
+version), remote ones from their planned source, padding is zero-filled.
+A piece that is contiguous in the destination (whole trailing rows) is read
+straight into the buffer; any other piece lands in a piece-sized temporary and
+is copied in: never whole-tensor staging. The client verifies each payload's
+checksum. A finished shard is uploaded into the target store's *new* version
+and its buffer dropped; buffers in flight are bounded by ``max_buffer_bytes``.
+When every shard is stored the new version is committed.
+
+Failures: a source that stops answering (:class:`StoreUnavailable` after the
+client's retries) is marked dead for the rest of the transform, and its pieces
+(the failed one and those not yet fetched) move to the next alive alternative
+holder the planner recorded, then to the persistent checkpoint when the plan
+has one. A checksum mismatch is retried once at the same source before moving
+on. When some piece has no source left, or the target store fails, nothing is
+committed: the partial new version is deleted, the old version is untouched,
+and :class:`TransformFailed` says what failed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from tenplex.errors import (
+    ChecksumMismatch,
+    InvalidInput,
+    StoreUnavailable,
+    TenplexError,
+    TransformFailed,
+)
+from tenplex.ptc.dtypes import storage_dtype
+from tenplex.transformer.plan import CHECKPOINT, DestShard, HostPlan, Plan, Transfer
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
+
+    from tenplex.store.client import StoreClient
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_BUFFER_BYTES = 2 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class TransformReport:
+    host: str
+    bytes_local: int
+    bytes_remote: int
+    bytes_zero: int
+    seconds: float
+    requests: int
+    replanned_pieces: int
+    shards: int = 0
+    bytes_checkpoint: int = 0
+    """Part of ``bytes_remote`` read from the persistent checkpoint."""
+
+    @property
+    def bytes_total(self) -> int:
+        return self.bytes_local + self.bytes_remote + self.bytes_zero
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "host": self.host,
+            "bytes_local": self.bytes_local,
+            "bytes_remote": self.bytes_remote,
+            "bytes_zero": self.bytes_zero,
+            "bytes_checkpoint": self.bytes_checkpoint,
+            "seconds": self.seconds,
+            "requests": self.requests,
+            "replanned_pieces": self.replanned_pieces,
+            "shards": self.shards,
+        }
+
+
+class TransformMetrics:
+    """Prometheus metrics of transforms, registered in the caller's registry (none is global)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.bytes = Counter(
+            "tenplex_transform_bytes",
+            "Bytes placed into new shards, by how they were obtained",
+            ["kind"],  # local | remote | checkpoint | zero
+            registry=self.registry,
+        )
+        self.requests = Counter("tenplex_transform_requests", "Piece reads issued", registry=self.registry)
+        self.replanned = Counter(
+            "tenplex_transform_replanned_pieces",
+            "Pieces moved to another holder after their source failed",
+            registry=self.registry,
+        )
+        self.transforms = Counter(
+            "tenplex_transforms", "Host transforms finished, by outcome", ["outcome"], registry=self.registry
+        )
+        self.seconds = Histogram(
+            "tenplex_transform_seconds",
+            "Duration of host transforms",
+            buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600, 1800),
+            registry=self.registry,
+        )
+
+
+class _State:
+    """What all worker threads of one transform share: dead sources, counters, progress."""
+
+    def __init__(
+        self, total: int, progress: Callable[[int, int], None] | None, metrics: TransformMetrics | None
+    ) -> None:
+        self.lock = threading.Lock()
+        self.dead: set[str] = set()
+        self.total = total
+        self.done = 0
+        self.progress = progress
+        self.metrics = metrics
+        self.bytes = {"local": 0, "remote": 0, "checkpoint": 0, "zero": 0}
+        self.requests = 0
+        self.replanned = 0
+        self.failed = threading.Event()
+
+    def add(self, kind: str, nbytes: int, *, request: bool) -> None:
+        with self.lock:
+            self.bytes[kind] += nbytes
+            self.done += nbytes
+            if request:
+                self.requests += 1
+            done = self.done
+        if self.metrics is not None:
+            self.metrics.bytes.labels(kind).inc(nbytes)
+            if request:
+                self.metrics.requests.inc()
+        if self.progress is not None:
+            self.progress(done, self.total)
+
+    def mark_dead(self, source: str, exc: BaseException) -> None:
+        with self.lock:
+            new = source not in self.dead
+            self.dead.add(source)
+        if new:
+            log.warning("source %s failed (%s); re-planning its remaining pieces onto other holders", source, exc)
+
+    def replan(self) -> None:
+        with self.lock:
+            self.replanned += 1
+        if self.metrics is not None:
+            self.metrics.replanned.inc()
+
+
+class _Shard:
+    """A destination shard being assembled: its buffer and how many pieces are still missing."""
+
+    __slots__ = ("buf", "dest", "index", "missing")
+
+    def __init__(self, index: int, dest: DestShard, pieces: int) -> None:
+        self.index = index
+        self.dest = dest
+        self.buf = np.empty(dest.region.shape, dtype=storage_dtype(dest.dtype))
+        self.missing = pieces
+
+
+def execute_host_plan(
+    plan: Plan,
+    host: str,
+    *,
+    target: StoreClient,
+    sources: Mapping[str, StoreClient],
+    concurrency: int = 8,
+    progress: Callable[[int, int], None] | None = None,
+    metrics: TransformMetrics | None = None,
+    max_buffer_bytes: int = DEFAULT_MAX_BUFFER_BYTES,
+) -> TransformReport:
+    """Fill and commit ``host``'s shards of ``plan.new_version`` in its store (``target``).
+
+    ``sources`` maps source host names (and :data:`CHECKPOINT`) to clients;
+    the target host's own pieces are read through ``target``. A source the
+    plan names but ``sources`` lacks counts as failed. ``progress`` is called
+    with (bytes done, bytes total) from worker threads.
+    """
+    if concurrency < 1:
+        raise InvalidInput(f"concurrency must be >= 1, got {concurrency}")
+    if max_buffer_bytes < 1:
+        raise InvalidInput(f"max_buffer_bytes must be >= 1, got {max_buffer_bytes}")
+    hp = plan.host(host)
+    start = time.perf_counter()
+    state = _State(hp.bytes_total, progress, metrics)
+    clients: dict[str, StoreClient] = dict(sources)
+    clients[host] = target
+    try:
+        _prepare_target(plan, target)
+        _run(plan, hp, clients, state, concurrency, max_buffer_bytes)
+        target.commit(plan.job, plan.new_version)
+    except BaseException as exc:
+        state.failed.set()
+        _discard(plan, target)
+        if metrics is not None:
+            metrics.transforms.labels("failed").inc()
+        if isinstance(exc, TransformFailed):
+            raise
+        if isinstance(exc, TenplexError):
+            raise TransformFailed(
+                f"transform of host {host} to {plan.new_version} failed ({exc.code}: {exc.detail}); "
+                f"nothing was committed, {plan.old_version} is intact"
+            ) from exc
+        raise
+    seconds = time.perf_counter() - start
+    if metrics is not None:
+        metrics.transforms.labels("ok").inc()
+        metrics.seconds.observe(seconds)
+    b = state.bytes
+    report = TransformReport(
+        host=host,
+        bytes_local=b["local"],
+        bytes_remote=b["remote"] + b["checkpoint"],
+        bytes_zero=b["zero"],
+        seconds=seconds,
+        requests=state.requests,
+        replanned_pieces=state.replanned,
+        shards=len(hp.shards),
+        bytes_checkpoint=b["checkpoint"],
+    )
+    log.info(
+        "host %s: %s committed in %.2f s (%d local, %d remote, %d zero bytes; %d requests, %d re-planned)",
+        host, plan.new_version, seconds, report.bytes_local, report.bytes_remote, report.bytes_zero,
+        report.requests, report.replanned_pieces,
+    )
+    return report
+
+
+def _prepare_target(plan: Plan, target: StoreClient) -> None:
+    """Drop a leftover uncommitted new version (an earlier, failed attempt); refuse to overwrite a committed one."""
+    from tenplex.errors import NotFound
+
+    try:
+        versions = target.versions(plan.job)
+    except NotFound:
+        return
+    for v in versions:
+        if v.version == plan.new_version:
+            if v.committed:
+                raise TransformFailed(
+                    f"version {plan.new_version} of job {plan.job!r} is already committed at {target.url}; "
+                    "a plan must write a new version"
+                )
+            log.info("deleting the uncommitted leftover of %s at %s before the transform", plan.new_version, target.url)
+            target.delete(plan.job, plan.new_version)
+
+
+def _discard(plan: Plan, target: StoreClient) -> None:
+    try:
+        target.delete(plan.job, plan.new_version)
+    except TenplexError as exc:
+        if exc.code != "not_found":
+            log.warning("could not delete the partial version %s at %s: %s", plan.new_version, target.url, exc.detail)
+
+
+def _run(
+    plan: Plan,
+    hp: HostPlan,
+    clients: Mapping[str, StoreClient],
+    state: _State,
+    concurrency: int,
+    max_buffer_bytes: int,
+) -> None:
+    by_shard: list[list[Transfer]] = [[] for _ in hp.shards]
+    for tr in hp.transfers:
+        by_shard[tr.shard].append(tr)
+    budget = threading.Condition()
+    in_flight = [0]  # bytes of buffers allocated and not yet stored
+
+    def stored(nbytes: int) -> None:
+        with budget:
+            in_flight[0] -= nbytes
+            budget.notify_all()
+
+    futures: list[Future[None]] = []
+    errors: list[BaseException] = []
+
+    def check(f: Future[None]) -> None:
+        exc = None if f.cancelled() else f.exception()
+        if exc is not None:
+            with state.lock:
+                errors.append(exc)
+            state.failed.set()
+            with budget:
+                budget.notify_all()
+
+    with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix=f"tenplex-transform-{hp.host}") as pool:
+        for idx, dest in enumerate(hp.shards):
+            nbytes = dest.nbytes
+            with budget:
+                # One shard larger than the budget still runs, alone.
+                while in_flight[0] and in_flight[0] + nbytes > max_buffer_bytes and not state.failed.is_set():
+                    budget.wait(0.5)
+                if state.failed.is_set():
+                    break
+                in_flight[0] += nbytes
+            shard = _Shard(idx, dest, len(by_shard[idx]))
+            if by_shard[idx]:
+                for tr in by_shard[idx]:
+                    futures.append(pool.submit(_piece, plan, hp, shard, tr, clients, state, stored))
+                    futures[-1].add_done_callback(check)
+            else:  # an empty shard (0-size tensor): store it as is
+                futures.append(pool.submit(_store, plan, hp, shard, clients, state, stored))
+                futures[-1].add_done_callback(check)
+        if state.failed.is_set():
+            for f in futures:
+                f.cancel()
+        wait(futures)
+    if errors:
+        # A TransformFailed names the piece; prefer it over secondary errors.
+        first = next((e for e in errors if isinstance(e, TransformFailed)), errors[0])
+        raise first
+
+
+def _piece(
+    plan: Plan,
+    hp: HostPlan,
+    shard: _Shard,
+    tr: Transfer,
+    clients: Mapping[str, StoreClient],
+    state: _State,
+    stored: Callable[[int], None],
+) -> None:
+    if state.failed.is_set():
+        return
+    rel = tr.region.relative_to(shard.dest.region)
+    view = shard.buf[rel.slices()]
+    if tr.source is None:
+        view[...] = 0
+        state.add("zero", tr.nbytes, request=False)
+    else:
+        _fetch(plan, hp, tr, view, clients, state)
+    last = False
+    with state.lock:
+        shard.missing -= 1
+        last = shard.missing == 0
+    if last:
+        _store(plan, hp, shard, clients, state, stored)
+
+
+def _candidates(plan: Plan, tr: Transfer) -> list[str]:
+    out = [tr.source, *tr.alternatives] if tr.source is not None else list(tr.alternatives)
+    if plan.checkpoint is not None and CHECKPOINT not in out:
+        out.append(CHECKPOINT)
+    return [s for s in out if s is not None]
+
+
+def _fetch(
+    plan: Plan, hp: HostPlan, tr: Transfer, view: np.ndarray, clients: Mapping[str, StoreClient], state: _State
+) -> None:
+    """Read one piece into its place, moving to the next holder when a source fails."""
+    direct = view.flags.c_contiguous
+    out = view if direct else np.empty(view.shape, dtype=view.dtype)
+    errors: list[str] = []
+    first = True
+    for source in _candidates(plan, tr):
+        client = clients.get(source)
+        if client is None:
+            state.mark_dead(source, KeyError("no client given for it"))
+            errors.append(f"{source}: no store URL given")
+            first = False
+            continue
+        if source in state.dead:
+            errors.append(f"{source}: failed earlier")
+            first = False
+            continue
+        if not first:
+            state.replan()
+            log.info("piece %s %s of host %s: now from %s", tr.tensor, tr.region, hp.host, source)
+        first = False
+        for attempt in (1, 2):
+            try:
+                client.read_into(plan.job, plan.old_version, tr.tensor, tr.region, out)
+            except ChecksumMismatch as exc:
+                errors.append(f"{source}: {exc.detail}")
+                if attempt == 1:
+                    continue
+                break
+            except StoreUnavailable as exc:
+                state.mark_dead(source, exc)
+                errors.append(f"{source}: {exc.detail}")
+                break
+            except TenplexError as exc:  # NotFound and the like: this holder does not have it after all
+                errors.append(f"{source}: {exc.code}: {exc.detail}")
+                break
+            if not direct:
+                view[...] = out
+            kind = "local" if source == hp.host else ("checkpoint" if source == CHECKPOINT else "remote")
+            state.add(kind, tr.nbytes, request=True)
+            return
+    raise TransformFailed(
+        f"host {hp.host}: no source could deliver {tr.tensor} {tr.region} ({tr.nbytes} bytes) of "
+        f"{plan.old_version}: " + "; ".join(errors)
+        + f". Nothing was committed; {plan.old_version} is intact"
+    )
+
+
+def _store(
+    plan: Plan,
+    hp: HostPlan,
+    shard: _Shard,
+    clients: Mapping[str, StoreClient],
+    state: _State,
+    stored: Callable[[int], None],
+) -> None:
+    dest = shard.dest
+    try:
+        if state.failed.is_set():
+            return
+        try:
+            clients[hp.host].write_shard(
+                plan.job, plan.new_version, dest.tensor, dest.region, shard.buf,
+                dtype=dest.dtype, global_shape=dest.global_shape,
+            )
+        except TenplexError as exc:
+            raise TransformFailed(
+                f"host {hp.host}: storing {dest.tensor} {dest.region} into {plan.new_version} failed "
+                f"({exc.code}: {exc.detail}); nothing was committed, {plan.old_version} is intact"
+            ) from exc
+    finally:
+        shard.buf = None  # type: ignore[assignment]  # free the buffer before the next shard is allocated
+        stored(dest.nbytes)
