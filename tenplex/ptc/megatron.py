@@ -219,6 +219,11 @@ def _module_params(
     return out
 
 
+def _local_numel(param: _Param, tp: int) -> int:
+    """Elements of ``param`` in one tp rank's buffer (every split divides evenly: see check_tp)."""
+    return _numel(param.shape) // (1 if param.split is _Split.NONE else tp)
+
+
 def _tp_pieces(param: _Param, tp: int) -> list[tuple[tuple[int, int], ...]]:
     """For each tp rank, the global boxes its local shard is made of, stacked along dim 0.
 
@@ -310,15 +315,12 @@ def megatron_gpt_ptc(
     seen: set[str] = set()
     for s, layers in enumerate(stages):
         params = _module_params(spec, vocab, layers, s == 0, s == pp - 1)
-        # Elements of each parameter in one tp rank's buffer (every split divides evenly: check_tp).
-        local = [_numel(p.shape) // (1 if p.split is _Split.NONE else tp) for p in params]
+        local = [_local_numel(p, tp) for p in params]
         total = sum(local)
         part = -(-total // dp)  # the buffer is padded to part * dp elements
         offset = 0
         for p, n in zip(reversed(params), reversed(local), strict=True):
-            if p.name not in copies:
-                copies[p.name] = []
-            copies[p.name].append(_Copy(s, offset, part))
+            copies.setdefault(p.name, []).append(_Copy(s, offset, part))
             offset += n
         order.extend(p for p in params if p.name not in seen)
         seen.update(p.name for p in params)
@@ -375,7 +377,7 @@ def _partitioned_shards(
     buffer falls inside it; each resulting interval is owned by exactly one dp
     rank per copy (and per tp rank sharing the same local shard).
     """
-    n = _numel(p.shape) // (tp if p.split is not _Split.NONE else 1)
+    n = _local_numel(p, tp)
     cuts = {0, n}
     for c in cps:
         k = c.offset // c.part + 1
