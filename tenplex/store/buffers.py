@@ -187,4 +187,4 @@ def host_data(data: np.ndarray | torch.Tensor, dtype: str, *, what: str) -> np.n
     st = storage_dtype(dtype)
     if data.dtype != st:
         raise InvalidInput(f"{what}: numpy array is {data.dtype}, dtype {dtype!r} is stored as {st} (give a {st} array)")
-    return np.ascontiguousarray(data)
+    return data if data.flags.c_contiguous else np.ascontiguousarray(data)  # (a 0-d array stays 0-d)

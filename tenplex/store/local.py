@@ -206,7 +206,7 @@ class TensorReader:
             raise InvalidRegion(f"output buffer has shape {list(out.shape)}, region {region.format()!r} has {list(region.shape)}")
         for shard, common in self.plan(region):
             src = common.relative_to(shard.info.region).slices()
-            dst = out[common.relative_to(region).slices()]
+            dst = out[common.relative_to(region).slices()] if region.ndim else out  # out[()] would be a copy
             self._array(shard.path).get_basic_selection(src, out=NDBuffer.from_numpy_array(dst))
 
     def checksum(self, region: Region, piece_bytes: int = _PIECE_BYTES) -> int:
@@ -306,8 +306,8 @@ class LocalStore:
         durable: bool = True,
         cache_size: int = 1024,
     ) -> None:
-        if chunk_bytes < 1024:
-            raise InvalidInput(f"chunk_bytes must be at least 1024, got {chunk_bytes}")
+        if chunk_bytes < 64:
+            raise InvalidInput(f"chunk_bytes must be at least 64, got {chunk_bytes}")
         self.root = Path(root).resolve()
         self.root.mkdir(parents=True, exist_ok=True)
         self.chunk_bytes = chunk_bytes

@@ -147,8 +147,19 @@ def _error_response(exc: TenplexError) -> JSONResponse:
     return JSONResponse(exc.to_json(), status_code=exc.http_status)
 
 
-def create_app(store: LocalStore, *, token: str | None, single_pass_bytes: int = SINGLE_PASS_BYTES) -> FastAPI:
-    """The FastAPI application serving ``store``; ``token`` (if not None) is required on everything but /healthz."""
+def create_app(
+    store: LocalStore,
+    *,
+    token: str | None,
+    single_pass_bytes: int = SINGLE_PASS_BYTES,
+    piece_bytes: int = PIECE_BYTES,
+) -> FastAPI:
+    """The FastAPI application serving ``store``; ``token`` (if not None) is required on everything but /healthz.
+
+    ``single_pass_bytes`` and ``piece_bytes`` bound the server memory per request (see the module doc).
+    """
+    if single_pass_bytes < 1 or piece_bytes < 1:
+        raise InvalidInput(f"single_pass_bytes and piece_bytes must be positive, got {single_pass_bytes}, {piece_bytes}")
     metrics = _Metrics()
     app = FastAPI(title="tenplex store", version="1", docs_url=None, redoc_url=None)
     app.state.store = store
@@ -246,11 +257,11 @@ def create_app(store: LocalStore, *, token: str | None, single_pass_bytes: int =
         if exact is not None:
             headers["X-Tenplex-Checksum"] = exact.checksum
         else:
-            crc = await to_thread.run_sync(reader.checksum, box, PIECE_BYTES)
+            crc = await to_thread.run_sync(reader.checksum, box, piece_bytes)
             headers["X-Tenplex-Checksum"] = format_checksum(crc)
         headers["Content-Length"] = str(nbytes)
         return StreamingResponse(
-            _stream_region(reader, box, st, metrics), media_type="application/octet-stream", headers=headers
+            _stream_region(reader, box, st, metrics, piece_bytes), media_type="application/octet-stream", headers=headers
         )
 
     @api.put("/v1/jobs/{job}/versions/{version}/tensors/{tensor:path}")
@@ -270,7 +281,7 @@ def create_app(store: LocalStore, *, token: str | None, single_pass_bytes: int =
                 f"body is {declared.strip()} bytes, but region {box.format()!r} of {dtype} needs {expected} bytes"
             )
         writer: ShardWriter = await to_thread.run_sync(
-            lambda: store.open_writer(job, v, tensor, box, dtype=dtype, global_shape=gshape, piece_bytes=PIECE_BYTES)
+            lambda: store.open_writer(job, v, tensor, box, dtype=dtype, global_shape=gshape, piece_bytes=piece_bytes)
         )
         try:
             await _receive_shard(request, writer, expected)
@@ -294,13 +305,15 @@ def _required_header(request: Request, name: str) -> str:
     return value
 
 
-async def _stream_region(reader: TensorReader, box: Region, st: np.dtype, metrics: _Metrics) -> AsyncIterator[memoryview]:
+async def _stream_region(
+    reader: TensorReader, box: Region, st: np.dtype, metrics: _Metrics, piece_bytes: int
+) -> AsyncIterator[memoryview]:
     """Yield the region's bytes piece by piece, reading the next piece while the current one is sent.
 
     A fresh buffer per piece: the transport may still hold a reference to the
     previous one's memory while it drains it.
     """
-    pieces = list(slabs(box.shape, st.itemsize, PIECE_BYTES))
+    pieces = list(slabs(box.shape, st.itemsize, piece_bytes))
 
     def read(piece: Region) -> np.ndarray:
         buf = np.empty(piece.shape, st)
@@ -441,12 +454,13 @@ class StoreServer:
         store: LocalStore | None = None,
         log_level: str = "warning",
         single_pass_bytes: int = SINGLE_PASS_BYTES,
+        piece_bytes: int = PIECE_BYTES,
     ) -> None:
         self.store = store if store is not None else LocalStore(root)
         self.host = host
         self._port = port
         self.token = token
-        self.app = create_app(self.store, token=token, single_pass_bytes=single_pass_bytes)
+        self.app = create_app(self.store, token=token, single_pass_bytes=single_pass_bytes, piece_bytes=piece_bytes)
         self._server = uvicorn.Server(_config(self.app, log_level))
         self._thread: threading.Thread | None = None
         self._sock: socket.socket | None = None

@@ -1,0 +1,290 @@
+"""LocalStore on a real tmp dir: round trips, assembly across shards, versions, commit, gc, verify, bad input."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tenplex.errors import (
+    Conflict,
+    InvalidInput,
+    InvalidRegion,
+    NotFound,
+    RegionOutOfBounds,
+    StateLost,
+)
+from tenplex.ptc.dtypes import DTYPES, storage_dtype
+from tenplex.ptc.region import Region
+from tenplex.store.local import LocalStore
+from tenplex.store.version import Version
+
+
+def random_array(shape: tuple[int, ...], dtype: str, seed: int = 0) -> np.ndarray:
+    """Random bytes viewed as the storage dtype: every bit pattern (NaNs, -0.0, subnormals) included."""
+    st_ = storage_dtype(dtype)
+    rng = np.random.default_rng(seed)
+    n = int(np.prod(shape, dtype=np.int64))
+    if st_ == np.bool_:
+        return rng.integers(0, 2, size=n).astype(np.bool_).reshape(shape)
+    raw = rng.integers(0, 256, size=n * st_.itemsize, dtype=np.uint8)
+    return raw.view(st_).reshape(shape)
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_every_dtype_round_trips_bit_exactly(store: LocalStore, dtype: str) -> None:
+    data = random_array((37, 23), dtype)
+    region = Region.full((37, 23))
+    info = store.write_shard("job", "s1-g0", "w", region, data, dtype=dtype, global_shape=(37, 23))
+    assert info.nbytes == data.nbytes and info.checksum.startswith("crc32c:")
+    out = np.empty_like(data)
+    store.read_region("job", "s1-g0", "w", region, out, committed_only=False)
+    assert same_bits(out, data)
+
+
+def test_negative_zero_and_nan_payloads_survive(store: LocalStore) -> None:
+    # chunks equal to the fill value (0.0) must still be written, or -0.0 comes back as +0.0
+    data = np.full((64, 64), -0.0, np.float32)
+    data[0, 0] = np.frombuffer(np.uint32(0x7FC01234).tobytes(), np.float32)[0]  # NaN with a payload
+    store.write_shard("j", "s1-g0", "w", Region.full(data.shape), data, dtype="float32", global_shape=data.shape)
+    out = np.empty_like(data)
+    store.read_region("j", "s1-g0", "w", Region.full(data.shape), out, committed_only=False)
+    assert same_bits(out, data)
+
+
+def test_torch_bfloat16_in_and_out(store: LocalStore) -> None:
+    t = torch.randn(9, 17, dtype=torch.bfloat16)
+    store.write_shard("j", Version(3, 1), "emb", Region.full((9, 17)), t, dtype="bfloat16", global_shape=(9, 17))
+    out = torch.empty(4, 5, dtype=torch.bfloat16)
+    store.read_region("j", Version(3, 1), "emb", Region(((2, 6), (10, 15))), out, committed_only=False)
+    assert torch.equal(out.view(torch.int16), t[2:6, 10:15].view(torch.int16))
+    as_u16 = np.empty((9, 17), np.uint16)  # a numpy uint16 buffer is the stored form of bfloat16
+    store.read_region("j", Version(3, 1), "emb", Region.full((9, 17)), as_u16, committed_only=False)
+    assert as_u16.tobytes() == t.view(torch.int16).numpy().tobytes()
+
+
+def test_zero_dim_and_empty_tensors(store: LocalStore) -> None:
+    scalar = np.array(7, np.int64)
+    store.write_shard("j", "s1-g0", "step", Region(()), scalar, dtype="int64", global_shape=())
+    out = np.empty((), np.int64)
+    store.read_region("j", "s1-g0", "step", Region(()), out, committed_only=False)
+    assert int(out) == 7
+    empty = np.empty((0, 5), np.float32)
+    store.write_shard("j", "s1-g0", "nothing", Region.full((0, 5)), empty, dtype="float32", global_shape=(0, 5))
+    store.read_region("j", "s1-g0", "nothing", Region.full((0, 5)), np.empty((0, 5), np.float32), committed_only=False)
+    assert {s.tensor for s in store.manifest("j", "s1-g0").shards} == {"step", "nothing"}
+
+
+SHAPE = (50, 40)
+FULL = np.arange(50 * 40, dtype=np.float32).reshape(SHAPE)
+
+
+@pytest.fixture(scope="module")
+def tiled(tmp_path_factory: pytest.TempPathFactory) -> LocalStore:
+    """A 50x40 tensor stored as a 2x3 grid of uneven shards (a TP x PP-like tiling), committed."""
+    s = LocalStore(tmp_path_factory.mktemp("tiled"), chunk_bytes=1024)
+    for r0, r1 in ((0, 17), (17, 50)):
+        for c0, c1 in ((0, 10), (10, 31), (31, 40)):
+            box = Region(((r0, r1), (c0, c1)))
+            s.write_shard("j", "s5-g0", "layers.0/w", box, np.ascontiguousarray(FULL[box.slices()]), dtype="float32", global_shape=SHAPE)
+    s.commit("j", "s5-g0")
+    return s
+
+
+@st.composite
+def regions(draw: st.DrawFn, shape: tuple[int, ...]) -> Region:
+    bounds = []
+    for n in shape:
+        a = draw(st.integers(0, n))
+        b = draw(st.integers(a, n))
+        bounds.append((a, b))
+    return Region(tuple(bounds))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(region=regions(SHAPE))
+def test_any_region_is_assembled_across_shards(tiled: LocalStore, region: Region) -> None:
+    out = np.full(region.shape, -1, np.float32)
+    tiled.read_region("j", "s5-g0", "layers.0/w", region, out)
+    assert np.array_equal(out, FULL[region.slices()])
+
+
+def test_read_touches_only_the_chunks_of_the_region(tmp_path: Path) -> None:
+    s = LocalStore(tmp_path, chunk_bytes=400)  # 10x10 float32 chunks
+    data = random_array((40, 40), "float32")
+    s.write_shard("j", "s1-g0", "w", Region.full((40, 40)), data, dtype="float32", global_shape=(40, 40))
+    s.commit("j", "s1-g0")
+    chunk_root = tmp_path / "j" / "s1-g0" / "w" / "r0-40_0-40" / "c"
+    # truncate every chunk outside rows 10..20 x cols 20..30: decoding one would raise
+    for i in range(4):
+        for k in range(4):
+            if (i, k) != (1, 2):
+                (chunk_root / str(i) / str(k)).write_bytes(b"bad")
+    out = np.empty((7, 5), np.float32)
+    s.read_region("j", "s1-g0", "w", Region(((12, 19), (21, 26))), out)
+    assert np.array_equal(out, data[12:19, 21:26])
+    with pytest.raises(ValueError):
+        s.read_region("j", "s1-g0", "w", Region(((0, 1), (0, 1))), np.empty((1, 1), np.float32))
+
+
+def test_uncovered_region_is_state_lost_naming_the_gap(tiled: LocalStore, tmp_path: Path) -> None:
+    s = LocalStore(tmp_path)
+    s.write_shard("j", "s1-g0", "w", Region(((0, 10), (0, 4))), np.zeros((10, 4), np.float32), dtype="float32", global_shape=(20, 4))
+    with pytest.raises(StateLost, match=r"10:15,0:4"):
+        s.read_region("j", "s1-g0", "w", Region(((5, 15), (0, 4))), np.empty((10, 4), np.float32), committed_only=False)
+
+
+def test_region_and_buffer_errors(tiled: LocalStore) -> None:
+    with pytest.raises(RegionOutOfBounds):
+        tiled.read_region("j", "s5-g0", "layers.0/w", Region(((0, 51), (0, 1))), np.empty((51, 1), np.float32))
+    with pytest.raises(InvalidRegion):
+        tiled.read_region("j", "s5-g0", "layers.0/w", Region(((0, 2),)), np.empty((2,), np.float32))
+    with pytest.raises(InvalidRegion, match="shape"):
+        tiled.read_region("j", "s5-g0", "layers.0/w", Region(((0, 2), (0, 2))), np.empty((2, 3), np.float32))
+    with pytest.raises(InvalidInput, match="8-byte"):
+        tiled.read_region("j", "s5-g0", "layers.0/w", Region(((0, 2), (0, 2))), np.empty((2, 2), np.float64))
+    with pytest.raises(InvalidInput, match="C-contiguous"):
+        tiled.read_region("j", "s5-g0", "layers.0/w", Region(((0, 2), (0, 2))), np.empty((2, 4), np.float32)[:, ::2])
+    with pytest.raises(NotFound, match="tensor"):
+        tiled.read_region("j", "s5-g0", "nope", Region(((0, 1),)), np.empty((1,), np.float32))
+    with pytest.raises(NotFound, match="version"):
+        tiled.read_region("j", "s6-g0", "layers.0/w", Region(((0, 1), (0, 1))), np.empty((1, 1), np.float32))
+    with pytest.raises(NotFound, match="job"):
+        tiled.read_region("other", "s5-g0", "layers.0/w", Region(((0, 1), (0, 1))), np.empty((1, 1), np.float32))
+
+
+def test_write_errors_store_nothing(store: LocalStore) -> None:
+    box = Region.full((4, 4))
+    ok = np.zeros((4, 4), np.float32)
+    with pytest.raises(InvalidInput, match="float64"):
+        store.write_shard("j", "s1-g0", "w", box, ok.astype(np.float64), dtype="float32", global_shape=(4, 4))
+    with pytest.raises(InvalidInput, match="shape"):
+        store.write_shard("j", "s1-g0", "w", box, np.zeros((4, 3), np.float32), dtype="float32", global_shape=(4, 4))
+    with pytest.raises(RegionOutOfBounds):
+        store.write_shard("j", "s1-g0", "w", Region.full((5, 4)), np.zeros((5, 4), np.float32), dtype="float32", global_shape=(4, 4))
+    with pytest.raises(InvalidInput, match="unknown dtype"):
+        store.write_shard("j", "s1-g0", "w", box, ok, dtype="float8", global_shape=(4, 4))
+    with pytest.raises(InvalidInput, match="torch.float32"):
+        store.write_shard("j", "s1-g0", "w", box, torch.zeros(4, 4), dtype="bfloat16", global_shape=(4, 4))
+    for bad_job in ("", "../x", ".hidden", "a/b", "x\x00"):
+        with pytest.raises(InvalidInput, match="job name"):
+            store.write_shard(bad_job, "s1-g0", "w", box, ok, dtype="float32", global_shape=(4, 4))
+    for bad_tensor in ("../w", "/abs", "a//b", "a/./b", "a\\b", "w\x00", ".w", ""):
+        with pytest.raises(InvalidInput, match="tensor name"):
+            store.write_shard("j", "s1-g0", bad_tensor, box, ok, dtype="float32", global_shape=(4, 4))
+    with pytest.raises(InvalidInput, match="s<step>-g<generation>"):
+        store.write_shard("j", "../s1", "w", box, ok, dtype="float32", global_shape=(4, 4))
+    assert store.jobs() == []
+    assert not any(p.name not in (".staging", ".lock") for p in store.root.rglob("*") if p.is_file())
+
+
+def test_tensor_dtype_and_shape_must_agree_within_a_version(store: LocalStore) -> None:
+    store.write_shard("j", "s1-g0", "w", Region(((0, 2), (0, 4))), np.zeros((2, 4), np.float32), dtype="float32", global_shape=(4, 4))
+    with pytest.raises(Conflict, match="float32"):
+        store.write_shard("j", "s1-g0", "w", Region(((2, 4), (0, 4))), np.zeros((2, 4), np.float16), dtype="float16", global_shape=(4, 4))
+    with pytest.raises(Conflict, match=r"\[4, 4\]"):
+        store.write_shard("j", "s1-g0", "w", Region(((2, 4), (0, 4))), np.zeros((2, 4), np.float32), dtype="float32", global_shape=(8, 4))
+
+
+def test_rewrite_replaces_and_commit_freezes(store: LocalStore) -> None:
+    box = Region.full((3, 3))
+    store.write_shard("j", "s1-g0", "w", box, np.zeros((3, 3), np.int32), dtype="int32", global_shape=(3, 3))
+    store.write_shard("j", "s1-g0", "w", box, np.ones((3, 3), np.int32), dtype="int32", global_shape=(3, 3))
+    assert len(store.manifest("j", "s1-g0").shards) == 1
+    with pytest.raises(NotFound, match="not committed"):
+        store.read_region("j", "s1-g0", "w", box, np.empty((3, 3), np.int32))
+    store.commit("j", "s1-g0")
+    store.commit("j", "s1-g0")  # idempotent
+    out = np.empty((3, 3), np.int32)
+    store.read_region("j", "s1-g0", "w", box, out)
+    assert (out == 1).all()
+    with pytest.raises(Conflict, match="committed"):
+        store.write_shard("j", "s1-g0", "w", box, np.full((3, 3), 2, np.int32), dtype="int32", global_shape=(3, 3))
+    store.read_region("j", "s1-g0", "w", box, out)
+    assert (out == 1).all()
+    assert store.verify("j", "s1-g0") == []
+
+
+def test_manifest_json_round_trip_and_versions_order(store: LocalStore) -> None:
+    from tenplex.store.model import Manifest
+
+    for v in ("s10-g0", "s2-g1", "s2-g0", "s10-g2"):
+        store.write_shard("j", v, "a/b.c", Region.full((2,)), np.zeros(2, np.float64), dtype="float64", global_shape=(2,))
+    store.commit("j", "s2-g1")
+    infos = store.versions("j")
+    assert [str(vi.version) for vi in infos] == ["s2-g0", "s2-g1", "s10-g0", "s10-g2"]
+    assert [vi.committed for vi in infos] == [False, True, False, False]
+    assert all(vi.nbytes == 16 for vi in infos)
+    m = store.manifest("j", "s2-g1")
+    assert m.committed and Manifest.from_json(m.to_json()) == m
+    assert m.shards[0].tensor == "a/b.c" and m.shards[0].global_shape == (2,)
+    assert store.jobs() == ["j"]
+    with pytest.raises(NotFound):
+        store.versions("nojob")
+    with pytest.raises(NotFound):
+        store.manifest("j", "s99-g0")
+
+
+def test_delete_and_gc_keep_the_newest_committed(store: LocalStore) -> None:
+    def put(v: str) -> None:
+        store.write_shard("j", v, "w", Region.full((2,)), np.zeros(2, np.int8), dtype="int8", global_shape=(2,))
+
+    for step in (1, 2, 3, 4):
+        put(f"s{step}-g0")
+        store.commit("j", f"s{step}-g0")
+    put("s3-g1")  # torn: older than the newest committed
+    put("s9-g0")  # maybe still being written: newer than every committed one
+    deleted = store.gc("j", keep_last=2)
+    assert sorted(map(str, deleted)) == ["s1-g0", "s2-g0", "s3-g1"]
+    assert [str(vi.version) for vi in store.versions("j")] == ["s3-g0", "s4-g0", "s9-g0"]
+    store.delete("j", "s9-g0")
+    with pytest.raises(NotFound):
+        store.delete("j", "s9-g0")
+    with pytest.raises(InvalidInput, match="keep_last"):
+        store.gc("j", keep_last=0)
+    assert [str(vi.version) for vi in store.versions("j")] == ["s3-g0", "s4-g0"]
+    assert not any((store.root / "j" / ".staging").iterdir())
+
+
+def test_verify_reports_corruption(store: LocalStore) -> None:
+    data = random_array((64, 64), "float32")
+    store.write_shard("j", "s1-g0", "w", Region.full((64, 64)), data, dtype="float32", global_shape=(64, 64))
+    store.write_shard("j", "s1-g0", "b", Region.full((64,)), data[0].copy(), dtype="float32", global_shape=(64,))
+    store.commit("j", "s1-g0")
+    assert store.verify("j", "s1-g0") == []
+    chunk = next(p for p in (store.root / "j" / "s1-g0" / "w").rglob("*") if p.is_file() and p.parent.name != "r0-64_0-64" and p.name != "zarr.json")
+    raw = bytearray(chunk.read_bytes())
+    raw[5] ^= 0x01
+    chunk.write_bytes(bytes(raw))
+    problems = store.verify("j", "s1-g0")
+    assert len(problems) == 1 and problems[0].startswith("w 0:64,0:64: checksum")
+
+
+def test_leftover_staging_of_a_dead_writer_is_invisible(store: LocalStore) -> None:
+    store.write_shard("j", "s1-g0", "w", Region.full((4,)), np.zeros(4, np.int16), dtype="int16", global_shape=(4,))
+    store.commit("j", "s1-g0")
+    writer = store.open_writer("j", "s2-g0", "w", Region.full((4,)), dtype="int16", global_shape=(4,))
+    writer.write_piece(0, np.ones(4, np.int16))  # never finished: as if the process died here
+    assert [str(v.version) for v in store.versions("j")] == ["s1-g0"]
+    shutil.rmtree(writer.staging)
+    assert os.listdir(store.root / "j" / ".staging") == []
+
+
+def test_chunk_shapes_suit_rows_and_columns(tmp_path: Path) -> None:
+    import zarr
+
+    s = LocalStore(tmp_path)
+    s.write_shard("j", "s1-g0", "w", Region.full((2048, 2048)), np.zeros((2048, 2048), np.float32), dtype="float32", global_shape=(2048, 2048))
+    arr = zarr.open_array(str(tmp_path / "j" / "s1-g0" / "w" / "r0-2048_0-2048"), mode="r")
+    assert arr.chunks == (1024, 1024)
+    assert arr.compressors == ()
