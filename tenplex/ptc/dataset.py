@@ -11,12 +11,23 @@ between any two steps neither repeats nor skips a sample.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from tenplex.errors import InvalidConfig, InvalidPTC
+
+
+@functools.lru_cache(maxsize=2)
+def _epoch_order(num_samples: int, seed: int, epoch: int) -> np.ndarray:
+    """One epoch's permutation, memoized: a training step asks for its batch every step, and
+    permuting millions of samples each time would cost more than the step's data loading.
+    Two entries cover the step that crosses an epoch boundary."""
+    order = np.random.Generator(np.random.PCG64(seed + epoch)).permutation(num_samples)
+    order.flags.writeable = False
+    return order
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +38,14 @@ class DatasetState:
     consumed_samples: int = 0
 
     def __post_init__(self) -> None:
+        for name in ("num_samples", "seed", "global_batch_size", "consumed_samples"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | np.integer):
+                raise InvalidPTC(f"dataset {name} must be an integer, got {value!r}")
+            if not isinstance(value, int):  # numpy integers would not serialize to JSON
+                object.__setattr__(self, name, int(value))
+        if self.seed < 0:
+            raise InvalidPTC(f"dataset seed must be >= 0, got {self.seed}")
         if self.num_samples <= 0:
             raise InvalidPTC(f"dataset num_samples must be positive, got {self.num_samples}")
         if self.global_batch_size <= 0:
@@ -37,9 +56,10 @@ class DatasetState:
     # -- the order ----------------------------------------------------------
 
     def epoch_order(self, epoch: int) -> np.ndarray:
-        """The permutation of sample ids visited in ``epoch``."""
-        rng = np.random.Generator(np.random.PCG64(self.seed + epoch))
-        return rng.permutation(self.num_samples)
+        """The permutation of sample ids visited in ``epoch`` (read-only: it is shared)."""
+        if epoch < 0:
+            raise InvalidConfig(f"epoch must be >= 0, got {epoch}")
+        return _epoch_order(int(self.num_samples), int(self.seed), int(epoch))
 
     def samples(self, start: int, stop: int) -> np.ndarray:
         """Sample ids at positions ``[start, stop)`` of the endless epoch-by-epoch order."""

@@ -78,6 +78,16 @@ def test_invalid_values_name_themselves() -> None:
         DatasetState(10, 1, -2)
     with pytest.raises(InvalidPTC, match="consumed_samples must be >= 0, got -1"):
         DatasetState(10, 1, 2, -1)
+    with pytest.raises(InvalidPTC, match="seed must be >= 0, got -3"):
+        DatasetState(10, -3, 2)
+    with pytest.raises(InvalidPTC, match="num_samples must be an integer, got 10.5"):
+        DatasetState(10.5, 1, 2)  # type: ignore[arg-type]
+    with pytest.raises(InvalidPTC, match="global_batch_size must be an integer, got True"):
+        DatasetState(10, 1, True)
+    assert DatasetState(np.int64(10), 1, 2).to_json()["num_samples"] == 10
+    assert type(DatasetState(np.int64(10), 1, 2).num_samples) is int
+    with pytest.raises(InvalidConfig, match="epoch must be >= 0, got -1"):
+        DatasetState(10, 1, 2).epoch_order(-1)
     state = DatasetState(10, 1, 6)
     with pytest.raises(InvalidConfig, match="global batch size 6 is not divisible by data-parallel size 4"):
         state.rank_batch(0, 0, 4)
@@ -97,3 +107,14 @@ def test_json_round_trip_and_errors() -> None:
         DatasetState.from_json({"num_samples": 5, "seed": "1", "global_batch_size": 1})
     with pytest.raises(InvalidPTC, match="dataset must be an object, got list"):
         DatasetState.from_json([1, 2])
+
+
+def test_epoch_order_is_shared_and_read_only() -> None:
+    """Steps ask for their batch every step; the epoch's permutation is computed once."""
+    state = DatasetState(num_samples=50_000, seed=9, global_batch_size=16)
+    first = state.epoch_order(0)
+    assert state.advance(3).epoch_order(0) is first
+    assert not first.flags.writeable
+    with pytest.raises(ValueError, match="read-only"):
+        first[0] = 1
+    assert not np.array_equal(first, state.epoch_order(1))
