@@ -160,8 +160,26 @@ class PTC:
         """Hosts in order of first appearance among the devices."""
         return tuple(dict.fromkeys(d.host for d in self.devices))
 
+    @cached_property
+    def _host_devices(self) -> dict[str, list[Device]]:
+        index: dict[str, list[Device]] = defaultdict(list)
+        for d in self.devices:
+            index[d.host].append(d)
+        return index
+
+    @cached_property
+    def _by_host(self) -> dict[str, list[tuple[Tensor, Shard]]]:
+        """host -> distinct shards its devices hold, in tensor order (one pass for all hosts)."""
+        host_of = {d.id: d.host for d in self.devices}
+        index: dict[str, list[tuple[Tensor, Shard]]] = defaultdict(list)
+        for t in self.tensors:
+            for s in t.shards:
+                for h in dict.fromkeys(host_of[d] for d in s.devices):
+                    index[h].append((t, s))
+        return index
+
     def devices_on_host(self, host: str) -> list[Device]:
-        return [d for d in self.devices if d.host == host]
+        return list(self._host_devices.get(host, ()))
 
     def shards_of_device(self, device_id: int) -> list[tuple[Tensor, Shard]]:
         self.device(device_id)
@@ -169,10 +187,9 @@ class PTC:
 
     def shards_on_host(self, host: str) -> list[tuple[Tensor, Shard]]:
         """Distinct shards held by at least one device on ``host`` (a host stores each once)."""
-        ids = {d.id for d in self.devices_on_host(host)}
-        if not ids:
+        if host not in self._host_devices:
             raise NotFound(f"host {host!r} has no devices in the PTC")
-        return [(t, s) for t in self.tensors for s in t.shards if ids.intersection(s.devices)]
+        return list(self._by_host.get(host, ()))
 
     def owners(self, name: str, region: Region) -> list[Owner]:
         """The shards of ``name`` that intersect ``region``, each with the common piece."""
