@@ -172,6 +172,10 @@ class Region:
 
     def split(self, dim: int, parts: int) -> list[Region]:
         """Cut along ``dim`` into ``parts`` contiguous pieces, the first ones larger by one when uneven."""
+        if not 0 <= dim < len(self.bounds):
+            raise InvalidRegion(f"region {self.format()!r} has no dimension {dim} (rank {self.ndim})")
+        if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+            raise InvalidRegion(f"a region is split into a positive number of parts, got {parts!r}")
         a, b = self.bounds[dim]
         base, extra = divmod(b - a, parts)
         out = []

@@ -153,6 +153,10 @@ def test_bad_bounds_are_rejected() -> None:
     with pytest.raises(InvalidRegion, match="differ in rank"):
         Region(((0, 1),)).intersect(Region(((0, 1), (0, 1))))
     assert Region.parse("", ()) == Region(())
+    with pytest.raises(InvalidRegion, match="positive number of parts, got 0"):
+        Region(((0, 4),)).split(0, 0)
+    with pytest.raises(InvalidRegion, match="has no dimension 1"):
+        Region(((0, 4),)).split(1, 2)
 
 
 # -- flat ranges -----------------------------------------------------------------
