@@ -209,6 +209,9 @@ class SnapshotReport(_Model):
     committed: bool = Field(description="Whether this worker saw its host's copy complete and committed it.")
     bytes_written: int = Field(0, ge=0)
     seconds: float = Field(0.0, ge=0, description="Wall time of the background write.")
+    consumed_samples: int | None = Field(
+        None, ge=0, description="The dataset position of the version: the next generation's PTC dataset state."
+    )
 
     @field_validator("version")
     @classmethod

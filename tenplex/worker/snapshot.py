@@ -68,6 +68,8 @@ class SnapshotResult:
     write_seconds: float
     committed: bool
     """Whether this rank found its host's copy complete and committed it."""
+    consumed_samples: int | None = None
+    """The dataset position stored with the version, when the snapshot was given one."""
 
 
 class Snapshotter:
@@ -160,8 +162,9 @@ class Snapshotter:
             extra=extra,
         )
         copy_s = time.perf_counter() - t0
+        consumed = dataset.consumed_samples if dataset is not None else None
         self._thread = threading.Thread(
-            target=self._write, args=(version, copies, record, copy_s), name=f"tenplex-snapshot-{version}", daemon=True
+            target=self._write, args=(version, copies, record, copy_s, consumed), name=f"tenplex-snapshot-{version}", daemon=True
         )
         self._thread.start()
         return version
@@ -184,7 +187,7 @@ class Snapshotter:
 
     # -- background -------------------------------------------------------------------
 
-    def _write(self, version: Version, copies: list[_Copy], record: bytes, copy_s: float) -> None:
+    def _write(self, version: Version, copies: list[_Copy], record: bytes, copy_s: float, consumed: int | None) -> None:
         t0 = time.perf_counter()
         try:
             nbytes = 0
@@ -206,7 +209,7 @@ class Snapshotter:
             nbytes += len(record)
             committed = self._commit_if_complete(version)
             self._result = SnapshotResult(
-                version, self.host, len(copies) + 1, nbytes, copy_s, time.perf_counter() - t0, committed
+                version, self.host, len(copies) + 1, nbytes, copy_s, time.perf_counter() - t0, committed, consumed
             )
             log.info(
                 "rank %d wrote %s: %d shards, %.1f MB in %.2fs (copy %.3fs)%s",

@@ -11,7 +11,8 @@ it snapshots. What survives what:
   PTC, so the state transformer does not carry them, and a per-rank RNG state
   has no meaning for a different rank anyway. What matters is global and
   follows from the version and the PTC: the step is the version's step; the
-  data position is the new PTC's dataset state; the LR scheduler is replayed
+  data position is the new PTC's dataset state (the scheduler sets its
+  ``consumed_samples`` to the snapshot's, which every SnapshotReport carries); the LR scheduler is replayed
   to the step (it must be stepped once per training step, as usual); the
   optimizer hyper-parameters are those the training script configures. The
   RNGs are re-seeded deterministically from ``(seed, step, rank)``, so a
@@ -185,6 +186,8 @@ def apply(
     if saved_ds is not None:
         recorded = DatasetState.from_json(saved_ds)
         if dataset is not None and dataset != recorded:
-            raise InvalidInput(f"the PTC's dataset state {dataset.to_json()} differs from the snapshot's {recorded.to_json()}")
+            # The record was written with this very version: it is the truth. A PTC reused from
+            # an earlier generation (e.g. consumed_samples still 0) is only stale, not wrong.
+            log.warning("the PTC's dataset state %s differs from the snapshot's %s; using the snapshot's", dataset.to_json(), recorded.to_json())
         dataset = recorded
     return TrainerState(step=step, dataset=dataset, extra=dict(record.get("extra", {})) if record else {}, exact=same_layout)

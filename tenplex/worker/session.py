@@ -1,0 +1,336 @@
+"""One object that takes a training loop through an elastic job: :class:`ElasticWorker`.
+
+A training script does::
+
+    worker = ElasticWorker.from_scheduler()            # or ElasticWorker(WorkerSetup(...)) standalone
+    worker.init_process_group()                        # rendezvous at the assignment's master
+    model, optimizer, lr_scheduler = build(worker.parallel, ...)
+    start = worker.restore(model, optimizer, lr_scheduler)   # state and data position of the version
+    for step, ids in worker.batches(dp_rank, start):           # this rank's sample ids per step
+        loss = train_step(ids)
+        if worker.step_done(step, loss, model, optimizer, lr_scheduler):
+            break                                      # stop request obeyed, step snapshotted
+    return worker.finish()                             # reports the exit; the process exit code
+
+Everything the scheduler tells the worker arrives through the assignment and
+the heartbeats; the decision to stop is taken collectively (one tiny
+all-reduce per step, :func:`~tenplex.worker.control.agree_stop`) so that all
+ranks snapshot the same step. A failing collective is reported to the
+scheduler as a peer failure (:meth:`ElasticWorker.peer_failure`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from tenplex.errors import InvalidConfig
+from tenplex.ptc import PTC, DatasetState, ParallelConfig
+from tenplex.scheduler import protocol as p
+from tenplex.store import Version
+from tenplex.worker.control import ControlClient, Heartbeat, agree_stop
+from tenplex.worker.restore import RestoreResult, restore
+from tenplex.worker.sampler import ElasticSampler
+from tenplex.worker.snapshot import SnapshotResult, Snapshotter
+from tenplex.worker.stores import ShardStore, open_store
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSetup:
+    """Everything one worker process needs; from the scheduler's assignment or given explicitly."""
+
+    job: str
+    generation: int
+    rank: int
+    ptc: PTC
+    store: str
+    """The node-local store: an ``http(s)://`` URL of its daemon or its root directory on this machine."""
+    parallel: ParallelConfig
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    restore_version: Version | None = None
+    stop_at_step: int | None = None
+    total_steps: int | None = None
+    token: str | None = None
+    heartbeat_interval_s: float = 5.0
+    worker_id: str | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.parallel.world_size:
+            raise InvalidConfig(f"rank {self.rank} is outside {self.parallel.describe()} (world size {self.parallel.world_size})")
+        self.ptc.device(self.rank)  # the PTC must know this device
+
+    @property
+    def world_size(self) -> int:
+        return self.parallel.world_size
+
+    @property
+    def host(self) -> str:
+        return self.ptc.device(self.rank).host
+
+    @property
+    def coords(self) -> dict[str, int]:
+        return self.parallel.coords(self.rank)
+
+    @classmethod
+    def from_assignment(cls, a: p.Assignment, ptc: PTC, token: str | None) -> WorkerSetup:
+        return cls(
+            job=a.job,
+            generation=a.generation,
+            rank=a.rank,
+            ptc=ptc,
+            store=a.store_url,
+            parallel=ParallelConfig.from_json(a.parallel),
+            master_addr=a.master_addr,
+            master_port=a.master_port,
+            restore_version=Version.parse(a.restore_version) if a.restore_version else None,
+            stop_at_step=a.stop_at_step,
+            total_steps=a.total_steps,
+            token=token,
+            heartbeat_interval_s=a.heartbeat_interval_s,
+            worker_id=a.worker_id,
+        )
+
+
+class ElasticWorker:
+    """The glue between a training loop and Tenplex (see the module docstring)."""
+
+    def __init__(
+        self,
+        setup: WorkerSetup,
+        control: ControlClient | None = None,
+        *,
+        snapshot_every: int | None = None,
+        store: ShardStore | None = None,
+    ) -> None:
+        if snapshot_every is not None and snapshot_every < 1:
+            raise InvalidConfig(f"snapshot_every must be >= 1 or None, got {snapshot_every}")
+        self.setup = setup
+        self.control = control
+        self.snapshot_every = snapshot_every
+        self.store = store if store is not None else open_store(setup.store, setup.token)
+        self.snapshotter = Snapshotter(
+            self.store, setup.job, setup.ptc, setup.rank, on_done=self._report_snapshot if control else None
+        )
+        self.heartbeat = (
+            Heartbeat(control, setup.generation, setup.heartbeat_interval_s, setup.stop_at_step).start()
+            if control is not None
+            else None
+        )
+        self.restored: RestoreResult | None = None
+        self.dataset: DatasetState | None = setup.ptc.dataset
+        self.step = 0
+        self.status = "running"
+        self.snapshots: list[Version] = []
+        self._last_snapshot_step: int | None = None
+
+    @classmethod
+    def from_scheduler(
+        cls, environ: Mapping[str, str] | None = None, *, snapshot_every: int | None = None
+    ) -> ElasticWorker:
+        """Register with the scheduler named by ``TENPLEX_*`` variables and take its assignment."""
+        env = os.environ if environ is None else environ
+        control = ControlClient.from_env(env)
+        rank = int(env[p.ENV_RANK]) if env.get(p.ENV_RANK) else None
+        assignment = control.register(host=env.get(p.ENV_HOST) or None, rank=rank)
+        ptc = control.fetch_ptc(assignment)
+        setup = WorkerSetup.from_assignment(assignment, ptc, control.token)
+        log.info(
+            "registered as rank %d of %d (%s) on %s, generation %d, restore %s",
+            setup.rank,
+            setup.world_size,
+            setup.parallel.describe(),
+            setup.host,
+            setup.generation,
+            setup.restore_version or "nothing",
+        )
+        return cls(setup, control, snapshot_every=snapshot_every)
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return self.setup.parallel
+
+    # -- start ------------------------------------------------------------------------
+
+    def init_process_group(self, backend: str | None = None, timeout_s: float = 300.0) -> None:
+        """``torch.distributed`` rendezvous at the assignment's master (env:// style, set here)."""
+        import datetime
+
+        import torch.distributed as dist
+
+        os.environ[p.ENV_MASTER_ADDR] = self.setup.master_addr
+        os.environ[p.ENV_MASTER_PORT] = str(self.setup.master_port)
+        os.environ[p.ENV_RANK] = str(self.setup.rank)
+        os.environ[p.ENV_WORLD_SIZE] = str(self.setup.world_size)
+        if backend is None:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(
+            backend,
+            rank=self.setup.rank,
+            world_size=self.setup.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+
+    def restore(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        lr_scheduler: Any | None = None,
+        *,
+        seed: int = 0,
+    ) -> int:
+        """Load the assigned version, if any; returns the number of steps already completed."""
+        if self.setup.restore_version is None:
+            self.step = 0
+            return 0
+        self.restored = restore(
+            self.store,
+            self.setup.job,
+            self.setup.restore_version,
+            self.setup.ptc,
+            self.setup.rank,
+            model,
+            optimizer,
+            lr_scheduler=lr_scheduler,
+            seed=seed,
+        )
+        self.step = self.restored.step
+        self.dataset = self.restored.dataset
+        self._last_snapshot_step = self.step  # that state is stored already
+        return self.step
+
+    def batches(self, dp_rank: int, start_step: int | None = None) -> Iterator[tuple[int, np.ndarray]]:
+        """``(step, sample ids)`` for this data-parallel rank, from the restored position on.
+
+        ``step`` counts completed steps after this one (1 for the first step
+        of a fresh job), matching the versions' step numbers. Stops at
+        ``total_steps`` when the assignment bounds the job.
+        """
+        if self.dataset is None:
+            raise InvalidConfig("the PTC has no dataset state; the elastic sampler needs one")
+        start = self.step if start_step is None else start_step
+        total = self.setup.total_steps
+        steps = None if total is None else max(0, total - start)
+        sampler = ElasticSampler(self.dataset, dp_rank, self.parallel.dp, steps)
+        for offset, ids in enumerate(sampler.batches()):
+            yield start + offset + 1, ids
+
+    # -- every step -----------------------------------------------------------------------
+
+    def step_done(
+        self,
+        step: int,
+        loss: float | None,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        lr_scheduler: Any | None = None,
+        *,
+        extra: Mapping[str, Any] | None = None,
+    ) -> bool:
+        """Call after every completed step; returns True when the loop must end now.
+
+        Snapshots every ``snapshot_every`` steps and at a stop request (the
+        stop step is snapshotted and its write awaited before returning).
+        """
+        self.step = step
+        if self.heartbeat is not None:
+            self.heartbeat.update(step, loss)
+        local_stop = self._local_stop_at()
+        stop, abort = agree_stop(
+            step, local_stop, self.heartbeat.abort if self.heartbeat is not None else False
+        )
+        if abort:
+            log.warning("rank %d: the scheduler asked to exit at once after step %d", self.setup.rank, step)
+            self.status = "stopped"
+            return True
+        periodic = self.snapshot_every is not None and step % self.snapshot_every == 0
+        if stop or periodic:
+            self.snapshot(step, model, optimizer, lr_scheduler, extra=extra)
+        if stop:
+            self.snapshotter.wait()
+            log.info("rank %d: stopping after step %d as requested; snapshot written", self.setup.rank, step)
+            self.status = "stopped"
+            return True
+        if self.setup.total_steps is not None and step >= self.setup.total_steps:
+            self.status = "completed"
+            return True
+        return False
+
+    def snapshot(
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        lr_scheduler: Any | None = None,
+        *,
+        extra: Mapping[str, Any] | None = None,
+    ) -> Version:
+        dataset = None
+        if self.dataset is not None:
+            dataset = self.dataset.advance(step - (self.restored.step if self.restored else 0))
+        version = self.snapshotter.snapshot(
+            step, self.setup.generation, model, optimizer, lr_scheduler=lr_scheduler, dataset=dataset, extra=extra
+        )
+        self._last_snapshot_step = step
+        self.snapshots.append(version)
+        return version
+
+    def _local_stop_at(self) -> int | None:
+        candidates = [s for s in (self.setup.stop_at_step, self.heartbeat.stop_at_step if self.heartbeat else None) if s is not None]
+        return min(candidates) if candidates else None
+
+    # -- end ----------------------------------------------------------------------------
+
+    def peer_failure(self, exc: BaseException) -> None:
+        """Report a failed collective (a peer is likely gone) and mark this worker failed."""
+        self.status = "failed"
+        if self.control is not None:
+            try:
+                self.control.report_peer_failure(self.setup.generation, f"{type(exc).__name__}: {exc}", step=self.step)
+            except Exception as report_exc:  # the scheduler may be the one that is gone
+                log.error("could not report the peer failure: %s", report_exc)
+
+    def finish(self, detail: str | None = None) -> int:
+        """Join the last snapshot, report the exit, stop heartbeats; returns the process exit code."""
+        try:
+            self.snapshotter.wait()
+        except Exception as exc:
+            log.error("rank %d: the last snapshot failed: %s", self.setup.rank, exc)
+            self.status, detail = "failed", f"snapshot failed: {exc}"
+        if self.heartbeat is not None:
+            self.heartbeat.close()
+        status = self.status if self.status != "running" else "completed"
+        code = p.EXIT_FAILED if status == "failed" else p.EXIT_STOPPED
+        if self.control is not None:
+            try:
+                self.control.report_exit(self.setup.generation, self.step, status, code, detail)
+            except Exception as exc:
+                log.error("could not report the exit: %s", exc)
+        return code
+
+    def _report_snapshot(self, result: SnapshotResult) -> None:
+        assert self.control is not None
+        try:
+            self.control.report_snapshot(
+                p.SnapshotReport(
+                    generation=self.setup.generation,
+                    step=result.version.step,
+                    version=str(result.version),
+                    host=result.host,
+                    committed=result.committed,
+                    bytes_written=result.bytes_written,
+                    seconds=result.write_seconds,
+                    consumed_samples=result.consumed_samples,
+                )
+            )
+        except Exception as exc:
+            log.warning("could not report snapshot %s: %s", result.version, exc)
