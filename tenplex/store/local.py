@@ -7,8 +7,8 @@ job name may)::
     <root>/<job>/<version>/<tensor>/zarr.json        zarr group per tensor ('/' encoded as %2F)
     <root>/<job>/<version>/<tensor>/r0-96_0-64/      zarr array per shard, attributes["tenplex"]
     <root>/<job>/.commits/<version>.json             commit marker = the manifest at commit time
-    <root>/<job>/.staging/                           shards being written, versions being deleted
     <root>/<job>/.lock                               flock for structural changes
+    <root>/.staging/<job>/                           shards being written, versions being deleted
 
 Why this shape:
 
@@ -327,6 +327,10 @@ class LocalStore:
     def _version_dir(self, job: str, version: Version) -> Path:
         return self._job_dir(job) / str(version)
 
+    def _staging(self, job: str) -> Path:
+        """Where shards are written before they are renamed into place (same file system, not inside the job)."""
+        return self.root / _STAGING / check_job(job)
+
     def _marker(self, job: str, version: Version) -> Path:
         return self._job_dir(job) / _COMMITS / f"{version}.json"
 
@@ -378,7 +382,7 @@ class LocalStore:
             raise Conflict(f"version {v} of job {job!r} is committed; committed versions are immutable")
         self._check_tensor_consistent(job, v, tensor, dtype, gshape)
 
-        staging_root = self._job_dir(job) / _STAGING
+        staging_root = self._staging(job)
         staging_root.mkdir(parents=True, exist_ok=True)
         staging = staging_root / f"shard-{uuid.uuid4().hex}"
         st = storage_dtype(dtype)
@@ -635,8 +639,8 @@ class LocalStore:
             if not marker.exists() and not vdir.exists():
                 raise NotFound(f"version {v} of job {job!r} is not in this store")
             if vdir.exists():
-                trash = self._job_dir(job) / _STAGING / f"deleted-{v}-{uuid.uuid4().hex}"
-                trash.parent.mkdir(exist_ok=True)
+                trash = self._staging(job) / f"deleted-{v}-{uuid.uuid4().hex}"
+                trash.parent.mkdir(parents=True, exist_ok=True)
             with contextlib.suppress(FileNotFoundError):
                 marker.unlink()
             if trash is not None:
@@ -675,7 +679,7 @@ class LocalStore:
 
     def _clean_staging(self, job: str) -> None:
         """Remove deleted versions and replaced shards left by crashes (never in-flight writes of live processes)."""
-        staging = self._job_dir(job) / _STAGING
+        staging = self._staging(job)
         if not staging.is_dir():
             return
         for entry in os.listdir(staging):
