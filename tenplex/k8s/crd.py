@@ -57,6 +57,7 @@ GPU_RESOURCE = "nvidia.com/gpu"
 LEADER_LEASE = "tenplex-scheduler"
 LAYOUT_PROVIDERS = ("megatron-gpt", "example-gpt")
 POLICY_TYPES = ("builtin", "table")
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 class Phase(enum.StrEnum):
@@ -95,6 +96,9 @@ _PARALLEL = {
     "properties": {"dp": _int(1), "tp": _int(1), "pp": _int(1)},
 }
 
+_ZERO = _int(0, "ZeRO stage: 0 replicated optimizer, 1/2 optimizer state sharded across dp, 3 parameters too.",
+             maximum=3)
+
 _SIDE = {
     "type": "object",
     "description": "A configuration before or after a reconfiguration; dp/tp/pp absent when nothing ran.",
@@ -126,6 +130,10 @@ _RULES: dict[tuple[str, str], tuple[str, Callable[[Mapping[str, Any]], bool]]] =
         "a policy of type table needs a non-empty table",
         lambda p: p.get("type", "builtin") != "table" or bool(p.get("table")),
     ),
+    ("spec.policy", "!has(self.stateMemoryFraction) || self.stateMemoryFraction > 0.0"): (
+        "stateMemoryFraction must be greater than 0",
+        lambda p: p.get("stateMemoryFraction", 0.5) > 0,
+    ),
     ("spec.policy.table[]", "self.dp * self.tp * self.pp == self.gpus"): (
         "dp * tp * pp must equal gpus in every table entry",
         lambda e: e["dp"] * e["tp"] * e["pp"] == e["gpus"],
@@ -141,7 +149,7 @@ def _spec_schema() -> dict[str, Any]:
     table_entry = {
         "type": "object",
         "required": ["gpus", "dp", "tp", "pp"],
-        "properties": {"gpus": _int(1), "dp": _int(1), "tp": _int(1), "pp": _int(1)},
+        "properties": {"gpus": _int(1), "dp": _int(1), "tp": _int(1), "pp": _int(1), "zero": _ZERO},
         "x-kubernetes-validations": _rules_at("spec.policy.table[]"),
     }
     return {
@@ -186,6 +194,7 @@ def _spec_schema() -> dict[str, Any]:
                         "description": "Model dimensions as the provider expects them (layers, hidden size, ...).",
                         "x-kubernetes-preserve-unknown-fields": True,
                     },
+                    "precision": _str("Training precision of parameters and gradients.", enum=list(PRECISIONS), default="fp32"),
                 },
             },
             "policy": {
@@ -199,7 +208,12 @@ def _spec_schema() -> dict[str, Any]:
                         "x-kubernetes-list-type": "map",
                         "x-kubernetes-list-map-keys": ["gpus"],
                     },
-                    "gpuMemoryBytes": _int(1, "Usable memory of one GPU for the built-in policy."),
+                    "gpuMemoryBytes": _int(1, "Memory of one GPU for the built-in policy."),
+                    "stateMemoryFraction": {
+                        "type": "number", "minimum": 0, "maximum": 1, "default": 0.5,
+                        "description": "Part of a GPU's memory that model and optimizer state may use.",
+                    },
+                    "zero": _ZERO,
                     "gpusPerNode": _int(1, "GPUs per node; tensor parallelism stays inside a node."),
                 },
                 "x-kubernetes-validations": _rules_at("spec.policy"),
@@ -461,6 +475,7 @@ class TableEntry:
     dp: int
     tp: int
     pp: int
+    zero: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -468,6 +483,8 @@ class PolicySpec:
     type: str = "builtin"
     table: tuple[TableEntry, ...] = ()
     gpu_memory_bytes: int | None = None
+    state_memory_fraction: float = 0.5
+    zero: int = 0
     gpus_per_node: int | None = None
 
     def lookup(self, gpus: int) -> TableEntry | None:
@@ -484,6 +501,7 @@ class ElasticJobSpec:
     gpus: int
     layout_provider: str
     model: Mapping[str, Any]
+    precision: str = "fp32"
     gpus_per_pod: int = 1
     args: tuple[str, ...] = ()
     env: tuple[Mapping[str, Any], ...] = ()
@@ -515,6 +533,7 @@ class ElasticJobSpec:
             gpus=spec["gpus"],
             layout_provider=spec["layout"]["provider"],
             model=copy.deepcopy(spec["layout"].get("model", {})),
+            precision=spec["layout"]["precision"],
             gpus_per_pod=spec["gpusPerPod"],
             args=tuple(spec.get("args", ())),
             env=tuple(spec.get("env", ())),
@@ -524,6 +543,8 @@ class ElasticJobSpec:
                 type=policy.get("type", "builtin"),
                 table=tuple(TableEntry(**e) for e in policy.get("table", ())),
                 gpu_memory_bytes=policy.get("gpuMemoryBytes"),
+                state_memory_fraction=float(policy.get("stateMemoryFraction", 0.5)),
+                zero=policy.get("zero", 0),
                 gpus_per_node=policy.get("gpusPerNode"),
             ),
             resources=copy.deepcopy(spec.get("resources", {})),

@@ -1,0 +1,80 @@
+{{/* Name of the chart, overridable. */}}
+{{- define "tenplex.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Full name of the release's objects (at most 63 characters, as DNS labels require). */}}
+{{- define "tenplex.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "tenplex.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels on every object. */}}
+{{- define "tenplex.labels" -}}
+helm.sh/chart: {{ include "tenplex.chart" . }}
+app.kubernetes.io/name: {{ include "tenplex.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: tenplex
+{{- end }}
+
+{{/* Selector labels of one component: pass (dict "ctx" $ "role" "scheduler|store"). */}}
+{{- define "tenplex.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "tenplex.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+tenplex.io/role: {{ .role }}
+{{- end }}
+
+{{- define "tenplex.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{- define "tenplex.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "tenplex.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "tenplex.secretName" -}}
+{{- default (printf "%s-auth" (include "tenplex.fullname" .)) .Values.auth.existingSecret }}
+{{- end }}
+
+{{/* The TENPLEX_TOKEN environment entry, from the chart's Secret or an existing one. */}}
+{{- define "tenplex.tokenEnv" -}}
+- name: TENPLEX_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "tenplex.secretName" . }}
+      key: {{ .Values.auth.existingSecretKey }}
+{{- end }}
+
+{{- /* What the scheduler does to jobs and their pods; granted cluster-wide or per watched namespace. */}}
+{{- define "tenplex.jobRules" }}
+- apiGroups: ["tenplex.io"]
+  resources: ["elasticjobs"]
+  verbs: ["get", "list", "watch", "patch"]
+- apiGroups: ["tenplex.io"]
+  resources: ["elasticjobs/status", "elasticjobs/scale"]
+  verbs: ["get", "update", "patch"]
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["create", "get", "list", "watch", "delete", "patch"]
+- apiGroups: [""]
+  resources: ["events"]
+  verbs: ["create"]
+{{- end }}

@@ -1,0 +1,239 @@
+"""The Helm chart: lint, render, validate offline against the Kubernetes schemas, and check its contracts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from tenplex.k8s import crd
+
+from .conftest import REPO, tool
+
+CHART = REPO / "deploy" / "helm" / "tenplex"
+EXAMPLES = sorted((REPO / "deploy" / "examples").glob("elasticjob-*.yaml"))
+K8S_VERSION = "1.33.0"
+
+FULL = [
+    "--set", "scheduler.replicas=2",
+    "--set", "metrics.serviceMonitor.enabled=true",
+    "--set", "scheduler.watchNamespaces={ml,research}",
+    "--set", "auth.token=s3cret",
+    "--set", "imagePullSecrets[0].name=regcred",
+]
+VALUE_SETS = {"defaults": [], "full": FULL, "existing-secret": ["--set", "auth.existingSecret=mine", "--set", "store.fixPermissions=false",
+                                                               "--set", "store.hostPort=false", "--set", "rbac.create=true"]}
+
+
+def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run([str(tool("helm")), *args], capture_output=True, text=True, timeout=60)
+    if check and result.returncode != 0:
+        pytest.fail(f"helm {' '.join(args)} failed ({result.returncode}):\n{result.stderr}")
+    return result
+
+
+def render(*values: str, crds: bool = False) -> list[dict[str, Any]]:
+    args = ["template", "rel", str(CHART), "--namespace", "tenplex", *values]
+    if crds:
+        args.append("--include-crds")
+    return [d for d in yaml.safe_load_all(helm(*args).stdout) if d]
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def one(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[str, Any]:
+    found = [d for d in by_kind(docs, kind) if name is None or d["metadata"]["name"] == name]
+    assert len(found) == 1, f"expected one {kind} {name or ''}, found {[d['metadata']['name'] for d in found]}"
+    return found[0]
+
+
+def test_crd_file_is_generated_from_crd_py() -> None:
+    path = CHART / "crds" / "elasticjobs.tenplex.io.yaml"
+    assert path.read_text() == crd.crd_yaml(), f"{path} is stale: run `tenplex k8s crd > {path.relative_to(REPO)}`"
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_helm_lint_strict_is_clean(name: str) -> None:
+    result = helm("lint", "--strict", str(CHART), *VALUE_SETS[name])
+    assert "0 chart(s) failed" in result.stdout
+    assert "[WARNING]" not in result.stdout and "[ERROR]" not in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("name", sorted(VALUE_SETS))
+def test_rendered_manifests_are_valid_kubernetes_objects(name: str) -> None:
+    docs = render(*VALUE_SETS[name], crds=True)
+    checked = []
+    for doc in docs:
+        if doc["apiVersion"] == "monitoring.coreos.com/v1":
+            continue  # not a Kubernetes type: checked against the Services in test_service_monitors_scrape_real_ports
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+        checked.append(doc["kind"])
+    assert {"CustomResourceDefinition", "Deployment", "DaemonSet", "Service", "ServiceAccount",
+            "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"} <= set(checked)
+    assert ("Secret" in checked) == (name != "existing-secret")
+
+
+def test_service_monitors_scrape_real_ports() -> None:
+    docs = render(*FULL)
+    monitors = by_kind(docs, "ServiceMonitor")
+    assert sorted(m["metadata"]["name"] for m in monitors) == ["rel-tenplex-scheduler", "rel-tenplex-store"]
+    services = by_kind(docs, "Service")
+    secret = one(docs, "Secret")
+    for monitor in monitors:
+        spec = monitor["spec"]
+        selector = spec["selector"]["matchLabels"]
+        matched = [s for s in services if selector.items() <= s["metadata"]["labels"].items()
+                   and selector.items() <= s["spec"]["selector"].items()]
+        assert len(matched) == 1, f"{monitor['metadata']['name']} selects {[s['metadata']['name'] for s in matched]}"
+        port_names = {p["name"] for p in matched[0]["spec"]["ports"]}
+        for endpoint in spec["endpoints"]:
+            assert endpoint["port"] in port_names and endpoint["path"] == "/metrics"
+            creds = endpoint["authorization"]["credentials"]
+            assert creds["name"] == secret["metadata"]["name"] and creds["key"] in secret["data"]
+    assert by_kind(render(), "ServiceMonitor") == []
+
+
+def test_scheduler_deployment_contract() -> None:
+    docs = render()
+    deploy = one(docs, "Deployment")
+    pod = deploy["spec"]["template"]
+    assert pod["metadata"]["labels"][crd.LABEL_ROLE] == crd.ROLE_SCHEDULER
+    assert deploy["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    (container,) = pod["spec"]["containers"]
+    assert container["args"][1:] == ["scheduler", "serve", "--backend", "kubernetes", "--host", "0.0.0.0", "--port", "8080"]
+    env = {e["name"]: e for e in container["env"]}
+    secret = one(docs, "Secret")
+    assert env[crd.ENV_TOKEN]["valueFrom"]["secretKeyRef"] == {"name": secret["metadata"]["name"], "key": "token"}
+    assert env["TENPLEX_LEASE_NAME"]["value"] == crd.LEADER_LEASE
+    assert env["TENPLEX_STORE_PORT"]["value"] == str(crd.STORE_PORT)
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert container["resources"]["requests"] and container["resources"]["limits"]
+    assert pod["spec"]["serviceAccountName"] == one(docs, "ServiceAccount")["metadata"]["name"]
+    service = one(docs, "Service", "rel-tenplex-scheduler")
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+
+
+def test_store_daemonset_contract() -> None:
+    docs = render()
+    ds = one(docs, "DaemonSet")
+    pod = ds["spec"]["template"]
+    assert pod["metadata"]["labels"][crd.LABEL_ROLE] == crd.ROLE_STORE
+    spec = pod["spec"]
+    (container,) = spec["containers"]
+    assert container["args"] == ["store", "serve", "--root", crd.DEFAULT_STORE_ROOT, "--host", "0.0.0.0",
+                                 "--port", str(crd.STORE_PORT)]
+    (port,) = container["ports"]
+    assert port["containerPort"] == port["hostPort"] == crd.STORE_PORT
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["store"]["hostPath"] == {"path": crd.DEFAULT_STORE_ROOT, "type": "DirectoryOrCreate"}
+    assert {"name": "store", "mountPath": crd.DEFAULT_STORE_ROOT} in container["volumeMounts"]
+    assert {"key": crd.GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert spec["automountServiceAccountToken"] is False
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    (init,) = spec["initContainers"]
+    assert init["command"] == ["chown", "10001:10001", crd.DEFAULT_STORE_ROOT]
+    assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
+
+    custom = render("--set", "store.hostPath=/mnt/nvme/tenplex", "--set", "store.port=7171", "--set", "store.fixPermissions=false",
+                    "--set", "store.nodeSelector.pool=gpu")
+    cspec = one(custom, "DaemonSet")["spec"]["template"]["spec"]
+    assert cspec["volumes"][0]["hostPath"]["path"] == "/mnt/nvme/tenplex"
+    assert cspec["containers"][0]["ports"][0]["hostPort"] == 7171
+    assert cspec["nodeSelector"] == {"nvidia.com/gpu.present": "true", "pool": "gpu"}
+    assert "initContainers" not in cspec
+
+
+def _rules(role: dict[str, Any]) -> set[tuple[str, str, str, tuple[str, ...]]]:
+    return {(g, r, v, tuple(rule.get("resourceNames", ()))) for rule in role["rules"]
+            for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
+
+
+def test_rbac_is_least_privilege() -> None:
+    docs = render()
+    roles = {d["metadata"]["name"]: d for d in docs if d["kind"] in ("ClusterRole", "Role")}
+    assert sorted(roles) == ["rel-tenplex-jobs", "rel-tenplex-leader-election", "rel-tenplex-nodes"]
+    granted = set().union(*(_rules(r) for r in roles.values()))
+    expected = {("", "nodes", v, ()) for v in ("get", "list", "watch")}
+    expected |= {("tenplex.io", "elasticjobs", v, ()) for v in ("get", "list", "watch", "patch")}
+    expected |= {("tenplex.io", sub, v, ()) for sub in ("elasticjobs/status", "elasticjobs/scale") for v in ("get", "update", "patch")}
+    expected |= {("", "pods", v, ()) for v in ("create", "get", "list", "watch", "delete", "patch")}
+    expected |= {("", "events", "create", ())}
+    expected |= {("coordination.k8s.io", "leases", "create", ())}
+    expected |= {("coordination.k8s.io", "leases", v, (crd.LEADER_LEASE,)) for v in ("get", "update", "patch")}
+    assert granted == expected
+    assert not any("*" in str(r["rules"]) for r in roles.values())
+    assert roles["rel-tenplex-leader-election"]["kind"] == "Role"
+
+    namespaced = render("--set", "scheduler.watchNamespaces={ml,research}")
+    job_roles = [d for d in by_kind(namespaced, "Role") if d["metadata"]["name"] == "rel-tenplex-jobs"]
+    assert sorted((d["kind"], d["metadata"]["namespace"]) for d in job_roles) == [("Role", "ml"), ("Role", "research")]
+    sa = one(namespaced, "ServiceAccount")["metadata"]
+    for binding in by_kind(namespaced, "RoleBinding") + by_kind(namespaced, "ClusterRoleBinding"):
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["name"], "namespace": "tenplex"}]
+
+
+def test_auth_secret_value_or_existing() -> None:
+    docs = render("--set", "auth.token=s3cret")
+    secret = one(docs, "Secret")
+    assert secret["data"]["token"] == "czNjcmV0"  # base64 of s3cret
+    generated = one(render(), "Secret")["data"]["token"]
+    assert len(generated) == 64  # 48 random characters, base64
+    existing = render("--set", "auth.existingSecret=team-token", "--set", "auth.existingSecretKey=bearer")
+    assert by_kind(existing, "Secret") == []
+    for workload in by_kind(existing, "Deployment") + by_kind(existing, "DaemonSet"):
+        env = {e["name"]: e for e in workload["spec"]["template"]["spec"]["containers"][0]["env"]}
+        assert env[crd.ENV_TOKEN]["valueFrom"]["secretKeyRef"] == {"name": "team-token", "key": "bearer"}
+
+
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [
+        (["--set", "scheduler.replica=2"], "replica"),
+        (["--set", "scheduler.replicas=two"], "replicas"),
+        (["--set", "store.root=relative/path"], "root"),
+        (["--set", "image.pullPolicy=Sometimes"], "pullPolicy"),
+        (["--set", "metrics.serviceMonitor.interval=often"], "interval"),
+        (["--set", "scheduler.replicas=3", "--set", "scheduler.leaderElection.enabled=false"], "leaderElection.enabled is false"),
+        (["--set", "scheduler.leaderElection.renewDeadlineSeconds=20"], "renewDeadlineSeconds (20)"),
+    ],
+)
+def test_bad_values_are_rejected_with_the_offending_key(values: list[str], expected: str) -> None:
+    result = helm("template", "rel", str(CHART), *values, check=False)
+    assert result.returncode != 0, f"helm accepted {values}"
+    assert expected in result.stderr, result.stderr
+
+
+def test_values_schema_is_strict_json_schema() -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    jsonschema.Draft7Validator.check_schema(schema)
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    jsonschema.validate(values, schema)
+    assert schema["additionalProperties"] is False
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_example_elasticjobs_match_the_crd_schema(path: Path) -> None:
+    (definition,) = yaml.safe_load_all((CHART / "crds" / "elasticjobs.tenplex.io.yaml").read_text())
+    schema = definition["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    job = yaml.safe_load(path.read_text())
+    jsonschema.validate(job, schema)  # the schema exactly as installed in the cluster
+    assert crd.elasticjob_errors(job) == []  # plus unknown fields and the CEL rules
+    spec = crd.ElasticJobSpec.from_object(job)
+    assert spec.gpus % spec.gpus_per_pod == 0 and spec.layout_provider in crd.LAYOUT_PROVIDERS
+
+
+def test_examples_exist() -> None:
+    assert len(EXAMPLES) >= 2
