@@ -198,7 +198,14 @@ def execute_host_plan(
     clients: dict[str, StoreClient] = dict(sources)
     clients[host] = target
     try:
-        _prepare_target(plan, target)
+        _prepare_target(plan, target)  # before anything is written: a committed new version stays untouched
+    except TenplexError as exc:
+        if metrics is not None:
+            metrics.transforms.labels("failed").inc()
+        if isinstance(exc, TransformFailed):
+            raise
+        raise TransformFailed(f"host {host}: cannot prepare {target.url} for {plan.new_version}: {exc.detail}") from exc
+    try:
         _run(plan, hp, clients, state, concurrency, max_buffer_bytes)
         target.commit(plan.job, plan.new_version)
     except BaseException as exc:

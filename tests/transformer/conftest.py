@@ -117,13 +117,15 @@ def check_new_state(cluster: Cluster, new: PTC, state: dict[str, np.ndarray], jo
     checked = 0
     for host in new.hosts:
         client = cluster.clients[host]
-        for dev in new.devices_on_host(host):
-            for t, s in new.shards_of_device(dev.id):
-                got = client.read(job, version, t.name, s.region, t.dtype)
-                want = expected_slice(state, t.name, s.region, t.shape)
-                assert got.dtype == want.dtype and got.shape == want.shape
-                assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), (
-                    f"device {dev.id} on {host}: {t.name} {s.region} differs"
-                )
-                checked += 1
+        # The devices of a host share its store: read each distinct shard once, check it for all of them.
+        wanted = {(t.name, s.region): t for dev in new.devices_on_host(host) for t, s in new.shards_of_device(dev.id)}
+        for (name, region), t in wanted.items():
+            got = client.read(job, version, name, region, t.dtype)
+            want = expected_slice(state, name, region, t.shape)
+            assert got.dtype == want.dtype and got.shape == want.shape
+            assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), f"{host}: {name} {region} differs"
+            checked += 1
+        assert {(s.tensor, s.region) for s in client.manifest(job, version).shards} == set(wanted), (
+            f"{host}: the new version holds other shards than its devices need"
+        )
     return checked

@@ -1,0 +1,134 @@
+"""Fault injection: hosts lost before planning, a source killed mid-transfer, every holder gone, checkpoint fallback."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from tenplex.errors import StateLost, TransformFailed
+from tenplex.ptc import ParallelConfig
+from tenplex.store.client import StoreClient
+from tenplex.store.local import LocalStore
+from tenplex.store.server import StoreServer
+from tenplex.transformer.execute import TransformMetrics, execute_host_plan
+from tenplex.transformer.plan import CHECKPOINT, make_plan
+
+from .conftest import check_new_state, populate, random_state, transform_all
+from .test_transform_e2e import layout
+
+pytestmark = pytest.mark.slow
+
+OLD_V, NEW_V = "s7-g0", "s7-g1"
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_loss_of_a_host_sources_only_survivors(cluster, precision: str) -> None:
+    old = layout(ParallelConfig(dp=2, tp=2), 2, ["h0", "h1"], precision)
+    new = layout(ParallelConfig(tp=2, pp=2), 2, ["h0", "h2"], precision)
+    state = random_state(old, seed=11)
+    populate(cluster, old, state, "loss", OLD_V)
+    cluster.stop("h1")
+    plan = make_plan(old, new, job="loss", old_version=OLD_V, new_version=NEW_V, alive={"h0", "h2", "h3"})
+    assert all(t.source in ("h0", None) for hp in plan.hosts.values() for t in hp.transfers)
+    assert all("h1" not in t.alternatives for hp in plan.hosts.values() for t in hp.transfers)
+    assert plan.network_bytes == plan.lower_bound_bytes > 0
+    reports = transform_all(cluster, plan)
+    assert all(r.replanned_pieces == 0 for r in reports.values())
+    check_new_state(cluster, new, state, "loss", NEW_V)
+
+
+def test_source_killed_mid_transfer_completes_from_the_other_replica(cluster) -> None:
+    # Old: two full replicas (dp2) on h0 and h1; new: redeployed onto h2, so every piece is remote
+    # and balanced over h0 and h1. h0 is stopped once a third of the bytes are in.
+    old = layout(ParallelConfig(dp=2, tp=2), 2, ["h0", "h1"], "bf16")
+    new = layout(ParallelConfig(tp=2), 2, ["h2"], "bf16")
+    state = random_state(old, seed=12)
+    populate(cluster, old, state, "kill", OLD_V)
+    plan = make_plan(old, new, job="kill", old_version=OLD_V, new_version=NEW_V)
+    sends = plan.send_bytes()
+    assert set(sends) == {"h0", "h1"} and min(sends.values()) > 0
+
+    stopped = threading.Event()
+    lock = threading.Lock()
+
+    def progress(done: int, total: int) -> None:
+        with lock:  # stop synchronously: every later read from h0 must fail
+            if not stopped.is_set() and done * 3 >= total:
+                cluster.stop("h0")
+                stopped.set()
+
+    metrics = TransformMetrics()
+    report = execute_host_plan(
+        plan, "h2", target=cluster.clients["h2"],
+        sources={h: cluster.clients[h] for h in ("h0", "h1")},
+        concurrency=2, progress=progress, metrics=metrics,
+    )
+    assert stopped.is_set()
+    assert report.replanned_pieces > 0
+    assert report.bytes_remote == plan.network_bytes
+    check_new_state(cluster, new, state, "kill", NEW_V)
+    assert metrics.registry.get_sample_value("tenplex_transform_replanned_pieces_total") == report.replanned_pieces
+    assert metrics.registry.get_sample_value("tenplex_transform_bytes_total", {"kind": "remote"}) == report.bytes_remote
+    assert metrics.registry.get_sample_value("tenplex_transforms_total", {"outcome": "ok"}) == 1
+
+
+def test_every_holder_lost(cluster, tmp_path) -> None:
+    old = layout(ParallelConfig(tp=2, pp=2), 2, ["h0", "h1"], "bf16")  # no replicas: h1 holds stage 1 alone
+    new = layout(ParallelConfig(dp=2, tp=2), 2, ["h2", "h3"], "bf16")
+    state = random_state(old, seed=13)
+    populate(cluster, old, state, "lost", OLD_V)
+
+    # Planning with h1 dead: a clear error naming what is lost and who held it.
+    with pytest.raises(StateLost) as info:
+        make_plan(old, new, job="lost", old_version=OLD_V, new_version=NEW_V, alive={"h0", "h2", "h3"})
+    assert "held by no surviving host" in info.value.detail and "layers.2" in info.value.detail
+    assert "h1" in info.value.detail
+
+    # h1 dies after planning: the transform fails, nothing is committed, the old version is intact.
+    plan = make_plan(old, new, job="lost", old_version=OLD_V, new_version=NEW_V)
+    cluster.stop("h1")
+    with pytest.raises(TransformFailed) as failed:
+        execute_host_plan(plan, "h2", target=cluster.clients["h2"],
+                          sources={h: cluster.clients[h] for h in ("h0", "h1")}, concurrency=2)
+    assert "no source could deliver" in failed.value.detail and "h1" in failed.value.detail
+    assert all(str(v.version) != NEW_V for v in cluster.clients["h2"].versions("lost"))
+    assert [str(v.version) for v in cluster.clients["h0"].versions("lost") if v.committed] == [OLD_V]
+
+    # With a persistent checkpoint holding the old version (another layout: whole tensors), the
+    # lost regions come from there and the transform completes.
+    ckpt_root = tmp_path / "checkpoint"
+    with StoreServer(ckpt_root, host="127.0.0.6", store=LocalStore(ckpt_root, durable=False)) as server:
+        for t in old.tensors:
+            server.store.write_shard("lost", OLD_V, t.name, t.region, state[t.name], dtype=t.dtype, global_shape=t.shape)
+        server.store.commit("lost", OLD_V)
+        plan = make_plan(old, new, job="lost", old_version=OLD_V, new_version=NEW_V,
+                         alive={"h0", "h2", "h3"}, checkpoint=server.url)
+        from_ckpt = sum(t.nbytes for hp in plan.hosts.values() for t in hp.transfers if t.source == CHECKPOINT)
+        assert from_ckpt > 0 and plan.network_bytes == plan.lower_bound_bytes
+        with StoreClient(server.url) as ckpt:
+            reports = transform_all(cluster, plan, checkpoint=ckpt)
+        assert sum(r.bytes_checkpoint for r in reports.values()) == from_ckpt
+    check_new_state(cluster, new, state, "lost", NEW_V)
+
+
+def test_target_failure_leaves_nothing_committed(cluster) -> None:
+    old = layout(ParallelConfig(dp=2), 1, ["h0", "h1"], "fp32")
+    new = layout(ParallelConfig(tp=2), 2, ["h2"], "fp32")
+    state = random_state(old, seed=14)
+    populate(cluster, old, state, "tgt", OLD_V)
+    plan = make_plan(old, new, job="tgt", old_version=OLD_V, new_version=NEW_V)
+    # A version that is already committed at the target must not be overwritten.
+    t0 = new.tensors[0]
+    cluster.servers["h2"].store.write_shard("tgt", NEW_V, t0.name, t0.region, np.zeros(t0.shape, np.float32),
+                                            dtype=t0.dtype, global_shape=t0.shape)
+    cluster.servers["h2"].store.commit("tgt", NEW_V)
+    with pytest.raises(TransformFailed, match="already committed"):
+        execute_host_plan(plan, "h2", target=cluster.clients["h2"], sources=cluster.clients)
+    # An uncommitted leftover of an earlier attempt is replaced.
+    cluster.servers["h2"].store.delete("tgt", NEW_V)
+    cluster.servers["h2"].store.write_shard("tgt", NEW_V, "stale.tensor", t0.region, np.zeros(t0.shape, np.float32),
+                                            dtype=t0.dtype, global_shape=t0.shape)
+    execute_host_plan(plan, "h2", target=cluster.clients["h2"], sources=cluster.clients)
+    check_new_state(cluster, new, state, "tgt", NEW_V)
