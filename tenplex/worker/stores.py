@@ -16,12 +16,11 @@ from typing import Any, Protocol
 from urllib.parse import urlsplit
 
 import numpy as np
-import zarr
 
 from tenplex.errors import ChecksumMismatch
 from tenplex.ptc import Region
 from tenplex.ptc.dtypes import storage_dtype
-from tenplex.store import LocalStore, Manifest, TensorReader, Version
+from tenplex.store import LocalStore, Manifest, Version
 from tenplex.store.buffers import crc_of, host_buffer
 from tenplex.store.model import parse_checksum
 
@@ -62,12 +61,7 @@ class DirectStore:
         """Fill ``out`` with ``region`` of a committed version; verify the checksum when it is a whole stored shard."""
         reader = self.local.open_tensor(job, version, tensor)
         with host_buffer(out, reader.dtype, what=f"output buffer for {tensor!r}") as view:
-            if view.ndim == 0:
-                # TensorReader.read indexes its output with ``out[()]``, which for a 0-d array is a
-                # copy, not a view (AdamW's ``step`` is 0-d); read through a 1-element view instead.
-                self._read_scalar(reader, region, view)
-            else:
-                reader.read(region, view)
+            reader.read(region, view)
             shard = reader.exact_shard(region) if verify else None
             if shard is not None:
                 got = crc_of(np.asarray(view, dtype=storage_dtype(reader.dtype)))
@@ -76,12 +70,6 @@ class DirectStore:
                         f"tensor {tensor!r} region {region.format()!r} of version {version} read back with crc32c "
                         f"{got:08x}, stored {shard.checksum}"
                     )
-
-    @staticmethod
-    def _read_scalar(reader: TensorReader, region: Region, view: np.ndarray) -> None:
-        ((shard, _),) = reader.plan(region)
-        arr = zarr.open_array(store=zarr.storage.LocalStore(shard.path, read_only=True), mode="r")
-        view[...] = arr[...]
 
     def manifest(self, job: str, version: Version | str) -> Manifest:
         return self.local.manifest(job, version)
