@@ -1,0 +1,158 @@
+"""``tenplex plan`` and ``tenplex transform``: plan a layout change, and execute one host's part of it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from contextlib import ExitStack
+
+from tenplex.errors import InvalidInput
+from tenplex.ptc.model import PTC
+from tenplex.store.version import Version
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    plan = sub.add_parser(
+        "plan",
+        help="plan the minimum data movement from one PTC to another",
+        description="Plan the transformation of the state laid out by OLD.json into the layout NEW.json.",
+    )
+    plan.add_argument("--from", dest="old", required=True, metavar="OLD.json", help="PTC of the current state")
+    plan.add_argument("--to", dest="new", required=True, metavar="NEW.json", help="PTC of the new layout")
+    plan.add_argument("--alive", metavar="HOST,...", help="old hosts still alive (default: all)")
+    plan.add_argument(
+        "--holder", action="append", default=[], metavar="HOST=VERSION",
+        help="newest committed version a host holds (repeatable; default: every old host holds --old-version)",
+    )
+    plan.add_argument("--job", default="job", help="job name (default 'job')")
+    plan.add_argument("--old-version", default="s0-g0", help="version holding the old state (default s0-g0)")
+    plan.add_argument("--new-version", help="version to write (default: the old one's next generation)")
+    plan.add_argument("--checkpoint", metavar="URL", help="store URL of a persistent checkpoint for regions no survivor holds")
+    plan.add_argument("--explain", action="store_true", help="show per-host and per-tensor tables")
+    plan.add_argument("--json", dest="json_out", metavar="OUT", help="write the plan as JSON to OUT")
+    plan.set_defaults(func=_plan)
+
+    tr = sub.add_parser(
+        "transform",
+        help="execute one host's part of a plan against the store daemons",
+        description="Pull the host's pieces, write its shards into the new version of its store and commit.",
+    )
+    tr.add_argument("--plan", required=True, metavar="PLAN.json", help="plan written by 'tenplex plan --json'")
+    tr.add_argument("--host", required=True, help="the target host whose part to run")
+    tr.add_argument("--store", required=True, metavar="URL", help="the target host's store daemon")
+    tr.add_argument("--source", action="append", default=[], metavar="HOST=URL", help="store daemon of a source host (repeatable)")
+    tr.add_argument("--token", help="bearer token of the store daemons (default: $TENPLEX_TOKEN)")
+    tr.add_argument("--concurrency", type=int, default=8, help="parallel piece reads (default 8)")
+    tr.add_argument("--metrics-port", type=int, help="serve Prometheus metrics of the transform on this port")
+    tr.add_argument("--no-progress", action="store_true", help="no progress bar")
+    tr.set_defaults(func=_transform)
+
+
+def _pairs(items: list[str], what: str) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key or not value:
+            raise InvalidInput(f"{what} must look like NAME=VALUE, got {item!r}")
+        if key in out:
+            raise InvalidInput(f"{what} names {key!r} twice")
+        out[key] = value
+    return out
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from tenplex.ptc.cli import human_bytes
+    from tenplex.transformer.plan import make_plan, plan_summary
+
+    old = PTC.load(args.old)
+    new = PTC.load(args.new)
+    old_version = Version.parse(args.old_version)
+    new_version = Version.parse(args.new_version) if args.new_version else old_version.next_generation()
+    alive = None
+    if args.alive is not None:
+        alive = {h.strip() for h in args.alive.split(",") if h.strip()}
+        unknown = sorted(alive - set(old.hosts) - set(new.hosts))
+        if unknown:
+            raise InvalidInput(f"--alive names hosts in neither layout: {', '.join(unknown)}")
+    holders = None
+    if args.holder:
+        holders = {h: Version.parse(v) for h, v in _pairs(args.holder, "--holder").items()}
+        for h in old.hosts:
+            holders.setdefault(h, old_version)
+    plan = make_plan(
+        old, new, job=args.job, old_version=old_version, new_version=new_version,
+        holders=holders, alive=alive, checkpoint=args.checkpoint,
+    )
+    console = Console()
+    if args.explain:
+        console.print(plan.explain(), end="", markup=False, highlight=False)
+    else:
+        s = plan_summary(plan)
+        ratio = s["network_bytes"] / s["lower_bound_bytes"] if s["lower_bound_bytes"] else 1.0
+        console.print(
+            f"{len(plan.hosts)} hosts, {s['transfers']} transfers: network {human_bytes(s['network_bytes'])} "
+            f"(lower bound {human_bytes(s['lower_bound_bytes'])}, ratio {ratio:.3f}), local {human_bytes(s['local_bytes'])}, "
+            f"zero-filled {human_bytes(s['zero_fill_bytes'])}; largest send {human_bytes(s['max_send_bytes'])}, "
+            f"largest receive {human_bytes(s['max_receive_bytes'])}",
+            markup=False, highlight=False,
+        )
+    if args.json_out:
+        plan.save(args.json_out)
+        console.print(f"plan written to {args.json_out}", markup=False, highlight=False)
+    return 0
+
+
+def _transform(args: argparse.Namespace) -> int:
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    from tenplex.store.client import StoreClient
+    from tenplex.transformer.execute import TransformMetrics, execute_host_plan
+    from tenplex.transformer.plan import CHECKPOINT, Plan
+
+    if args.concurrency < 1:
+        raise InvalidInput(f"--concurrency must be >= 1, got {args.concurrency}")
+    plan = Plan.load(args.plan)
+    hp = plan.host(args.host)
+    urls = _pairs(args.source, "--source")
+    needed = sorted({t.source for t in hp.transfers} | {a for t in hp.transfers for a in t.alternatives} - {None, args.host, CHECKPOINT})
+    missing = [h for h in needed if h not in urls]
+    if missing:
+        # Not fatal: those pieces move to other holders (or fail with a clear message if none is left).
+        print(f"tenplex: warning: no --source URL for {', '.join(missing)}; their pieces count as unavailable", file=sys.stderr)
+    if plan.checkpoint is not None:
+        urls.setdefault(CHECKPOINT, plan.checkpoint)
+    metrics = TransformMetrics()
+    if args.metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        start_http_server(args.metrics_port, registry=metrics.registry)
+    with ExitStack() as stack:
+        target = stack.enter_context(StoreClient(args.store, args.token, max_connections=max(8, args.concurrency)))
+        sources = {
+            h: stack.enter_context(StoreClient(u, args.token, max_connections=max(8, args.concurrency))) for h, u in urls.items()
+        }
+        if args.no_progress:
+            report = execute_host_plan(plan, args.host, target=target, sources=sources, concurrency=args.concurrency, metrics=metrics)
+        else:
+            columns = (
+                TextColumn(f"{args.host} -> {plan.new_version}"), BarColumn(), DownloadColumn(),
+                TransferSpeedColumn(), TimeRemainingColumn(),
+            )
+            with Progress(*columns, transient=False) as bar:
+                task = bar.add_task("transform", total=hp.bytes_total)
+                report = execute_host_plan(
+                    plan, args.host, target=target, sources=sources, concurrency=args.concurrency, metrics=metrics,
+                    progress=lambda done, total: bar.update(task, completed=done),
+                )
+    print(json.dumps(report.to_json()))
+    return 0
