@@ -1,0 +1,101 @@
+"""``tenplex store serve|ls|get|verify|gc`` end to end: the daemon as a separate OS process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tenplex.cli import main
+from tenplex.ptc.region import Region
+from tenplex.store.client import StoreClient
+
+TOKEN = "cli-token"
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    root = tmp_path_factory.mktemp("daemon")
+    port_file = root.parent / f"{root.name}.port"
+    env = {**os.environ, "TENPLEX_TOKEN": TOKEN, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tenplex", "store", "serve", "--root", str(root), "--port", "0", "--port-file", str(port_file)],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not port_file.exists():
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            assert time.monotonic() < deadline, "daemon did not write its port file"
+            time.sleep(0.05)
+        url = f"http://127.0.0.1:{int(port_file.read_text())}"
+        with StoreClient(url, TOKEN) as c:
+            while not c.health():
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        yield url, root
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        assert proc.stderr is not None
+        log = proc.stderr.read()
+        assert f"serving {root}" in log or "serving" in log
+
+
+@pytest.mark.slow
+def test_serve_ls_get_verify_gc(daemon: tuple[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    url, root = daemon
+    monkeypatch.setenv("TENPLEX_TOKEN", TOKEN)
+    w = np.arange(12 * 10, dtype=np.float32).reshape(12, 10)
+    e = torch.randn(5, 3, dtype=torch.bfloat16)
+    with StoreClient(url) as c:  # token from the environment
+        for step in (1, 2, 3):
+            c.write_shard("gpt", f"s{step}-g0", "layers.0/w", Region(((0, 12), (0, 10))), w, dtype="float32", global_shape=(12, 10))
+            c.write_shard("gpt", f"s{step}-g0", "emb", Region.full((5, 3)), e, dtype="bfloat16", global_shape=(5, 3))
+            if step < 3:
+                c.commit("gpt", f"s{step}-g0")
+
+    assert main(["store", "ls", url]) == 0
+    out = capsys.readouterr().out
+    assert "gpt" in out and "s2-g0" in out
+    assert main(["store", "ls", url, "gpt"]) == 0
+    out = capsys.readouterr().out
+    assert "s1-g0" in out and "s3-g0" in out and "no" in out
+
+    target = tmp_path / "w.npy"
+    assert main(["store", "get", url, "gpt", "s2-g0", "layers.0/w", "--region", "2:5,:", "-o", str(target)]) == 0
+    assert np.array_equal(np.load(target), w[2:5])
+    bf = tmp_path / "e.npy"
+    assert main(["store", "get", url, "gpt", "s2-g0", "emb", "-o", str(bf)]) == 0
+    assert "uint16" in capsys.readouterr().err
+    assert torch.equal(torch.from_numpy(np.load(bf)).view(torch.bfloat16), e)
+    assert main(["store", "get", url, "gpt", "s3-g0", "emb", "-o", str(bf)]) == 1  # not committed
+    assert "not committed" in capsys.readouterr().err
+    assert main(["store", "get", url, "gpt", "s3-g0", "emb", "--uncommitted", "-o", str(bf)]) == 0
+    assert main(["store", "get", url, "gpt", "s2-g0", "emb", "--region", "0:9,:", "-o", str(bf)]) == 1
+    assert "exceeds dimension 0" in capsys.readouterr().err
+    assert main(["store", "get", url, "gpt", "s2-g0", "nope", "-o", str(bf)]) == 1
+
+    monkeypatch.setenv("TENPLEX_TOKEN", "wrong")
+    assert main(["store", "ls", url]) == 1
+    assert "unauthorized" in capsys.readouterr().err
+
+    assert main(["store", "verify", "--root", str(root), "gpt", "s2-g0"]) == 0
+    assert "intact" in capsys.readouterr().out
+    assert main(["store", "gc", "--root", str(root), "gpt", "--keep", "1"]) == 0
+    assert "s1-g0" in capsys.readouterr().out
+    assert main(["store", "gc", "--root", str(root), "gpt", "--keep", "0"]) == 1
