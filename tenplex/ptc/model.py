@@ -13,6 +13,7 @@ Queries are served from indexes built on first use.
 from __future__ import annotations
 
 import json
+import os
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -245,7 +246,15 @@ class PTC:
         return json.dumps(self.to_json(), indent=indent, separators=separators)
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.dumps())
+        """Write the JSON atomically: a reader never sees a half-written layout, and a failed
+        write leaves an existing file as it was."""
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(self.dumps())
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
 
     @classmethod
     def from_json(cls, obj: Any) -> PTC:

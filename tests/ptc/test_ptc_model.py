@@ -97,6 +97,7 @@ def test_json_round_trip(tmp_path: Path) -> None:
     path = tmp_path / "p.json"
     ptc.save(path)
     assert PTC.load(path).to_json() == ptc.to_json()
+    assert [p.name for p in tmp_path.iterdir()] == ["p.json"]  # no temporary file left behind
     assert PTC.loads(ptc.dumps(indent=2)).to_json() == ptc.to_json()
 
 
