@@ -358,6 +358,9 @@ def test_padded_vocab_and_dataset() -> None:
     ptc = megatron_gpt_ptc(spec, ParallelConfig(dp=4), dataset=data)
     assert ptc.dataset == data
     assert PTC.loads(ptc.dumps()).dataset == data
+    # the config records the model, so the layout can be rebuilt from the PTC alone
+    assert GPTSpec(**ptc.config["model"]) == spec
+    assert ParallelConfig.from_json({k: ptc.config[k] for k in ("dp", "tp", "pp", "zero")}) == ParallelConfig(dp=4)
     # the layout is a pure function of its inputs
     assert megatron_gpt_ptc(spec, ParallelConfig(dp=4), dataset=data).to_json() == ptc.to_json()
     assert Region.full(ptc.tensor("embedding.word_embeddings.weight").shape) == Region(((0, 50304), (0, 4)))
