@@ -826,10 +826,23 @@ class _App:
         raw = await request.body()
         if not raw:
             return None
+        ctype = request.headers.get("content-type", "application/json").split(";")[0].strip().lower()
+        if "json" not in ctype:
+            # e.g. protobuf from kubectl: a 415 makes client-go fall back to JSON, as against an API server without it.
+            raise ApiError(415, "UnsupportedMediaType", f"the emulator accepts JSON bodies only, got {ctype!r}")
         try:
             return json.loads(raw)
         except json.JSONDecodeError as exc:
             raise ApiError(400, "BadRequest", f"the request body is not JSON: {exc}") from exc
+
+    async def _delete_options(self, request: Request) -> Mapping[str, Any]:
+        """DeleteOptions of a DELETE; kubectl sends them as protobuf, which the emulator reads as the defaults."""
+        ctype = request.headers.get("content-type", "application/json")
+        if "json" not in ctype:
+            await request.body()
+            return {}
+        body = await self._body(request)
+        return body if isinstance(body, Mapping) else {}
 
     async def _serve(self, request: Request, t: _Target) -> Response | _WatchResponse:
         method, q, store = request.method, request.query_params, self.store
@@ -884,7 +897,7 @@ class _App:
         if method == "DELETE":
             if t.subresource:
                 raise ApiError(405, "MethodNotAllowed", f"DELETE is not allowed on /{t.subresource}")
-            opts = await self._body(request) or {}
+            opts = await self._delete_options(request)
             propagation = q.get("propagationPolicy") or opts.get("propagationPolicy") or "Background"
             pre = opts.get("preconditions") or {}
             gone = store.delete(t.rt, t.namespace, t.name, propagation, pre.get("uid"), pre.get("resourceVersion"))
