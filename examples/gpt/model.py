@@ -22,6 +22,7 @@ the same module serves tp=1 and column-parallel ``wq/wk/wv``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 from dataclasses import dataclass
@@ -133,7 +134,8 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig, *, seed: int = 0, device: torch.device | str | None = None) -> None:
         super().__init__()
         self.cfg = cfg
-        with torch.device(device if device is not None else "cpu"):
+        # No device: the caller's default (a ``torch.device("meta")`` context for layouts).
+        with torch.device(device) if device is not None else contextlib.nullcontext():
             self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab, cfg.dim)
             self.pos_embeddings: nn.Embedding | None = nn.Embedding(cfg.seq_len, cfg.dim)
             self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
