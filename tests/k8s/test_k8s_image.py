@@ -12,6 +12,7 @@ import contextlib
 import fnmatch
 import io
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -127,10 +128,18 @@ def test_build_context_has_what_copy_needs_and_nothing_heavy() -> None:
 
 
 def test_the_package_builds_as_pip_install_dot_does(tmp_path: Path) -> None:
+    # Build from a copy holding exactly what the Dockerfile copies into /src (and no build/ left in the repo).
+    context = tmp_path / "src"
+    context.mkdir()
+    for source in ("pyproject.toml", "README.md"):
+        shutil.copy2(REPO / source, context / source)
+    for source in ("tenplex", "examples"):
+        shutil.copytree(REPO / source, context / source, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    wheels = tmp_path / "wheels"
     result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
-                             "--wheel-dir", str(tmp_path), str(REPO)], capture_output=True, text=True, timeout=240)
+                             "--wheel-dir", str(wheels), str(context)], capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr
-    (wheel,) = tmp_path.glob("tenplex-*.whl")
+    (wheel,) = wheels.glob("tenplex-*.whl")
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
         entry_points = zf.read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
