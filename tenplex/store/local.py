@@ -35,12 +35,14 @@ import contextlib
 import fcntl
 import json
 import logging
+import math
 import os
 import shutil
 import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -71,6 +73,7 @@ from tenplex.store.names import (
     tensor_dirname,
     tensor_from_dirname,
 )
+from tenplex.store.rawchunks import RawChunkReader, RawChunkWriter, raw_eligible
 from tenplex.store.version import Version
 
 if TYPE_CHECKING:
@@ -83,6 +86,7 @@ _COMMITS = ".commits"
 _STAGING = ".staging"
 _LOCK = ".lock"
 _PIECE_BYTES = 32 << 20  # bounded buffers for streamed writes and verification
+_MAX_PIECE_BYTES = 256 << 20  # ... grown up to this to hold whole bands of chunks
 _ZARR_CONFIG = {"write_empty_chunks": True}
 
 
@@ -129,7 +133,15 @@ class TensorReader:
     version (the transformer pulls many pieces) skip the metadata reads.
     """
 
-    def __init__(self, job: str, version: Version, tensor: str, committed: bool, shards: list[_StoredShard]) -> None:
+    def __init__(
+        self,
+        job: str,
+        version: Version,
+        tensor: str,
+        committed: bool,
+        shards: list[_StoredShard],
+        executor: Executor | None = None,
+    ) -> None:
         if not shards:
             raise NotFound(f"tensor {tensor!r} has no shards in version {version} of job {job!r}")
         self.job = job
@@ -140,8 +152,9 @@ class TensorReader:
         first = shards[0].info
         self.dtype = first.dtype
         self.global_shape = first.global_shape
-        self._arrays: dict[Path, zarr.Array] = {}
+        self._arrays: dict[Path, tuple[zarr.Array, RawChunkReader | None]] = {}
         self._lock = threading.Lock()
+        self._executor = executor
 
     @property
     def shards(self) -> list[ShardInfo]:
@@ -162,10 +175,10 @@ class TensorReader:
                 return s.info
         return None
 
-    def _array(self, path: Path) -> zarr.Array:
+    def _array(self, path: Path) -> tuple[zarr.Array, RawChunkReader | None]:
         with self._lock:
-            arr = self._arrays.get(path)
-            if arr is None:
+            found = self._arrays.get(path)
+            if found is None:
                 try:
                     arr = zarr.open_array(store=zarr.storage.LocalStore(path, read_only=True), mode="r")
                 except FileNotFoundError:
@@ -173,8 +186,9 @@ class TensorReader:
                         f"a shard of tensor {self.tensor!r} in version {self.version} of job {self.job!r} "
                         "disappeared (the version was deleted or the shard replaced)"
                     ) from None
-                self._arrays[path] = arr
-            return arr
+                found = (arr, RawChunkReader(path, arr) if raw_eligible(arr) else None)
+                self._arrays[path] = found
+            return found
 
     def plan(self, region: Region) -> list[tuple[_StoredShard, Region]]:
         """Which stored shard serves which part of ``region``; raises when the shards do not cover it."""
@@ -205,9 +219,13 @@ class TensorReader:
         if out.shape != region.shape:
             raise InvalidRegion(f"output buffer has shape {list(out.shape)}, region {region.format()!r} has {list(region.shape)}")
         for shard, common in self.plan(region):
-            src = common.relative_to(shard.info.region).slices()
+            src = common.relative_to(shard.info.region)
             dst = out[common.relative_to(region).slices()] if region.ndim else out  # out[()] would be a copy
-            self._array(shard.path).get_basic_selection(src, out=NDBuffer.from_numpy_array(dst))
+            arr, raw = self._array(shard.path)
+            if raw is not None:
+                raw.read(src, dst, self._executor)
+            else:
+                arr.get_basic_selection(src.slices(), out=NDBuffer.from_numpy_array(dst))
 
     def checksum(self, region: Region, piece_bytes: int = _PIECE_BYTES) -> int:
         """crc32c of the region's C-order bytes, computed through one bounded buffer."""
@@ -239,6 +257,7 @@ class ShardWriter:
     staging: Path
     array: zarr.Array
     pieces: list[Region]
+    raw: RawChunkWriter | None = None
     _next: int = 0
     _crc: int = 0
     _done: bool = False
@@ -259,7 +278,10 @@ class ShardWriter:
             if data.shape != piece.shape:
                 raise InvalidInput(f"piece {index} has shape {list(data.shape)}, expected {list(piece.shape)}")
             if piece.volume:
-                self.array.set_basic_selection(piece.slices(), data)
+                if self.raw is not None and self.raw.covers_whole_chunks(piece):
+                    self.raw.write(piece, data)
+                else:
+                    self.array.set_basic_selection(piece.slices(), data)
             self._crc = crc_of(data, self._crc)
             self._next += 1
 
@@ -316,8 +338,25 @@ class LocalStore:
         self._cache_size = cache_size
         self._cache_lock = threading.Lock()
 
+        self._pool: ThreadPoolExecutor | None = None
+        self._read_threads = max(1, min(4, os.cpu_count() or 1))
+
     def __repr__(self) -> str:
         return f"LocalStore({str(self.root)!r})"
+
+    def _read_pool(self) -> ThreadPoolExecutor:
+        """Threads that read the chunks of one large region in parallel (preadv releases the GIL)."""
+        with self._cache_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._read_threads, thread_name_prefix="tenplex-store-read")
+            return self._pool
+
+    def close(self) -> None:
+        """Stop the read threads (the store stays usable; they restart on demand)."""
+        with self._cache_lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
 
     # -- paths and locks ----------------------------------------------------
 
@@ -398,8 +437,11 @@ class LocalStore:
             config=_ZARR_CONFIG,
             attributes={},
         )
-        pieces = list(slabs(region.shape, st.itemsize, piece_bytes, align=chunks))
-        return ShardWriter(self, job, v, tensor, region, dtype, gshape, staging, array, pieces)
+        # a piece must hold whole bands of chunks, or zarr reads back and rewrites chunks it already wrote
+        band = chunks[0] * math.prod(region.shape[1:]) * st.itemsize if chunks else st.itemsize
+        pieces = list(slabs(region.shape, st.itemsize, max(piece_bytes, min(band, _MAX_PIECE_BYTES)), align=chunks))
+        raw = RawChunkWriter(staging, array) if raw_eligible(array) else None
+        return ShardWriter(self, job, v, tensor, region, dtype, gshape, staging, array, pieces, raw)
 
     def write_shard(
         self,
@@ -514,7 +556,7 @@ class LocalStore:
         shards = self._scan_tensor(vdir / tensor_dirname(tensor), tensor)
         if not shards:
             raise NotFound(f"tensor {tensor!r} is not in version {v} of job {job!r}")
-        reader = TensorReader(job, v, tensor, committed, shards)
+        reader = TensorReader(job, v, tensor, committed, shards, self._read_pool())
         if committed:
             with self._cache_lock:
                 self._cache[key] = reader
