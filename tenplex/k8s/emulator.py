@@ -8,7 +8,7 @@ their write rules, optimistic concurrency on update. This module emulates
 exactly that part of the API, as the real server behaves:
 
 * resources: pods (with ``status`` and ``eviction``), nodes, namespaces,
-  services, configmaps, events, leases (``coordination.k8s.io``) and the
+  services, configmaps, secrets, events, leases (``coordination.k8s.io``) and the
   ``ElasticJob`` custom resource with its ``status`` and ``scale`` subresources;
 * create (``generateName`` too), get, list, replace (PUT), patch
   (JSON merge patch, JSON patch, and a strategic merge patch for built-in
@@ -148,6 +148,7 @@ def default_resources() -> tuple[ResourceType, ...]:
         ResourceType("", "v1", "namespaces", "Namespace", False, status_subresource=True, short_names=("ns",)),
         ResourceType("", "v1", "services", "Service", True, status_subresource=True, short_names=("svc",)),
         ResourceType("", "v1", "configmaps", "ConfigMap", True, short_names=("cm",)),
+        ResourceType("", "v1", "secrets", "Secret", True),
         ResourceType("", "v1", "events", "Event", True, short_names=("ev",)),
         ResourceType("coordination.k8s.io", "v1", "leases", "Lease", True),
         ResourceType(crd.GROUP, crd.VERSION, crd.PLURAL, crd.KIND, True, status_subresource=True, scale=ej_scale,
