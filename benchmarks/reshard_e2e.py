@@ -1,0 +1,283 @@
+"""Resharding a ~1 GB GPT state: Tenplex (node-local stores + transformer) vs PyTorch DCP save + load.
+
+State: a Megatron-style GPT in fp32 with Adam moments (param, optim/exp_avg, optim/exp_avg_sq),
+laid out (dp2, tp2) on hosts h0, h1 (2 GPUs each). Two reconfigurations to (dp1, tp2, pp2):
+  move:    onto h2, h3 (every byte crosses the network);
+  failure: h1 fails; onto h0 (survivor) and h2.
+
+Tenplex: four `tenplex store serve` daemons (one per emulated host, 127.0.0.2..5); the old state
+is written into h0/h1's stores as the workers' snapshot would (timed separately); then timed end to
+end: plan + every target host's transform in parallel (pull, verify, write the new version, commit).
+DCP: 4 gloo processes hold the old layout as DTensors and call torch.distributed.checkpoint.save;
+4 fresh gloo processes hold empty DTensors of the new layout and call dcp.load, which reshards.
+Timed: save (between barriers) + load (between barriers). Bytes read by DCP are the stored chunk
+bytes its FileSystemReader reads (it reads whole saved chunks); Tenplex's are the piece bytes read
+from the stores (local + remote). Both results are checked element by element against the data.
+
+Run: .venv/bin/python benchmarks/reshard_e2e.py [--layers 8 --hidden 896 --heads 14 --vocab 8192]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from tenplex.ptc import PTC, ParallelConfig, Region
+from tenplex.ptc.megatron import GPTSpec, megatron_gpt_ptc
+from tenplex.store.client import StoreClient
+from tenplex.transformer.execute import execute_host_plan
+from tenplex.transformer.plan import make_plan
+
+ADDRESSES = {"h0": "127.0.0.2", "h1": "127.0.0.3", "h2": "127.0.0.4", "h3": "127.0.0.5"}
+OLD_V = "s100-g0"
+
+
+# -- data: each old shard's values come from a generator seeded by (tensor, region) -------------
+
+
+def shard_data(name: str, region: Region) -> np.ndarray:
+    rng = np.random.default_rng(zlib.crc32(f"{name}@{region.format()}".encode()))
+    return rng.random(region.shape, dtype=np.float32)
+
+
+def expected(old: PTC, name: str, region: Region) -> np.ndarray:
+    """A region's values, assembled from the old shards that overlap it."""
+    out = np.empty(region.shape, np.float32)
+    for owner in old.owners(name, region):
+        out[owner.piece.relative_to(region).slices()] = shard_data(name, owner.shard.region)[
+            owner.piece.relative_to(owner.shard.region).slices()
+        ]
+    return out
+
+
+# -- Tenplex ------------------------------------------------------------------------------------
+
+
+def start_stores(root: Path) -> tuple[dict[str, subprocess.Popen], dict[str, str]]:
+    procs, urls = {}, {}
+    for host, addr in ADDRESSES.items():
+        port_file = root / f"{host}.port"
+        procs[host] = subprocess.Popen(
+            [sys.executable, "-m", "tenplex", "--log-level", "WARNING", "store", "serve", "--root", str(root / host),
+             "--host", addr, "--port", "0", "--port-file", str(port_file)],
+            stdout=subprocess.DEVNULL,
+        )
+    deadline = time.monotonic() + 60
+    for host, addr in ADDRESSES.items():
+        port_file = root / f"{host}.port"
+        while not port_file.exists():
+            if time.monotonic() > deadline or procs[host].poll() is not None:
+                raise RuntimeError(f"store daemon of {host} did not start")
+            time.sleep(0.05)
+        urls[host] = f"http://{addr}:{int(port_file.read_text())}"
+    return procs, urls
+
+
+def snapshot(old: PTC, clients: dict[str, StoreClient], job: str) -> float:
+    """Write each old host's shards into its store and commit (what the workers' snapshot does)."""
+    start = time.perf_counter()
+
+    def one(host: str) -> None:
+        for t, s in old.shards_on_host(host):
+            clients[host].write_shard(job, OLD_V, t.name, s.region, shard_data(t.name, s.region),
+                                      dtype=t.dtype, global_shape=t.shape)
+        clients[host].commit(job, OLD_V)
+
+    threads = [threading.Thread(target=one, args=(h,)) for h in old.hosts]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return time.perf_counter() - start
+
+
+def tenplex_run(
+    old: PTC, new: PTC, clients: dict[str, StoreClient], job: str, alive: set[str] | None, new_version: str
+) -> dict:
+    start = time.perf_counter()
+    plan = make_plan(old, new, job=job, old_version=OLD_V, new_version=new_version, alive=alive)
+    plan_s = time.perf_counter() - start
+    reports, errors = {}, []
+
+    def one(host: str) -> None:
+        try:
+            sources = {h: c for h, c in clients.items() if h != host and (alive is None or h in alive)}
+            reports[host] = execute_host_plan(plan, host, target=clients[host], sources=sources, concurrency=4)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(h,)) for h in plan.hosts]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    total = time.perf_counter() - start
+    if errors:
+        raise errors[0]
+    # Check every new shard against the data.
+    for host in new.hosts:
+        for t, s in new.shards_on_host(host):
+            got = clients[host].read(job, new_version, t.name, s.region, t.dtype)
+            if not np.array_equal(got, expected(old, t.name, s.region)):
+                raise AssertionError(f"tenplex: {host} {t.name} {s.region} differs")
+    return {
+        "seconds": total,
+        "plan_seconds": plan_s,
+        "bytes_read": sum(r.bytes_local + r.bytes_remote for r in reports.values()),
+        "network_bytes": plan.network_bytes,
+        "lower_bound_bytes": plan.lower_bound_bytes,
+        "local_bytes": plan.local_bytes,
+    }
+
+
+# -- DCP ----------------------------------------------------------------------------------------
+
+
+def _dcp_worker(rank: int, world: int, mode: str, ptc_file: str, old_file: str, ckpt: str, init: str, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    ptc = PTC.load(ptc_file)
+    cfg = ptc.config
+    pp, dp, tp = int(cfg["pp"]), int(cfg["dp"]), int(cfg["tp"])
+    mesh = init_device_mesh("cpu", (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    sub = mesh["dp", "tp"]
+    state = {}
+    for t, s in ptc.shards_of_device(rank):
+        split = [d for d, ((a, b), n) in enumerate(zip(s.region.bounds, t.shape, strict=True)) if b - a != n]
+        placements = (Replicate(), Shard(split[0]) if split else Replicate())
+        local = torch.from_numpy(shard_data(t.name, s.region)) if mode == "save" else torch.empty(s.region.shape)
+        stride = tuple(int(np.prod(t.shape[d + 1 :])) for d in range(len(t.shape)))
+        state[t.name] = DTensor.from_local(local, sub, placements, run_check=False, shape=t.shape, stride=stride)
+
+    read_bytes = [0]
+
+    class CountingReader(FileSystemReader):
+        def read_data(self, plan, planner):  # type: ignore[no-untyped-def]
+            read_bytes[0] += sum(self.storage_data[item.storage_index].length for item in plan.items)
+            return super().read_data(plan, planner)
+
+    dist.barrier()
+    start = time.perf_counter()
+    if mode == "save":
+        dcp.save(state, checkpoint_id=ckpt)
+    else:
+        dcp.load(state, storage_reader=CountingReader(ckpt))
+    dist.barrier()
+    seconds = time.perf_counter() - start
+    if mode == "load":
+        old = PTC.load(old_file)
+        for t, s in ptc.shards_of_device(rank):
+            if not np.array_equal(state[t.name].to_local().numpy(), expected(old, t.name, s.region)):
+                raise AssertionError(f"dcp: rank {rank} {t.name} {s.region} differs")
+    Path(out, f"{mode}-{rank}.json").write_text(json.dumps({"seconds": seconds, "read_bytes": read_bytes[0]}))
+    dist.destroy_process_group()
+
+
+def dcp_run(old_file: Path, new_file: Path, work: Path) -> dict:
+    import torch.multiprocessing as mp
+
+    ckpt = work / "dcp"
+    shutil.rmtree(ckpt, ignore_errors=True)
+    results = {}
+    for mode, ptc_file in (("save", old_file), ("load", new_file)):
+        world = len(PTC.load(ptc_file).devices)
+        init = f"file://{work / f'dcp-init-{mode}-{time.monotonic_ns()}'}"
+        mp.spawn(_dcp_worker, args=(world, mode, str(ptc_file), str(old_file), str(ckpt), init, str(work)), nprocs=world)
+        rows = [json.loads(Path(work, f"{mode}-{r}.json").read_text()) for r in range(world)]
+        results[mode] = {"seconds": max(r["seconds"] for r in rows), "read_bytes": sum(r["read_bytes"] for r in rows)}
+    stored = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
+    return {
+        "seconds": results["save"]["seconds"] + results["load"]["seconds"],
+        "save_seconds": results["save"]["seconds"],
+        "load_seconds": results["load"]["seconds"],
+        "bytes_read": results["load"]["read_bytes"],
+        "checkpoint_bytes": stored,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=896)
+    parser.add_argument("--heads", type=int, default=14)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--workdir", help="scratch directory (default: a new temporary one)")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per scenario, Tenplex and DCP interleaved")
+    parser.add_argument("--best", action="store_true", help="report the best run instead of the median")
+    args = parser.parse_args()
+
+    spec = GPTSpec(num_layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab, seq_len=1024)
+    old = megatron_gpt_ptc(spec, ParallelConfig(dp=2, tp=2), gpus_per_node=2, hosts=["h0", "h1"], precision="fp32")
+    scenarios = {
+        "move (dp2,tp2)@h0,h1 -> (dp1,tp2,pp2)@h2,h3": (["h2", "h3"], None),
+        "failure of h1: (dp2,tp2)@h0,h1 -> (dp1,tp2,pp2)@h0,h2": (["h0", "h2"], {"h0", "h2", "h3"}),
+    }
+    work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="tenplex-reshard-"))
+    work.mkdir(parents=True, exist_ok=True)
+    old_file = work / "old.json"
+    old.save(old_file)
+    print(f"machine: nproc={os.cpu_count()}; state {old.total_bytes / 1e9:.2f} GB in {len(old.tensors)} tensors "
+          f"(fp32 params + Adam exp_avg/exp_avg_sq); workdir {work}", flush=True)
+    procs, urls = start_stores(work)
+    try:
+        for i, (name, (hosts, alive)) in enumerate(scenarios.items()):
+            new = megatron_gpt_ptc(spec, ParallelConfig(tp=2, pp=2), gpus_per_node=2, hosts=hosts, precision="fp32")
+            new_file = work / f"new-{i}.json"
+            new.save(new_file)
+            job = f"gpt-{i}"
+            clients = {h: StoreClient(u, max_connections=8) for h, u in urls.items()}
+            snap = snapshot(old, clients, job)
+            if alive is not None:
+                procs["h1"].terminate()  # the failure: h1's daemon is gone
+                procs["h1"].wait()
+            tens, dcps = [], []
+            for r in range(args.repeat):  # interleaved, so that load from other users hits both alike
+                tens.append(tenplex_run(old, new, clients, job, alive, f"s100-g{r + 1}"))
+                dcps.append(dcp_run(old_file, new_file, work))
+                print(f"  [{name} run {r + 1}] tenplex {tens[-1]['seconds']:.2f} s, dcp {dcps[-1]['seconds']:.2f} s", flush=True)
+            for c in clients.values():
+                c.close()
+            ten = min(tens, key=lambda x: x["seconds"]) if args.best else sorted(tens, key=lambda x: x["seconds"])[len(tens) // 2]
+            dcp = min(dcps, key=lambda x: x["seconds"]) if args.best else sorted(dcps, key=lambda x: x["seconds"])[len(dcps) // 2]
+            stat = "best" if args.best else "median"
+            print(
+                f"{name} ({stat} of {args.repeat}):\n"
+                f"  tenplex: {ten['seconds']:.2f} s end to end (plan {ten['plan_seconds'] * 1e3:.0f} ms); "
+                f"read {ten['bytes_read'] / 1e9:.3f} GB (network {ten['network_bytes'] / 1e9:.3f} GB = lower bound "
+                f"{ten['lower_bound_bytes'] / 1e9:.3f} GB, local {ten['local_bytes'] / 1e9:.3f} GB); "
+                f"snapshot into the stores beforehand {snap:.2f} s; all runs "
+                + ", ".join(f"{x['seconds']:.2f}" for x in tens) + "\n"
+                f"  dcp:     {dcp['seconds']:.2f} s (save {dcp['save_seconds']:.2f} + load {dcp['load_seconds']:.2f}); "
+                f"read {dcp['bytes_read'] / 1e9:.3f} GB; checkpoint {dcp['checkpoint_bytes'] / 1e9:.3f} GB; all runs "
+                + ", ".join(f"{x['seconds']:.2f}" for x in dcps) + "\n"
+                f"  speed-up {dcp['seconds'] / ten['seconds']:.2f}x; bytes read tenplex/dcp "
+                f"{ten['bytes_read'] / dcp['bytes_read']:.3f}",
+                flush=True,
+            )
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.terminate()
+                p.wait()
+
+
+if __name__ == "__main__":
+    main()
