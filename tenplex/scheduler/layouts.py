@@ -15,6 +15,7 @@ not need.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,6 +23,8 @@ from tenplex.errors import InvalidConfig
 from tenplex.ptc import PTC, DatasetState, ParallelConfig, Placement
 
 PROVIDERS = ("megatron-gpt", "example-gpt")
+
+_TORCH_LAYOUT_LOCK = threading.Lock()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,9 +69,12 @@ class LayoutSpec:
                 precision=self.precision,
                 dataset=dataset,
             )
-        from tenplex.ptc.torch_layout import example_gpt_ptc
+        from examples.gpt.layout import gpt_ptc
 
-        return example_gpt_ptc(model, parallel, placement, dataset=dataset)
+        # Deriving a layout sets up torch.distributed's (process-global) fake group:
+        # the controllers of several jobs must take turns.
+        with _TORCH_LAYOUT_LOCK:
+            return gpt_ptc(model, parallel, placement, dataset=dataset)
 
     def to_json(self) -> dict[str, Any]:
         return {"provider": self.provider, "model": dict(self.model), "precision": self.precision}
