@@ -208,6 +208,7 @@ def test_auth_secret_value_or_existing() -> None:
         (["--set", "metrics.serviceMonitor.interval=often"], "interval"),
         (["--set", "scheduler.replicas=3", "--set", "scheduler.leaderElection.enabled=false"], "leaderElection.enabled is false"),
         (["--set", "scheduler.leaderElection.renewDeadlineSeconds=20"], "renewDeadlineSeconds (20)"),
+        (["--set", "scheduler.leaderElection.retryPeriodSeconds=9"], "1.2 x retryPeriodSeconds (9)"),
     ],
 )
 def test_bad_values_are_rejected_with_the_offending_key(values: list[str], expected: str) -> None:
