@@ -33,7 +33,8 @@ way kubelets, node controllers and operators do: :meth:`add_node`,
 :meth:`set_pod_running`, :meth:`fail_pod`, :meth:`set_pod_succeeded`, and
 :meth:`expire_watches` / :meth:`compact` to force 410 Gone.
 
-Not emulated: authentication and RBAC, admission, server-side apply,
+Not emulated: authentication and RBAC, admission, server-side apply and
+dry runs (both answered with a clear 4xx), protobuf (415, so clients fall back to JSON),
 pagination (``limit`` returns everything), controllers (nothing schedules or
 runs pods unless a test does), graceful pod termination (pods are deleted at
 once). Namespaces need not exist before objects are created in them.
@@ -847,6 +848,9 @@ class _App:
 
     async def _serve(self, request: Request, t: _Target) -> Response | _WatchResponse:
         method, q, store = request.method, request.query_params, self.store
+        if q.get("dryRun") and method != "GET":
+            # Refused rather than ignored: an ignored dry run would change the state a test relies on.
+            raise ApiError(400, "BadRequest", f"dryRun={q.get('dryRun')} is not supported by the emulator")
         if t.name is None:
             filt = _Filter(t.rt, t.namespace, parse_label_selector(q.get("labelSelector")),
                            parse_field_selector(q.get("fieldSelector")))

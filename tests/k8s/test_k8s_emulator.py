@@ -326,6 +326,21 @@ def test_kubelet_and_node_controller_hooks(api: ApiServerEmulator, k8s: Clients)
     assert not k8s.core.read_node("n2").spec.unschedulable
 
 
+def test_unsupported_requests_are_refused_not_ignored(k8s: Clients) -> None:
+    with pytest.raises(client.ApiException) as err:
+        k8s.core.create_namespaced_pod(NS, pod("w0"), dry_run="All")
+    assert err.value.status == 400 and "dryRun" in message(err.value)
+    assert k8s.core.list_namespaced_pod(NS).items == []
+    k8s.core.create_namespaced_pod(NS, pod("w0"))
+    with pytest.raises(client.ApiException) as err:
+        k8s.core.patch_namespaced_pod("w0", NS, {"metadata": {"labels": {"a": "b"}}},
+                                      _content_type="application/apply-patch+yaml")
+    assert err.value.status == 415
+    with pytest.raises(client.ApiException) as err:
+        k8s.custom.list_namespaced_custom_object("example.com", "v1", NS, "widgets")
+    assert err.value.status == 404
+
+
 def test_eviction_subresource_deletes_the_pod(k8s: Clients) -> None:
     k8s.core.create_namespaced_pod(NS, pod("w0"))
     k8s.core.create_namespaced_pod_eviction("w0", NS, {"metadata": {"name": "w0", "namespace": NS}})
