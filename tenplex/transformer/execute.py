@@ -439,3 +439,60 @@ def _store(
     finally:
         shard.buf = None  # type: ignore[assignment]  # free the buffer before the next shard is allocated
         stored(dest.nbytes)
+
+
+def execute_plan(
+    plan: Plan,
+    stores: Mapping[str, str],
+    *,
+    token: str | None = None,
+    concurrency: int = 8,
+    metrics: TransformMetrics | None = None,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> dict[str, TransformReport]:
+    """Run every target host's part of ``plan`` at once (one thread each), as the nodes would.
+
+    ``stores`` maps host names (and :data:`CHECKPOINT` when the plan has no
+    checkpoint URL of its own) to store URLs; hosts missing from it count as
+    failed sources. Every host either commits or leaves nothing; when any
+    fails, :class:`TransformFailed` lists every failed host after all finished.
+    """
+    from tenplex.store.client import StoreClient
+
+    missing = [h for h in plan.hosts if h not in stores]
+    if missing:
+        raise InvalidInput(f"no store URL for target hosts {missing}; known: {sorted(stores)}")
+    urls = dict(stores)
+    if plan.checkpoint is not None:
+        urls.setdefault(CHECKPOINT, plan.checkpoint)
+    clients = {h: StoreClient(u, token, max_connections=max(8, concurrency)) for h, u in urls.items()}
+    reports: dict[str, TransformReport] = {}
+    failures: dict[str, BaseException] = {}
+
+    def one(host: str) -> None:
+        try:
+            sources = {h: c for h, c in clients.items() if h != host}
+            cb = None if progress is None else (lambda done, total: progress(host, done, total))
+            reports[host] = execute_host_plan(
+                plan, host, target=clients[host], sources=sources, concurrency=concurrency, progress=cb, metrics=metrics
+            )
+        except BaseException as exc:  # collected and reported together below
+            failures[host] = exc
+
+    threads = [threading.Thread(target=one, args=(h,), name=f"tenplex-transform-{h}") for h in plan.hosts]
+    try:
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    finally:
+        for c in clients.values():
+            c.close()
+    if failures:
+        detail = "; ".join(
+            f"{h}: {exc.detail if isinstance(exc, TenplexError) else repr(exc)}" for h, exc in failures.items()
+        )
+        raise TransformFailed(
+            f"{len(failures)} of {len(plan.hosts)} hosts failed to transform to {plan.new_version}: {detail}"
+        ) from next(iter(failures.values()))
+    return reports

@@ -73,3 +73,24 @@ def test_transition_bit_exact(cluster, name: str, precision: str) -> None:
     # The old version is still there, committed, on every old host.
     for h in ohosts:
         assert any(v.committed and str(v.version) == "s5-g0" for v in cluster.clients[h].versions(job))
+
+
+def test_execute_plan_runs_all_hosts_in_parallel(cluster) -> None:
+    from tenplex.transformer.execute import TransformMetrics, execute_plan
+
+    (ocfg, ogpn, ohosts), (ncfg, ngpn, nhosts) = TRANSITIONS["dp4-to-tp2pp2"]
+    old = layout(ocfg, ogpn, ohosts, "fp32")
+    new = layout(ncfg, ngpn, nhosts, "fp32")
+    state = random_state(old, seed=3)
+    populate(cluster, old, state, "par", "s1-g0")
+    plan = make_plan(old, new, job="par", old_version="s1-g0", new_version="s1-g1")
+    seen: dict[str, int] = {}
+    metrics = TransformMetrics()
+    reports = execute_plan(
+        plan, {h: s.url for h, s in cluster.servers.items()}, concurrency=2, metrics=metrics,
+        progress=lambda host, done, total: seen.__setitem__(host, max(done, seen.get(host, 0))),
+    )
+    assert set(reports) == set(plan.hosts) == set(seen)
+    assert all(seen[h] == plan.hosts[h].bytes_total for h in plan.hosts)
+    assert metrics.registry.get_sample_value("tenplex_transforms_total", {"outcome": "ok"}) == len(plan.hosts)
+    check_new_state(cluster, new, state, "par", "s1-g1")
