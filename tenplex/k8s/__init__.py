@@ -1,6 +1,11 @@
-"""Kubernetes integration: the ElasticJob custom resource and an API server emulator for tests.
+"""Kubernetes integration: the ElasticJob custom resource, and a cluster to test against without one.
 
-``tenplex.k8s.crd`` defines the resource and the pod contracts the chart and
-the scheduler's Kubernetes backend share; ``tenplex.k8s.emulator`` is an
-in-process API server that the official client talks to over real HTTP.
+* ``tenplex.k8s.crd``: the ElasticJob CRD as data (the chart's ``crds/`` file is
+  generated from it), validation with the same schema and CEL rules the API
+  server applies, typed views of spec and status, and the pod contracts (labels,
+  the downward-API store address, owner references) shared by the chart and
+  the scheduler's Kubernetes backend.
+* ``tenplex.k8s.emulator``: an in-process API server that the official client
+  and kubectl talk to over real HTTP (test-only; needs the ``test`` extras).
+* ``tenplex.k8s.kubelet``: a test kubelet that runs a node's pods as local processes.
 """
