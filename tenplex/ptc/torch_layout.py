@@ -99,7 +99,7 @@ def derive_ptc(
     if optimizer not in OPTIMIZERS:
         raise InvalidConfig(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
     placement.check(parallel)
-    stages = _read_stages(build_stage, parallelize, parallel)
+    stages = read_stage_layouts(build_stage, parallelize, parallel)
     tensors = _layout_tensors(stages, parallel, optimizer)
     devices = tuple(
         Device(rank, placement.host_of(rank), parallel.coords(rank)) for rank in range(parallel.world_size)
@@ -118,9 +118,10 @@ def derive_ptc(
 # -- reading the stages -----------------------------------------------------------
 
 
-def _read_stages(
+def read_stage_layouts(
     build_stage: BuildStage, parallelize: Parallelize, parallel: ParallelConfig
 ) -> list[list[TensorLayout]]:
+    """Per pipeline stage, the parameters and persistent buffers with their DTensor placements."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
