@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import pickle
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -58,6 +59,9 @@ log = logging.getLogger(__name__)
 
 MESH_DIMS = ("pp", "dp", "tp")
 OPTIMIZERS = ("adamw", "adam", "none")
+
+# torch.distributed has one default process group per process: derivations take turns.
+_FAKE_PG_LOCK = threading.Lock()
 
 BuildStage = Callable[[int, int], "nn.Module"]
 Parallelize = Callable[["nn.Module", "DeviceMesh", ParallelConfig], "nn.Module"]
@@ -124,9 +128,16 @@ def read_stage_layouts(
     """Per pipeline stage, the parameters and persistent buffers with their DTensor placements."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        log.info("a process group is initialized here; deriving the layout in a subprocess")
-        return _read_stages_in_subprocess(build_stage, parallelize, parallel)
+    with _FAKE_PG_LOCK:
+        if dist.is_available() and dist.is_initialized():
+            log.info("a process group is initialized here; deriving the layout in a subprocess")
+            return _read_stages_in_subprocess(build_stage, parallelize, parallel)
+        return _read_all_stages(build_stage, parallelize, parallel)
+
+
+def _read_all_stages(
+    build_stage: BuildStage, parallelize: Parallelize, parallel: ParallelConfig
+) -> list[list[TensorLayout]]:
     return [_read_stage(build_stage, parallelize, parallel, stage) for stage in range(parallel.pp)]
 
 
@@ -142,6 +153,7 @@ def _read_stage(
         FakeStore,  # registers the "fake" backend
     )
 
+    # A rank of this stage, so code that looks at its own pipeline coordinate sees the right one.
     rank = parallel.rank(0, 0, stage)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=parallel.world_size)
     try:
@@ -204,12 +216,6 @@ def _read_stages_in_subprocess(
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=1, mp_context=ctx) as pool:
         return pool.submit(_read_all_stages, build_stage, parallelize, parallel).result()
-
-
-def _read_all_stages(
-    build_stage: BuildStage, parallelize: Parallelize, parallel: ParallelConfig
-) -> list[list[TensorLayout]]:
-    return [_read_stage(build_stage, parallelize, parallel, stage) for stage in range(parallel.pp)]
 
 
 # -- from placements to shards ----------------------------------------------------
@@ -294,3 +300,24 @@ def _layout_tensors(stages: list[list[TensorLayout]], parallel: ParallelConfig, 
                 holders = sorted({d for _, devs in shards for d in devs})
                 tensors.append(build_tensor(f"optim/{lay.name}/step", (), "float32", TensorKind.OPTIMIZER, [(Region.full(()), holders)]))
     return tensors
+
+
+def example_gpt_ptc(
+    cfg: Any,
+    parallel: ParallelConfig,
+    placement: Placement,
+    dataset: DatasetState | None = None,
+    *,
+    optimizer: str = "adamw",
+) -> PTC:
+    """The PTC of the reference job in ``examples/gpt`` (``cfg`` is its ``GPTConfig``).
+
+    The job lives outside the package, so it is imported here, on use; the
+    repository root must be importable (as it is for the tests, the demo and
+    the container image).
+    """
+    try:
+        from examples.gpt.layout import gpt_ptc
+    except ImportError as exc:
+        raise InvalidConfig(f"the reference job examples.gpt is not importable here: {exc}") from None
+    return gpt_ptc(cfg, parallel, placement, dataset=dataset, optimizer=optimizer)

@@ -238,3 +238,24 @@ def test_with_a_real_process_group_it_derives_in_a_subprocess() -> None:
         assert dist.is_initialized() and dist.get_world_size() == 1
     finally:
         dist.destroy_process_group()
+
+
+def test_example_gpt_ptc_is_the_reference_jobs_layout() -> None:
+    from tenplex.ptc.torch_layout import example_gpt_ptc
+
+    parallel = ParallelConfig(dp=2, tp=2)
+    assert example_gpt_ptc(CFG, parallel, Placement.uniform(4, 2)).dumps() == gpt_ptc(
+        CFG, parallel, Placement.uniform(4, 2)
+    ).dumps()
+
+
+def test_concurrent_derivations_take_turns() -> None:
+    """The fake process group is process-global; threads deriving at once must not collide."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    configs = [ParallelConfig(dp=2, tp=2, zero=3), ParallelConfig(tp=2, pp=2), ParallelConfig(dp=4)] * 2
+    expected = [_ptc(p).dumps() for p in configs]
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        got = list(pool.map(lambda p: _ptc(p).dumps(), configs))
+    assert got == expected
+    assert not dist.is_initialized()
