@@ -28,6 +28,7 @@ optimizer hyper-parameters, step, dataset position and user extras.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -78,6 +79,8 @@ class Snapshotter:
     ``store`` is the node-local store of ``host`` (the host of ``rank`` in
     ``ptc``). ``on_done`` is called in the background thread with each
     finished :class:`SnapshotResult` (e.g. to report it to the scheduler).
+    The writer thread runs ``writer_nice`` steps nicer than training, so
+    that where CPU cores are scarce the write waits, not the next step.
     """
 
     def __init__(
@@ -89,6 +92,7 @@ class Snapshotter:
         *,
         on_done: Callable[[SnapshotResult], None] | None = None,
         check: bool = True,
+        writer_nice: int = 10,
     ) -> None:
         self.store = store
         self.job = job
@@ -97,6 +101,7 @@ class Snapshotter:
         self.host = ptc.device(rank).host
         self._on_done = on_done
         self._check = check
+        self._writer_nice = writer_nice
         self._thread: threading.Thread | None = None
         self._result: SnapshotResult | None = None
         self._error: BaseException | None = None
@@ -189,6 +194,7 @@ class Snapshotter:
 
     def _write(self, version: Version, copies: list[_Copy], record: bytes, copy_s: float, consumed: int | None) -> None:
         t0 = time.perf_counter()
+        _lower_priority(self._writer_nice)
         try:
             nbytes = 0
             for c in copies:
@@ -242,6 +248,17 @@ class Snapshotter:
             return False
         self.store.commit(self.job, version)
         return True
+
+
+def _lower_priority(nice: int) -> None:
+    """Make the calling thread yield the CPU to training (Linux: niceness is per thread)."""
+    if nice <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError as exc:  # not permitted or not supported: the write just competes normally
+        log.debug("could not lower the snapshot writer's priority: %s", exc)
 
 
 def _copy_out(t: torch.Tensor) -> torch.Tensor:
