@@ -7,7 +7,7 @@ watches, label and field selectors, the scale and status subresources with
 their write rules, optimistic concurrency on update. This module emulates
 exactly that part of the API, as the real server behaves:
 
-* resources: pods (with ``status`` and ``eviction``), nodes, namespaces,
+* resources: pods (with ``status``, ``binding`` and ``eviction``), nodes, namespaces,
   services, configmaps, secrets, events, leases (``coordination.k8s.io``) and the
   ``ElasticJob`` custom resource with its ``status`` and ``scale`` subresources;
 * create (``generateName`` too), get, list, replace (PUT), patch
@@ -806,12 +806,12 @@ class _App:
         rt = self.store.resource(group, version, rest[0])
         name = rest[1] if len(rest) > 1 else None
         sub = rest[2] if len(rest) > 2 else None
-        if len(rest) > 3 or (sub is not None and sub not in ("status", "scale", "eviction")):
+        if len(rest) > 3 or (sub is not None and sub not in ("status", "scale", "eviction", "binding")):
             raise ApiError(404, "NotFound", f"the server could not find the requested resource /{path}")
         if rt.namespaced and namespace is None and name is not None:
             raise ApiError(404, "NotFound", f"{rt.key} is namespaced: use /namespaces/<ns>/{rt.plural}/{name}")
         if sub == "status" and not rt.status_subresource or sub == "scale" and rt.scale is None or \
-                sub == "eviction" and rt.plural != "pods":
+                sub in ("eviction", "binding") and rt.plural != "pods":
             raise ApiError(404, "NotFound", f"{rt.key} has no {sub} subresource")
         return _Target(rt, namespace, name, sub)
 
@@ -876,6 +876,24 @@ class _App:
 
         if t.subresource == "scale":
             return await self._scale(request, t)
+        if t.subresource == "binding":
+            if method != "POST":
+                raise ApiError(405, "MethodNotAllowed", "bindings are created with POST")
+            body = await self._body(request)
+            target = (body or {}).get("target") or {}
+            if target.get("kind", "Node") != "Node" or not target.get("name"):
+                raise ApiError(400, "BadRequest", f"a Binding needs target.kind Node and target.name, got {target!r}")
+
+            def bind(cur: dict[str, Any]) -> dict[str, Any]:
+                bound = cur.get("spec", {}).get("nodeName")
+                if bound:
+                    raise ApiError(409, "Conflict", f'pod {t.name} is already assigned to node "{bound}"')
+                cur.setdefault("spec", {})["nodeName"] = target["name"]
+                return cur
+
+            store.update(t.rt, t.namespace, t.name, bind, None)
+            return JSONResponse({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201},
+                                status_code=201)
         if t.subresource == "eviction":
             if method != "POST":
                 raise ApiError(405, "MethodNotAllowed", "evictions are created with POST")
