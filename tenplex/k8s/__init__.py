@@ -8,4 +8,5 @@
 * ``tenplex.k8s.emulator``: an in-process API server that the official client
   and kubectl talk to over real HTTP (test-only; needs the ``test`` extras).
 * ``tenplex.k8s.kubelet``: a test kubelet that runs a node's pods as local processes.
+* ``tenplex.k8s.binder``: a test stand-in for kube-scheduler that binds pending pods.
 """
