@@ -21,7 +21,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -97,7 +97,12 @@ class _Piece:
 
 
 class StoreClient:
-    """HTTP client of one store daemon (``url`` like ``http://10.0.0.5:7070``); thread-safe."""
+    """HTTP client of one store daemon (``url`` like ``http://10.0.0.5:7070``); thread-safe.
+
+    ``token`` defaults to ``$TENPLEX_TOKEN``. Reads larger than
+    ``max_request_bytes`` become several requests, ``read_concurrency`` of them
+    in flight for one :meth:`read_into`; at most ``max_connections`` are open.
+    """
 
     def __init__(
         self,
@@ -109,14 +114,16 @@ class StoreClient:
         backoff: float = 0.2,
         max_connections: int = 8,
         max_request_bytes: int = MAX_REQUEST_BYTES,
+        read_concurrency: int = 2,
     ) -> None:
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise InvalidInput(f"store URL {url!r} must look like http://HOST:PORT")
-        if retries < 0 or max_connections < 1 or timeout <= 0 or max_request_bytes < 1:
+        if retries < 0 or max_connections < 1 or timeout <= 0 or max_request_bytes < 1 or read_concurrency < 1:
             raise InvalidInput(
                 f"bad client settings: retries={retries} (>= 0), max_connections={max_connections} (>= 1), "
-                f"timeout={timeout} (> 0), max_request_bytes={max_request_bytes} (>= 1)"
+                f"timeout={timeout} (> 0), max_request_bytes={max_request_bytes} (>= 1), "
+                f"read_concurrency={read_concurrency} (>= 1)"
             )
         self.url = url.rstrip("/")
         self._https = parts.scheme == "https"
@@ -129,6 +136,7 @@ class StoreClient:
         self.retries = retries
         self.backoff = backoff
         self.max_request_bytes = max_request_bytes
+        self.read_concurrency = read_concurrency
         self._slots = threading.BoundedSemaphore(max_connections)
         self._idle: list[http.client.HTTPConnection] = []
         self._lock = threading.Lock()
@@ -315,8 +323,11 @@ class StoreClient:
     ) -> None:
         """Fill ``out`` (C-contiguous, shape ``region.shape``, element size of the tensor) with the region."""
         with self._host(out) as host:
-            for piece in self._pieces(job, version, tensor, region, host, verify=verify, uncommitted=uncommitted):
-                self._fetch(piece)
+            pieces = self._pieces(job, version, tensor, region, host, verify=verify, uncommitted=uncommitted)
+            if len(pieces) == 1:
+                self._fetch(pieces[0])
+            else:  # the server reads piece k+1 while piece k is on the wire
+                self._run(pieces, self.read_concurrency)
 
     def read(self, job: str, version: Version | str, tensor: str, region: Region, dtype: str) -> np.ndarray:
         """The region as a new numpy array of the storage dtype (uint16 for bfloat16)."""
@@ -333,20 +344,26 @@ class StoreClient:
             for r in requests:
                 host = stack.enter_context(self._host(r.out))
                 pieces += self._pieces(r.job, r.version, r.tensor, r.region, host, verify=verify, uncommitted=False)
-            if not pieces:
-                return
-            pool = self._executor(concurrency)
-            it = iter(pieces)
-            running = set()
-            for p in it:
-                running.add(pool.submit(self._fetch, p))
-                if len(running) >= concurrency:
-                    done, running = wait(running, return_when=FIRST_EXCEPTION)
-                    for f in done:
-                        f.result()
-            done, _ = wait(running)
-            for f in done:
-                f.result()
+            self._run(pieces, concurrency)
+
+    def _run(self, pieces: list[_Piece], concurrency: int) -> None:
+        """Fetch pieces with at most ``concurrency`` in flight; on a failure, wait for the rest, then raise."""
+        if not pieces:
+            return
+        pool = self._executor(concurrency)
+        running: set[Future[None]] = set()
+        failed: BaseException | None = None
+        for p in pieces:
+            if failed is not None:
+                break
+            running.add(pool.submit(self._fetch, p))
+            if len(running) >= concurrency:
+                done, running = wait(running, return_when=FIRST_EXCEPTION)
+                failed = next((f.exception() for f in done if f.exception() is not None), None)
+        done, _ = wait(running)  # never return while a thread may still write into a buffer
+        failed = failed or next((f.exception() for f in done if f.exception() is not None), None)
+        if failed is not None:
+            raise failed
 
     def _executor(self, concurrency: int) -> ThreadPoolExecutor:
         with self._lock:

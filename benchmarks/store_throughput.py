@@ -1,0 +1,294 @@
+"""Tensor store throughput on a 1 GiB float32 tensor, as ratios against baselines measured in the same run.
+
+1. Local region read into a preallocated buffer (``LocalStore.read_region``)
+   vs ``numpy.copyto`` of the same number of bytes into a preallocated buffer;
+   a row slice and a column slice (targets >= 0.5 and >= 0.3).
+2. HTTP region read into a client buffer (``StoreClient.read_into``, checksum
+   verified) from the real daemon (``tenplex store serve``, its own process)
+   vs a stdlib ``http.server`` process serving the same bytes from memory,
+   read with ``http.client`` ``readinto`` (the same transport the store client
+   uses, minus its checksum); 1 request and 4 in parallel (target >= 0.8).
+3. Extra resident memory of the daemon while it serves a 1 GiB region in one
+   request (target <= 256 MiB): the exact shard (stored checksum, one pass)
+   and a region that is not a shard (checksum pass, then the body).
+
+Usage: .venv/bin/python benchmarks/store_throughput.py [--dir DIR] [--repeats 5] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tenplex.ptc.region import Region  # noqa: E402
+from tenplex.store.client import ReadRequest, StoreClient  # noqa: E402
+from tenplex.store.local import LocalStore  # noqa: E402
+
+N = 16384  # 16384 x 16384 float32 = 1 GiB
+MiB = 1 << 20
+
+BASELINE_SERVER = textwrap.dedent(
+    """
+    import sys
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from urllib.parse import parse_qs, urlsplit
+    import numpy as np
+
+    data = np.random.default_rng(0).random((int(sys.argv[1]), int(sys.argv[1])), dtype=np.float32)
+    flat = memoryview(data.reshape(-1).view(np.uint8))
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self):
+            q = parse_qs(urlsplit(self.path).query)
+            off, n = int(q["off"][0]), int(q["len"][0])
+            self.send_response(200)
+            self.send_header("Content-Type", "application/octet-stream")
+            self.send_header("Content-Length", str(n))
+            self.end_headers()
+            self.wfile.write(flat[off : off + n])
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    print(server.server_address[1], flush=True)
+    server.serve_forever()
+    """
+)
+
+
+def median_time(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+def readinto_raw(conn: http.client.HTTPConnection, path: str, target: memoryview) -> None:
+    conn.request("GET", path)
+    resp = conn.getresponse()
+    assert resp.status == 200, resp.status
+    got = 0
+    while got < len(target):
+        n = resp.readinto(target[got:])
+        assert n, "short body"
+        got += n
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+def start_daemon(root: Path, workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port_file = workdir / "daemon.port"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tenplex", "--log-level", "WARNING", "store", "serve", "--root", str(root), "--port-file", str(port_file)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "TENPLEX_TOKEN": ""},
+    )
+    deadline = time.monotonic() + 60
+    while not port_file.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("store daemon did not start")
+        time.sleep(0.05)
+    url = f"http://127.0.0.1:{int(port_file.read_text())}"
+    with StoreClient(url) as c:
+        while not c.health():
+            time.sleep(0.05)
+    return proc, url
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dir", default=None, help="scratch directory (default: a new temp dir, removed at the end)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", default=None, help="also write the results here")
+    args = parser.parse_args()
+
+    workdir = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="tenplex-bench-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    root = workdir / "store"
+    shutil.rmtree(root, ignore_errors=True)
+    results: dict[str, float] = {}
+    print(f"nproc {os.cpu_count()}, load average {os.getloadavg()}, scratch {workdir}")
+
+    data = np.random.default_rng(0).random((N, N), dtype=np.float32)
+    store = LocalStore(root, durable=False)
+    t = time.perf_counter()
+    store.write_shard("bench", "s1-g0", "w", Region.full((N, N)), data, dtype="float32", global_shape=(N, N))
+    results["write_1gib_gbps"] = gbps(data.nbytes, time.perf_counter() - t)
+    store.commit("bench", "s1-g0")
+    print(f"write 1 GiB shard: {results['write_1gib_gbps']:.2f} GB/s")
+
+    # -- 1. local ------------------------------------------------------------
+    q = N // 4
+    row, col = Region(((0, q), (0, N))), Region(((0, N), (0, q)))
+    out_row = np.empty(row.shape, np.float32)
+    out_col = np.empty(col.shape, np.float32)
+    copy_src = data[:q]  # 256 MiB, contiguous
+    copy_dst = np.empty_like(copy_src)
+    t_copy = median_time(lambda: np.copyto(copy_dst, copy_src), args.repeats)
+    t_row = median_time(lambda: store.read_region("bench", "s1-g0", "w", row, out_row), args.repeats)
+    t_col = median_time(lambda: store.read_region("bench", "s1-g0", "w", col, out_col), args.repeats)
+    assert np.array_equal(out_row, data[:q]) and np.array_equal(out_col, data[:, :q])
+    nb = out_row.nbytes
+    results.update(
+        local_copyto_gbps=gbps(nb, t_copy),
+        local_row_gbps=gbps(nb, t_row),
+        local_col_gbps=gbps(nb, t_col),
+        local_row_ratio=t_copy / t_row,
+        local_col_ratio=t_copy / t_col,
+    )
+    print(
+        f"local 256 MiB: copyto {results['local_copyto_gbps']:.2f} GB/s, row {results['local_row_gbps']:.2f} GB/s "
+        f"(ratio {results['local_row_ratio']:.2f}, target 0.5), column {results['local_col_gbps']:.2f} GB/s "
+        f"(ratio {results['local_col_ratio']:.2f}, target 0.3)"
+    )
+    store.close()
+
+    # -- 2. HTTP -------------------------------------------------------------
+    daemon, url = start_daemon(root, workdir)
+    base = subprocess.Popen([sys.executable, "-c", BASELINE_SERVER, str(N)], stdout=subprocess.PIPE)
+    try:
+        assert base.stdout is not None
+        base_port = int(base.stdout.readline())
+        row_bytes = N * 4
+        client = StoreClient(url)
+
+        def http_cases(rows: int) -> tuple[float, float]:
+            region = Region(((0, rows), (0, N)))
+            out = np.empty(region.shape, np.float32)
+            target = memoryview(out.reshape(-1).view(np.uint8))
+            conn = http.client.HTTPConnection("127.0.0.1", base_port)
+            t_base = median_time(lambda: readinto_raw(conn, f"/b?off=0&len={rows * row_bytes}", target), args.repeats)
+            conn.close()
+            t_store = median_time(lambda: client.read_into("bench", "s1-g0", "w", region, out), args.repeats)
+            assert np.array_equal(out, data[:rows])
+            return t_base, t_store
+
+        for label, rows in (("64mib", 1024), ("256mib", 4096)):
+            t_base, t_store = http_cases(rows)
+            nb = rows * row_bytes
+            results[f"http1_{label}_baseline_mbps"] = nb / t_base / 1e6
+            results[f"http1_{label}_store_mbps"] = nb / t_store / 1e6
+            results[f"http1_{label}_ratio"] = t_base / t_store
+            print(
+                f"HTTP 1 request {label}: baseline {nb / t_base / 1e6:.0f} MB/s, store {nb / t_store / 1e6:.0f} MB/s, "
+                f"ratio {t_base / t_store:.2f} (target 0.8)"
+            )
+
+        # 4 in parallel: four different 64 MiB row blocks
+        outs = [np.empty((1024, N), np.float32) for _ in range(4)]
+        targets = [memoryview(o.reshape(-1).view(np.uint8)) for o in outs]
+        conns = [http.client.HTTPConnection("127.0.0.1", base_port) for _ in range(4)]
+
+        def base_parallel() -> None:
+            threads = [
+                threading.Thread(target=readinto_raw, args=(conns[i], f"/b?off={i * 1024 * row_bytes}&len={1024 * row_bytes}", targets[i]))
+                for i in range(4)
+            ]
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join()
+
+        requests = [ReadRequest("bench", "s1-g0", "w", Region(((1024 * i, 1024 * (i + 1)), (0, N))), outs[i]) for i in range(4)]
+        t_base = median_time(base_parallel, args.repeats)
+        t_store = median_time(lambda: client.read_many(requests, concurrency=4), args.repeats)
+        for i in range(4):
+            assert np.array_equal(outs[i], data[1024 * i : 1024 * (i + 1)])
+        nb = 4 * 1024 * row_bytes
+        results.update(http4_baseline_mbps=nb / t_base / 1e6, http4_store_mbps=nb / t_store / 1e6, http4_ratio=t_base / t_store)
+        print(
+            f"HTTP 4 parallel x 64 MiB: baseline {nb / t_base / 1e6:.0f} MB/s, store {nb / t_store / 1e6:.0f} MB/s, "
+            f"ratio {t_base / t_store:.2f} (target 0.8)"
+        )
+        for c in conns:
+            c.close()
+        client.close()
+
+        # -- 3. server memory while serving 1 GiB in one request --------------
+        big = np.empty((N, N), np.float32)
+        big_target = memoryview(big.reshape(-1).view(np.uint8))
+        port = int(url.rsplit(":", 1)[1])
+        for label, region in (("exact_shard", Region.full((N, N))), ("sub_region", Region(((1, N), (0, N))))):
+            conn = http.client.HTTPConnection("127.0.0.1", port)
+            readinto_raw(conn, "/v1/jobs/bench/versions/s1-g0/tensors/w?region=0:1,0:16", big_target[:64])  # warm
+            before = rss_bytes(daemon.pid)
+            peak = before
+            done = threading.Event()
+
+            def sample() -> None:
+                nonlocal peak
+                while not done.is_set():  # noqa: B023
+                    peak = max(peak, rss_bytes(daemon.pid))
+                    time.sleep(0.005)
+
+            sampler = threading.Thread(target=sample)  # noqa: B023 (joined within the iteration)
+            sampler.start()
+            nbytes = region.volume * 4
+            t = time.perf_counter()
+            readinto_raw(conn, f"/v1/jobs/bench/versions/s1-g0/tensors/w?region={region.format()}", big_target[:nbytes])
+            elapsed = time.perf_counter() - t
+            done.set()
+            sampler.join()
+            conn.close()
+            assert big.reshape(-1)[: region.volume].tobytes() == data[region.slices()].tobytes()
+            extra = (peak - before) / MiB
+            results[f"server_extra_mib_{label}"] = extra
+            results[f"server_1gib_{label}_mbps"] = nbytes / elapsed / 1e6
+            print(f"serve 1 GiB {label} in one request: {nbytes / elapsed / 1e6:.0f} MB/s, extra server RSS {extra:.0f} MiB (target 256)")
+    finally:
+        stop(daemon)
+        base.kill()
+        base.wait()
+        if not args.dir:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
