@@ -27,7 +27,8 @@ FULL = [
     "--set", "auth.token=s3cret",
     "--set", "imagePullSecrets[0].name=regcred",
 ]
-VALUE_SETS = {"defaults": [], "full": FULL, "existing-secret": ["--set", "auth.existingSecret=mine", "--set", "store.fixPermissions=false",
+VALUE_SETS = {"defaults": [], "full": FULL,
+              "no-store": ["--set", "store.enabled=false", "--set", "metrics.serviceMonitor.enabled=true"], "existing-secret": ["--set", "auth.existingSecret=mine", "--set", "store.fixPermissions=false",
                                                                "--set", "store.hostPort=false", "--set", "rbac.create=true"]}
 
 
@@ -76,8 +77,10 @@ def test_rendered_manifests_are_valid_kubernetes_objects(name: str) -> None:
             continue  # not a Kubernetes type: checked against the Services in test_service_monitors_scrape_real_ports
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
         checked.append(doc["kind"])
-    assert {"CustomResourceDefinition", "Deployment", "DaemonSet", "Service", "ServiceAccount",
-            "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"} <= set(checked)
+    expected = {"CustomResourceDefinition", "Deployment", "Service", "ServiceAccount",
+                "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
+    assert expected <= set(checked)
+    assert ("DaemonSet" in checked) == (name != "no-store")
     assert ("Secret" in checked) == (name != "existing-secret")
 
 
