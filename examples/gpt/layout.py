@@ -19,7 +19,8 @@ from tenplex.ptc.torch_layout import derive_ptc
 
 def meta_stage(cfg: GPTConfig, parallel: ParallelConfig, stage: int, num_stages: int) -> GPT:
     """Pipeline stage ``stage`` on the caller's default device (``meta`` inside ``derive_ptc``)."""
-    return pipeline_stage_module(GPT(cfg), stage, num_stages, parallel)
+    layers = parallel.stage_layers(cfg.n_layers)[stage]
+    return pipeline_stage_module(GPT(cfg, layer_ids=layers), stage, num_stages, parallel)
 
 
 def gpt_ptc(

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -131,14 +132,25 @@ class GPT(nn.Module):
     when the stage has the output projection, else hidden states.
     """
 
-    def __init__(self, cfg: GPTConfig, *, seed: int = 0, device: torch.device | str | None = None) -> None:
+    def __init__(
+        self,
+        cfg: GPTConfig,
+        *,
+        seed: int = 0,
+        device: torch.device | str | None = None,
+        layer_ids: Iterable[int] | None = None,
+    ) -> None:
+        """``layer_ids``: build only these global layers (a pipeline stage), default all."""
         super().__init__()
         self.cfg = cfg
+        ids = list(range(cfg.n_layers)) if layer_ids is None else sorted(set(layer_ids))
+        if any(not 0 <= i < cfg.n_layers for i in ids):
+            raise InvalidConfig(f"layer ids {ids} are outside 0..{cfg.n_layers - 1}")
         # No device: the caller's default (a ``torch.device("meta")`` context for layouts).
         with torch.device(device) if device is not None else contextlib.nullcontext():
             self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab, cfg.dim)
             self.pos_embeddings: nn.Embedding | None = nn.Embedding(cfg.seq_len, cfg.dim)
-            self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
+            self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in ids})
             self.norm: nn.LayerNorm | None = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
             self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab, bias=False)
         if cfg.tied:

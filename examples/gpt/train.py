@@ -11,11 +11,24 @@ schedule) and :meth:`GPTJob.train_step` runs one optimizer step on this data
 rank's batch. The data set is :class:`SyntheticTokens`, generated from a seed
 (no downloads), read in the order of a :class:`tenplex.ptc.DatasetState` so
 that changing the data-parallel size neither repeats nor skips a sample.
+
+Under Tenplex (:func:`elastic_main`): launched by the scheduler (``TENPLEX_*``
+environment) the job registers, takes its assignment (configuration, version
+to restore, stop step), checks that the PTC derived by
+:mod:`examples.gpt.layout` agrees with the live model, restores, trains with
+the elastic sampler, snapshots, and stops when asked. ``--job`` runs the same
+standalone, from a PTC file and a store address::
+
+    torchrun --nproc-per-node 2 examples/gpt/train.py --dp 2 --steps 6 \
+        --job demo --store /tmp/store --snapshot-at 3
+    torchrun --nproc-per-node 2 examples/gpt/train.py --dp 1 --tp 2 --steps 6 \
+        --job demo --store /tmp/store --restore s3-g1 --generation 1 --ptc new.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -29,6 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 if __package__ in (None, ""):  # run as a script by torchrun: make `examples` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
+from examples.gpt.layout import gpt_ptc
 from examples.gpt.model import GPT, GPTConfig, cross_entropy_loss
 from examples.gpt.parallelize import (
     build_mesh,
@@ -38,7 +52,12 @@ from examples.gpt.parallelize import (
     pipeline_stage_module,
 )
 from tenplex.errors import InvalidConfig
-from tenplex.ptc import DatasetState, ParallelConfig
+from tenplex.ptc import PTC, DatasetState, ParallelConfig, Placement
+from tenplex.ptc.dtypes import storage_dtype
+from tenplex.scheduler import protocol
+from tenplex.store import Version
+from tenplex.worker.session import ElasticWorker, WorkerSetup
+from tenplex.worker.state import live_pieces
 
 log = logging.getLogger("examples.gpt.train")
 
@@ -147,11 +166,11 @@ class GPTJob:
 def build_stage(cfg: GPTConfig, parallel: ParallelConfig, stage: int, *, seed: int, device: torch.device | str) -> GPT:
     """Pipeline stage ``stage`` of the model with the global initial values (before TP/DP).
 
-    The whole model is made on ``device`` and pruned; on the meta device this
-    costs nothing, on a real device it is the simple way to get
-    configuration-independent values (fine for the reference job's sizes).
+    Only the stage's layers are built; every parameter's initial value is
+    drawn from its own name-seeded generator, so it does not depend on which
+    other layers exist.
     """
-    model = GPT(cfg, seed=seed, device=device)
+    model = GPT(cfg, seed=seed, device=device, layer_ids=parallel.stage_layers(cfg.n_layers)[stage])
     return pipeline_stage_module(model, stage, parallel.pp, parallel)
 
 
@@ -208,11 +227,39 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=4096)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-3)
+    t = p.add_argument_group(
+        "Tenplex",
+        "Under a Tenplex scheduler (TENPLEX_SCHEDULER_URL set) the assignment decides the parallel "
+        "configuration, the version to restore and when to stop. Without one, --job turns on the same "
+        "elastic machinery standalone: the PTC and store are given here.",
+    )
+    t.add_argument("--job", default=None, help="job name: train elastically without a scheduler")
+    t.add_argument("--generation", type=int, default=0, help="layout generation (names the versions written)")
+    t.add_argument("--ptc", default=None, help="PTC JSON of this configuration (default: derived with examples.gpt.layout)")
+    t.add_argument("--gpus-per-node", type=int, default=None, help="for the derived PTC's placement (default: LOCAL_WORLD_SIZE or world size)")
+    t.add_argument("--store", default=None, help="this node's store: http(s) URL of its daemon or its root directory")
+    t.add_argument("--token", default=os.environ.get("TENPLEX_TOKEN"), help="store bearer token (default $TENPLEX_TOKEN)")
+    t.add_argument("--restore", default=None, help="version to restore before training, e.g. s120-g1")
+    t.add_argument("--snapshot-every", type=int, default=None, help="snapshot every N steps")
+    t.add_argument("--snapshot-at", type=int, action="append", default=[], help="snapshot after this step (repeatable)")
+    t.add_argument("--stop-at", type=int, default=None, help="snapshot this step and exit (as a scheduler's stop request)")
+    t.add_argument("--results", default=None, help="write this rank's losses, samples and dumped state here (JSON, for tests)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
+    if os.environ.get(protocol.ENV_SCHEDULER_URL) or args.job is not None:
+        return elastic_main(args)
+    return plain_main(args)
+
+
+def _model_config(args: argparse.Namespace) -> GPTConfig:
+    return GPTConfig(vocab=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads, seq_len=args.seq_len)
+
+
+def plain_main(args: argparse.Namespace) -> int:
+    """Train without Tenplex: a fixed configuration from the command line."""
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -220,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = dist.get_rank()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(message)s")
     try:
-        cfg = GPTConfig(vocab=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads, seq_len=args.seq_len)
+        cfg = _model_config(args)
         parallel = ParallelConfig(dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero)
         job = build_job(
             cfg, parallel, seed=args.seed, lr=args.lr, n_microbatches=args.microbatches, schedule=args.schedule
@@ -237,6 +284,113 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         dist.destroy_process_group()
     return 0
+
+
+def _standalone_worker(args: argparse.Namespace, cfg: GPTConfig) -> ElasticWorker:
+    """The elastic worker without a scheduler: torchrun's environment plus the command line."""
+    if args.store is None:
+        raise InvalidConfig("--job needs --store (the node's store URL or root directory)")
+    parallel = ParallelConfig(dp=args.dp, tp=args.tp, pp=args.pp, zero=args.zero)
+    rank = int(os.environ.get(protocol.ENV_RANK, "0"))
+    if args.ptc is not None:
+        ptc = PTC.load(args.ptc)
+    else:
+        per_node = args.gpus_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", parallel.world_size))
+        dataset = DatasetState(num_samples=args.samples, seed=args.seed, global_batch_size=args.global_batch)
+        ptc = gpt_ptc(cfg, parallel, Placement.uniform(parallel.world_size, per_node), dataset=dataset)
+    if ptc.dataset is None:
+        raise InvalidConfig(f"the PTC {args.ptc} has no dataset state; the elastic job needs one")
+    setup = WorkerSetup(
+        job=args.job,
+        generation=args.generation,
+        rank=rank,
+        ptc=ptc,
+        store=args.store,
+        parallel=parallel,
+        master_addr=os.environ.get(protocol.ENV_MASTER_ADDR, "127.0.0.1"),
+        master_port=int(os.environ.get(protocol.ENV_MASTER_PORT, "29500")),
+        restore_version=Version.parse(args.restore) if args.restore else None,
+        stop_at_step=args.stop_at,
+        total_steps=args.steps,
+        token=args.token,
+    )
+    return ElasticWorker(setup, snapshot_every=args.snapshot_every)
+
+
+def elastic_main(args: argparse.Namespace) -> int:
+    """Train under Tenplex: restore the assigned version, snapshot, obey stop requests, report."""
+    cfg = _model_config(args)
+    if os.environ.get(protocol.ENV_SCHEDULER_URL):
+        worker = ElasticWorker.from_scheduler(snapshot_every=args.snapshot_every)
+    else:
+        worker = _standalone_worker(args, cfg)
+    rank = worker.setup.rank
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get(protocol.ENV_LOCAL_RANK, "0")))
+    results = _Results(args.results) if args.results else None
+    try:
+        worker.init_process_group()
+        parallel = worker.parallel
+        job = build_job(
+            cfg, parallel, seed=args.seed, lr=args.lr, n_microbatches=args.microbatches, schedule=args.schedule
+        )
+        worker.prepare(job.module, job.optimizer)  # the derived PTC agrees with the live model, or fail here
+        start = worker.restore(job.module, job.optimizer, seed=args.seed)
+        if results is not None and worker.restored is not None:
+            results.dump_state("restored", job)
+            results.data["restored_step"] = start
+        data = SyntheticTokens(args.samples, cfg.seq_len, cfg.vocab, seed=args.seed)
+        for step, ids in worker.batches(job.coords["dp"]):
+            t0 = time.perf_counter()
+            try:
+                loss = job.train_step(data.batch(ids))
+            except RuntimeError as exc:  # a collective failed: a peer is gone or hung
+                log.error("step %d failed: %s", step, exc)
+                worker.peer_failure(exc)
+                return worker.finish(detail=str(exc)[:500])
+            if rank == 0:
+                log.info("step %d loss %.5f (%.0f ms, %s)", step, loss, 1e3 * (time.perf_counter() - t0), parallel.describe())
+            if results is not None:
+                results.data["losses"][step] = loss
+                results.data["samples"][step] = ids.tolist()
+            if step in args.snapshot_at:
+                worker.snapshot(step, job.module, job.optimizer)
+                if results is not None:
+                    results.dump_state("snapshot", job)
+            if worker.step_done(step, loss, job.module, job.optimizer):
+                break
+        return worker.finish()
+    finally:
+        if results is not None:
+            results.write()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class _Results:
+    """What a test needs from one rank: losses and samples per step, and the state it held."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.data: dict = {"losses": {}, "samples": {}}
+
+    def dump_state(self, key: str, job: GPTJob) -> None:
+        pieces = {}
+        for piece in live_pieces(job.module, job.optimizer):
+            local = piece.local.detach().cpu().contiguous()
+            raw = local.view(torch.uint16) if local.dtype == torch.bfloat16 else local
+            pieces[piece.name] = {
+                "region": [list(b) for b in piece.region.bounds],
+                "global_shape": list(piece.global_shape),
+                "storage_dtype": str(storage_dtype(piece.dtype)),
+                "data": raw.numpy().tobytes().hex(),
+            }
+        self.data[key] = pieces
+
+    def write(self) -> None:
+        with open(self.path, "w") as f:
+            json.dump(self.data, f)
 
 
 if __name__ == "__main__":

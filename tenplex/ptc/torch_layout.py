@@ -278,6 +278,8 @@ def _runs(indices: Sequence[int]) -> list[tuple[int, int]]:
 def _layout_tensors(stages: list[list[TensorLayout]], parallel: ParallelConfig, optimizer: str) -> list[Tensor]:
     seen: dict[str, int] = {}
     tensors: list[Tensor] = []
+    # Layers repeat: the regions depend only on (shape, placements, coordinates on the tensor's mesh).
+    memo: dict[tuple[Any, ...], list[Region]] = {}
     for stage, layouts in enumerate(stages):
         stage_ranks = [parallel.rank(dp, tp, stage) for dp in range(parallel.dp) for tp in range(parallel.tp)]
         for lay in layouts:
@@ -289,8 +291,12 @@ def _layout_tensors(stages: list[list[TensorLayout]], parallel: ParallelConfig, 
             seen[lay.name] = stage
             shards: list[tuple[Region, list[int]]] = []
             for rank in stage_ranks:
-                for region in local_regions(lay.shape, lay.mesh_dims, lay.placements, parallel.coords(rank), parallel):
-                    shards.append((region, [rank]))
+                coords = parallel.coords(rank)
+                key = (lay.shape, lay.mesh_dims, lay.placements, tuple(coords[d] for d in lay.mesh_dims))
+                regions = memo.get(key)
+                if regions is None:
+                    regions = memo[key] = local_regions(lay.shape, lay.mesh_dims, lay.placements, coords, parallel)
+                shards.extend((region, [rank]) for region in regions)
             if not shards:  # a 0-element tensor: one empty full region on every rank of the stage
                 shards = [(Region.full(lay.shape), stage_ranks)]
             tensors.append(build_tensor(lay.name, lay.shape, lay.dtype, lay.kind, shards))
