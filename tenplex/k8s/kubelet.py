@@ -13,8 +13,9 @@ references to earlier entries. It reports the pod Running, then Succeeded or
 Failed with the exit code when the process ends, and terminates the process
 (SIGTERM, then SIGKILL after the grace period) when the pod is deleted.
 
-The image is ignored (the process runs with this machine's Python), and so
-are resources: a node is emulated by an address such as 127.0.0.2, where the
+The image is not pulled: the process runs with this machine's Python, and a
+container without ``command`` runs the local stand-in given for its image's
+ENTRYPOINT. Resources are ignored: a node is emulated by an address such as 127.0.0.2, where the
 test also runs that node's store daemon. Watch expiry (410 Gone) and dropped
 watches are handled by listing again, the pattern every controller needs.
 """
@@ -30,7 +31,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -74,7 +75,10 @@ class LocalKubelet:
     """Runs the pods bound to ``node`` as processes on this machine (see the module docstring)."""
 
     def __init__(self, api_client: client.ApiClient, node: str, host_ip: str, workdir: Path,
-                 base_env: Mapping[str, str] | None = None, cwd: Path | None = None) -> None:
+                 base_env: Mapping[str, str] | None = None, cwd: Path | None = None,
+                 entrypoints: Mapping[str, Sequence[str]] | None = None) -> None:
+        """``entrypoints`` maps an image to the local command standing in for its ENTRYPOINT,
+        used when a container gives only ``args`` (e.g. ``{"tenplex:0.1.0": [".venv/bin/tenplex"]}``)."""
         self._core = client.CoreV1Api(api_client)
         self.node = node
         self.host_ip = host_ip
@@ -82,6 +86,7 @@ class LocalKubelet:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._base_env = dict(base_env if base_env is not None else os.environ)
         self._cwd = cwd
+        self._entrypoints = {image: list(cmd) for image, cmd in (entrypoints or {}).items()}
         self._pods: dict[str, _Running] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -178,9 +183,13 @@ class LocalKubelet:
         container = spec.containers[0]
         try:
             env = self._environment(pod, container)
-            argv = [expand(a, env) for a in [*(container.command or []), *(container.args or [])]]
-            if not argv:
-                raise ValueError("the container has neither command nor args; the test kubelet ignores images")
+            command = list(container.command or [])
+            if not command:
+                if container.image not in self._entrypoints:
+                    raise ValueError(f"container {container.name} has no command and image {container.image!r} has no "
+                                     f"local entry point (known: {sorted(self._entrypoints)})")
+                command = self._entrypoints[container.image]
+            argv = [expand(a, env) for a in [*command, *(container.args or [])]]
         except (ValueError, KeyError, client.ApiException) as exc:
             LOG.error("kubelet %s: cannot start pod %s/%s: %s", self.node, meta.namespace, meta.name, exc)
             self._report_failed_start(pod, str(exc))
