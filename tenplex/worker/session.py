@@ -39,6 +39,7 @@ from tenplex.worker.control import ControlClient, Heartbeat, agree_stop
 from tenplex.worker.restore import RestoreResult, restore
 from tenplex.worker.sampler import ElasticSampler
 from tenplex.worker.snapshot import SnapshotResult, Snapshotter
+from tenplex.worker.state import check_layout, ensure_optimizer_state, live_pieces
 from tenplex.worker.stores import ShardStore, open_store
 
 log = logging.getLogger(__name__)
@@ -180,6 +181,18 @@ class ElasticWorker:
             timeout=datetime.timedelta(seconds=timeout_s),
         )
 
+    def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Create the optimizer state eagerly and check the live layout against the PTC.
+
+        Run right after building the parallelized model: a layout provider that
+        disagrees with the live job is an error at start-up, naming the first
+        differing tensor, not a corrupt snapshot later. Creating AdamW's state
+        (zeros, step 0) before the first step does not change its updates.
+        """
+        if optimizer is not None:
+            ensure_optimizer_state(model, optimizer, self.setup.ptc)
+        check_layout(live_pieces(model, optimizer), self.setup.ptc, self.setup.rank)
+
     def restore(
         self,
         model: nn.Module,
@@ -253,7 +266,7 @@ class ElasticWorker:
             self.status = "stopped"
             return True
         periodic = self.snapshot_every is not None and step % self.snapshot_every == 0
-        if stop or periodic:
+        if (stop or periodic) and self._last_snapshot_step != step:
             self.snapshot(step, model, optimizer, lr_scheduler, extra=extra)
         if stop:
             self.snapshotter.wait()
