@@ -39,11 +39,22 @@ def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return result
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """A YAML loader that refuses duplicate keys, which the API server's strict decoding rejects."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        keys = [self.construct_object(k, deep=deep) for k, _ in node.value]
+        duplicates = sorted({str(k) for k in keys if keys.count(k) > 1})
+        if duplicates:
+            raise yaml.constructor.ConstructorError(None, None, f"duplicate keys {duplicates}", node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
 def render(*values: str, crds: bool = False) -> list[dict[str, Any]]:
     args = ["template", "rel", str(CHART), "--namespace", "tenplex", *values]
     if crds:
         args.append("--include-crds")
-    return [d for d in yaml.safe_load_all(helm(*args).stdout) if d]
+    return [d for d in yaml.load_all(helm(*args).stdout, Loader=_StrictLoader) if d]
 
 
 def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
