@@ -248,7 +248,8 @@ def main() -> int:
         client.close()
 
         # -- 3. server memory while serving 1 GiB in one request --------------
-        big = np.empty((N, N), np.float32)
+        big = np.zeros((N, N), np.float32)
+        big.fill(1.0)  # touch every page: measure the server, not the client's first-touch page faults
         big_target = memoryview(big.reshape(-1).view(np.uint8))
         port = int(url.rsplit(":", 1)[1])
         for label, region in (("exact_shard", Region.full((N, N))), ("sub_region", Region(((1, N), (0, N))))):

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import zarr
 
-from tenplex.errors import StateLost
+from tenplex.errors import NotFound, StateLost
 from tenplex.ptc.region import Region
 
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
@@ -96,6 +96,8 @@ class RawChunkReader:
         try:
             fd = os.open(name, os.O_RDONLY)
         except FileNotFoundError:
+            if not (self.path / "zarr.json").exists():
+                raise NotFound(f"shard {self.path} was deleted (its version was deleted or the shard replaced)") from None
             raise StateLost(f"chunk file {name} is missing: the shard is damaged") from None
         try:
             size = os.fstat(fd).st_size

@@ -352,25 +352,32 @@ async def _receive_shard(request: Request, writer: ShardWriter, expected: int) -
     async def flush(i: int, data: np.ndarray) -> None:
         await to_thread.run_sync(writer.write_piece, i, data)
 
-    async for chunk in request.stream():
-        received += len(chunk)
-        if received > expected:
-            raise InvalidInput(f"body is longer than the {expected} bytes region {writer.region.format()!r} of {writer.dtype} needs")
-        pos = 0
-        while pos < len(chunk):
-            take = min(len(chunk) - pos, len(view) - filled)
-            view[filled : filled + take] = chunk[pos : pos + take]
-            filled += take
-            pos += take
-            if filled == len(view) and index < len(pieces):
-                if pending is not None:
-                    await pending
-                pending = asyncio.ensure_future(flush(index, buf))
-                index += 1
-                if index < len(pieces):
-                    buf = np.empty(pieces[index].shape, st)
-                    view = byte_view(buf)
-                    filled = 0
+    try:
+        async for chunk in request.stream():
+            received += len(chunk)
+            if received > expected:
+                raise InvalidInput(f"body is longer than the {expected} bytes region {writer.region.format()!r} of {writer.dtype} needs")
+            pos = 0
+            data = memoryview(chunk)  # slices of it are views, not copies
+            while pos < len(chunk):
+                take = min(len(chunk) - pos, len(view) - filled)
+                view[filled : filled + take] = data[pos : pos + take]
+                filled += take
+                pos += take
+                if filled == len(view) and index < len(pieces):
+                    if pending is not None:
+                        await pending
+                    pending = asyncio.ensure_future(flush(index, buf))
+                    index += 1
+                    if index < len(pieces):
+                        buf = np.empty(pieces[index].shape, st)
+                        view = byte_view(buf)
+                        filled = 0
+    except BaseException:
+        if pending is not None:  # let the piece being written finish before the caller aborts the shard
+            with contextlib.suppress(BaseException):
+                await pending
+        raise
     if pending is not None:
         await pending
     if received != expected:
