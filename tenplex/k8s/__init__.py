@@ -5,6 +5,8 @@
   server applies, typed views of spec and status, and the pod contracts (labels,
   the downward-API store address, owner references) shared by the chart and
   the scheduler's Kubernetes backend.
+* ``tenplex.k8s.settings``: what the chart tells the scheduler's Kubernetes backend
+  through its environment (namespace, identity, leader election, store port, ...).
 * ``tenplex.k8s.emulator``: an in-process API server that the official client
   and kubectl talk to over real HTTP (test-only; needs the ``test`` extras).
 * ``tenplex.k8s.kubelet``: a test kubelet that runs a node's pods as local processes.
