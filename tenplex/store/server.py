@@ -191,6 +191,11 @@ def create_app(
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return JSONResponse({"error": code, "detail": str(exc.detail)}, status_code=exc.status_code)
 
+    @app.exception_handler(Exception)
+    async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error while serving a request")
+        return JSONResponse({"error": "internal_error", "detail": f"{type(exc).__name__}: {exc}"}, status_code=500)
+
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
