@@ -259,3 +259,13 @@ def test_concurrent_derivations_take_turns() -> None:
         got = list(pool.map(lambda p: _ptc(p).dumps(), configs))
     assert got == expected
     assert not dist.is_initialized()
+
+
+def test_torch_thread_count_is_restored() -> None:
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _ptc(ParallelConfig(dp=2, tp=2, zero=3))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
