@@ -15,7 +15,8 @@ DTensor is replicated on every rank of its stage.
 Optimizer state (``optimizer="adamw"`` or ``"adam"``): torch's Adam/AdamW
 keep ``exp_avg`` and ``exp_avg_sq`` shaped and sharded exactly like the
 parameter (``torch.zeros_like(param)``), and a ``step`` count per parameter
-(a 0-d float32 tensor, the same value on every rank). All three are listed,
+(a 0-d float32 tensor, the same value on every rank). All three are listed
+for every parameter that requires grad (frozen ones have no state),
 as ``optim/<param>/exp_avg``, ``optim/<param>/exp_avg_sq`` and
 ``optim/<param>/step``; the ``step`` tensor is held by every device that
 holds a piece of the parameter, so restoring a rank needs nothing but its
@@ -80,6 +81,8 @@ class TensorLayout:
     """Names of the DTensor's mesh dimensions; empty for a plain (replicated) tensor."""
     placements: tuple[Any, ...]
     """The DTensor placements, one per mesh dimension."""
+    trainable: bool = True
+    """A parameter that requires grad (only those have optimizer state)."""
 
 
 def derive_ptc(
@@ -104,6 +107,8 @@ def derive_ptc(
     if optimizer not in OPTIMIZERS:
         raise InvalidConfig(f"unknown optimizer {optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
     placement.check(parallel)
+    if dataset is not None:
+        dataset.check_dp(parallel.dp)
     with _FAKE_PG_LOCK, _one_torch_thread():
         stages = read_stage_layouts(build_stage, parallelize, parallel)
         tensors = _layout_tensors(stages, parallel, optimizer)
@@ -194,7 +199,8 @@ def _read_stage(
                 mesh_dims, placements = (), ()
             shape = tuple(int(n) for n in value.shape)
             dtype = dtypes.name_of_torch(value.dtype)
-            out.append(TensorLayout(name, shape, dtype, kind, mesh_dims, placements))
+            trainable = kind is TensorKind.PARAM and bool(value.requires_grad)
+            out.append(TensorLayout(name, shape, dtype, kind, mesh_dims, placements, trainable))
         log.debug("stage %d of %s: %d tensors", stage, parallel.describe(), len(out))
         return out
     finally:
@@ -320,7 +326,7 @@ def _layout_tensors(stages: list[list[TensorLayout]], parallel: ParallelConfig, 
             if not shards:  # a 0-element tensor: one empty full region on every rank of the stage
                 shards = [(Region.full(lay.shape), stage_ranks)]
             tensors.append(build_tensor(lay.name, lay.shape, lay.dtype, lay.kind, shards))
-            if optimizer != "none" and lay.kind is TensorKind.PARAM:
+            if optimizer != "none" and lay.trainable:
                 for state in ("exp_avg", "exp_avg_sq"):
                     tensors.append(build_tensor(f"optim/{lay.name}/{state}", lay.shape, lay.dtype, TensorKind.OPTIMIZER, shards))
                 holders = sorted({d for _, devs in shards for d in devs})

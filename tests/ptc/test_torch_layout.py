@@ -175,6 +175,23 @@ def test_persistent_buffers_are_listed_and_non_persistent_ones_are_not() -> None
     assert ptc.tensor("count").shards[0].devices == (0, 1)
 
 
+def test_frozen_parameters_have_no_optimizer_state() -> None:
+    def frozen_bias(stage: int, num_stages: int) -> nn.Module:
+        module = nn.Linear(4, 6)
+        module.bias.requires_grad_(False)
+        return module
+
+    ptc = derive_ptc(frozen_bias, lambda m, mesh, p: m, ParallelConfig(), Placement.uniform(1, 1))
+    assert {t.name for t in ptc.tensors} == {
+        "weight", "bias", "optim/weight/exp_avg", "optim/weight/exp_avg_sq", "optim/weight/step"
+    }
+
+
+def test_dataset_batch_must_divide_by_dp() -> None:
+    with pytest.raises(InvalidConfig, match="global batch size 8 is not divisible by data-parallel size 3"):
+        _ptc(ParallelConfig(dp=3, zero=3), dataset=DatasetState(100, 0, 8))
+
+
 def test_dataset_state_json_round_trip_and_repeated_calls_leave_no_process_group() -> None:
     dataset = DatasetState(num_samples=100, seed=3, global_batch_size=8, consumed_samples=16)
     first = _ptc(ParallelConfig(dp=2, tp=2, pp=2, zero=3), dataset=dataset)
