@@ -16,12 +16,14 @@ Region reads answer raw C-order bytes with ``X-Tenplex-Dtype``,
 ``X-Tenplex-Shape`` (``a,b``; empty for 0-d) and ``X-Tenplex-Checksum``
 (``crc32c:xxxxxxxx`` of the body). How the body is produced, by size:
 
-- up to ``single_pass_bytes`` (64 MiB): read into one buffer, checksum it,
-  answer it as a ``memoryview`` body (the fastest path uvicorn has);
 - a region that is exactly a stored shard: the checksum recorded at write
-  time is the header, and the body streams in 32 MiB pieces, the next piece
-  read while the current one is sent (so a corrupted disk shows up as a
+  time is the header (no checksum pass; a corrupted disk shows up as a
   checksum mismatch at the client);
+- up to ``single_pass_bytes`` (64 MiB): read into one buffer (checksummed
+  unless it is a whole shard) and answered as a ``memoryview`` body (the
+  fastest path uvicorn has);
+- a larger whole shard: the body streams in 32 MiB pieces, the next piece
+  read while the current one is sent;
 - any other large region: a first pass computes the checksum through one
   bounded buffer, then the same pieces stream. Clients split big reads into
   requests of at most ``single_pass_bytes`` anyway (see
@@ -254,13 +256,15 @@ def create_app(
             "X-Tenplex-Global-Shape": format_shape(reader.global_shape),
         }
         st = storage_dtype(reader.dtype)
+        # a whole stored shard carries the checksum recorded when it was written: no checksum pass,
+        # and damage on this disk shows up as a mismatch at the client
+        exact = reader.exact_shard(box)
         if nbytes <= single_pass_bytes:
             buf = np.empty(box.shape, st)
             await to_thread.run_sync(reader.read, box, buf)
-            headers["X-Tenplex-Checksum"] = format_checksum(crc_of(buf))
+            headers["X-Tenplex-Checksum"] = exact.checksum if exact is not None else format_checksum(crc_of(buf))
             metrics.bytes_out.inc(nbytes)
             return Response(content=byte_view(buf), media_type="application/octet-stream", headers=headers)
-        exact = reader.exact_shard(box)
         if exact is not None:
             headers["X-Tenplex-Checksum"] = exact.checksum
         else:

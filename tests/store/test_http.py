@@ -131,6 +131,9 @@ def test_corrupted_disk_is_a_checksum_mismatch_at_the_client(tmp_path: Path) -> 
         chunk.write_bytes(bytes(raw_bytes))
         with pytest.raises(ChecksumMismatch, match="crc32c"):
             c.read_into("j", "s1-g0", "w", Region.full((64, 64)), np.empty((64, 64), np.float32))
+    # the same through the single-buffer path of a default server
+    with StoreServer(tmp_path) as srv, StoreClient(srv.url) as c, pytest.raises(ChecksumMismatch):
+        c.read_into("j", "s1-g0", "w", Region.full((64, 64)), np.empty((64, 64), np.float32))
 
 
 def test_upload_round_trip_and_manifest(client: StoreClient) -> None:
