@@ -7,7 +7,8 @@ laid out (dp2, tp2) on hosts h0, h1 (2 GPUs each). Two reconfigurations to (dp1,
 
 Tenplex: four `tenplex store serve` daemons (one per emulated host, 127.0.0.2..5); the old state
 is written into h0/h1's stores as the workers' snapshot would (timed separately); then timed end to
-end: plan + every target host's transform in parallel (pull, verify, write the new version, commit).
+end: plan + every target host's transform, each in its own already started process like a node's
+(pull, verify, write the new version, commit).
 DCP: 4 gloo processes hold the old layout as DTensors and call torch.distributed.checkpoint.save;
 4 fresh gloo processes hold empty DTensors of the new layout and call dcp.load, which reshards.
 Timed: save (between barriers) + load (between barriers). Bytes read by DCP are the stored chunk
@@ -36,7 +37,8 @@ import numpy as np
 from tenplex.ptc import PTC, ParallelConfig, Region
 from tenplex.ptc.megatron import GPTSpec, megatron_gpt_ptc
 from tenplex.store.client import StoreClient
-from tenplex.transformer.execute import execute_host_plan
+from tenplex.store.local import LocalStore
+from tenplex.transformer.execute import LocalTarget, execute_host_plan
 from tenplex.transformer.plan import make_plan
 
 ADDRESSES = {"h0": "127.0.0.2", "h1": "127.0.0.3", "h2": "127.0.0.4", "h3": "127.0.0.5"}
@@ -102,39 +104,83 @@ def snapshot(old: PTC, clients: dict[str, StoreClient], job: str) -> float:
     return time.perf_counter() - start
 
 
-def tenplex_run(
-    old: PTC, new: PTC, clients: dict[str, StoreClient], job: str, alive: set[str] | None, new_version: str
-) -> dict:
+def _host_worker(host: str, root: str, urls: dict[str, str], alive: set[str] | None, tasks, results) -> None:  # type: ignore[no-untyped-def]
+    """One target node's transformer, started before the clock like DCP's processes; runs the plan it is sent.
+
+    It works on its node's store directly (LocalTarget: local pieces and the new version on its own
+    disk, as a node-side executor does) and pulls remote pieces from the other daemons over HTTP.
+    """
+    target = LocalTarget(LocalStore(root))
+    while True:
+        plan = tasks.get()
+        if plan is None:
+            break
+        # Fresh clients per run: idle keep-alive connections are closed by the daemons after 30 s.
+        sources = {h: StoreClient(u, max_connections=8) for h, u in urls.items() if h != host and (alive is None or h in alive)}
+        try:
+            report = execute_host_plan(plan, host, target=target, sources=sources, concurrency=4)
+            results.put((host, report.to_json(), None))
+        except Exception as exc:  # sent to the parent, which raises it
+            results.put((host, None, repr(exc)))
+        finally:
+            for c in sources.values():
+                c.close()
+
+
+class Nodes:
+    """A transformer process per emulated node (spawned once, reused for every run)."""
+
+    def __init__(self, hosts: list[str], work: Path, urls: dict[str, str], alive: set[str] | None) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.results = ctx.Queue()
+        self.tasks = {h: ctx.Queue() for h in hosts}
+        self.procs = [
+            ctx.Process(target=_host_worker, args=(h, str(work / h), urls, alive, self.tasks[h], self.results), daemon=True)
+            for h in hosts
+        ]
+        for p in self.procs:
+            p.start()
+
+    def run(self, plan) -> dict[str, dict]:  # type: ignore[no-untyped-def]
+        for h in plan.hosts:
+            self.tasks[h].put(plan)
+        out, errors = {}, []
+        for _ in plan.hosts:
+            host, report, error = self.results.get(timeout=600)
+            if error is not None:
+                errors.append(f"{host}: {error}")
+            out[host] = report
+        if errors:
+            raise RuntimeError("; ".join(errors))
+        return out
+
+    def close(self) -> None:
+        for q in self.tasks.values():
+            q.put(None)
+        for p in self.procs:
+            p.join(10)
+
+
+def tenplex_run(old: PTC, new: PTC, nodes: Nodes, urls: dict[str, str], job: str,
+                alive: set[str] | None, new_version: str) -> dict:
     start = time.perf_counter()
     plan = make_plan(old, new, job=job, old_version=OLD_V, new_version=new_version, alive=alive)
     plan_s = time.perf_counter() - start
-    reports, errors = {}, []
-
-    def one(host: str) -> None:
-        try:
-            sources = {h: c for h, c in clients.items() if h != host and (alive is None or h in alive)}
-            reports[host] = execute_host_plan(plan, host, target=clients[host], sources=sources, concurrency=4)
-        except BaseException as exc:  # reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=one, args=(h,)) for h in plan.hosts]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
+    reports = nodes.run(plan)
     total = time.perf_counter() - start
-    if errors:
-        raise errors[0]
     # Check every new shard against the data.
     for host in new.hosts:
-        for t, s in new.shards_on_host(host):
-            got = clients[host].read(job, new_version, t.name, s.region, t.dtype)
-            if not np.array_equal(got, expected(old, t.name, s.region)):
-                raise AssertionError(f"tenplex: {host} {t.name} {s.region} differs")
+        with StoreClient(urls[host]) as client:
+            for t, s in new.shards_on_host(host):
+                got = client.read(job, new_version, t.name, s.region, t.dtype)
+                if not np.array_equal(got, expected(old, t.name, s.region)):
+                    raise AssertionError(f"tenplex: {host} {t.name} {s.region} differs")
     return {
         "seconds": total,
         "plan_seconds": plan_s,
-        "bytes_read": sum(r.bytes_local + r.bytes_remote for r in reports.values()),
+        "bytes_read": sum(r["bytes_local"] + r["bytes_remote"] for r in reports.values()),
         "network_bytes": plan.network_bytes,
         "lower_bound_bytes": plan.lower_bound_bytes,
         "local_bytes": plan.local_bytes,
@@ -245,16 +291,18 @@ def main() -> None:
             job = f"gpt-{i}"
             clients = {h: StoreClient(u, max_connections=8) for h, u in urls.items()}
             snap = snapshot(old, clients, job)
+            for c in clients.values():
+                c.close()
             if alive is not None:
                 procs["h1"].terminate()  # the failure: h1's daemon is gone
                 procs["h1"].wait()
+            nodes = Nodes(hosts, work, urls, alive)
             tens, dcps = [], []
             for r in range(args.repeat):  # interleaved, so that load from other users hits both alike
-                tens.append(tenplex_run(old, new, clients, job, alive, f"s100-g{r + 1}"))
+                tens.append(tenplex_run(old, new, nodes, urls, job, alive, f"s100-g{r + 1}"))
                 dcps.append(dcp_run(old_file, new_file, work))
                 print(f"  [{name} run {r + 1}] tenplex {tens[-1]['seconds']:.2f} s, dcp {dcps[-1]['seconds']:.2f} s", flush=True)
-            for c in clients.values():
-                c.close()
+            nodes.close()
             ten = min(tens, key=lambda x: x["seconds"]) if args.best else sorted(tens, key=lambda x: x["seconds"])[len(tens) // 2]
             dcp = min(dcps, key=lambda x: x["seconds"]) if args.best else sorted(dcps, key=lambda x: x["seconds"])[len(dcps) // 2]
             stat = "best" if args.best else "median"

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -43,13 +43,84 @@ from tenplex.ptc.dtypes import storage_dtype
 from tenplex.transformer.plan import CHECKPOINT, DestShard, HostPlan, Plan, Transfer
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     from prometheus_client import CollectorRegistry
 
-    from tenplex.store.client import StoreClient
+    from tenplex.ptc.region import Region
+    from tenplex.store.local import LocalStore
+    from tenplex.store.model import VersionInfo
+    from tenplex.store.version import Version
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BUFFER_BYTES = 2 << 30
+
+
+class StoreLike(Protocol):
+    """What the executor needs of a store: :class:`~tenplex.store.client.StoreClient` or :class:`LocalTarget`."""
+
+    url: str
+
+    def read_into(
+        self, job: str, version: Version | str, tensor: str, region: Region, out: np.ndarray, *, verify: bool = True
+    ) -> None: ...
+
+    def write_shard(
+        self, job: str, version: Version | str, tensor: str, region: Region, data: np.ndarray, *,
+        dtype: str, global_shape: Sequence[int],
+    ) -> Any: ...
+
+    def commit(self, job: str, version: Version | str) -> Any: ...
+
+    def delete(self, job: str, version: Version | str) -> Any: ...
+
+    def versions(self, job: str) -> list[VersionInfo]: ...
+
+
+class LocalTarget:
+    """The target node's own store used in-process, for a transform that runs on the node itself.
+
+    The node's part of a plan reads its local pieces from, and writes its new
+    shards to, its own disk: going through its HTTP daemon would move every
+    such byte over loopback twice more. Reads of a whole stored shard are
+    checked against the shard's recorded crc32c; several processes may share
+    one store root (the store locks structural changes).
+    """
+
+    def __init__(self, store: LocalStore) -> None:
+        self.store = store
+        self.url = f"file://{store.root}"
+
+    def read_into(
+        self, job: str, version: Version | str, tensor: str, region: Region, out: np.ndarray, *, verify: bool = True
+    ) -> None:
+        from tenplex.store.buffers import crc_of
+        from tenplex.store.model import format_checksum
+
+        self.store.read_region(job, version, tensor, region, out)
+        if verify:
+            info = self.store.open_tensor(job, version, tensor).exact_shard(region)
+            if info is not None and format_checksum(crc_of(out)) != info.checksum:
+                raise ChecksumMismatch(
+                    f"{tensor!r} {region.format()!r} of version {version} in {self.store.root}: "
+                    f"crc32c {format_checksum(crc_of(out))}, recorded {info.checksum}"
+                )
+
+    def write_shard(
+        self, job: str, version: Version | str, tensor: str, region: Region, data: np.ndarray, *,
+        dtype: str, global_shape: Sequence[int],
+    ) -> Any:
+        return self.store.write_shard(job, version, tensor, region, data, dtype=dtype, global_shape=global_shape)
+
+    def commit(self, job: str, version: Version | str) -> Any:
+        return self.store.commit(job, version)
+
+    def delete(self, job: str, version: Version | str) -> Any:
+        return self.store.delete(job, version)
+
+    def versions(self, job: str) -> list[VersionInfo]:
+        return self.store.versions(job)
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,8 +245,8 @@ def execute_host_plan(
     plan: Plan,
     host: str,
     *,
-    target: StoreClient,
-    sources: Mapping[str, StoreClient],
+    target: StoreLike,
+    sources: Mapping[str, StoreLike],
     concurrency: int = 8,
     progress: Callable[[int, int], None] | None = None,
     metrics: TransformMetrics | None = None,
@@ -195,7 +266,7 @@ def execute_host_plan(
     hp = plan.host(host)
     start = time.perf_counter()
     state = _State(hp.bytes_total, progress, metrics)
-    clients: dict[str, StoreClient] = dict(sources)
+    clients: dict[str, StoreLike] = dict(sources)
     clients[host] = target
     try:
         _prepare_target(plan, target)  # before anything is written: a committed new version stays untouched
@@ -245,7 +316,7 @@ def execute_host_plan(
     return report
 
 
-def _prepare_target(plan: Plan, target: StoreClient) -> None:
+def _prepare_target(plan: Plan, target: StoreLike) -> None:
     """Drop a leftover uncommitted new version (an earlier, failed attempt); refuse to overwrite a committed one."""
     from tenplex.errors import NotFound
 
@@ -264,7 +335,7 @@ def _prepare_target(plan: Plan, target: StoreClient) -> None:
             target.delete(plan.job, plan.new_version)
 
 
-def _discard(plan: Plan, target: StoreClient) -> None:
+def _discard(plan: Plan, target: StoreLike) -> None:
     try:
         target.delete(plan.job, plan.new_version)
     except TenplexError as exc:
@@ -275,7 +346,7 @@ def _discard(plan: Plan, target: StoreClient) -> None:
 def _run(
     plan: Plan,
     hp: HostPlan,
-    clients: Mapping[str, StoreClient],
+    clients: Mapping[str, StoreLike],
     state: _State,
     concurrency: int,
     max_buffer_bytes: int,
@@ -336,7 +407,7 @@ def _piece(
     hp: HostPlan,
     shard: _Shard,
     tr: Transfer,
-    clients: Mapping[str, StoreClient],
+    clients: Mapping[str, StoreLike],
     state: _State,
     stored: Callable[[int], None],
 ) -> None:
@@ -365,7 +436,7 @@ def _candidates(plan: Plan, tr: Transfer) -> list[str]:
 
 
 def _fetch(
-    plan: Plan, hp: HostPlan, tr: Transfer, view: np.ndarray, clients: Mapping[str, StoreClient], state: _State
+    plan: Plan, hp: HostPlan, tr: Transfer, view: np.ndarray, clients: Mapping[str, StoreLike], state: _State
 ) -> None:
     """Read one piece into its place, moving to the next holder when a source fails."""
     direct = view.flags.c_contiguous
@@ -418,7 +489,7 @@ def _store(
     plan: Plan,
     hp: HostPlan,
     shard: _Shard,
-    clients: Mapping[str, StoreClient],
+    clients: Mapping[str, StoreLike],
     state: _State,
     stored: Callable[[int], None],
 ) -> None:

@@ -11,8 +11,9 @@ from tenplex.errors import StateLost, TransformFailed
 from tenplex.ptc import ParallelConfig
 from tenplex.store.client import StoreClient
 from tenplex.store.local import LocalStore
+from tenplex.store.names import region_key, tensor_dirname
 from tenplex.store.server import StoreServer
-from tenplex.transformer.execute import TransformMetrics, execute_host_plan
+from tenplex.transformer.execute import LocalTarget, TransformMetrics, execute_host_plan
 from tenplex.transformer.plan import CHECKPOINT, make_plan
 
 from .conftest import check_new_state, populate, random_state, transform_all
@@ -132,3 +133,28 @@ def test_target_failure_leaves_nothing_committed(cluster) -> None:
                                             dtype=t0.dtype, global_shape=t0.shape)
     execute_host_plan(plan, "h2", target=cluster.clients["h2"], sources=cluster.clients)
     check_new_state(cluster, new, state, "tgt", NEW_V)
+
+
+def test_local_target_and_corrupt_local_copy_falls_back_to_a_replica(cluster) -> None:
+    # Old: dp2 replicas on h0 and h1; new on h1 (and h2). h1 runs its part in-process on its own
+    # store (LocalTarget); one of its local shards is corrupted on disk, so that piece must come
+    # from h0's replica instead, and the result is still bit-exact.
+    old = layout(ParallelConfig(dp=2, tp=2), 2, ["h0", "h1"], "fp32")
+    new = layout(ParallelConfig(tp=2, pp=2), 2, ["h1", "h2"], "fp32")
+    state = random_state(old, seed=15)
+    populate(cluster, old, state, "local", OLD_V)
+    plan = make_plan(old, new, job="local", old_version=OLD_V, new_version=NEW_V)
+    local = [t for t in plan.hosts["h1"].transfers if t.source == "h1" and t.alternatives == ("h0",)]
+    victim = max(local, key=lambda t: t.nbytes)
+    store = cluster.servers["h1"].store
+    shard_dir = store.root / "local" / OLD_V / tensor_dirname(victim.tensor) / region_key(victim.region)
+    chunk = max((p for p in shard_dir.rglob("*") if p.is_file() and p.name != "zarr.json"), key=lambda p: p.stat().st_size)
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+
+    report = execute_host_plan(plan, "h1", target=LocalTarget(store), sources={"h0": cluster.clients["h0"]})
+    assert report.replanned_pieces >= 1
+    assert report.bytes_remote == plan.hosts["h1"].bytes_remote + victim.nbytes
+    execute_host_plan(plan, "h2", target=cluster.clients["h2"], sources={h: cluster.clients[h] for h in ("h0", "h1")})
+    check_new_state(cluster, new, state, "local", NEW_V)
