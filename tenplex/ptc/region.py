@@ -11,6 +11,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from types import EllipsisType
 
 from tenplex.errors import InvalidRegion, RegionOutOfBounds
 
@@ -117,8 +118,14 @@ class Region:
     def empty(self) -> bool:
         return any(a == b for a, b in self.bounds)
 
-    def slices(self) -> tuple[slice, ...]:
-        """Index a numpy array or torch tensor with this region."""
+    def slices(self) -> tuple[slice, ...] | tuple[EllipsisType]:
+        """Index a numpy array or torch tensor with this region, always as a view.
+
+        A 0-d region gives ``(...,)``: ``array[()]`` would return a numpy scalar (a copy),
+        so writes through it would be lost.
+        """
+        if not self.bounds:
+            return (...,)
         return tuple(slice(a, b) for a, b in self.bounds)
 
     def to_json(self) -> list[list[int]]:

@@ -230,3 +230,18 @@ def test_flat_range_boxes_examples() -> None:
         flat_range_boxes((4, 5), 3, 21)
     with pytest.raises(InvalidRegion, match="origin"):
         flat_range_boxes((4, 5), 0, 3, origin=[1])
+
+
+def test_slices_of_a_0d_region_index_a_view():
+    import numpy as np
+    import torch
+
+    a = np.zeros((), dtype=np.float32)
+    view = a[Region(()).slices()]
+    view[...] = 3.0
+    assert isinstance(view, np.ndarray) and a == 3.0
+    t = torch.zeros(())
+    t[Region(()).slices()].fill_(2.0)
+    assert t.item() == 2.0
+    b = np.arange(12).reshape(3, 4)
+    assert b[Region(((1, 3), (0, 2))).slices()].base is b
