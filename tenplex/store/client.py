@@ -4,10 +4,12 @@ Bulk bytes go straight from the socket into the caller's buffer
 (``http.client`` ``readinto`` a memoryview of it, 2-3x faster than requests or
 httpx for large bodies), and uploads are sent from the caller's buffer.
 Connections are kept alive in a bounded pool. Reads larger than
-``max_request_bytes`` are split into consecutive C-order pieces, each its own
-request landing in its slice of the buffer: the server then answers each
-from one buffer in one pass, and :meth:`StoreClient.read_many` spreads the
-pieces over its threads. Connection errors and 5xx answers are retried with
+``max_request_bytes`` (32 MiB) are split into consecutive C-order pieces, each
+its own request landing in its slice of the buffer: the server answers each
+from one buffer in one pass (the checksum header must precede the body, so a
+single request cannot overlap the server's read with the transfer, but two
+requests in flight can), and :meth:`StoreClient.read_many` spreads the pieces
+over its threads. Connection errors and 5xx answers are retried with
 exponential backoff; every payload is checked against its crc32c header.
 """
 
@@ -44,7 +46,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TOKEN_ENV = "TENPLEX_TOKEN"
-MAX_REQUEST_BYTES = 64 << 20
+MAX_REQUEST_BYTES = 32 << 20  # two pipelined requests beat one: the server reads one while the other is on the wire
 T = TypeVar("T")
 
 
