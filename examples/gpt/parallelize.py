@@ -156,6 +156,7 @@ def parallelize(module: GPT, mesh: DeviceMesh, parallel: ParallelConfig) -> GPT:
     """TP then DP on one pipeline stage's module (the function handed to the layout provider)."""
     apply_tp(module, mesh["tp"])
     apply_dp(module, mesh["dp"], parallel.zero)
+    log.debug("parallelized layers %s for %s", list(module.layers.keys()), parallel.describe())
     return module
 
 

@@ -112,6 +112,7 @@ class GPTJob:
     schedule: object | None
     """The pipeline schedule when pp > 1, else ``None``."""
     device: torch.device
+    n_microbatches: int = 1
 
     @property
     def is_first_stage(self) -> bool:
@@ -127,6 +128,10 @@ class GPTJob:
         Returns the loss of the whole global batch (the mean over micro-batches
         and data-parallel ranks), the same value on every rank.
         """
+        if tokens.shape[0] % self.n_microbatches:
+            raise InvalidConfig(
+                f"a batch of {tokens.shape[0]} samples cannot be cut into {self.n_microbatches} micro-batches"
+            )
         tokens = tokens.to(self.device)
         inputs, targets = tokens[:, :-1], tokens[:, 1:]
         self.optimizer.zero_grad(set_to_none=True)
@@ -195,6 +200,7 @@ def build_job(
     parallelize(module, mesh, parallel)
     optimizer = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=weight_decay)
     sched = None
+    micro = (n_microbatches or parallel.pp) if parallel.pp > 1 else 1
     if parallel.pp > 1:
         sched = build_pipeline_schedule(
             module,
@@ -202,11 +208,11 @@ def build_job(
             parallel.pp,
             mesh["pp"],
             device,
-            n_microbatches=n_microbatches or parallel.pp,
+            n_microbatches=micro,
             loss_fn=cross_entropy_loss,
             schedule=schedule,
         )
-    return GPTJob(cfg, parallel, mesh, coords, module, optimizer, sched, device)
+    return GPTJob(cfg, parallel, mesh, coords, module, optimizer, sched, device, micro)
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
