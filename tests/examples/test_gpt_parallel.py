@@ -45,6 +45,7 @@ CONFIGS: dict[str, dict] = {
     "dp2-tp2-zero3": {"dp": 2, "tp": 2, "zero": 3},
     "tp2-pp2": {"tp": 2, "pp": 2},
     "dp2-pp2-zero3-gpipe": {"dp": 2, "pp": 2, "zero": 3, "schedule": "gpipe"},
+    "dp2-pp2": {"dp": 2, "pp": 2},
     "tp2-pp2-uneven-stages": {"tp": 2, "pp": 2, "layers_per_stage": [1, 3]},
     "tp4": {"tp": 4},
     "pp4": {"pp": 4},
