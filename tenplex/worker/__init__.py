@@ -1,10 +1,38 @@
 """The library a training process imports to take part in an elastic Tenplex job.
 
-- :mod:`tenplex.worker.control`: register with the scheduler, heartbeats, stop requests, reports.
-- :mod:`tenplex.worker.sampler`: the elastic data sampler driven by the PTC's dataset state.
+- :class:`ElasticWorker` (:mod:`~tenplex.worker.session`): the glue for a training loop:
+  assignment, restore, elastic batches, snapshots, collective stop, reports.
+- :class:`Snapshotter` / :func:`restore`: this rank's shards into / out of the node-local store.
+- :class:`ElasticSampler`: the data order driven by the PTC's dataset state.
+- :class:`ControlClient`, :class:`Heartbeat`, :func:`agree_stop`: the scheduler protocol.
+- :mod:`~tenplex.worker.state`: the live layout (DTensor regions, optimizer state names) and its check
+  against a PTC; :mod:`~tenplex.worker.trainer_state`: RNG, LR scheduler, step and data position.
 """
 
 from tenplex.worker.control import ControlClient, Heartbeat, SchedulerUnavailable, agree_stop
+from tenplex.worker.restore import RestoreResult, restore
 from tenplex.worker.sampler import ElasticSampler
+from tenplex.worker.session import ElasticWorker, WorkerSetup
+from tenplex.worker.snapshot import SnapshotResult, Snapshotter
+from tenplex.worker.state import LocalPiece, check_layout, live_pieces
+from tenplex.worker.stores import DirectStore, ShardStore, open_store
 
-__all__ = ["ControlClient", "ElasticSampler", "Heartbeat", "SchedulerUnavailable", "agree_stop"]
+__all__ = [
+    "ControlClient",
+    "DirectStore",
+    "ElasticSampler",
+    "ElasticWorker",
+    "Heartbeat",
+    "LocalPiece",
+    "RestoreResult",
+    "SchedulerUnavailable",
+    "ShardStore",
+    "SnapshotResult",
+    "Snapshotter",
+    "WorkerSetup",
+    "agree_stop",
+    "check_layout",
+    "live_pieces",
+    "open_store",
+    "restore",
+]

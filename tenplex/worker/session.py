@@ -304,11 +304,14 @@ class ElasticWorker:
     # -- end ----------------------------------------------------------------------------
 
     def peer_failure(self, exc: BaseException) -> None:
-        """Report a failed collective (a peer is likely gone) and mark this worker failed."""
+        """Report a failed collective (a peer is likely gone) and mark this worker failed.
+
+        The step reported is the one in progress (one past the last completed).
+        """
         self.status = "failed"
         if self.control is not None:
             try:
-                self.control.report_peer_failure(self.setup.generation, f"{type(exc).__name__}: {exc}", step=self.step)
+                self.control.report_peer_failure(self.setup.generation, f"{type(exc).__name__}: {exc}", step=self.step + 1)
             except Exception as report_exc:  # the scheduler may be the one that is gone
                 log.error("could not report the peer failure: %s", report_exc)
 
