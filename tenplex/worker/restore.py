@@ -82,6 +82,8 @@ def restore(
     nbytes = 0
     with torch.no_grad():
         for piece in pieces:
+            if piece.region.volume == 0:
+                continue  # an empty local shard: nothing stored, nothing to read
             out = piece.local.detach()
             if out.device.type == "cpu" and out.is_contiguous():
                 store.read_into(job, v, piece.name, piece.region, out, verify=verify)

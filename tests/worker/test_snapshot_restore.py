@@ -215,6 +215,19 @@ def test_layout_mismatch_names_the_first_differing_tensor() -> None:
         check_layout(pieces, dtype, 0)
 
 
+def test_empty_local_shards_need_no_ptc_entry() -> None:
+    """An uneven FSDP2 split leaves some rank an empty local shard; the PTC lists none for it."""
+    from tenplex.worker.state import LocalPiece
+
+    devices = (Device(0, "h0"), Device(1, "h0"))
+    ptc = PTC(config={}, devices=devices, tensors=(build_tensor("b", (1, 4), "float32", TensorKind.PARAM, [(Region.of([[0, 1], [0, 4]]), (0,))]),))
+    empty = LocalPiece("b", TensorKind.PARAM, (1, 4), "float32", Region.of([[1, 1], [0, 4]]), torch.empty(0, 4))
+    check_layout([empty], ptc, 1)
+    full = LocalPiece("b", TensorKind.PARAM, (1, 4), "float32", Region.of([[0, 1], [0, 4]]), torch.empty(1, 4))
+    with pytest.raises(InvalidConfig, match="'b' .* is not held by this device"):
+        check_layout([full], ptc, 1)
+
+
 def test_restore_checks_layout_before_reading(store: DirectStore) -> None:
     model, opt, sched = make()
     train(model, opt, sched, 1)

@@ -1,0 +1,162 @@
+"""Training step time with a snapshot after every step vs none (issue 5: slowdown <= 10%).
+
+The reference GPT (examples/gpt) trains in one process with AdamW; the node's
+store daemon runs as its own process (``tenplex store serve``), as on a real
+node. Blocks of ``--steps`` steps alternate between "no snapshot" and
+"snapshot every step" (ABAB..., so drift in machine load hits both alike); the
+result is the ratio of the median step times. A snapshot's copy-out is part of
+the step it follows; its write runs in the background during the next step.
+Old versions are deleted as new ones commit, as the scheduler's retention does.
+
+    .venv/bin/python benchmarks/snapshot_overhead.py            # HTTP daemon (default)
+    .venv/bin/python benchmarks/snapshot_overhead.py --store direct
+
+Exits 1 when the slowdown exceeds ``--target``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from examples.gpt.model import GPT, GPTConfig, cross_entropy_loss  # noqa: E402
+from tenplex.ptc import PTC, Device, Region, build_tensor  # noqa: E402
+from tenplex.store import LocalStore, Version  # noqa: E402
+from tenplex.store.client import StoreClient  # noqa: E402
+from tenplex.worker.snapshot import Snapshotter  # noqa: E402
+from tenplex.worker.state import live_pieces  # noqa: E402
+from tenplex.worker.stores import DirectStore, ShardStore  # noqa: E402
+
+JOB = "bench"
+
+
+def single_device_ptc(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> PTC:
+    tensors = [
+        build_tensor(p.name, p.global_shape, p.dtype, p.kind, [(Region.full(p.global_shape), (0,))])
+        for p in live_pieces(model, optimizer)
+    ]
+    return PTC(config={"dp": 1}, devices=(Device(0, "node-0"),), tensors=tuple(tensors))
+
+
+def start_daemon(root: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port_file = root / "port"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tenplex", "--log-level", "WARNING", "store", "serve", "--root", str(root / "data"), "--port-file", str(port_file)],
+        env={**os.environ, "TENPLEX_TOKEN": ""},
+    )
+    deadline = time.monotonic() + 60
+    while not port_file.exists() or not port_file.read_text().strip():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit("the store daemon did not start")
+        time.sleep(0.05)
+    return proc, f"http://127.0.0.1:{int(port_file.read_text())}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dim", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=4, help="steps per block")
+    ap.add_argument("--rounds", type=int, default=3, help="ABAB rounds")
+    ap.add_argument("--store", choices=("http", "direct"), default="http")
+    ap.add_argument("--target", type=float, default=0.10, help="largest acceptable slowdown (0.10 = 10%%)")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+
+    cfg = GPTConfig(vocab=args.vocab, dim=args.dim, n_layers=args.layers, n_heads=args.heads, seq_len=args.seq_len)
+    model = GPT(cfg, seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(0)
+
+    def step() -> float:
+        tokens = torch.randint(0, cfg.vocab, (args.batch, cfg.seq_len + 1), generator=gen)
+        t0 = time.perf_counter()
+        loss = cross_entropy_loss(model(tokens[:, :-1]), tokens[:, 1:])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return time.perf_counter() - t0
+
+    step()  # creates the AdamW state
+    ptc = single_device_ptc(model, opt)
+    state_mb = sum(p.local.numel() * p.local.element_size() for p in live_pieces(model, opt)) / 2**20
+
+    with tempfile.TemporaryDirectory(prefix="tenplex-bench-") as tmp:
+        root = Path(tmp)
+        daemon = None
+        if args.store == "http":
+            daemon, url = start_daemon(root)
+            store: ShardStore = StoreClient(url)
+        else:
+            store = DirectStore(LocalStore(root / "data"))
+        snap = Snapshotter(store, JOB, ptc, rank=0)
+        times: dict[str, list[float]] = {"none": [], "snapshot": []}
+        written: list[Version] = []
+        copy_s: list[float] = []
+        write_s: list[float] = []
+        n = 1
+        try:
+            step()  # warm-up
+            for _ in range(args.rounds):
+                for mode in ("none", "snapshot"):
+                    for _ in range(args.steps):
+                        n += 1
+                        if mode == "none":
+                            times[mode].append(step())
+                            continue
+                        dt = step()
+                        t0 = time.perf_counter()
+                        written.append(snap.snapshot(n, 0, model, opt))  # joins the previous write, copies out
+                        times[mode].append(dt + time.perf_counter() - t0)
+                    done = snap.wait()
+                    if done is not None and mode == "snapshot":
+                        copy_s.append(done.copy_seconds)
+                        write_s.append(done.write_seconds)
+                    while len(written) > 1:  # retention: keep the newest version only
+                        delete_version(store, written.pop(0))
+        finally:
+            if daemon is not None:
+                daemon.terminate()
+                daemon.wait(30)
+
+    base = statistics.median(times["none"])
+    with_snap = statistics.median(times["snapshot"])
+    slowdown = with_snap / base - 1
+    print(f"model: dim {cfg.dim}, {cfg.n_layers} layers, vocab {cfg.vocab}, seq {cfg.seq_len}, batch {args.batch}; "
+          f"state {state_mb:.0f} MiB per snapshot (params + AdamW); store {args.store}; torch threads {torch.get_num_threads()}")
+    print(f"step time, median of {len(times['none'])}: no snapshot {base * 1e3:.0f} ms, "
+          f"snapshot every step {with_snap * 1e3:.0f} ms  -> slowdown {slowdown * 100:+.1f}% (target <= {args.target * 100:.0f}%)")
+    if copy_s:
+        print(f"copy-out (blocking part of a snapshot), median: {statistics.median(copy_s) * 1e3:.0f} ms")
+    if write_s:
+        print(f"background write of one snapshot, median: {statistics.median(write_s):.2f} s "
+              f"({state_mb / statistics.median(write_s):.0f} MiB/s, overlapping the next step)")
+    ok = slowdown <= args.target
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+def delete_version(store: ShardStore, version: Version) -> None:
+    if isinstance(store, DirectStore):
+        store.local.delete(JOB, version)
+    else:
+        store.delete(JOB, version)  # type: ignore[attr-defined]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
