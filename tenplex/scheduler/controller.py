@@ -465,8 +465,9 @@ class JobController:
         lost = [h.name for h in self.backend.hosts() if not h.ready and h.name in st.hosts]
         ids = [w.worker_id for w in st.workers]
         exits = self.backend.exited(self.spec.name, ids)
-        bad = {wid: c for wid, c in exits.items() if c not in (0, None)
-               or (c is None and self._exit_reports.get(wid) is None)}
+        # An unknown exit code (a worker adopted after a scheduler restart) is not a failure by itself:
+        # the snapshot stage asks the stores whether the stop step was committed.
+        bad = {wid: c for wid, c in exits.items() if c not in (0, None)}
         if failure or lost or bad:
             reason = failure or (f"host {', '.join(lost)} lost" if lost else f"workers exited abnormally while stopping: {bad}")
             self._begin_failure(reason)
@@ -524,7 +525,8 @@ class JobController:
         except TenplexError as exc:
             self._fail(f"no configuration for the new allocation: {exc.detail}")
             return
-        new_gen = st.generation + 1
+        # Never reuse a generation: a failed attempt may have committed its version name on some hosts.
+        new_gen = max([st.generation, *st.version_generation.values()]) + 1
         new_version = Version(version.step, new_gen)
         holders = self._holders()
         alive = [h for h in holders]
@@ -602,19 +604,25 @@ class JobController:
             self.metrics.bytes_moved.labels(self.spec.name, "remote").inc(sum(r.bytes_remote for r in reports))
             self.metrics.bytes_moved.labels(self.spec.name, "local").inc(sum(r.bytes_local for r in reports))
         st.committed[new_version] = sorted(plan.hosts)
-        st.version_generation[new_version] = st.generation + 1
+        st.version_generation[new_version] = plan.new_version.generation
         st.version = new_version
         st.restore_version = new_version
         self._enter(Phase.RECONFIGURING, Stage.RESTARTING, f"state {new_version} in place on {len(plan.hosts)} hosts")
 
     def _restart(self) -> None:
         st = self.status
-        assert st.last_plan is not None
-        gen = st.generation + 1
+        assert st.last_plan is not None and st.restore_version is not None
+        gen = Version.parse(st.restore_version).generation
         cfg = ParallelConfig.from_json(st.last_plan["parallel"])
+        if st.workers and all(w.generation == gen and w.pid for w in st.workers):
+            # Launched just before a scheduler restart: they are adopted; wait for them as for new workers.
+            self._enter(Phase.RUNNING, None, f"restarted in {cfg.describe()} from {st.restore_version}")
+            return
+        if st.workers and any(w.generation == gen for w in st.workers):
+            self.backend.stop(self.spec.name, [w.worker_id for w in st.workers], grace=2.0)  # a half-done launch
         placement = Placement(st.last_plan["gpus_per_node"], tuple(st.last_plan["hosts"]))
         decision = policy_mod.Decision(cfg, placement, self.ptc(gen), "planned")
-        st.restored_step = Version.parse(st.restore_version or "s0-g0").step
+        st.restored_step = Version.parse(st.restore_version).step
         if st.downtime_started_at is None:
             st.downtime_started_at = time.time()
         self._launch(decision, generation=gen)
