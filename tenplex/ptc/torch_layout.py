@@ -195,6 +195,10 @@ def _read_stage(
                 mesh_dims = tuple(spec_mesh.mesh_dim_names or ())
                 _check_mesh(name, mesh_dims, tuple(spec_mesh.shape), parallel)
                 placements = tuple(value.placements)
+                if any(p.is_partial() for p in placements):
+                    raise InvalidConfig(
+                        f"{name!r} has placements {list(placements)}: a pending (Partial) reduction is not a stored layout"
+                    )
             else:
                 mesh_dims, placements = (), ()
             shape = tuple(int(n) for n in value.shape)

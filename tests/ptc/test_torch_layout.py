@@ -286,3 +286,16 @@ def test_torch_thread_count_is_restored() -> None:
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_partial_placements_are_refused() -> None:
+    from torch.distributed.tensor import DTensor, Partial
+
+    def partial_weight(module: nn.Module, mesh, parallel: ParallelConfig) -> nn.Module:
+        weight = DTensor.from_local(torch.empty(3, 4, device="meta"), mesh["dp"], [Partial()], run_check=False)
+        module.weight = nn.Parameter(weight)
+        return module
+
+    with pytest.raises(InvalidConfig, match=r"'weight' has placements \[Partial\(sum\)\]"):
+        derive_ptc(lambda s, n: nn.Linear(4, 3, bias=False), partial_weight, ParallelConfig(dp=2), Placement.uniform(2, 2))
+    assert not dist.is_initialized()
