@@ -15,7 +15,12 @@ The life of a worker, as the protocol sees it::
 
 A stop request ("stop after step N") travels in the :class:`Assignment` and in
 every :class:`HeartbeatReply`; the worker finishes step N, snapshots it,
-reports the snapshot and exits with :data:`EXIT_STOPPED`.
+reports the snapshot and exits with :data:`EXIT_STOPPED`. The ranks agree on
+the stop step collectively (the earliest any rank heard of). A request that
+reaches the workers only after they completed step N cannot be honoured
+exactly: they stop after the step they are at, and the SnapshotReport and
+ExitReport say which. A scheduler therefore picks N at least one heartbeat
+interval's worth of steps ahead of the newest reported step.
 
 Every path but none of the bodies carries the job name; all requests carry
 ``Authorization: Bearer <token>`` when the scheduler has a token. Errors come

@@ -219,6 +219,8 @@ class ElasticWorker:
         self.step = self.restored.step
         self.dataset = self.restored.dataset
         self._last_snapshot_step = self.step  # that state is stored already
+        if self.heartbeat is not None:
+            self.heartbeat.update(self.step)  # so the scheduler never sees step 0 from a resumed job
         return self.step
 
     def batches(self, dp_rank: int, start_step: int | None = None) -> Iterator[tuple[int, np.ndarray]]:
