@@ -231,6 +231,28 @@ def _spec_schema() -> dict[str, Any]:
                 "type": "array",
                 "items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
             },
+            "training": {
+                "type": "object",
+                "description": "How long to train and the sample order: the scheduler needs them to lay out the "
+                               "state and to resume the data position after a reconfiguration.",
+                "required": ["dataset"],
+                "properties": {
+                    "steps": _int(1, "Total training steps.", default=100),
+                    "snapshotEvery": _int(1, "Snapshot the state to the node-local stores every this many steps.",
+                                          default=10),
+                    "heartbeatTimeoutSeconds": _int(1, "A worker silent this long counts as failed.", default=60),
+                    "dataset": {
+                        "type": "object",
+                        "required": ["numSamples", "globalBatchSize"],
+                        "properties": {
+                            "numSamples": _int(1, "Samples in the dataset (the sample order is a permutation of them)."),
+                            "seed": _int(0, "Seed of the sample order.", default=0),
+                            "globalBatchSize": _int(1, "Samples per training step over all data-parallel ranks."),
+                            "consumedSamples": _int(0, "Samples consumed before the job starts.", default=0),
+                        },
+                    },
+                },
+            },
             "storeRoot": _str("Directory of the node-local store as seen by the store daemon.", default=DEFAULT_STORE_ROOT),
             "checkpoint": {
                 "type": "object",
@@ -493,6 +515,19 @@ class PolicySpec:
 
 
 @dataclass(frozen=True, slots=True)
+class TrainingSpec:
+    """``spec.training``: the run length and the sample order."""
+
+    num_samples: int
+    global_batch_size: int
+    seed: int = 0
+    consumed_samples: int = 0
+    steps: int = 100
+    snapshot_every: int = 10
+    heartbeat_timeout_seconds: int = 60
+
+
+@dataclass(frozen=True, slots=True)
 class ElasticJobSpec:
     """A validated ElasticJob spec, with the schema defaults applied."""
 
@@ -515,6 +550,8 @@ class ElasticJobSpec:
     store_root: str = DEFAULT_STORE_ROOT
     checkpoint_uri: str | None = None
     checkpoint_interval_steps: int | None = None
+    training: TrainingSpec | None = None
+    """None when the ElasticJob has no ``spec.training`` (the scheduler then cannot run it)."""
 
     @property
     def pods(self) -> int:
@@ -527,6 +564,7 @@ class ElasticJobSpec:
         spec = validate_elasticjob(obj)["spec"]
         policy = spec.get("policy", {})
         checkpoint = spec.get("checkpoint", {})
+        training = spec.get("training")
         return cls(
             image=spec["image"],
             command=tuple(spec["command"]),
@@ -554,6 +592,15 @@ class ElasticJobSpec:
             store_root=spec["storeRoot"],
             checkpoint_uri=checkpoint.get("uri"),
             checkpoint_interval_steps=checkpoint.get("intervalSteps"),
+            training=TrainingSpec(
+                num_samples=training["dataset"]["numSamples"],
+                global_batch_size=training["dataset"]["globalBatchSize"],
+                seed=training["dataset"]["seed"],
+                consumed_samples=training["dataset"]["consumedSamples"],
+                steps=training["steps"],
+                snapshot_every=training["snapshotEvery"],
+                heartbeat_timeout_seconds=training["heartbeatTimeoutSeconds"],
+            ) if training is not None else None,
         )
 
 
