@@ -299,3 +299,17 @@ def test_partial_placements_are_refused() -> None:
     with pytest.raises(InvalidConfig, match=r"'weight' has placements \[Partial\(sum\)\]"):
         derive_ptc(lambda s, n: nn.Linear(4, 3, bias=False), partial_weight, ParallelConfig(dp=2), Placement.uniform(2, 2))
     assert not dist.is_initialized()
+
+
+def test_dtensors_on_foreign_mesh_dimensions_are_refused() -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    def other_mesh(module: nn.Module, mesh, parallel: ParallelConfig) -> nn.Module:
+        foreign = init_device_mesh("cpu", (2,), mesh_dim_names=("shard",))
+        module.weight = nn.Parameter(distribute_tensor(module.weight, foreign, [Shard(0)]))
+        return module
+
+    with pytest.raises(InvalidConfig, match=r"'weight' is a DTensor on mesh dimensions \['shard'\]"):
+        derive_ptc(lambda s, n: nn.Linear(4, 6, bias=False), other_mesh, ParallelConfig(dp=2), Placement.uniform(2, 2))
+    assert not dist.is_initialized()
