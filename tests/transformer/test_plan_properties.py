@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tenplex.errors import StateLost
+from tenplex.errors import InvalidInput, StateLost
 from tenplex.ptc import PTC, Device, Region, Shard, Tensor, TensorKind, flat_range_boxes
 from tenplex.store.version import Version
 from tenplex.transformer.plan import CHECKPOINT, lower_bound_bytes, make_plan
@@ -232,3 +232,25 @@ def test_state_lost_names_tensor_and_region() -> None:
     sources = sorted((t.source, t.region.format()) for t in plan.hosts["h0"].transfers)
     assert sources == [(CHECKPOINT, "2:4"), ("h1", "0:2")]
     assert plan.network_bytes == plan.lower_bound_bytes == 16
+
+
+def test_plan_json_round_trip_and_dataset_carry_over(tmp_path) -> None:
+    from tenplex.ptc import DatasetState, ParallelConfig
+    from tenplex.ptc.megatron import GPTSpec, megatron_gpt_ptc
+    from tenplex.transformer.plan import Plan
+
+    spec = GPTSpec(num_layers=2, hidden=16, heads=4, vocab=100, make_vocab_size_divisible_by=8, seq_len=8)
+    old = megatron_gpt_ptc(spec, ParallelConfig(dp=4, zero=1), gpus_per_node=2, hosts=["a", "b"],
+                           dataset=DatasetState(1000, 3, 8, consumed_samples=40))
+    new = megatron_gpt_ptc(spec, ParallelConfig(dp=2, tp=2, zero=1), gpus_per_node=2, hosts=["b", "c"],
+                           dataset=DatasetState(1000, 3, 8))
+    plan = make_plan(old, new, job="j", old_version="s5-g0", new_version="s5-g1", holders={"a": "s5-g0", "b": "s5-g0"})
+    assert plan.dataset == DatasetState(1000, 3, 8, consumed_samples=40)
+    assert plan.zero_fill_bytes > 0  # tp1 pads the vocabulary to 104 rows, tp2 to 112: 8 new rows are zeros
+    plan.save(tmp_path / "p.json")
+    back = Plan.load(tmp_path / "p.json")
+    assert back == plan
+    with pytest.raises(InvalidInput, match="dataset"):
+        make_plan(old, megatron_gpt_ptc(spec, ParallelConfig(dp=4), gpus_per_node=2, hosts=["b", "c"],
+                                        dataset=DatasetState(999, 3, 8)),
+                  job="j", old_version="s5-g0", new_version="s5-g1")
