@@ -480,19 +480,28 @@ class JobController:
             self._begin_failure(f"workers did not stop at step {st.stop_at_step} within {self.settings.stop_timeout:.0f}s")
 
     def _await_snapshot(self) -> None:
+        """Find the stop version on the stores: the requested step, or a later one when the request came late."""
         st = self.status
         assert st.stop_at_step is not None
-        version = str(Version(st.stop_at_step, st.generation))
         holders = self._holders()
         need = set(self.ptc(st.generation).hosts)
-        have = {h for h, versions in holders.items() if version in versions}
-        if need <= have:
-            st.committed[version] = sorted(have)
+        candidates: dict[str, set[str]] = {}
+        for host, versions in holders.items():
+            for v in versions:
+                parsed = Version.parse(v)
+                if parsed.generation == st.generation and parsed.step >= st.stop_at_step:
+                    candidates.setdefault(v, set()).add(host)
+        complete = [v for v, have in candidates.items() if need <= have]
+        if complete:
+            version = max(complete, key=Version.parse)
+            st.committed[version] = sorted(candidates[version])
             st.version_generation[version] = st.generation
             st.version = version
-            self._enter(Phase.RECONFIGURING, Stage.PLANNING, f"version {version} committed on {len(have)} hosts")
+            self._enter(Phase.RECONFIGURING, Stage.PLANNING, f"version {version} committed on {len(need)} hosts")
         elif time.monotonic() - self._stage_started > self.settings.stop_timeout:
-            self._begin_failure(f"version {version} is not committed on {sorted(need - have)}")
+            partial = {v: sorted(need - have) for v, have in candidates.items()}
+            self._begin_failure(f"no version at or after step {st.stop_at_step} is committed on every host {sorted(need)}"
+                                f" (missing: {partial or 'all'})")
 
     def _holders(self) -> dict[str, list[str]]:
         """Committed versions of this job on every ready host's store (the ground truth)."""
