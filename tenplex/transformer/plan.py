@@ -634,6 +634,10 @@ def _make_plan(
     # "cands minus one host", shared: the alternatives of a transfer.
     alt_cache: dict[tuple[tuple[str, ...], str], tuple[str, ...]] = {}
 
+    # Transfers are built with tuple.__new__ directly: the named tuple's own __new__ is a Python
+    # function, and a large plan makes a few hundred thousand of them.
+    new_transfer = tuple.__new__
+
     def others(cands: tuple[str, ...], host: str) -> tuple[str, ...]:
         key = (cands, host)
         alts = alt_cache.get(key)
@@ -675,15 +679,18 @@ def _make_plan(
                 expected[host] += dest_bytes
                 rows = raw[host]
                 for zr, nbytes in zero_recs:
-                    rows.append(Transfer(None, name, zr, k, nbytes, ()))
+                    rows.append(new_transfer(Transfer, (None, name, zr, k, nbytes, ())))
                 for pr, nbytes, cands in recs:
                     if host in cands:  # cands are sources only: a local copy
-                        rows.append(Transfer(host, name, pr, k, nbytes, others(cands, host)))
+                        alts = alt_cache.get((cands, host))
+                        if alts is None:
+                            alts = others(cands, host)
+                        rows.append(new_transfer(Transfer, (host, name, pr, k, nbytes, alts)))
                     elif cands:  # remote: the source is chosen below, the slot filled then
                         pending.append((nbytes, rows, len(rows), name, pr, k, cands))
                         rows.append(None)
                     elif checkpoint is not None:
-                        rows.append(Transfer(CHECKPOINT, name, pr, k, nbytes, ()))
+                        rows.append(new_transfer(Transfer, (CHECKPOINT, name, pr, k, nbytes, ())))
                     else:
                         lost[name].append(pr.bounds)
                 if several:
@@ -699,7 +706,10 @@ def _make_plan(
     for nbytes, rows, pos, name, pr, k, cands in pending:
         best = cands[0] if len(cands) == 1 else min(cands, key=get_score)
         score[best] += (nbytes << 32) + 1
-        rows[pos] = Transfer(best, name, pr, k, nbytes, others(cands, best))
+        alts = alt_cache.get((cands, best))
+        if alts is None:
+            alts = others(cands, best)
+        rows[pos] = new_transfer(Transfer, (best, name, pr, k, nbytes, alts))
 
     hosts_out: dict[str, HostPlan] = {}
     network = local = zero = 0
@@ -887,6 +897,7 @@ def lower_bound_bytes(
                     entry[1].append(s.region.bounds)
     old_shape = {t.name: t.shape for t in old.tensors}
     new_host_of = {d.id: d.host for d in new.devices}
+    host_sets: dict[tuple[int, ...], frozenset[str]] = {}
     total = 0
     for t in new.tensors:
         shape = old_shape[t.name]
@@ -896,7 +907,10 @@ def lower_bound_bytes(
             if any(a >= b for a, b in clipped):
                 continue
             need = _volume(clipped)
-            for h in {new_host_of[d] for d in s.devices}:  # a host stores a shard once
+            hosts = host_sets.get(s.devices)
+            if hosts is None:
+                hosts = host_sets[s.devices] = frozenset(new_host_of[d] for d in s.devices)
+            for h in hosts:  # a host stores a shard once
                 entry = held.get((h, t.name))
                 if entry is None:
                     total += need * size
