@@ -25,7 +25,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     sched = sub.add_parser("scheduler", help="run the scheduler (control plane)")
     cmds = sched.add_subparsers(dest="scheduler_command", metavar="SUBCOMMAND", required=True)
     serve = cmds.add_parser("serve", help="serve the scheduler's REST API and drive the jobs")
-    serve.add_argument("--backend", choices=["local"], default="local", help="cluster backend (default local)")
+    serve.add_argument("--backend", choices=["local", "kubernetes"], default="local",
+                       help="cluster backend: local emulated hosts, or kubernetes (ElasticJobs, in-cluster or "
+                            "$KUBECONFIG; settings from the chart's environment) (default local)")
     serve.add_argument("--state-dir", type=Path, default=Path(".tenplex"), help="where job state survives restarts")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8470, help="port to bind; 0 picks a free one (default 8470)")

@@ -46,6 +46,13 @@ def build_scheduler(backend_name: str, state_dir: Path, url: str, token: str | N
     settings = SchedulerSettings(url=url, token=token, heartbeat_interval=heartbeat_interval)
     if backend_name == "local":
         backend = LocalBackend(local_cluster(state_dir, hosts, gpus_per_host, token), cwd=Path.cwd())
+    elif backend_name == "kubernetes":  # jobs are ElasticJobs; state lives in the API server (tenplex.k8s)
+        from urllib.parse import urlsplit
+
+        from tenplex.k8s.operator import build_kubernetes_scheduler
+
+        return build_kubernetes_scheduler(state_dir, url, token, port=urlsplit(url).port or 0,
+                                          heartbeat_interval=heartbeat_interval)
     else:
         raise InvalidConfig(f"unknown backend {backend_name!r}")
     return Scheduler(backend, StateDir(state_dir), settings)

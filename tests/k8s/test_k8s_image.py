@@ -167,13 +167,7 @@ def test_the_store_command_of_the_chart_is_accepted_by_the_cli() -> None:
 
 
 def test_the_scheduler_command_of_the_chart_is_accepted_by_the_cli() -> None:
-    args = _container("Deployment")["args"]
-    try:
-        parsed = _parse(args)
-    except AssertionError as exc:
-        if "invalid choice: 'kubernetes'" in str(exc):
-            pytest.xfail(f"the kubernetes backend (issue 7) is not registered in `tenplex scheduler serve` yet: {exc}")
-        raise
+    parsed = _parse(_container("Deployment")["args"])
     assert (parsed.backend, parsed.host, parsed.port) == ("kubernetes", "0.0.0.0", crd.SCHEDULER_PORT)
 
 

@@ -1,0 +1,460 @@
+"""The Kubernetes backend of the scheduler: GPU nodes are hosts, workers are pods.
+
+Hosts are the nodes with allocatable ``nvidia.com/gpu``. A host is *ready*
+when its NodeReady condition is True and its store pod (the DaemonSet's, label
+``tenplex.io/role=store``) is Running; the store is reached at the store pod's
+``hostIP`` and the port its container publishes as ``store`` (the chart's
+hostPort). A host is *schedulable* unless cordoned (``spec.unschedulable``).
+A node that disappears from the API stays known as lost, so the jobs that had
+workers on it fail over instead of waiting for it.
+
+Each worker (one rank, one GPU) is a pod named after the worker id, pinned to
+its planned node with ``nodeName`` (the scheduler has already placed it; the
+kube-scheduler has nothing left to decide), labelled with the job and role,
+and owned by the ElasticJob so that deleting the job deletes its pods.
+
+The rendezvous (``MASTER_ADDR``/``MASTER_PORT``): worker pods use the host
+network, so rank 0 listens on its node's address, which the scheduler knows
+before any pod runs (a pod IP is not known until the pod starts). The port is
+taken from a range (default 29500-29999) and is unique among the live rank-0
+pods of the node, which carry it in the annotation ``tenplex.io/master-port``.
+The same host network serves gloo/NCCL between nodes.
+
+Pods and nodes are watched (:class:`~tenplex.k8s.informer.Informer`), so
+``hosts()`` and ``exited()`` answer from a cache that the watches keep current,
+and listeners hear of a failed or deleted worker pod, a node that turns
+NotReady or unschedulable, as soon as the API server tells.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client
+
+from tenplex.errors import Conflict, InvalidConfig, NotFound, StoreUnavailable
+from tenplex.k8s import crd
+from tenplex.k8s.informer import Informer
+from tenplex.k8s.settings import KubernetesSettings
+from tenplex.scheduler.backend import Backend, HostInfo, WorkerLaunch
+from tenplex.scheduler.protocol import ENV_GENERATION, ENV_LOCAL_RANK, ENV_TOKEN
+
+log = logging.getLogger(__name__)
+
+WORKER_CONTAINER = "worker"
+STORE_PORT_NAME = "store"
+LABEL_GENERATION = "tenplex.io/generation"
+LABEL_RANK = "tenplex.io/rank"
+ANNOTATION_MASTER_PORT = "tenplex.io/master-port"
+LOOPBACK_ONLY_ENV = ("GLOO_SOCKET_IFNAME",)
+"""Variables the controller sets for the one-machine local backend that would break a real cluster
+(gloo bound to ``lo``); worker pods get them only when the ElasticJob's own env sets them."""
+PORT_RESERVATION_SECONDS = 120.0
+
+
+@dataclass(frozen=True)
+class ClusterEvent:
+    """Something a watch saw that job controllers should react to now rather than at their next poll."""
+
+    kind: str
+    """worker-exited, worker-deleted, node-lost, node-unschedulable, node-changed or store-changed."""
+    job: str | None = None
+    node: str | None = None
+    detail: str = ""
+
+
+Listener = Callable[[ClusterEvent], None]
+
+
+def node_ready(node: Mapping[str, Any]) -> bool:
+    conds = (node.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
+
+
+def node_gpus(node: Mapping[str, Any], resource: str = crd.GPU_RESOURCE) -> int:
+    raw = ((node.get("status") or {}).get("allocatable") or {}).get(resource)
+    try:
+        return int(str(raw)) if raw is not None else 0
+    except ValueError:
+        log.warning("node %s: allocatable %s %r is not an integer", node["metadata"]["name"], resource, raw)
+        return 0
+
+
+def node_address(node: Mapping[str, Any]) -> str | None:
+    addrs = (node.get("status") or {}).get("addresses") or []
+    for kind in ("InternalIP", "ExternalIP"):
+        for a in addrs:
+            if a.get("type") == kind and a.get("address"):
+                return str(a["address"])
+    return None
+
+
+def pod_exit_code(pod: Mapping[str, Any], container: str | None = None) -> int | None:
+    """The terminated exit code of ``container`` (default: the first container reporting one)."""
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        if container is not None and cs.get("name") != container:
+            continue
+        term = (cs.get("state") or {}).get("terminated")
+        if term and term.get("exitCode") is not None:
+            return int(term["exitCode"])
+    return None
+
+
+def _labels(obj: Mapping[str, Any]) -> Mapping[str, str]:
+    return (obj.get("metadata") or {}).get("labels") or {}
+
+
+def _phase(pod: Mapping[str, Any]) -> str:
+    return str((pod.get("status") or {}).get("phase") or "Pending")
+
+
+class KubernetesBackend(Backend):
+    """Pods on GPU nodes, watched (see the module docstring)."""
+
+    name = "kubernetes"
+
+    def __init__(self, api_client: client.ApiClient, settings: KubernetesSettings,
+                 elasticjob: Callable[[str], Mapping[str, Any]], *, master_ports: tuple[int, int] = (29500, 29999),
+                 watch_timeout: int = 60, sync_timeout: float = 30.0, gpu_resource: str = crd.GPU_RESOURCE) -> None:
+        """``elasticjob(name)`` returns the ElasticJob object of a job (raises NotFound for none)."""
+        lo, hi = master_ports
+        if not 0 < lo <= hi < 65536:
+            raise InvalidConfig(f"master port range must be within 1..65535 and ordered, got {lo}-{hi}")
+        self.core = client.CoreV1Api(api_client)
+        self.settings = settings
+        self._elasticjob = elasticjob
+        self._ports = (lo, hi)
+        self._gpu = gpu_resource
+        self._sync_timeout = sync_timeout
+        self._lock = threading.Lock()
+        self._listeners: list[Listener] = []
+        self._reserved: dict[tuple[str, int], float] = {}
+        self._lost_nodes: dict[str, HostInfo] = {}
+        self._known_nodes: dict[str, HostInfo] = {}
+        self._started = False
+        selector = f"{crd.LABEL_ROLE} in ({crd.ROLE_WORKER},{crd.ROLE_STORE})"
+        self.nodes = Informer("nodes", self.core.list_node, watch_timeout=watch_timeout)
+        if settings.watch_namespaces:
+            namespaces = sorted(set(settings.watch_namespaces) | {settings.namespace})
+            self.pods = [Informer(f"pods-{ns}", functools.partial(self.core.list_namespaced_pod, ns),
+                                  watch_timeout=watch_timeout, label_selector=selector) for ns in namespaces]
+        else:
+            self.pods = [Informer("pods", self.core.list_pod_for_all_namespaces, watch_timeout=watch_timeout,
+                                  label_selector=selector)]
+        self.nodes.add_handler(self._on_node)
+        for inf in self.pods:
+            inf.add_handler(self._on_pod)
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> KubernetesBackend:
+        """Start the watches and wait for their first lists (the cache must be complete before answering)."""
+        if self._started:
+            return self
+        self._started = True
+        for inf in (self.nodes, *self.pods):
+            inf.start()
+        for inf in (self.nodes, *self.pods):
+            if not inf.wait_synced(self._sync_timeout):
+                raise StoreUnavailable(f"the Kubernetes API did not answer the first list of {inf.name} "
+                                       f"within {self._sync_timeout:.0f}s")
+        return self
+
+    def close(self) -> None:
+        for inf in (self.nodes, *self.pods):
+            inf.stop()
+        self._started = False
+
+    def add_listener(self, listener: Listener) -> None:
+        with self._lock:
+            self._listeners.append(listener)
+
+    def _emit(self, event: ClusterEvent) -> None:
+        with self._lock:
+            listeners = list(self._listeners)
+        for listener in listeners:
+            try:
+                listener(event)
+            except Exception:
+                log.exception("listener failed on %s", event)
+
+    # -- watches -> events -----------------------------------------------------------------
+
+    def _on_node(self, kind: str, node: dict[str, Any], old: dict[str, Any] | None) -> None:
+        name = node["metadata"]["name"]
+        if kind == "DELETED":
+            self._emit(ClusterEvent("node-lost", node=name, detail=f"node {name} was deleted"))
+            return
+        was_ready = old is not None and node_ready(old)
+        was_schedulable = old is None or not (old.get("spec") or {}).get("unschedulable")
+        if was_ready and not node_ready(node):
+            self._emit(ClusterEvent("node-lost", node=name, detail=f"node {name} is NotReady"))
+        elif (node.get("spec") or {}).get("unschedulable") and was_schedulable:
+            self._emit(ClusterEvent("node-unschedulable", node=name, detail=f"node {name} was cordoned"))
+        else:
+            self._emit(ClusterEvent("node-changed", node=name))
+
+    def _on_pod(self, kind: str, pod: dict[str, Any], old: dict[str, Any] | None) -> None:
+        labels = _labels(pod)
+        name = pod["metadata"]["name"]
+        node = (pod.get("spec") or {}).get("nodeName")
+        if labels.get(crd.LABEL_ROLE) == crd.ROLE_STORE:
+            self._emit(ClusterEvent("store-changed", node=node, detail=f"store pod {name}: {kind} {_phase(pod)}"))
+            return
+        job = labels.get(crd.LABEL_JOB)
+        if kind == "DELETED":
+            self._emit(ClusterEvent("worker-deleted", job=job, node=node, detail=f"worker pod {name} was deleted"))
+        elif _phase(pod) in ("Failed", "Succeeded") and (old is None or _phase(old) != _phase(pod)):
+            code = pod_exit_code(pod, WORKER_CONTAINER)
+            self._emit(ClusterEvent("worker-exited", job=job, node=node,
+                                    detail=f"worker pod {name} {_phase(pod)} (exit code {code})"))
+
+    # -- hosts --------------------------------------------------------------------------------
+
+    def _pods(self) -> list[dict[str, Any]]:
+        return [p for inf in self.pods for p in inf.items()]
+
+    def _store_pods(self) -> dict[str, dict[str, Any]]:
+        """Node -> its best store pod (a Running one that is not being deleted, else any)."""
+        best: dict[str, dict[str, Any]] = {}
+        for pod in self._pods():
+            if _labels(pod).get(crd.LABEL_ROLE) != crd.ROLE_STORE:
+                continue
+            node = (pod.get("spec") or {}).get("nodeName")
+            if not node:
+                continue
+            if node not in best or (_store_usable(pod) and not _store_usable(best[node])):
+                best[node] = pod
+        return best
+
+    def _store_port(self, pod: Mapping[str, Any]) -> int:
+        for c in (pod.get("spec") or {}).get("containers") or []:
+            for p in c.get("ports") or []:
+                if p.get("name") == STORE_PORT_NAME:
+                    return int(p.get("hostPort") or p.get("containerPort") or self.settings.store_port)
+        return self.settings.store_port
+
+    def hosts(self) -> list[HostInfo]:
+        stores = self._store_pods()
+        out: list[HostInfo] = []
+        present: set[str] = set()
+        for node in sorted(self.nodes.items(), key=lambda n: n["metadata"]["name"]):
+            name = node["metadata"]["name"]
+            gpus = node_gpus(node, self._gpu)
+            if gpus <= 0:
+                continue
+            present.add(name)
+            address = node_address(node) or name
+            store = stores.get(name)
+            store_ip = ((store or {}).get("status") or {}).get("hostIP") or address
+            port = self._store_port(store) if store is not None else self.settings.store_port
+            info = HostInfo(
+                name=name, gpus=gpus, store_url=f"http://{store_ip}:{port}", address=address,
+                ready=node_ready(node) and store is not None and _store_usable(store),
+                schedulable=not (node.get("spec") or {}).get("unschedulable"),
+            )
+            out.append(info)
+        with self._lock:
+            for info in out:
+                self._known_nodes[info.name] = info
+                self._lost_nodes.pop(info.name, None)
+            for name, info in self._known_nodes.items():
+                if name not in present:
+                    self._lost_nodes[name] = replace(info, ready=False, schedulable=False)
+            lost = [self._lost_nodes[n] for n in sorted(self._lost_nodes)]
+        return out + lost
+
+    # -- workers ------------------------------------------------------------------------------
+
+    def _worker_pod(self, job: str, worker_id: str) -> dict[str, Any] | None:
+        for inf in self.pods:
+            for pod in inf.items():
+                if pod["metadata"]["name"] == worker_id and _labels(pod).get(crd.LABEL_JOB) == job \
+                        and _labels(pod).get(crd.LABEL_ROLE) == crd.ROLE_WORKER:
+                    return pod
+        return None
+
+    def _informer_for(self, namespace: str) -> Informer:
+        if len(self.pods) == 1 and not self.settings.watch_namespaces:
+            return self.pods[0]
+        for inf in self.pods:
+            if inf.name == f"pods-{namespace}":
+                return inf
+        raise InvalidConfig(f"namespace {namespace!r} is not watched by this scheduler "
+                            f"(watch namespaces: {', '.join(self.settings.watch_namespaces)})")
+
+    def worker_pod_manifest(self, job_obj: Mapping[str, Any], command: Sequence[str], w: WorkerLaunch) -> dict[str, Any]:
+        """The pod of one worker (public so that tests and ``kubectl``-minded readers can see exactly what runs)."""
+        spec = crd.ElasticJobSpec.from_object(job_obj)
+        meta = job_obj["metadata"]
+        job = meta["name"]
+        own_env = {e["name"] for e in spec.env}
+        env: list[dict[str, Any]] = []
+        for key, value in w.env.items():
+            if key in LOOPBACK_ONLY_ENV and key not in own_env:
+                continue
+            if key == ENV_TOKEN and self.settings.auth_secret:
+                env.append({"name": key, "valueFrom": {"secretKeyRef": {
+                    "name": self.settings.auth_secret, "key": self.settings.auth_secret_key}}})
+                continue
+            if key == ENV_LOCAL_RANK:
+                value = "0"  # one GPU per pod: the process's device is cuda:0 whatever its local rank on the node
+            elif key == "LOCAL_WORLD_SIZE":
+                value = "1"
+            env.append({"name": key, "value": str(value)})
+        env += [dict(e) for e in spec.env if "valueFrom" in e]
+        env += [
+            {"name": crd.ENV_NODE_IP, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "status.hostIP"}}},
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.name"}}},
+            {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.namespace"}}},
+        ]
+        resources: dict[str, dict[str, Any]] = {
+            "requests": {**dict(spec.resources.get("requests") or {}), self._gpu: "1"},
+            "limits": {**dict(spec.resources.get("limits") or {}), self._gpu: "1"},
+        }
+        container: dict[str, Any] = {"name": WORKER_CONTAINER, "image": spec.image or self.settings.worker_image,
+                                     "command": list(command), "env": env, "resources": resources}
+        if spec.image_pull_policy:
+            container["imagePullPolicy"] = spec.image_pull_policy
+        generation = str(w.env.get(ENV_GENERATION, "0"))
+        annotations = {}
+        if w.rank == 0 and "MASTER_PORT" in w.env:
+            annotations[ANNOTATION_MASTER_PORT] = str(w.env["MASTER_PORT"])
+        pod_spec: dict[str, Any] = {
+            "nodeName": w.host,
+            "restartPolicy": "Never",
+            "hostNetwork": True,
+            "dnsPolicy": "ClusterFirstWithHostNet",
+            "enableServiceLinks": False,
+            "terminationGracePeriodSeconds": 30,
+            "containers": [container],
+        }
+        if spec.tolerations:
+            pod_spec["tolerations"] = [dict(t) for t in spec.tolerations]
+        if self.settings.worker_service_account:
+            pod_spec["serviceAccountName"] = self.settings.worker_service_account
+        return {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": w.worker_id,
+                "namespace": meta.get("namespace") or "default",
+                "labels": {**crd.job_labels(job), LABEL_GENERATION: generation, LABEL_RANK: str(w.rank)},
+                "annotations": annotations,
+                "ownerReferences": [crd.owner_reference(job_obj)],
+            },
+            "spec": pod_spec,
+        }
+
+    def launch(self, job: str, command: Sequence[str], workers: Sequence[WorkerLaunch], log_dir: Path) -> dict[str, int | None]:
+        """Create one pod per worker; an existing pod of the same generation is taken as already launched."""
+        if not command:
+            raise InvalidConfig(f"job {job!r} has no worker command")
+        job_obj = self._elasticjob(job)
+        namespace = job_obj["metadata"].get("namespace") or "default"
+        informer = self._informer_for(namespace)
+        for w in workers:
+            manifest = self.worker_pod_manifest(job_obj, command, w)
+            try:
+                resp = self.core.create_namespaced_pod(namespace, manifest, _preload_content=False)
+                informer.upsert(json.loads(resp.data))
+            except client.ApiException as exc:
+                if exc.status != 409:
+                    raise InvalidConfig(f"job {job}: the API server refused worker pod {namespace}/{w.worker_id}: "
+                                        f"{exc.status} {_api_message(exc)}") from None
+                existing = self._worker_pod(job, w.worker_id)
+                want = manifest["metadata"]["labels"][LABEL_GENERATION]
+                if existing is None or _labels(existing).get(LABEL_GENERATION) != want:
+                    raise Conflict(f"job {job}: pod {namespace}/{w.worker_id} already exists and is not "
+                                   f"generation {want}'s worker") from None
+                log.info("job %s: pod %s already exists (launched before a scheduler restart)", job, w.worker_id)
+            log.info("job %s: created pod %s/%s (rank %d on node %s)", job, namespace, w.worker_id, w.rank, w.host)
+        return {w.worker_id: None for w in workers}
+
+    def stop(self, job: str, worker_ids: Sequence[str], *, grace: float = 10.0) -> None:
+        """Delete the pods (the kubelet sends SIGTERM, then SIGKILL after ``grace``) and wait until they are gone."""
+        pods = [p for wid in worker_ids if (p := self._worker_pod(job, wid)) is not None]
+        seconds = max(0, math.ceil(grace))
+        for pod in pods:
+            meta = pod["metadata"]
+            try:
+                self.core.delete_namespaced_pod(meta["name"], meta["namespace"], grace_period_seconds=seconds,
+                                                propagation_policy="Background")
+            except client.ApiException as exc:
+                if exc.status != 404:
+                    log.warning("job %s: deleting pod %s failed: %s %s", job, meta["name"], exc.status, _api_message(exc))
+        deadline = time.monotonic() + seconds + 15.0
+        while time.monotonic() < deadline:
+            left = [p["metadata"]["name"] for p in pods if self._worker_pod(job, p["metadata"]["name"]) is not None]
+            if not left:
+                return
+            time.sleep(0.05)
+        log.warning("job %s: pods %s still terminating %.0fs after deletion", job, left, seconds + 15.0)
+
+    def exited(self, job: str, worker_ids: Sequence[str]) -> dict[str, int | None]:
+        """Succeeded -> 0, Failed -> the worker container's exit code (None when it has none), gone -> None."""
+        out: dict[str, int | None] = {}
+        for wid in worker_ids:
+            pod = self._worker_pod(job, wid)
+            if pod is None:
+                out[wid] = None
+                continue
+            phase = _phase(pod)
+            if phase == "Succeeded":
+                out[wid] = 0
+            elif phase == "Failed":
+                out[wid] = pod_exit_code(pod, WORKER_CONTAINER)
+        return out
+
+    def master_port(self, host: HostInfo) -> int:
+        """A rendezvous port on ``host`` not used by another live rank-0 pod there (see the module docstring)."""
+        lo, hi = self._ports
+        used: set[int] = set()
+        for pod in self._pods():
+            ann = (pod.get("metadata") or {}).get("annotations") or {}
+            if (pod.get("spec") or {}).get("nodeName") == host.name and ANNOTATION_MASTER_PORT in ann \
+                    and _phase(pod) not in ("Succeeded", "Failed"):
+                try:
+                    used.add(int(ann[ANNOTATION_MASTER_PORT]))
+                except ValueError:
+                    continue
+        now = time.monotonic()
+        with self._lock:
+            self._reserved = {k: t for k, t in self._reserved.items() if now - t < PORT_RESERVATION_SECONDS}
+            used |= {port for (node, port) in self._reserved if node == host.name}
+            for port in range(lo, hi + 1):
+                if port not in used:
+                    self._reserved[(host.name, port)] = now
+                    return port
+        raise InvalidConfig(f"no free rendezvous port on node {host.name}: all of {lo}-{hi} are taken by live jobs")
+
+    def job_pods(self, job: str) -> list[dict[str, Any]]:
+        """The job's worker pods as cached (for the operator's status and for tests)."""
+        return [p for p in self._pods() if _labels(p).get(crd.LABEL_JOB) == job
+                and _labels(p).get(crd.LABEL_ROLE) == crd.ROLE_WORKER]
+
+    def host(self, name: str) -> HostInfo:
+        for h in self.hosts():
+            if h.name == name:
+                return h
+        raise NotFound(f"node {name!r} has no allocatable {self._gpu} or is not known to the Kubernetes backend")
+
+
+def _store_usable(pod: Mapping[str, Any]) -> bool:
+    return _phase(pod) == "Running" and not (pod.get("metadata") or {}).get("deletionTimestamp")
+
+
+def _api_message(exc: client.ApiException) -> str:
+    try:
+        return str(json.loads(exc.body).get("message", exc.reason))
+    except (TypeError, ValueError):
+        return str(exc.reason)

@@ -1,0 +1,355 @@
+"""Job state on Kubernetes: the ElasticJob's status, plus ConfigMaps the job owns.
+
+:class:`KubeJobStore` has the interface of :class:`tenplex.scheduler.state.StateDir`
+(``save``, ``save_ptc``, ``load_ptc``, ``load_all``, ``delete``, ``root``), so the
+job controllers run unchanged on Kubernetes and a restarted (or newly elected)
+scheduler resumes every job from the API server alone:
+
+* ``status`` of the ElasticJob (the status subresource) is what people and
+  tools read: phase, GPUs, parallel configuration, step, version, the worker
+  selector (for the scale subresource), conditions, the last reconfiguration
+  and ``observedGeneration`` (the spec generation the scheduler has acted on).
+  The CRD's status schema is strict and small on purpose, so it is a view.
+* The full internal :class:`~tenplex.scheduler.state.JobStatus` and the
+  :class:`~tenplex.scheduler.state.JobSpec` the job was created with live,
+  gzip-compressed, in the ConfigMap ``<job>-tenplex-state`` (``binaryData``
+  ``status.json.gz`` and ``spec.json.gz``).
+* The PTC of each generation still needed lives in its own ConfigMap
+  ``<job>-tenplex-ptc-g<N>`` (``binaryData`` ``ptc.json.gz``): a PTC is written
+  once and read back only after a restart, and one object per generation keeps
+  each far below the 1 MiB object limit (a 1.3B-parameter GPT's PTC compresses
+  to tens of KiB). Generations no longer referenced by the status are deleted.
+
+Every ConfigMap carries an ownerReference to the ElasticJob, so deleting the
+job removes them with its pods. The internal status is written before the
+ElasticJob's status, so the view never runs ahead of the truth.
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import json
+import logging
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client
+
+from tenplex.errors import InvalidConfig, NotFound
+from tenplex.k8s import crd
+from tenplex.k8s.informer import Informer
+from tenplex.k8s.settings import KubernetesSettings
+from tenplex.ptc import PTC
+from tenplex.scheduler.state import JobSpec, JobStatus, check_job_name
+from tenplex.store.version import Version
+
+log = logging.getLogger(__name__)
+
+STATE_SUFFIX = "-tenplex-state"
+PTC_SUFFIX = "-tenplex-ptc-g"
+LABEL_STATE = "tenplex.io/state"
+CONFIGMAP_LIMIT = 1 << 20
+"""The API server's limit on one object (etcd request size): keep every ConfigMap below it."""
+
+Condition = crd.Condition
+
+
+def state_configmap(job: str) -> str:
+    return f"{job}{STATE_SUFFIX}"
+
+
+def ptc_configmap(job: str, generation: int) -> str:
+    return f"{job}{PTC_SUFFIX}{generation}"
+
+
+def _pack(obj: Any) -> str:
+    return base64.b64encode(gzip.compress(json.dumps(obj, separators=(",", ":")).encode(), 6)).decode()
+
+
+def _unpack(text: str) -> Any:
+    return json.loads(gzip.decompress(base64.b64decode(text)))
+
+
+class ElasticJobIndex:
+    """The ElasticJobs this scheduler manages, watched; jobs are looked up by name.
+
+    Job names are cluster-unique for the scheduler (its REST API, worker ids and
+    store keys use the bare name); an ElasticJob whose name is already taken in
+    another namespace is refused by the operator.
+    """
+
+    def __init__(self, api_client: client.ApiClient, settings: KubernetesSettings, *, watch_timeout: int = 60) -> None:
+        self.custom = client.CustomObjectsApi(api_client)
+        self.settings = settings
+        if settings.watch_namespaces and len(settings.watch_namespaces) == 1:
+            ns = settings.watch_namespaces[0]
+            list_fn: Any = lambda **kw: self.custom.list_namespaced_custom_object(  # noqa: E731
+                crd.GROUP, crd.VERSION, ns, crd.PLURAL, **kw)
+        else:
+            # Several namespaces: watch all and filter (a Role per namespace is still needed for writes).
+            list_fn = lambda **kw: self.custom.list_cluster_custom_object(  # noqa: E731
+                crd.GROUP, crd.VERSION, crd.PLURAL, **kw)
+        self.informer = Informer("elasticjobs", list_fn, watch_timeout=watch_timeout)
+
+    def all(self) -> list[dict[str, Any]]:
+        """Managed ElasticJobs, oldest first (the first of two with one name keeps it)."""
+        items = [o for o in self.informer.items() if self.settings.manages(o["metadata"].get("namespace", ""))]
+        return sorted(items, key=lambda o: (o["metadata"].get("creationTimestamp") or "", o["metadata"]["namespace"]))
+
+    def find(self, name: str) -> dict[str, Any] | None:
+        for obj in self.all():
+            if obj["metadata"]["name"] == name:
+                return obj
+        return None
+
+    def get(self, name: str) -> dict[str, Any]:
+        obj = self.find(name)
+        if obj is None:
+            raise NotFound(f"no ElasticJob named {name!r} in the namespaces this scheduler manages")
+        return obj
+
+
+class KubeJobStore:
+    """StateDir's interface over the API server (see the module docstring)."""
+
+    def __init__(self, api_client: client.ApiClient, jobs: ElasticJobIndex, root: str | Path) -> None:
+        self.core = client.CoreV1Api(api_client)
+        self.custom = client.CustomObjectsApi(api_client)
+        self.jobs = jobs
+        self.root = Path(root)
+        """A local directory: worker logs are not kept here on Kubernetes (``kubectl logs``), but the
+        controllers expect one."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._observed: dict[str, int] = {}
+        self._extra_conditions: dict[str, dict[str, Condition]] = {}
+        self._ptc_generations: dict[str, set[int]] = {}
+
+    # -- what the operator adds to the status -------------------------------------------
+
+    def set_observed_generation(self, name: str, generation: int) -> None:
+        with self._lock:
+            self._observed[name] = generation
+
+    def observed_generation(self, name: str) -> int | None:
+        with self._lock:
+            return self._observed.get(name)
+
+    def set_condition(self, name: str, condition: Condition) -> None:
+        """A condition besides those that follow from the phase (e.g. a refused scale request)."""
+        with self._lock:
+            self._extra_conditions.setdefault(name, {})[condition.type] = condition
+
+    def has_job(self, name: str) -> bool:
+        return self.jobs.find(name) is not None
+
+    # -- StateDir's interface ----------------------------------------------------------------
+
+    def _job(self, name: str) -> dict[str, Any]:
+        check_job_name(name)
+        return self.jobs.get(name)
+
+    def _owned_configmap(self, job_obj: Mapping[str, Any], name: str, data: Mapping[str, str]) -> dict[str, Any]:
+        size = sum(len(v) for v in data.values())
+        if size >= CONFIGMAP_LIMIT - 4096:
+            raise InvalidConfig(f"ConfigMap {name} would hold {size} bytes, over the API server's 1 MiB object limit")
+        meta = job_obj["metadata"]
+        return {
+            "apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": name, "namespace": meta["namespace"],
+                         "labels": {crd.LABEL_JOB: meta["name"], LABEL_STATE: "true"},
+                         "ownerReferences": [crd.owner_reference(job_obj)]},
+            "binaryData": dict(data),
+        }
+
+    def _put(self, job_obj: Mapping[str, Any], name: str, data: Mapping[str, str]) -> None:
+        """Create the ConfigMap or replace the given keys of the existing one."""
+        ns = job_obj["metadata"]["namespace"]
+        body = self._owned_configmap(job_obj, name, data)
+        try:
+            self.core.create_namespaced_config_map(ns, body)
+        except client.ApiException as exc:
+            if exc.status != 409:
+                raise
+            self.core.patch_namespaced_config_map(name, ns, {"binaryData": dict(data)},
+                                                  _content_type="application/merge-patch+json")
+
+    def save(self, spec: JobSpec, status: JobStatus) -> None:
+        import time
+
+        status.updated_at = time.time()
+        job_obj = self._job(spec.name)
+        self._put(job_obj, state_configmap(spec.name),
+                  {"status.json.gz": _pack(status.to_json()), "spec.json.gz": _pack(spec.to_json())})
+        self._write_status(job_obj, spec, status)
+        self._prune_ptcs(job_obj, status)
+
+    def _write_status(self, job_obj: Mapping[str, Any], spec: JobSpec, status: JobStatus) -> None:
+        meta = job_obj["metadata"]
+        view = self.status_view(spec.name, status, previous=job_obj.get("status") or {})
+        body = {"status": {**{k: None for k in _STATUS_KEYS}, **view.to_dict()}}
+        try:
+            updated = self.custom.patch_namespaced_custom_object_status(
+                crd.GROUP, crd.VERSION, meta["namespace"], crd.PLURAL, meta["name"], body)
+            self.jobs.informer.upsert(updated)
+        except client.ApiException as exc:
+            if exc.status == 404:
+                log.info("job %s: the ElasticJob is gone; status not written", spec.name)
+                return
+            raise
+
+    def status_view(self, name: str, status: JobStatus, previous: Mapping[str, Any]) -> crd.ElasticJobStatus:
+        """The ElasticJob status that shows ``status`` (conditions keep their transition times)."""
+        phase = crd.Phase(status.phase.value)
+        par = status.parallel or None
+        conditions: list[dict[str, Any]] = list(previous.get("conditions") or [])
+        ready = phase == crd.Phase.RUNNING
+        conditions = crd.set_condition(conditions, Condition(
+            "Ready", "True" if ready else "False", reason=phase.value, message=status.message[:1000]))
+        reconfiguring = phase == crd.Phase.RECONFIGURING
+        conditions = crd.set_condition(conditions, Condition(
+            "Reconfiguring", "True" if reconfiguring else "False",
+            reason=(status.stage.value.capitalize() if reconfiguring and status.stage else "Idle"),
+            message=status.message[:1000] if reconfiguring else ""))
+        failed = phase == crd.Phase.FAILED
+        conditions = crd.set_condition(conditions, Condition(
+            "Failed", "True" if failed else "False", reason="StateLost" if failed else "Healthy",
+            message=status.message[:1000] if failed else ""))
+        with self._lock:
+            extra = list(self._extra_conditions.get(name, {}).values())
+            observed = self._observed.get(name)
+        for cond in extra:
+            conditions = crd.set_condition(conditions, cond)
+        last = next((h for h in reversed(status.history) if h.finished_at is not None), None)
+        reconf = None
+        if last is not None:
+            from datetime import UTC, datetime
+
+            reconf = crd.Reconfiguration(
+                reason=last.reason, from_gpus=last.from_gpus, to_gpus=last.to_gpus,
+                from_parallel=_parse_config(last.from_config), to_parallel=_parse_config(last.to_config),
+                downtime_seconds=max(0.0, float(last.downtime_seconds or 0.0)),
+                bytes_local=last.bytes_local, bytes_remote=last.bytes_remote, steps_lost=last.steps_lost,
+                finished_at=datetime.fromtimestamp(last.finished_at, UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            )
+        return crd.ElasticJobStatus(
+            phase=phase,
+            gpus=status.gpus if phase in (crd.Phase.RUNNING, crd.Phase.RECONFIGURING) else 0,
+            parallel=crd.Parallel(par["dp"], par["tp"], par["pp"]) if par else None,
+            step=status.step,
+            version=status.version,
+            selector=crd.worker_selector(name),
+            conditions=tuple(conditions),
+            last_reconfiguration=reconf,
+            observed_generation=observed,
+        )
+
+    def save_ptc(self, name: str, generation: int, ptc: PTC) -> None:
+        job_obj = self._job(name)
+        self._put(job_obj, ptc_configmap(name, generation), {"ptc.json.gz": _pack(ptc.to_json())})
+        with self._lock:
+            self._ptc_generations.setdefault(name, set()).add(generation)
+
+    def load_ptc(self, name: str, generation: int) -> PTC:
+        job_obj = self._job(name)
+        try:
+            cm = self.core.read_namespaced_config_map(ptc_configmap(name, generation), job_obj["metadata"]["namespace"])
+        except client.ApiException as exc:
+            if exc.status == 404:
+                raise NotFound(f"job {name!r} has no PTC for generation {generation}") from None
+            raise
+        return PTC.from_json(_unpack((cm.binary_data or {})["ptc.json.gz"]))
+
+    def _prune_ptcs(self, job_obj: Mapping[str, Any], status: JobStatus) -> None:
+        """Delete PTCs of generations nothing refers to any more: not the current or next generation, nor
+        the generation of the newest committed version or of the version being restored."""
+        name = job_obj["metadata"]["name"]
+        keep = {status.generation, status.generation + 1}
+        for v in (status.version, status.restore_version):
+            if v:
+                keep.add(status.version_generation.get(v, Version.parse(v).generation))
+        with self._lock:
+            known = self._ptc_generations.get(name)
+        if known is None:  # after a restart: learn which exist
+            cms = self.core.list_namespaced_config_map(job_obj["metadata"]["namespace"],
+                                                       label_selector=f"{crd.LABEL_JOB}={name},{LABEL_STATE}=true")
+            known = {int(cm.metadata.name.rsplit("-g", 1)[1]) for cm in cms.items
+                     if cm.metadata.name.startswith(f"{name}{PTC_SUFFIX}")}
+        drop = {g for g in known if g not in keep and g < status.generation}
+        for g in sorted(drop):
+            try:
+                self.core.delete_namespaced_config_map(ptc_configmap(name, g), job_obj["metadata"]["namespace"])
+            except client.ApiException as exc:
+                if exc.status != 404:
+                    log.warning("job %s: could not delete the PTC of generation %d: %s", name, g, exc.reason)
+                    continue
+            log.info("job %s: deleted the PTC of generation %d (no longer referenced)", name, g)
+        with self._lock:
+            self._ptc_generations[name] = known - drop
+
+    def load(self, name: str) -> tuple[JobSpec, JobStatus] | None:
+        """The saved spec and status of one job, or None when it was never saved."""
+        job_obj = self._job(name)
+        try:
+            cm = self.core.read_namespaced_config_map(state_configmap(name), job_obj["metadata"]["namespace"])
+        except client.ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        data = cm.binary_data or {}
+        if "status.json.gz" not in data or "spec.json.gz" not in data:
+            return None
+        spec = JobSpec.from_json(_unpack(data["spec.json.gz"]))
+        status = JobStatus.from_json(_unpack(data["status.json.gz"]))
+        observed = (job_obj.get("status") or {}).get("observedGeneration")
+        if observed is not None:
+            self.set_observed_generation(name, int(observed))
+        return spec, status
+
+    def load_all(self) -> list[tuple[JobSpec, JobStatus]]:
+        out = []
+        seen: set[str] = set()
+        for obj in self.jobs.all():
+            name = obj["metadata"]["name"]
+            if name in seen:
+                continue
+            seen.add(name)
+            loaded = self.load(name)
+            if loaded is not None:
+                out.append(loaded)
+        return out
+
+    def delete(self, name: str) -> None:
+        """Forget the job's state (its ConfigMaps); the ElasticJob itself belongs to the user."""
+        obj = self.jobs.find(name)
+        if obj is None:
+            return  # deleted with its ElasticJob: the garbage collector removes the owned ConfigMaps
+        ns = obj["metadata"]["namespace"]
+        cms = self.core.list_namespaced_config_map(ns, label_selector=f"{crd.LABEL_JOB}={name},{LABEL_STATE}=true")
+        for cm in cms.items:
+            try:
+                self.core.delete_namespaced_config_map(cm.metadata.name, ns)
+            except client.ApiException as exc:
+                if exc.status != 404:
+                    raise
+        with self._lock:
+            self._ptc_generations.pop(name, None)
+            self._observed.pop(name, None)
+            self._extra_conditions.pop(name, None)
+
+
+_STATUS_KEYS = ("phase", "gpus", "parallel", "step", "version", "selector", "conditions", "lastReconfiguration",
+                "observedGeneration")
+
+
+def _parse_config(text: str | None) -> crd.Parallel | None:
+    """``dp2 x tp1 x pp2[, ...]`` (ParallelConfig.describe) -> Parallel."""
+    if not text:
+        return None
+    import re
+
+    m = re.match(r"dp(\d+) x tp(\d+) x pp(\d+)", text)
+    return crd.Parallel(int(m.group(1)), int(m.group(2)), int(m.group(3))) if m else None

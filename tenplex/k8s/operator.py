@@ -1,0 +1,478 @@
+"""The ElasticJob operator: the scheduler driven by the Kubernetes API.
+
+:class:`KubernetesScheduler` is the scheduler service of
+:mod:`tenplex.scheduler.service` on the Kubernetes backend with its state in
+the API server (:mod:`tenplex.k8s.jobstore`). Its :class:`ElasticJobOperator`
+
+* holds the Lease ``tenplex-scheduler`` (coordination.k8s.io/v1) through the
+  official client's leader election: a replica that does not hold it does
+  nothing but wait for it, so two replicas never act on one job; a leader
+  that fails to renew stops acting at once (and ``serve`` exits, so that
+  Kubernetes restarts it as a follower);
+* once leading, resumes every job from the API server (status ConfigMaps),
+  then watches ElasticJobs: a new one is created as a job, a change of
+  ``spec.gpus`` (``kubectl scale elasticjob/NAME --replicas=N`` goes through the
+  scale subresource) becomes a scale request, a deleted one is deleted.
+  ``metadata.generation`` against the ``status.observedGeneration`` it
+  recorded makes the handling idempotent: replays, relists after 410 Gone and
+  restarts do not repeat a scale request;
+* turns what the pod and node watches see into prompt action: a failed or
+  deleted worker pod or a NotReady node wakes the job's controller (which
+  fails over from the survivors' newest version); a cordoned node asks the
+  jobs on it for a planned redeployment off it (stop at a step boundary,
+  snapshot, then move), so its state is pulled before its pods go.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import re
+import signal
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client
+from kubernetes.leaderelection import electionconfig, leaderelection
+from kubernetes.leaderelection.resourcelock.leaselock import LeaseLock
+
+from tenplex.errors import InvalidConfig, NotFound, StoreUnavailable, TenplexError
+from tenplex.k8s import crd
+from tenplex.k8s.backend import ClusterEvent, KubernetesBackend
+from tenplex.k8s.jobstore import ElasticJobIndex, KubeJobStore
+from tenplex.k8s.settings import KubernetesSettings
+from tenplex.ptc import DatasetState, ParallelConfig
+from tenplex.scheduler.controller import JobController, SchedulerSettings
+from tenplex.scheduler.layouts import LayoutSpec
+from tenplex.scheduler.policy import Policy
+from tenplex.scheduler.service import Scheduler
+from tenplex.scheduler.state import JobSpec, Phase
+
+log = logging.getLogger(__name__)
+
+ENV_ADVERTISE_URL = "TENPLEX_ADVERTISE_URL"
+STATUS_SYNC_SECONDS = 2.0
+"""How often a running job's step is published to its ElasticJob status between state changes."""
+RESYNC_SECONDS = 30.0
+"""Every ElasticJob is reconciled this often besides its watch events (a safety net, as in client-go)."""
+
+
+def job_spec_from_elasticjob(obj: Mapping[str, Any]) -> JobSpec:
+    """The scheduler's JobSpec for an ElasticJob (validated against the CRD schema first)."""
+    spec = crd.ElasticJobSpec.from_object(obj)
+    name = obj["metadata"]["name"]
+    if spec.training is None:
+        raise InvalidConfig(f"ElasticJob {name} has no spec.training: the scheduler needs the run length and the "
+                            "dataset order (spec.training.dataset.numSamples and globalBatchSize)")
+    if spec.gpus == 0:
+        raise InvalidConfig(f"ElasticJob {name} asks for 0 GPUs: creating a suspended job is not supported")
+    t = spec.training
+    table = {e.gpus: ParallelConfig(e.dp, e.tp, e.pp, zero=e.zero) for e in spec.policy.table} \
+        if spec.policy.type == "table" else {}
+    policy = Policy(table=table, gpu_memory_bytes=spec.policy.gpu_memory_bytes,
+                    state_memory_fraction=spec.policy.state_memory_fraction, zero=spec.policy.zero)
+    env = {e["name"]: str(e.get("value", "")) for e in spec.env if "valueFrom" not in e}
+    return JobSpec(
+        name=name,
+        layout=LayoutSpec(spec.layout_provider, dict(spec.model), spec.precision),
+        dataset=DatasetState(t.num_samples, t.seed, t.global_batch_size, t.consumed_samples),
+        command=(*spec.command, *spec.args),
+        gpus=spec.gpus,
+        min_gpus=spec.min_gpus or 1,
+        max_gpus=spec.max_gpus or (1 << 20),
+        policy=policy,
+        steps=t.steps,
+        snapshot_every=t.snapshot_every,
+        heartbeat_timeout=float(t.heartbeat_timeout_seconds),
+        image=spec.image,
+        env=env,
+    )
+
+
+def advertise_url(settings: KubernetesSettings, port: int, fallback: str,
+                  environ: Mapping[str, str] | None = None) -> str:
+    """The scheduler URL that worker pods use; it must survive a scheduler restart (a Service, not a pod IP).
+
+    ``$TENPLEX_ADVERTISE_URL`` when set; else the chart's Service, which is named
+    like the scheduler's Deployment: ``http://<deployment>.<namespace>.svc:<port>``,
+    the Deployment being the pod name without its ReplicaSet hash and suffix.
+    """
+    env = os.environ if environ is None else environ
+    if env.get(ENV_ADVERTISE_URL):
+        return env[ENV_ADVERTISE_URL].rstrip("/")
+    m = re.fullmatch(r"(.+)-[a-z0-9]{5,10}-[a-z0-9]{5}", settings.identity)
+    if m:
+        return f"http://{m.group(1)}.{settings.namespace}.svc:{port}"
+    log.warning("cannot derive the scheduler Service from pod name %r; workers will use %s (set %s)",
+                settings.identity, fallback, ENV_ADVERTISE_URL)
+    return fallback
+
+
+class KubernetesScheduler(Scheduler):
+    """The scheduler service on Kubernetes: jobs come from ElasticJobs, state lives in the API server."""
+
+    def __init__(self, api_client: client.ApiClient, settings: KubernetesSettings,
+                 scheduler_settings: SchedulerSettings, state_root: Path, *,
+                 master_ports: tuple[int, int] = (29500, 29999), watch_timeout: int = 60,
+                 exit_on_lost_leadership: bool = False, store_client: Callable[[str], Any] | None = None) -> None:
+        self.k8s_settings = settings
+        self.index = ElasticJobIndex(api_client, settings, watch_timeout=watch_timeout)
+        backend = KubernetesBackend(api_client, settings, self.index.get, master_ports=master_ports,
+                                    watch_timeout=watch_timeout)
+        self.jobstore = KubeJobStore(api_client, self.index, state_root)
+        super().__init__(backend, self.jobstore, scheduler_settings, store_client=store_client)  # type: ignore[arg-type]
+        self.kube_backend = backend
+        self.operator = ElasticJobOperator(self, api_client, settings, exit_on_lost_leadership=exit_on_lost_leadership)
+
+    def recover(self) -> list[str]:
+        """Start the operator: it recovers the jobs once it holds the Lease (the names are logged then)."""
+        self.operator.start()
+        return []
+
+    def resume_jobs(self) -> list[str]:
+        return super().recover()
+
+    def create(self, spec: JobSpec) -> JobController:
+        if not self.jobstore.has_job(spec.name):
+            raise InvalidConfig(f"job {spec.name!r}: on Kubernetes a job is an ElasticJob; submit one with kubectl "
+                                "apply (the scheduler's REST API cannot create it)")
+        return super().create(spec)
+
+    def close(self) -> None:
+        self.operator.stop()
+        super().close()
+
+
+class _StoppableElection(leaderelection.LeaderElection):
+    """The official leader election, with a stop flag checked while following and while renewing."""
+
+    def __init__(self, config: electionconfig.Config, stop: threading.Event) -> None:
+        super().__init__(config)
+        self._halt = stop
+
+    def acquire(self) -> bool:
+        while not self._halt.is_set():
+            try:
+                if self.try_acquire_or_renew():
+                    return True
+            except Exception as exc:  # the API server is briefly unreachable: keep following
+                log.warning("leader election: %s", exc)
+            self._halt.wait(self.election_config.retry_period)
+        return False
+
+    def renew_loop(self, leading_failed: threading.Event | None = None) -> None:
+        retry = self.election_config.retry_period
+        deadline_s = self.election_config.renew_deadline
+        while not self._halt.is_set():
+            if leading_failed is not None and leading_failed.is_set():
+                return
+            deadline = time.monotonic() + deadline_s
+            renewed = False
+            while time.monotonic() < deadline and not self._halt.is_set():
+                try:
+                    renewed = self.try_acquire_or_renew()
+                except Exception as exc:
+                    log.warning("leader election: renewing failed: %s", exc)
+                    renewed = False
+                if renewed:
+                    break
+                self._halt.wait(retry)
+            if not renewed:
+                return
+            self._halt.wait(retry)
+
+
+class ElasticJobOperator:
+    """Leader election, ElasticJob reconciliation and the watch-driven wake-ups (see the module docstring)."""
+
+    def __init__(self, scheduler: KubernetesScheduler, api_client: client.ApiClient, settings: KubernetesSettings, *,
+                 exit_on_lost_leadership: bool = False) -> None:
+        self.scheduler = scheduler
+        self.settings = settings
+        self.custom = client.CustomObjectsApi(api_client)
+        self.coordination = client.CoordinationV1Api(api_client)
+        self._exit_on_lost = exit_on_lost_leadership
+        self.leading = threading.Event()
+        self.lost = threading.Event()
+        self._stop = threading.Event()
+        self._acting = threading.Event()
+        self._lock = threading.RLock()
+        self._threads: list[threading.Thread] = []
+        self._published_step: dict[str, int] = {}
+        self._events: queue.Queue[tuple[str, Any, Any] | None] = queue.Queue()
+        """Watch events, handled on the operator's own thread: an informer must never wait for a
+        job controller's lock (a controller that deletes pods waits for the informer to see them go)."""
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if not self.settings.leader_election:
+            self._lead()
+            return
+        lock = LeaseLock(self.settings.lease_name, self.settings.namespace, self.settings.identity)
+        lock.api_instance = self.coordination  # this client, not the process-wide default configuration
+        config = electionconfig.Config(lock, lease_duration=self.settings.lease_duration_seconds,
+                                       renew_deadline=self.settings.renew_deadline_seconds,
+                                       retry_period=self.settings.retry_period_seconds,
+                                       onstarted_leading=self._lead, onstopped_leading=self._stopped_leading)
+        election = _StoppableElection(config, self._stop)
+        log.info("%s: following; waiting for Lease %s/%s", self.settings.identity, self.settings.namespace,
+                 self.settings.lease_name)
+        self._spawn(election.run, "leader-election")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._stop_acting()
+        for t in self._threads:
+            t.join(timeout=5)
+
+    def _spawn(self, target: Callable[[], None], name: str) -> None:
+        t = threading.Thread(target=target, name=name, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def _lead(self) -> None:
+        """Became leader: watch, resume the jobs, reconcile the ElasticJobs, then follow the watches."""
+        if self._stop.is_set():
+            return
+        log.info("%s: leading", self.settings.identity)
+        sched = self.scheduler
+        sched.index.informer.start()
+        if not sched.index.informer.wait_synced(30):
+            raise StoreUnavailable("the Kubernetes API did not answer the first list of ElasticJobs within 30s")
+        sched.kube_backend.start()
+        self._acting.set()
+        names = sched.resume_jobs()
+        if names:
+            log.info("resumed jobs: %s", ", ".join(names))
+        sched.kube_backend.add_listener(lambda ev: self._events.put(("cluster", ev, None)))
+        sched.index.informer.add_handler(lambda kind, obj, old: self._events.put(("elasticjob", kind, obj)))
+        self.reconcile_all()
+        self._spawn(self._dispatch, "operator-events")
+        self._spawn(self._housekeeping, "operator-housekeeping")
+        self.leading.set()
+
+    def _stopped_leading(self) -> None:
+        if self._stop.is_set():
+            return
+        log.error("%s: lost the Lease %s; stopping all job controllers", self.settings.identity,
+                  self.settings.lease_name)
+        self._stop_acting()
+        self.lost.set()
+        if self._exit_on_lost:
+            os.kill(os.getpid(), signal.SIGTERM)  # the server shuts down; Kubernetes restarts us as a follower
+
+    def _stop_acting(self) -> None:
+        if not self._acting.is_set():
+            return
+        self._acting.clear()
+        self.leading.clear()
+        self._events.put(None)
+        for ctl in self.scheduler.list():
+            ctl.close()
+        self.scheduler.kube_backend.close()
+        self.scheduler.index.informer.stop()
+
+    # -- ElasticJobs ----------------------------------------------------------------------------
+
+    def _dispatch(self) -> None:
+        while True:
+            item = self._events.get()
+            if item is None or not self._acting.is_set():
+                return
+            what, a, b = item
+            try:
+                if what == "cluster":
+                    self._on_cluster_event(a)
+                else:
+                    self._on_elasticjob(a, b)
+            except Exception:  # keep handling events whatever one of them did
+                log.exception("operator: handling %s %s failed", what, a)
+
+    def _on_elasticjob(self, kind: str, obj: dict[str, Any]) -> None:
+        if kind == "DELETED":
+            self._deleted(obj)
+        else:
+            self.reconcile(obj)
+
+    def reconcile_all(self) -> None:
+        sched = self.scheduler
+        present = set()
+        for obj in sched.index.all():
+            present.add(obj["metadata"]["name"])
+            self.reconcile(obj)
+        for ctl in sched.list():
+            if ctl.spec.name not in present:
+                self._delete_job(ctl.spec.name, "its ElasticJob no longer exists")
+
+    def reconcile(self, obj: Mapping[str, Any]) -> None:
+        """Make the scheduler follow one ElasticJob (idempotent)."""
+        meta = obj["metadata"]
+        name, ns = meta["name"], meta.get("namespace", "")
+        if not self.settings.manages(ns):
+            return
+        sched = self.scheduler
+        generation = int(meta.get("generation") or 1)
+        status = obj.get("status") or {}
+        # Refused before (a bad spec, a taken name): only a spec change (a new generation) is looked at again.
+        refused = status.get("phase") == Phase.FAILED.value and status.get("observedGeneration") == generation
+        with self._lock:
+            owner = sched.index.find(name)
+            if owner is not None and owner["metadata"].get("uid") != meta.get("uid"):
+                if not refused:
+                    self._refuse(obj, f"the job name {name!r} is already used by the ElasticJob in namespace "
+                                      f"{owner['metadata']['namespace']}")
+                return
+            try:
+                ctl = sched.get(name)
+            except NotFound:
+                ctl = None
+            if ctl is None:
+                if refused:
+                    return
+                try:
+                    spec = job_spec_from_elasticjob(obj)
+                except TenplexError as exc:
+                    self._refuse(obj, exc.detail)
+                    return
+                sched.jobstore.set_observed_generation(name, generation)
+                sched.create(spec)
+                log.info("job %s: created from ElasticJob %s/%s (generation %d, %d GPUs)", name, ns, name, generation,
+                         spec.gpus)
+                return
+            observed = sched.jobstore.observed_generation(name)
+            if observed is not None and generation <= observed:
+                return
+            self._follow_spec(ctl, obj, generation)
+
+    def _follow_spec(self, ctl: JobController, obj: Mapping[str, Any], generation: int) -> None:
+        name = ctl.spec.name
+        desired = int(obj["spec"]["gpus"])
+        with ctl.lock:
+            st = ctl.status
+            current = st.requested_gpus or (st.target_gpus if st.phase == Phase.RECONFIGURING else None) or st.gpus
+        store = self.scheduler.jobstore
+        try:
+            if desired == 0:
+                raise InvalidConfig(f"spec.gpus 0 (suspend) is not supported; job {name} keeps {current} GPUs")
+            if desired != current:
+                ctl.request_scale(desired)
+                log.info("job %s: scale to %d GPUs requested through the ElasticJob (generation %d)", name, desired,
+                         generation)
+            store.set_condition(name, crd.Condition("ScaleRejected", "False", reason="Accepted",
+                                                    message=f"spec.gpus {desired}", observed_generation=generation))
+        except TenplexError as exc:
+            log.warning("job %s: scale to %d refused: %s", name, desired, exc.detail)
+            store.set_condition(name, crd.Condition("ScaleRejected", "True", reason="Refused", message=exc.detail[:1000],
+                                                    observed_generation=generation))
+        store.set_observed_generation(name, generation)
+        with ctl.lock:
+            store.save(ctl.spec, ctl.status)
+
+    def _refuse(self, obj: Mapping[str, Any], reason: str) -> None:
+        """An ElasticJob the scheduler cannot run: say why in its status (Failed, condition InvalidSpec)."""
+        meta = obj["metadata"]
+        log.warning("ElasticJob %s/%s refused: %s", meta.get("namespace"), meta["name"], reason)
+        previous = (obj.get("status") or {}).get("conditions") or []
+        cond = crd.Condition("Failed", "True", reason="InvalidSpec", message=reason[:1000],
+                             observed_generation=int(meta.get("generation") or 1))
+        status = crd.ElasticJobStatus(phase=crd.Phase.FAILED, selector=crd.worker_selector(meta["name"]),
+                                      conditions=tuple(crd.set_condition(previous, cond)),
+                                      observed_generation=int(meta.get("generation") or 1))
+        try:
+            self.custom.patch_namespaced_custom_object_status(crd.GROUP, crd.VERSION, meta["namespace"], crd.PLURAL,
+                                                              meta["name"], {"status": status.to_dict()})
+        except client.ApiException as exc:
+            log.warning("ElasticJob %s/%s: status not written: %s", meta["namespace"], meta["name"], exc.reason)
+
+    def _deleted(self, obj: Mapping[str, Any]) -> None:
+        name = obj["metadata"]["name"]
+        with self._lock:
+            still = self.scheduler.index.find(name)
+            if still is not None and still["metadata"].get("uid") != obj["metadata"].get("uid"):
+                return  # another namespace's job of that name, which was refused: not ours
+            self._delete_job(name, "its ElasticJob was deleted")
+
+    def _delete_job(self, name: str, why: str) -> None:
+        try:
+            self.scheduler.delete(name)
+        except NotFound:
+            return
+        self._published_step.pop(name, None)
+        log.info("job %s: deleted (%s)", name, why)
+
+    # -- cluster events -----------------------------------------------------------------------------
+
+    def _on_cluster_event(self, ev: ClusterEvent) -> None:
+        if not self._acting.is_set():
+            return
+        for ctl in self.scheduler.list():
+            with ctl.lock:
+                hosts = set(ctl.status.hosts)
+                active = ctl.status.phase in (Phase.RUNNING, Phase.RECONFIGURING, Phase.PENDING)
+            if not active:
+                continue
+            if ev.job is not None and ev.job != ctl.spec.name:
+                continue
+            if ev.kind == "node-unschedulable" and ev.node in hosts:
+                log.info("job %s: %s; redeploying off it", ctl.spec.name, ev.detail)
+                ctl.request_redeploy("node-drain")
+            elif ev.node is None or ev.node in hosts or ev.kind in ("store-changed", "node-changed"):
+                if ev.kind in ("node-lost", "worker-exited", "worker-deleted"):
+                    log.info("job %s: %s", ctl.spec.name, ev.detail)
+                _wake(ctl)
+
+    # -- housekeeping ----------------------------------------------------------------------------
+
+    def _housekeeping(self) -> None:
+        """Publish training progress to the ElasticJob status, and reconcile everything now and then."""
+        last_resync = time.monotonic()
+        while self._acting.is_set() and not self._stop.wait(STATUS_SYNC_SECONDS):
+            if not self._acting.is_set():
+                break
+            for ctl in self.scheduler.list():
+                with ctl.lock:
+                    step = ctl.status.step
+                    if self._published_step.get(ctl.spec.name) == step:
+                        continue
+                    try:
+                        self.scheduler.jobstore.save(ctl.spec, ctl.status)
+                        self._published_step[ctl.spec.name] = step
+                    except (TenplexError, client.ApiException) as exc:
+                        log.warning("job %s: publishing the status failed: %s", ctl.spec.name, exc)
+            if time.monotonic() - last_resync > RESYNC_SECONDS:
+                last_resync = time.monotonic()
+                try:
+                    self.reconcile_all()
+                except Exception:
+                    log.exception("periodic reconcile failed")
+
+
+def _wake(ctl: JobController) -> None:
+    """Make a controller look at the cluster now instead of at its next poll."""
+    ctl._wake.set()  # noqa: SLF001 - the controller's own wake-up event, as its request_* methods use it
+
+
+def build_kubernetes_scheduler(state_dir: Path, url: str, token: str | None, *, port: int,
+                               heartbeat_interval: float = 1.0, environ: Mapping[str, str] | None = None,
+                               api_client: client.ApiClient | None = None) -> KubernetesScheduler:
+    """The scheduler of ``tenplex scheduler serve --backend kubernetes`` (in-cluster, or ``$KUBECONFIG``)."""
+    settings = KubernetesSettings.from_env(environ)
+    if api_client is None:
+        from kubernetes import config as kube_config
+
+        try:
+            kube_config.load_incluster_config()
+        except kube_config.ConfigException:
+            try:
+                kube_config.load_kube_config()
+            except (kube_config.ConfigException, OSError) as exc:
+                raise InvalidConfig(f"no Kubernetes API access: not in a cluster and no usable kubeconfig ({exc})") from None
+        api_client = client.ApiClient()
+    sched_settings = SchedulerSettings(url=advertise_url(settings, port, url, environ), token=token,
+                                       heartbeat_interval=heartbeat_interval)
+    return KubernetesScheduler(api_client, settings, sched_settings, state_dir, exit_on_lost_leadership=True)
