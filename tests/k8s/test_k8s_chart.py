@@ -185,6 +185,7 @@ def test_rbac_is_least_privilege() -> None:
     expected |= {("tenplex.io", sub, v, ()) for sub in ("elasticjobs/status", "elasticjobs/scale") for v in ("get", "update", "patch")}
     expected |= {("", "pods", v, ()) for v in ("create", "get", "list", "watch", "delete", "patch")}
     expected |= {("", "events", "create", ())}
+    expected |= {("", "configmaps", v, ()) for v in ("create", "get", "list", "patch", "delete")}
     expected |= {("coordination.k8s.io", "leases", "create", ())}
     expected |= {("coordination.k8s.io", "leases", v, (crd.LEADER_LEASE,)) for v in ("get", "update", "patch")}
     assert granted == expected
@@ -194,6 +195,9 @@ def test_rbac_is_least_privilege() -> None:
     namespaced = render("--set", "scheduler.watchNamespaces={ml,research}")
     job_roles = [d for d in by_kind(namespaced, "Role") if d["metadata"]["name"] == "rel-tenplex-jobs"]
     assert sorted((d["kind"], d["metadata"]["namespace"]) for d in job_roles) == [("Role", "ml"), ("Role", "research")]
+    stores = [d for d in by_kind(namespaced, "Role") if d["metadata"]["name"] == "rel-tenplex-stores"]
+    assert [(d["metadata"]["namespace"], _rules(d)) for d in stores] == [
+        ("tenplex", {("", "pods", v, ()) for v in ("get", "list", "watch")})]
     sa = one(namespaced, "ServiceAccount")["metadata"]
     for binding in by_kind(namespaced, "RoleBinding") + by_kind(namespaced, "ClusterRoleBinding"):
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa["name"], "namespace": "tenplex"}]

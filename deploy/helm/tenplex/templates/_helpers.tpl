@@ -77,4 +77,8 @@ tenplex.io/role: {{ .role }}
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
+{{- /* Job state the ElasticJob status has no room for: the internal status and the PTC of each generation. */}}
+- apiGroups: [""]
+  resources: ["configmaps"]
+  verbs: ["create", "get", "list", "patch", "delete"]
 {{- end }}
