@@ -672,7 +672,26 @@ def _make_plan(
             ]
             several = len(zero_recs) + len(recs) > 1
             dest_bytes = _volume(bounds) * size
-            for host in _hosts_of(s.devices, new_host_of, new_cache):
+            hosts = _hosts_of(s.devices, new_host_of, new_cache)
+            if not several and recs and recs[0][2]:
+                # The common case (one piece, some holder): no zero-fill, merging or loss to handle.
+                pr, nbytes, cands = recs[0]
+                for host in hosts:
+                    dests = host_shards[host]
+                    k = len(dests)
+                    dests.append(dest)
+                    expected[host] += dest_bytes
+                    rows = raw[host]
+                    if host in cands:
+                        alts = alt_cache.get((cands, host))
+                        if alts is None:
+                            alts = others(cands, host)
+                        rows.append(new_transfer(Transfer, (host, name, pr, k, nbytes, alts)))
+                    else:
+                        pending.append((nbytes, rows, len(rows), name, pr, k, cands))
+                        rows.append(None)
+                continue
+            for host in hosts:
                 dests = host_shards[host]
                 k = len(dests)
                 dests.append(dest)
