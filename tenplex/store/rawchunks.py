@@ -6,12 +6,13 @@ about a third of ``numpy.copyto`` speed. For the arrays this store writes
 (zarr v3, regular chunk grid, the ``bytes`` codec only, little endian) the
 zarr v3 specification fixes the chunk file format: the chunk's elements in C
 order at the full chunk shape (edge chunks padded). So a region can be
-read with ``preadv`` from each chunk file straight into the rows of the
-caller's buffer: one copy from the page cache, no intermediate buffer, and
-only the bytes of the rows the region touches. Rows that are adjacent in a
-chunk file go in one ``preadv`` with one iovec per destination row. (Mapping
-the chunk files and copying with numpy was no faster alone and cost the
-multi-threaded daemon more CPU: every unmap is a TLB shootdown.) Arrays with any other codec
+copied from each chunk file directly into the caller's buffer: one copy from
+the page cache, no intermediate buffer, and only the chunks the region
+touches. A chunk the region mostly covers is mapped pre-faulted
+(``MAP_POPULATE``, one syscall instead of a fault per page) and copied with
+numpy (about 1.4x faster than ``preadv`` in one thread); for a small part of
+a chunk, or with ``map_chunks=False``, only its rows are read, with
+``preadv`` straight into the destination rows (one iovec per row). Arrays with any other codec
 or layout fall back to zarr's own reader.
 
 A missing or short chunk file is an error here (zarr would silently return
@@ -27,6 +28,7 @@ writes any piece that does not cover whole chunks.
 from __future__ import annotations
 
 import itertools
+import mmap
 import os
 import sys
 from collections.abc import Sequence
@@ -41,6 +43,8 @@ from tenplex.errors import NotFound, StateLost
 from tenplex.ptc.region import Region
 
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
 def raw_eligible(arr: zarr.Array) -> bool:
@@ -60,7 +64,7 @@ def raw_eligible(arr: zarr.Array) -> bool:
 class RawChunkReader:
     """Reads regions of one eligible array (see :func:`raw_eligible`) by ``preadv`` into the destination."""
 
-    def __init__(self, path: Path, arr: zarr.Array) -> None:
+    def __init__(self, path: Path, arr: zarr.Array, *, map_chunks: bool = True) -> None:
         self.path = path
         self.shape = tuple(arr.shape)
         self.chunks = tuple(arr.chunks)
@@ -72,6 +76,7 @@ class RawChunkReader:
         for d in range(len(self.chunks) - 2, -1, -1):
             strides[d] = strides[d + 1] * self.chunks[d + 1]
         self._strides = strides
+        self._use_mmap = map_chunks and self.chunk_bytes > 0 and self.itemsize in _UINT
 
     def chunk_jobs(self, sel: Region) -> list[tuple[tuple[int, ...], Region]]:
         """The chunks ``sel`` touches, each with the part of ``sel`` inside it (array coordinates)."""
@@ -102,9 +107,23 @@ class RawChunkReader:
             origin = [k * c for k, c in zip(coords, self.chunks, strict=True)]
             local = [(a - o, b - o) for (a, b), o in zip(part.bounds, origin, strict=True)]
             view = dst[part.relative_to(sel).slices()] if sel.ndim else dst
-            self._copy(fd, local, view, name)
+            if self._use_mmap and part.volume * self.itemsize * 2 >= self.chunk_bytes:
+                self._copy_mapped(fd, local, view)
+            else:
+                self._copy(fd, local, view, name)
         finally:
             os.close(fd)
+
+    def _copy_mapped(self, fd: int, local: Sequence[tuple[int, int]], view: np.ndarray) -> None:
+        """Most of a chunk: map it pre-faulted (one syscall) and copy the part with numpy (user-space memcpy)."""
+        m = mmap.mmap(fd, self.chunk_bytes, flags=_MAP_FLAGS, prot=mmap.PROT_READ)
+        try:
+            raw = _UINT[self.itemsize]
+            src = np.ndarray(self.chunks, dtype=raw, buffer=m)
+            np.copyto(view.view(raw), src[tuple(slice(a, b) for a, b in local)])
+            del src
+        finally:
+            m.close()
 
     def _copy(self, fd: int, local: Sequence[tuple[int, int]], view: np.ndarray, name: Path) -> None:
         n = len(local)

@@ -443,6 +443,7 @@ def serve(
     chunk_bytes: int | None = None,
     log_level: str = "info",
     tune_malloc: bool = True,
+    map_chunks: bool = True,
 ) -> None:
     """Run the node daemon until interrupted (blocking). ``port=0`` picks a free port.
 
@@ -451,7 +452,10 @@ def serve(
     ``token`` defaults to the ``TENPLEX_TOKEN`` environment variable.
     """
     token = token if token is not None else os.environ.get(TOKEN_ENV) or None
-    store = LocalStore(root) if chunk_bytes is None else LocalStore(root, chunk_bytes=chunk_bytes)
+    options: dict[str, Any] = {"map_chunks": map_chunks}
+    if chunk_bytes is not None:
+        options["chunk_bytes"] = chunk_bytes
+    store = LocalStore(root, **options)
     sock = _bind(host, port)
     bound = sock.getsockname()[1]
     if port_file is not None:
