@@ -347,3 +347,14 @@ def test_shards_are_plain_zarr_arrays(tmp_path: Path, shape: tuple[int, ...], dt
     arr = zarr.open_array(str(tmp_path / "j" / "s1-g0" / "w" / key), mode="r")
     assert arr.dtype == storage_dtype(dtype)
     assert arr[...].tobytes() == data.tobytes()
+
+
+@pytest.mark.parametrize("map_chunks", [True, False])
+def test_both_copy_paths_give_the_same_bytes(tmp_path: Path, map_chunks: bool) -> None:
+    s = LocalStore(tmp_path, chunk_bytes=1024, map_chunks=map_chunks)
+    data = random_array((70, 45), "float32", seed=4)
+    s.write_shard("j", "s1-g0", "w", Region.full((70, 45)), data, dtype="float32", global_shape=(70, 45))
+    for region in (Region.full((70, 45)), Region(((3, 69), (1, 44))), Region(((16, 32), (0, 45))), Region(((0, 70), (16, 32)))):
+        out = np.empty(region.shape, np.float32)
+        s.read_region("j", "s1-g0", "w", region, out, committed_only=False)
+        assert out.tobytes() == np.ascontiguousarray(data[region.slices()]).tobytes()
