@@ -40,7 +40,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     tr.add_argument("--plan", required=True, metavar="PLAN.json", help="plan written by 'tenplex plan --json'")
     tr.add_argument("--host", required=True, help="the target host whose part to run")
-    tr.add_argument("--store", required=True, metavar="URL", help="the target host's store daemon")
+    where = tr.add_mutually_exclusive_group(required=True)
+    where.add_argument("--store", metavar="URL", help="the target host's store daemon")
+    where.add_argument(
+        "--store-root", metavar="DIR",
+        help="the target host's store directory, used in-process (run on the node itself; saves the loopback copies)",
+    )
     tr.add_argument("--source", action="append", default=[], metavar="HOST=URL", help="store daemon of a source host (repeatable)")
     tr.add_argument("--token", help="bearer token of the store daemons (default: $TENPLEX_TOKEN)")
     tr.add_argument("--concurrency", type=int, default=8, help="parallel piece reads (default 8)")
@@ -116,7 +121,13 @@ def _transform(args: argparse.Namespace) -> int:
     )
 
     from tenplex.store.client import StoreClient
-    from tenplex.transformer.execute import TransformMetrics, execute_host_plan
+    from tenplex.store.local import LocalStore
+    from tenplex.transformer.execute import (
+        LocalTarget,
+        StoreLike,
+        TransformMetrics,
+        execute_host_plan,
+    )
     from tenplex.transformer.plan import CHECKPOINT, Plan
 
     if args.concurrency < 1:
@@ -137,7 +148,10 @@ def _transform(args: argparse.Namespace) -> int:
 
         start_http_server(args.metrics_port, registry=metrics.registry)
     with ExitStack() as stack:
-        target = stack.enter_context(StoreClient(args.store, args.token, max_connections=max(8, args.concurrency)))
+        if args.store is not None:
+            target: StoreLike = stack.enter_context(StoreClient(args.store, args.token, max_connections=max(8, args.concurrency)))
+        else:
+            target = LocalTarget(LocalStore(args.store_root))
         sources = {
             h: stack.enter_context(StoreClient(u, args.token, max_connections=max(8, args.concurrency))) for h, u in urls.items()
         }

@@ -64,9 +64,10 @@ def test_transform_cli_runs_one_host(cluster, ptc_files, tmp_path, capsys) -> No
     assert main(["plan", "--from", str(old_file), "--to", str(new_file), "--job", "cli", "--old-version", "s3-g0",
                  "--json", str(plan_file)]) == 0
     sources = [f"--source={h}={cluster.servers[h].url}" for h in ("h0", "h1", "h2")]
-    for host, extra in (("h1", ["--no-progress"]), ("h2", [])):
-        rc = main(["transform", "--plan", str(plan_file), "--host", host, "--store", cluster.servers[host].url,
-                   *sources, "--concurrency", "3", *extra])
+    # h1 runs on its own store directory (node-side), h2 through its daemon with a progress bar.
+    for host, extra in (("h1", ["--no-progress", "--store-root", str(cluster.servers["h1"].store.root)]),
+                        ("h2", ["--store", cluster.servers["h2"].url])):
+        rc = main(["transform", "--plan", str(plan_file), "--host", host, *sources, "--concurrency", "3", *extra])
         assert rc == 0
         report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert report["host"] == host and report["bytes_remote"] + report["bytes_local"] > 0
