@@ -62,6 +62,18 @@ from tenplex.worker.state import live_pieces
 log = logging.getLogger("examples.gpt.train")
 
 
+LOSS_LOG_ENV = "TENPLEX_LOSS_LOG"
+"""When set, rank 0 appends ``{"step", "loss", "generation"}`` as one JSON line per step (for plots)."""
+
+
+def log_loss(step: int, loss: float, generation: int = 0) -> None:
+    """Append one step's loss to ``$TENPLEX_LOSS_LOG`` (a small O_APPEND write: lines never interleave)."""
+    path = os.environ.get(LOSS_LOG_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"step": step, "loss": loss, "generation": generation}) + "\n")
+
+
 @dataclass(frozen=True, slots=True)
 class SyntheticTokens:
     """A deterministic, learnable token data set: noisy arithmetic progressions mod ``vocab``.
@@ -287,6 +299,7 @@ def plain_main(args: argparse.Namespace) -> int:
             loss = job.train_step(data.batch(ids))
             if rank == 0:
                 log.info("step %d loss %.5f (%.0f ms, %s)", step, loss, 1e3 * (time.perf_counter() - t0), parallel.describe())
+                log_loss(step + 1, loss)  # the elastic loop counts completed steps
     finally:
         dist.destroy_process_group()
     return 0
@@ -357,6 +370,7 @@ def elastic_main(args: argparse.Namespace) -> int:
                 return worker.finish(detail=str(exc)[:500])
             if rank == 0:
                 log.info("step %d loss %.5f (%.0f ms, %s)", step, loss, 1e3 * (time.perf_counter() - t0), parallel.describe())
+                log_loss(step, loss, worker.setup.generation)
             if results is not None:
                 results.data["losses"][step] = loss
                 results.data["samples"][step] = ids.tolist()
