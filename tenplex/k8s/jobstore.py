@@ -31,8 +31,11 @@ import base64
 import gzip
 import json
 import logging
+import re
 import threading
+import time
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -178,10 +181,13 @@ class KubeJobStore:
                                                   _content_type="application/merge-patch+json")
 
     def save(self, spec: JobSpec, status: JobStatus) -> None:
-        import time
-
         status.updated_at = time.time()
-        job_obj = self._job(spec.name)
+        job_obj = self.jobs.find(check_job_name(spec.name))
+        if job_obj is None:
+            # The ElasticJob was deleted (its ConfigMaps go with it); the operator is closing this job's
+            # controller. Nothing is left to write to.
+            log.info("job %s: its ElasticJob is gone; state not saved", spec.name)
+            return
         self._put(job_obj, state_configmap(spec.name),
                   {"status.json.gz": _pack(status.to_json()), "spec.json.gz": _pack(spec.to_json())})
         self._write_status(job_obj, spec, status)
@@ -226,8 +232,6 @@ class KubeJobStore:
         last = next((h for h in reversed(status.history) if h.finished_at is not None), None)
         reconf = None
         if last is not None:
-            from datetime import UTC, datetime
-
             reconf = crd.Reconfiguration(
                 reason=last.reason, from_gpus=last.from_gpus, to_gpus=last.to_gpus,
                 from_parallel=_parse_config(last.from_config), to_parallel=_parse_config(last.to_config),
@@ -349,7 +353,5 @@ def _parse_config(text: str | None) -> crd.Parallel | None:
     """``dp2 x tp1 x pp2[, ...]`` (ParallelConfig.describe) -> Parallel."""
     if not text:
         return None
-    import re
-
     m = re.match(r"dp(\d+) x tp(\d+) x pp(\d+)", text)
     return crd.Parallel(int(m.group(1)), int(m.group(2)), int(m.group(3))) if m else None

@@ -1,0 +1,182 @@
+"""KubernetesBackend against the API server emulator over real HTTP: hosts, worker pods, exits, watches."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tenplex.errors import Conflict, InvalidConfig, NotFound
+from tenplex.k8s import crd
+from tenplex.k8s.backend import ANNOTATION_MASTER_PORT, ClusterEvent, KubernetesBackend
+from tenplex.k8s.emulator import ApiServerEmulator
+from tenplex.k8s.settings import KubernetesSettings
+from tenplex.scheduler.backend import HostInfo, WorkerLaunch
+
+from .cluster import NS, add_gpu_node, elasticjob, eventually, store_pod, worker_pods
+
+SETTINGS = KubernetesSettings(namespace=NS, identity="test", leader_election=False, auth_secret="tenplex-auth")
+
+
+@pytest.fixture
+def backend(api: ApiServerEmulator) -> Iterator[KubernetesBackend]:
+    add_gpu_node(api, "gpu-a", "127.0.0.2")
+    add_gpu_node(api, "gpu-b", "127.0.0.3", port=7171)
+    api.add_node("cpu-only", gpus=0, address="127.0.0.9")
+    api.create("elasticjobs", elasticjob("gpt", 2), NS)
+    with api.api_client() as api_client:
+        be = KubernetesBackend(api_client, SETTINGS, lambda name: api.get("elasticjobs", name, NS),
+                               master_ports=(29500, 29502), watch_timeout=5).start()
+        try:
+            yield be
+        finally:
+            be.close()
+
+
+def launches(job: str, generation: int, hosts: list[str], env: dict[str, str] | None = None) -> list[WorkerLaunch]:
+    return [WorkerLaunch(f"{job}-g{generation}-r{rank}", rank, host, 0,
+                         {"RANK": str(rank), "MASTER_ADDR": "127.0.0.2", "MASTER_PORT": "29500", "LOCAL_RANK": "1",
+                          "LOCAL_WORLD_SIZE": "2", "GLOO_SOCKET_IFNAME": "lo", "TENPLEX_TOKEN": "s3cret",
+                          "TENPLEX_GENERATION": str(generation), **(env or {})})
+            for rank, host in enumerate(hosts)]
+
+
+def test_hosts_are_gpu_nodes_with_a_running_store(api: ApiServerEmulator, backend: KubernetesBackend) -> None:
+    hosts = backend.hosts()
+    assert hosts == [
+        HostInfo("gpu-a", 2, "http://127.0.0.2:7070", "127.0.0.2", ready=True, schedulable=True),
+        HostInfo("gpu-b", 2, "http://127.0.0.3:7171", "127.0.0.3", ready=True, schedulable=True),
+    ]
+    api.cordon_node("gpu-a")
+    eventually(lambda: not backend.host("gpu-a").schedulable, "gpu-a unschedulable")
+    assert backend.host("gpu-a").ready
+    api.set_node_ready("gpu-b", False)
+    eventually(lambda: not backend.host("gpu-b").ready, "gpu-b NotReady")
+
+    # A node whose store pod is not Running is not usable; one that disappears stays known, as lost.
+    add_gpu_node(api, "gpu-c", "127.0.0.4", store_running=False)
+    eventually(lambda: any(h.name == "gpu-c" for h in backend.hosts()), "gpu-c listed")
+    assert not backend.host("gpu-c").ready
+    api.delete("nodes", "gpu-c")
+    eventually(lambda: backend.host("gpu-c").schedulable is False, "gpu-c lost")
+    assert not backend.host("gpu-c").ready
+    with pytest.raises(NotFound, match="cpu-only"):
+        backend.host("cpu-only")
+
+
+def test_worker_pods_are_pinned_owned_and_get_the_worker_environment(api: ApiServerEmulator,
+                                                                     backend: KubernetesBackend, tmp_path: Path) -> None:
+    ids = backend.launch("gpt", ["python", "-m", "examples.gpt.train", "--steps", "5"],
+                         launches("gpt", 0, ["gpu-a", "gpu-b"]), tmp_path)
+    assert ids == {"gpt-g0-r0": None, "gpt-g0-r1": None}
+    pods = worker_pods(api, "gpt")
+    assert [p["metadata"]["name"] for p in pods] == ["gpt-g0-r0", "gpt-g0-r1"]
+    job = api.get("elasticjobs", "gpt", NS)
+    r0, r1 = pods
+    assert r0["spec"]["nodeName"] == "gpu-a" and r1["spec"]["nodeName"] == "gpu-b"
+    assert r0["spec"]["hostNetwork"] is True and r0["spec"]["restartPolicy"] == "Never"
+    assert r0["metadata"]["ownerReferences"] == [crd.owner_reference(job)]
+    assert r0["metadata"]["labels"] == {**crd.job_labels("gpt"), "tenplex.io/generation": "0", "tenplex.io/rank": "0"}
+    assert r0["metadata"]["annotations"] == {ANNOTATION_MASTER_PORT: "29500"}
+    assert ANNOTATION_MASTER_PORT not in (r1["metadata"].get("annotations") or {})
+    (container,) = r0["spec"]["containers"]
+    assert container["image"] == "tenplex:test"
+    assert container["command"] == ["python", "-m", "examples.gpt.train", "--steps", "5"]
+    assert container["resources"]["limits"][crd.GPU_RESOURCE] == "1"
+    assert container["resources"]["requests"][crd.GPU_RESOURCE] == "1"
+    env = {e["name"]: e for e in container["env"]}
+    assert env["MASTER_ADDR"]["value"] == "127.0.0.2" and env["RANK"]["value"] == "0"
+    # One GPU per pod: the process's device is its only one.
+    assert env["LOCAL_RANK"]["value"] == "0" and env["LOCAL_WORLD_SIZE"]["value"] == "1"
+    # The local backend's loopback setting is dropped, and the token comes from the Secret, not the pod spec.
+    assert "GLOO_SOCKET_IFNAME" not in env
+    assert env["TENPLEX_TOKEN"] == {"name": "TENPLEX_TOKEN",
+                                    "valueFrom": {"secretKeyRef": {"name": "tenplex-auth", "key": "token"}}}
+    assert env[crd.ENV_NODE_IP]["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"
+
+    # Launching again (a scheduler restarted mid-launch) takes the existing pods; deleting the job deletes them.
+    backend.launch("gpt", ["python"], launches("gpt", 0, ["gpu-a", "gpu-b"]), tmp_path)
+    with pytest.raises(Conflict, match="not generation 1"):
+        backend.launch("gpt", ["python"], [WorkerLaunch("gpt-g0-r0", 0, "gpu-a", 0, {"TENPLEX_GENERATION": "1"})],
+                       tmp_path)
+    api.delete("elasticjobs", "gpt", NS)
+    eventually(lambda: not worker_pods(api, "gpt"), "the garbage collector to delete the job's pods")
+
+
+def test_job_env_keeps_gloo_interface_when_the_job_sets_it(api: ApiServerEmulator, backend: KubernetesBackend,
+                                                           tmp_path: Path) -> None:
+    api.create("elasticjobs", elasticjob("lo", 1, env=[{"name": "GLOO_SOCKET_IFNAME", "value": "lo"}]), NS)
+    backend.launch("lo", ["python"], launches("lo", 0, ["gpu-a"]), tmp_path)
+    (pod,) = worker_pods(api, "lo")
+    env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+    assert env["GLOO_SOCKET_IFNAME"] == "lo"
+
+
+def test_exited_follows_pod_phases_and_deletions(api: ApiServerEmulator, backend: KubernetesBackend,
+                                                 tmp_path: Path) -> None:
+    events: list[ClusterEvent] = []
+    backend.add_listener(events.append)
+    ids = ["gpt-g0-r0", "gpt-g0-r1", "gpt-g0-r2"]
+    backend.launch("gpt", ["python"], launches("gpt", 0, ["gpu-a", "gpu-a", "gpu-b"]), tmp_path)
+    for name in ids:
+        api.set_pod_running(name, NS)
+    eventually(lambda: backend.exited("gpt", ids) == {}, "all running")
+    api.set_pod_succeeded("gpt-g0-r0", NS)
+    api.fail_pod("gpt-g0-r1", NS, exit_code=3)
+    api.delete("pods", "gpt-g0-r2", NS)
+    assert eventually(lambda: len(backend.exited("gpt", ids)) == 3 and backend.exited("gpt", ids), "three exits") == {
+        "gpt-g0-r0": 0, "gpt-g0-r1": 3, "gpt-g0-r2": None}
+    kinds = sorted((e.kind, e.detail) for e in events if e.job == "gpt")
+    assert kinds == [("worker-deleted", "worker pod gpt-g0-r2 was deleted"),
+                     ("worker-exited", "worker pod gpt-g0-r0 Succeeded (exit code 0)"),
+                     ("worker-exited", "worker pod gpt-g0-r1 Failed (exit code 3)")]
+
+    backend.stop("gpt", ids, grace=1)
+    assert worker_pods(api, "gpt") == []
+    assert backend.exited("gpt", ids) == dict.fromkeys(ids)
+
+
+def test_master_ports_are_unique_per_node_among_live_jobs(api: ApiServerEmulator, backend: KubernetesBackend,
+                                                          tmp_path: Path) -> None:
+    a = backend.host("gpu-a")
+    first = backend.master_port(a)
+    second = backend.master_port(a)
+    assert {first, second} == {29500, 29501}
+    assert backend.master_port(backend.host("gpu-b")) == 29500  # another node: its own ports
+    backend.launch("gpt", ["python"], launches("gpt", 0, ["gpu-a"], {"MASTER_PORT": "29502"}), tmp_path)
+    eventually(lambda: worker_pods(api, "gpt"), "the rank-0 pod")
+    with pytest.raises(InvalidConfig, match=r"no free rendezvous port on node gpu-a: all of 29500-29502"):
+        backend.master_port(a)
+
+
+def test_watch_expiry_relists_and_replays_are_not_reported_twice(api: ApiServerEmulator, backend: KubernetesBackend,
+                                                                 tmp_path: Path) -> None:
+    events: list[ClusterEvent] = []
+    backend.add_listener(events.append)
+    backend.launch("gpt", ["python"], launches("gpt", 0, ["gpu-a"]), tmp_path)
+    api.set_pod_running("gpt-g0-r0", NS)
+    eventually(lambda: api.open_watches() >= 2, "the backend's watches")
+    relists = [inf.relists for inf in (backend.nodes, *backend.pods)]
+    api.expire_watches()
+    # While no watch is open, the pod fails and a node turns NotReady: the relist must show both.
+    api.fail_pod("gpt-g0-r0", NS, exit_code=137)
+    api.set_node_ready("gpu-b", False)
+    assert eventually(lambda: backend.exited("gpt", ["gpt-g0-r0"]), "the failure after 410") == {"gpt-g0-r0": 137}
+    eventually(lambda: not backend.host("gpu-b").ready, "gpu-b NotReady after 410")
+    eventually(lambda: [inf.relists for inf in (backend.nodes, *backend.pods)] > relists, "relists")
+    assert all(after > before for after, before in zip(
+        [inf.relists for inf in (backend.nodes, *backend.pods)], relists, strict=True))
+    api.expire_watches()  # a second expiry replays nothing new
+    eventually(lambda: api.open_watches() >= 2, "watches resumed")
+    exits = [e for e in events if e.kind == "worker-exited"]
+    lost = [e for e in events if e.kind == "node-lost"]
+    assert len(exits) == 1 and len(lost) == 1, events
+
+
+def test_store_pod_address_and_port_come_from_the_store_pod(api: ApiServerEmulator, backend: KubernetesBackend) -> None:
+    api.add_node("gpu-d", gpus=4, address="10.1.0.4")
+    api.create("pods", store_pod("gpu-d", port=7272), NS)
+    api.set_pod_running("store-gpu-d", NS, pod_ip="10.244.0.7")
+    eventually(lambda: any(h.name == "gpu-d" and h.ready for h in backend.hosts()), "gpu-d ready")
+    assert backend.host("gpu-d") == HostInfo("gpu-d", 4, "http://10.1.0.4:7272", "10.1.0.4")

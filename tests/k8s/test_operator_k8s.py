@@ -1,0 +1,258 @@
+"""The ElasticJob operator against the API server emulator over real HTTP.
+
+The scheduler runs for real (job controllers, policy, layouts, state in
+ConfigMaps and the ElasticJob status); no kubelet runs the pods, so the tests
+play the kubelet's and node controller's part with the emulator's hooks.
+Without store daemons, a failure cannot be recovered: the job ends Failed,
+which is how these tests see that the failure was handled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes import client
+
+from tenplex.errors import InvalidConfig
+from tenplex.k8s import crd
+from tenplex.k8s.emulator import ApiServerEmulator
+from tenplex.k8s.jobstore import ptc_configmap, state_configmap
+from tenplex.k8s.operator import KubernetesScheduler, advertise_url, job_spec_from_elasticjob
+from tenplex.k8s.settings import KubernetesSettings
+from tenplex.scheduler.controller import SchedulerSettings
+from tenplex.scheduler.state import JobSpec, Phase
+
+from .cluster import NS, add_gpu_node, elasticjob, eventually, worker_pods
+
+
+def make_scheduler(api: ApiServerEmulator, state: Path, identity: str = "sched-a", *,
+                   leader_election: bool = False) -> KubernetesScheduler:
+    settings = KubernetesSettings(namespace=NS, identity=identity, leader_election=leader_election,
+                                  lease_duration_seconds=3, renew_deadline_seconds=2, retry_period_seconds=1)
+    return KubernetesScheduler(api.api_client(), settings, SchedulerSettings(url="http://127.0.0.1:9", poll_interval=0.1),
+                               state, watch_timeout=5)
+
+
+@pytest.fixture
+def cluster(api: ApiServerEmulator) -> ApiServerEmulator:
+    add_gpu_node(api, "gpu-a", "127.0.0.2")
+    add_gpu_node(api, "gpu-b", "127.0.0.3")
+    return api
+
+
+@pytest.fixture
+def sched(cluster: ApiServerEmulator, tmp_path: Path) -> Iterator[KubernetesScheduler]:
+    s = make_scheduler(cluster, tmp_path / "a")
+    s.recover()
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def ej_status(api: ApiServerEmulator, name: str) -> dict[str, Any]:
+    return api.get("elasticjobs", name, NS).get("status") or {}
+
+
+def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
+    return next(c for c in status.get("conditions", []) if c["type"] == kind)
+
+
+def running_pods(api: ApiServerEmulator, job: str, count: int) -> list[dict[str, Any]]:
+    return eventually(lambda: (pods := worker_pods(api, job)) and len(pods) == count and pods,
+                      f"{count} worker pods of {job}")
+
+
+def test_an_elasticjob_becomes_worker_pods_and_a_status(cluster: ApiServerEmulator,
+                                                        sched: KubernetesScheduler) -> None:
+    cluster.create("elasticjobs", elasticjob("gpt", 4, table=[{"gpus": 4, "dp": 2, "tp": 2, "pp": 1}]), NS)
+    pods = running_pods(cluster, "gpt", 4)
+    assert [(p["metadata"]["name"], p["spec"]["nodeName"]) for p in pods] == [
+        ("gpt-g0-r0", "gpu-a"), ("gpt-g0-r1", "gpu-a"), ("gpt-g0-r2", "gpu-b"), ("gpt-g0-r3", "gpu-b")]
+    envs = [{e["name"]: e.get("value") for e in p["spec"]["containers"][0]["env"]} for p in pods]
+    assert {e["MASTER_ADDR"] for e in envs} == {"127.0.0.2"}  # rank 0's node: the pods use the host network
+    assert {e["TENPLEX_STORE_URL"] for e in envs} == {"http://127.0.0.2:7070", "http://127.0.0.3:7070"}
+    assert [e["RANK"] for e in envs] == ["0", "1", "2", "3"]
+    assert envs[0]["TENPLEX_SCHEDULER_URL"] == "http://127.0.0.1:9"
+
+    status = eventually(lambda: (s := ej_status(cluster, "gpt")).get("phase") == "Running" and s, "status Running")
+    assert status["gpus"] == 4 and status["parallel"] == {"dp": 2, "tp": 2, "pp": 1}
+    assert status["selector"] == crd.worker_selector("gpt") and status["observedGeneration"] == 1
+    assert condition(status, "Ready")["status"] == "True"
+    assert crd.elasticjob_errors(cluster.get("elasticjobs", "gpt", NS)) == []  # the status obeys the CRD
+    # The internal state and the generation's PTC are owned by the job: deleting it removes them.
+    job = cluster.get("elasticjobs", "gpt", NS)
+    for name in (state_configmap("gpt"), ptc_configmap("gpt", 0)):
+        assert cluster.get("configmaps", name, NS)["metadata"]["ownerReferences"] == [crd.owner_reference(job)]
+    cluster.delete("elasticjobs", "gpt", NS)
+    eventually(lambda: not sched.list(), "the scheduler to forget the job")
+    eventually(lambda: not worker_pods(cluster, "gpt") and not cluster.list("configmaps", NS), "pods and state gone")
+
+
+def test_scale_subresource_becomes_a_scale_request_once(cluster: ApiServerEmulator, sched: KubernetesScheduler) -> None:
+    cluster.create("elasticjobs", elasticjob("gpt", 2), NS)
+    running_pods(cluster, "gpt", 2)
+    with cluster.api_client() as api_client:
+        custom = client.CustomObjectsApi(api_client)
+        custom.patch_namespaced_custom_object_scale(crd.GROUP, crd.VERSION, NS, crd.PLURAL, "gpt",
+                                                    {"spec": {"replicas": 4}})
+        ctl = sched.get("gpt")
+        eventually(lambda: ctl.status.requested_gpus == 4 and ctl.status.pending_reason == "scale", "scale request")
+        eventually(lambda: ej_status(cluster, "gpt").get("observedGeneration") == 2, "observedGeneration 2")
+        # Back to 2 before the workers ever stepped: the request is withdrawn, and replays do not bring it back.
+        custom.patch_namespaced_custom_object_scale(crd.GROUP, crd.VERSION, NS, crd.PLURAL, "gpt",
+                                                    {"spec": {"replicas": 2}})
+        eventually(lambda: ctl.status.requested_gpus is None and ctl.status.pending_reason is None, "withdrawn")
+        cluster.expire_watches()
+        eventually(lambda: sched.index.informer.relists >= 2, "the ElasticJob relist")
+        sched.operator.reconcile(cluster.get("elasticjobs", "gpt", NS))
+        assert ctl.status.requested_gpus is None and ctl.status.pending_reason is None
+
+        # Outside minGpus..maxGpus the API server itself refuses (the CRD's CEL rules).
+        with pytest.raises(client.ApiException) as refused:
+            custom.patch_namespaced_custom_object_scale(crd.GROUP, crd.VERSION, NS, crd.PLURAL, "gpt",
+                                                        {"spec": {"replicas": 8}})
+        assert refused.value.status == 422
+        # A count the policy cannot place is refused by the scheduler, visibly.
+        custom.patch_namespaced_custom_object_scale(crd.GROUP, crd.VERSION, NS, crd.PLURAL, "gpt",
+                                                    {"spec": {"replicas": 0}})
+        cond = eventually(lambda: next((c for c in ej_status(cluster, "gpt").get("conditions", [])
+                                        if c["type"] == "ScaleRejected" and c["status"] == "True"), None),
+                          "ScaleRejected")
+        assert "suspend" in cond["message"] and cond["observedGeneration"] == 4
+    assert [w.generation for w in ctl.status.workers] == [0, 0]
+
+
+def test_a_failed_worker_pod_triggers_failure_handling(cluster: ApiServerEmulator, sched: KubernetesScheduler) -> None:
+    cluster.create("elasticjobs", elasticjob("gpt", 2), NS)
+    for pod in running_pods(cluster, "gpt", 2):
+        cluster.set_pod_running(pod["metadata"]["name"], NS)
+    ctl = sched.get("gpt")
+    cluster.fail_pod("gpt-g0-r1", NS, exit_code=139, reason="Error")
+    eventually(lambda: ctl.status.phase == Phase.FAILED, "failure handling", timeout=30)
+    assert "worker gpt-g0-r1 exited with code 139" in ctl.status.message
+    assert worker_pods(cluster, "gpt") == []  # the survivors were stopped
+    status = eventually(lambda: (s := ej_status(cluster, "gpt")).get("phase") == "Failed" and s, "status Failed")
+    assert condition(status, "Failed")["status"] == "True"
+    assert "gpt-g0-r1" in condition(status, "Failed")["message"]
+    assert status["gpus"] == 0
+
+
+def test_a_not_ready_node_is_a_lost_host(cluster: ApiServerEmulator, sched: KubernetesScheduler) -> None:
+    cluster.create("elasticjobs", elasticjob("gpt", 4, table=[{"gpus": 4, "dp": 4, "tp": 1, "pp": 1}]), NS)
+    running_pods(cluster, "gpt", 4)
+    ctl = sched.get("gpt")
+    eventually(lambda: ctl.status.phase == Phase.RUNNING, "Running")
+    cluster.set_node_ready("gpu-b", False)
+    eventually(lambda: ctl.status.phase == Phase.FAILED, "failure handling", timeout=30)
+    assert "host gpu-b lost" in ctl.status.message
+    assert ctl.status.history[-1].reason == "failure"
+
+
+def test_a_cordoned_node_asks_for_a_redeployment(cluster: ApiServerEmulator, sched: KubernetesScheduler) -> None:
+    cluster.create("elasticjobs", elasticjob("gpt", 2), NS)
+    running_pods(cluster, "gpt", 2)
+    ctl = sched.get("gpt")
+    eventually(lambda: ctl.status.phase == Phase.RUNNING, "Running")
+    assert ctl.status.hosts == ["gpu-a"]
+    cluster.cordon_node("gpu-b")  # not the job's node: nothing to do
+    cluster.cordon_node("gpu-a")
+    eventually(lambda: ctl.status.pending_reason == "node-drain", "a redeployment off gpu-a")
+
+
+def test_expired_watches_do_not_lose_events(cluster: ApiServerEmulator, sched: KubernetesScheduler) -> None:
+    cluster.create("elasticjobs", elasticjob("gpt", 2), NS)
+    running_pods(cluster, "gpt", 2)
+    ctl = sched.get("gpt")
+    eventually(lambda: cluster.open_watches() >= 3, "the operator's watches")
+    cluster.expire_watches()
+    cluster.patch("elasticjobs", "gpt", {"spec": {"gpus": 3}}, NS)
+    cluster.fail_pod("gpt-g0-r0", NS)
+    eventually(lambda: ctl.status.phase == Phase.FAILED, "the failure seen through a relist", timeout=30)
+    assert "gpt-g0-r0" in ctl.status.message
+    assert sched.index.informer.relists >= 2 and all(p.relists >= 2 for p in sched.kube_backend.pods)
+
+
+def test_a_restarted_scheduler_resumes_the_job_from_the_api_server(cluster: ApiServerEmulator, tmp_path: Path) -> None:
+    first = make_scheduler(cluster, tmp_path / "a")
+    first.recover()
+    cluster.create("elasticjobs", elasticjob("gpt", 2), NS)
+    pods = running_pods(cluster, "gpt", 2)
+    eventually(lambda: first.get("gpt").status.phase == Phase.RUNNING, "Running")
+    uids = [p["metadata"]["uid"] for p in pods]
+    first.close()
+
+    second = make_scheduler(cluster, tmp_path / "b", identity="sched-b")
+    second.recover()
+    try:
+        ctl = eventually(lambda: second.list() and second.get("gpt"), "the job resumed")
+        assert ctl.status.phase == Phase.RUNNING and ctl.status.generation == 0
+        assert [w.worker_id for w in ctl.status.workers] == ["gpt-g0-r0", "gpt-g0-r1"]
+        assert ctl.ptc(0).hosts == ("gpu-a",)
+        assert [p["metadata"]["uid"] for p in worker_pods(cluster, "gpt")] == uids  # adopted, not relaunched
+        cluster.fail_pod("gpt-g0-r0", NS)
+        eventually(lambda: ctl.status.phase == Phase.FAILED, "the resumed controller acting")
+    finally:
+        second.close()
+
+
+def test_bad_and_duplicate_elasticjobs_are_refused_in_their_status(cluster: ApiServerEmulator,
+                                                                   sched: KubernetesScheduler) -> None:
+    cluster.create("elasticjobs", elasticjob("untrained", 2, training=False), NS)
+    status = eventually(lambda: (s := ej_status(cluster, "untrained")).get("phase") == "Failed" and s, "refusal")
+    cond = condition(status, "Failed")
+    assert cond["reason"] == "InvalidSpec" and "spec.training" in cond["message"]
+    assert not worker_pods(cluster, "untrained")
+
+    cluster.create("elasticjobs", elasticjob("gpt", 2), NS)
+    running_pods(cluster, "gpt", 2)
+    cluster.create("elasticjobs", elasticjob("gpt", 2, namespace="other"), "other")
+    other = eventually(lambda: (cluster.get("elasticjobs", "gpt", "other").get("status") or {}).get("phase") == "Failed"
+                       and cluster.get("elasticjobs", "gpt", "other")["status"], "duplicate refused")
+    assert "already used by the ElasticJob in namespace default" in condition(other, "Failed")["message"]
+    assert [p["metadata"]["namespace"] for p in cluster.list("pods", label_selector=crd.worker_selector("gpt"))] == \
+        [NS, NS]
+    # Deleting the refused duplicate leaves the real job alone.
+    cluster.delete("elasticjobs", "gpt", "other")
+    with pytest.raises(AssertionError):
+        eventually(lambda: not sched.list() or sched.get("gpt") is None, "the job to vanish", timeout=1.0)
+
+    # Jobs are ElasticJobs on Kubernetes: the REST API cannot create one without it.
+    spec = job_spec_from_elasticjob(cluster.get("elasticjobs", "gpt", NS))
+    with pytest.raises(InvalidConfig, match="submit one with kubectl apply"):
+        sched.create(JobSpec.from_json({**spec.to_json(), "name": "rest-made"}))
+
+
+def test_advertised_url_is_the_scheduler_service() -> None:
+    settings = KubernetesSettings(namespace="tenplex", identity="rel-tenplex-scheduler-5d9c7b6f4-x2x7q")
+    assert advertise_url(settings, 8080, "http://127.0.0.1:8080", {}) == \
+        "http://rel-tenplex-scheduler.tenplex.svc:8080"
+    assert advertise_url(settings, 8080, "x", {"TENPLEX_ADVERTISE_URL": "http://sched:1/"}) == "http://sched:1"
+    odd = KubernetesSettings(namespace="tenplex", identity="laptop")
+    assert advertise_url(odd, 8080, "http://127.0.0.1:8080", {}) == "http://127.0.0.1:8080"
+
+
+@pytest.mark.slow
+def test_only_the_lease_holder_acts_and_a_follower_takes_over(cluster: ApiServerEmulator, tmp_path: Path) -> None:
+    a = make_scheduler(cluster, tmp_path / "a", "sched-a", leader_election=True)
+    a.recover()
+    assert a.operator.leading.wait(15), "sched-a never led"
+    b = make_scheduler(cluster, tmp_path / "b", "sched-b", leader_election=True)
+    b.recover()
+    try:
+        cluster.create("elasticjobs", elasticjob("gpt", 2), NS)
+        pods = running_pods(cluster, "gpt", 2)
+        assert not b.operator.leading.wait(3) and b.list() == []  # the follower stays idle
+        assert cluster.get("leases", crd.LEADER_LEASE, NS)["spec"]["holderIdentity"] == "sched-a"
+        a.close()  # stops renewing; b takes the lease after it expires and resumes the job
+        assert b.operator.leading.wait(20), "sched-b never took over"
+        ctl = eventually(lambda: b.list() and b.get("gpt"), "the job resumed by sched-b")
+        assert ctl.status.phase == Phase.RUNNING
+        assert [p["metadata"]["uid"] for p in worker_pods(cluster, "gpt")] == [p["metadata"]["uid"] for p in pods]
+        assert cluster.get("leases", crd.LEADER_LEASE, NS)["spec"]["holderIdentity"] == "sched-b"
+    finally:
+        b.close()
+        a.close()
