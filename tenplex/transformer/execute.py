@@ -229,15 +229,45 @@ class _State:
             self.metrics.replanned.inc()
 
 
+class _BufferPool:
+    """Destination buffers handed back after their shard is stored, for the next shard of the same shape.
+
+    Layers repeat, so most shards of a transform share a few shapes; reusing a
+    buffer skips the page faults of fresh memory. At most ``limit`` bytes are kept.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self._free: dict[tuple[tuple[int, ...], str], list[np.ndarray]] = {}
+        self._bytes = 0
+        self._limit = limit
+        self._lock = threading.Lock()
+
+    def get(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        with self._lock:
+            free = self._free.get((shape, dtype.str))
+            if free:
+                buf = free.pop()
+                self._bytes -= buf.nbytes
+                return buf
+        return np.empty(shape, dtype=dtype)
+
+    def put(self, buf: np.ndarray) -> None:
+        with self._lock:
+            if self._bytes + buf.nbytes <= self._limit:
+                self._free.setdefault((buf.shape, buf.dtype.str), []).append(buf)
+                self._bytes += buf.nbytes
+
+
 class _Shard:
     """A destination shard being assembled: its buffer and how many pieces are still missing."""
 
-    __slots__ = ("buf", "dest", "index", "missing")
+    __slots__ = ("buf", "dest", "index", "missing", "pool")
 
-    def __init__(self, index: int, dest: DestShard, pieces: int) -> None:
+    def __init__(self, index: int, dest: DestShard, pieces: int, pool: _BufferPool) -> None:
         self.index = index
         self.dest = dest
-        self.buf = np.empty(dest.region.shape, dtype=storage_dtype(dest.dtype))
+        self.pool = pool
+        self.buf = pool.get(dest.region.shape, storage_dtype(dest.dtype))
         self.missing = pieces
 
 
@@ -364,6 +394,7 @@ def _run(
 
     futures: list[Future[None]] = []
     errors: list[BaseException] = []
+    buffers = _BufferPool(max_buffer_bytes // 4)  # kept on top of the in-flight budget
 
     def check(f: Future[None]) -> None:
         exc = None if f.cancelled() else f.exception()
@@ -384,7 +415,7 @@ def _run(
                 if state.failed.is_set():
                     break
                 in_flight[0] += nbytes
-            shard = _Shard(idx, dest, len(by_shard[idx]))
+            shard = _Shard(idx, dest, len(by_shard[idx]), buffers)
             if by_shard[idx]:
                 for tr in by_shard[idx]:
                     futures.append(pool.submit(_piece, plan, hp, shard, tr, clients, state, stored))
@@ -508,7 +539,9 @@ def _store(
                 f"({exc.code}: {exc.detail}); nothing was committed, {plan.old_version} is intact"
             ) from exc
     finally:
-        shard.buf = None  # type: ignore[assignment]  # free the buffer before the next shard is allocated
+        if not state.failed.is_set():
+            shard.pool.put(shard.buf)  # stored (synchronously): the next shard of this shape may reuse it
+        shard.buf = None  # type: ignore[assignment]
         stored(dest.nbytes)
 
 
