@@ -45,6 +45,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+IDLE_REUSE_S = 15.0
+"""Idle connections older than this are not reused: the daemon closes kept-alive connections after 30 s."""
+
+_PEER_CLOSED = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
+
 TOKEN_ENV = "TENPLEX_TOKEN"
 MAX_REQUEST_BYTES = 32 << 20  # two pipelined requests beat one: the server reads one while the other is on the wire
 T = TypeVar("T")
@@ -140,7 +145,7 @@ class StoreClient:
         self.max_request_bytes = max_request_bytes
         self.read_concurrency = read_concurrency
         self._slots = threading.BoundedSemaphore(max_connections)
-        self._idle: list[http.client.HTTPConnection] = []
+        self._idle: list[tuple[http.client.HTTPConnection, float]] = []  # (connection, when it went idle)
         self._lock = threading.Lock()
         self._errors = _error_classes()
         self._pool: ThreadPoolExecutor | None = None
@@ -157,8 +162,15 @@ class StoreClient:
         if self._closed:
             raise InvalidInput(f"the client of {self.url} is closed")
         with self._slots:
+            conn = None
+            now = time.monotonic()
             with self._lock:
-                conn = self._idle.pop() if self._idle else None
+                while self._idle and conn is None:
+                    candidate, since = self._idle.pop()
+                    if now - since < IDLE_REUSE_S:
+                        conn = candidate
+                    else:  # the server has probably closed it (keep-alive timeout): do not find out the hard way
+                        candidate.close()
             if conn is None:
                 cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
                 conn = cls(self._hostname, self._port, timeout=self.timeout)
@@ -169,7 +181,7 @@ class StoreClient:
             finally:
                 if ok and conn.sock is not None and not self._closed:
                     with self._lock:
-                        self._idle.append(conn)
+                        self._idle.append((conn, time.monotonic()))
                 else:
                     conn.close()
 
@@ -185,11 +197,15 @@ class StoreClient:
         """One request with retries; ``handle`` reads a 2xx response completely and returns the result."""
         hdrs = {**self._auth, **(headers or {})}
         last: BaseException | None = None
-        for attempt in range(self.retries + 1):
+        attempt = 0
+        stale_retry = True
+        while attempt <= self.retries:
             if attempt:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
+            reused = False
             try:
                 with self._connection() as conn:
+                    reused = conn.sock is not None
                     conn.request(method, self._prefix + path, body=body, headers=hdrs)
                     resp = conn.getresponse()
                     if resp.status >= 400:
@@ -199,6 +215,7 @@ class StoreClient:
                         if resp.status >= 500 and attempt < self.retries and not self._is_final(payload):
                             last = _Retry(f"HTTP {resp.status}: {payload[:200]!r}")
                             log.warning("store %s answered %s %s with %d; retrying", self.url, method, path, resp.status)
+                            attempt += 1
                             continue
                         raise self._error(resp.status, payload)
                     result = handle(resp)
@@ -207,7 +224,14 @@ class StoreClient:
                     return result
             except (OSError, http.client.HTTPException) as exc:
                 last = exc
+                if reused and stale_retry and isinstance(exc, _PEER_CLOSED):
+                    # A kept-alive connection the server closed while it sat idle: not a failure of the
+                    # server. Retry at once on a new connection, once, without using up an attempt.
+                    stale_retry = False
+                    log.debug("store %s: reused connection was closed by the server; reconnecting", self.url)
+                    continue
                 log.warning("store %s: %s %s failed (attempt %d of %d): %s", self.url, method, path, attempt + 1, self.retries + 1, exc)
+                attempt += 1
         raise StoreUnavailable(f"store {self.url} failed {method} {path} after {self.retries + 1} attempts: {last}")
 
     @staticmethod
@@ -448,7 +472,7 @@ class StoreClient:
         with self._lock:
             idle, self._idle = self._idle, []
             pool, self._pool = self._pool, None
-        for conn in idle:
+        for conn, _since in idle:
             conn.close()
         if pool is not None:
             pool.shutdown(wait=True)
