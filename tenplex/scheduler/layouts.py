@@ -15,7 +15,6 @@ not need.
 from __future__ import annotations
 
 import dataclasses
-import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,8 +22,6 @@ from tenplex.errors import InvalidConfig
 from tenplex.ptc import PTC, DatasetState, ParallelConfig, Placement
 
 PROVIDERS = ("megatron-gpt", "example-gpt")
-
-_TORCH_LAYOUT_LOCK = threading.Lock()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,10 +68,7 @@ class LayoutSpec:
             )
         from examples.gpt.layout import gpt_ptc
 
-        # Deriving a layout sets up torch.distributed's (process-global) fake group:
-        # the controllers of several jobs must take turns.
-        with _TORCH_LAYOUT_LOCK:
-            return gpt_ptc(model, parallel, placement, dataset=dataset)
+        return gpt_ptc(model, parallel, placement, dataset=dataset)  # derive_ptc serializes its own fake group
 
     def to_json(self) -> dict[str, Any]:
         return {"provider": self.provider, "model": dict(self.model), "precision": self.precision}
