@@ -74,6 +74,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=4, help="steps per block")
     ap.add_argument("--rounds", type=int, default=3, help="ABAB rounds")
     ap.add_argument("--store", choices=("http", "direct"), default="http")
+    ap.add_argument("--no-fsync", action="store_true", help="direct store only: skip the store's fsyncs (shows their cost)")
     ap.add_argument("--target", type=float, default=0.10, help="largest acceptable slowdown (0.10 = 10%%)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -103,7 +104,7 @@ def main() -> int:
             daemon, url = start_daemon(root)
             store: ShardStore = StoreClient(url)
         else:
-            store = DirectStore(LocalStore(root / "data"))
+            store = DirectStore(LocalStore(root / "data", durable=not args.no_fsync))
         snap = Snapshotter(store, JOB, ptc, rank=0)
         times: dict[str, list[float]] = {"none": [], "snapshot": []}
         written: list[Version] = []
@@ -138,14 +139,17 @@ def main() -> int:
     with_snap = statistics.median(times["snapshot"])
     slowdown = with_snap / base - 1
     print(f"model: dim {cfg.dim}, {cfg.n_layers} layers, vocab {cfg.vocab}, seq {cfg.seq_len}, batch {args.batch}; "
-          f"state {state_mb:.0f} MiB per snapshot (params + AdamW); store {args.store}; torch threads {torch.get_num_threads()}")
+          f"state {state_mb:.0f} MiB in {len(ptc.tensors)} tensors per snapshot (params + AdamW); store {args.store}"
+          f"{' without fsync' if args.no_fsync else ''}; torch threads {torch.get_num_threads()}; load average {os.getloadavg()[0]:.1f}")
     print(f"step time, median of {len(times['none'])}: no snapshot {base * 1e3:.0f} ms, "
           f"snapshot every step {with_snap * 1e3:.0f} ms  -> slowdown {slowdown * 100:+.1f}% (target <= {args.target * 100:.0f}%)")
     if copy_s:
-        print(f"copy-out (blocking part of a snapshot), median: {statistics.median(copy_s) * 1e3:.0f} ms")
+        print(f"copy-out (blocking part of a snapshot), median: {statistics.median(copy_s) * 1e3:.0f} ms "
+              f"= {statistics.median(copy_s) / base * 100:.1f}% of a step")
     if write_s:
         print(f"background write of one snapshot, median: {statistics.median(write_s):.2f} s "
               f"({state_mb / statistics.median(write_s):.0f} MiB/s, overlapping the next step)")
+    print(f"load average after the run: {os.getloadavg()[0]:.1f} (2 cores: above 2 means other work competed)")
     ok = slowdown <= args.target
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
