@@ -362,6 +362,7 @@ class KubernetesBackend(Backend):
         job_obj = self._elasticjob(job)
         namespace = job_obj["metadata"].get("namespace") or "default"
         informer = self._informer_for(namespace)
+        self._remove_finished(job, {str(w.env.get(ENV_GENERATION, "0")) for w in workers})
         for w in workers:
             manifest = self.worker_pod_manifest(job_obj, command, w)
             try:
@@ -379,6 +380,20 @@ class KubernetesBackend(Backend):
                 log.info("job %s: pod %s already exists (launched before a scheduler restart)", job, w.worker_id)
             log.info("job %s: created pod %s/%s (rank %d on node %s)", job, namespace, w.worker_id, w.rank, w.host)
         return {w.worker_id: None for w in workers}
+
+    def _remove_finished(self, job: str, generations: set[str]) -> None:
+        """Delete the terminated worker pods of earlier generations (a planned stop leaves them Succeeded)."""
+        for pod in self.job_pods(job):
+            if _labels(pod).get(LABEL_GENERATION) in generations or _phase(pod) not in ("Succeeded", "Failed"):
+                continue
+            meta = pod["metadata"]
+            try:
+                self.core.delete_namespaced_pod(meta["name"], meta["namespace"], propagation_policy="Background")
+                log.info("job %s: removed finished pod %s of generation %s", job, meta["name"],
+                         _labels(pod).get(LABEL_GENERATION))
+            except client.ApiException as exc:
+                if exc.status != 404:
+                    log.warning("job %s: could not remove finished pod %s: %s", job, meta["name"], _api_message(exc))
 
     def stop(self, job: str, worker_ids: Sequence[str], *, grace: float = 10.0) -> None:
         """Delete the pods (the kubelet sends SIGTERM, then SIGKILL after ``grace``) and wait until they are gone."""

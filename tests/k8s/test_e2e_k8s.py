@@ -1,0 +1,175 @@
+"""End to end on emulated Kubernetes: the reference GPT job as an ElasticJob, scaled and recovered.
+
+Everything but the cluster itself is real: the API server emulator over
+HTTP, one test kubelet per node running that node's pods as processes, the
+store DaemonSet's pods as real ``tenplex store serve`` daemons on the node
+addresses (127.0.7.x), the scheduler (Kubernetes backend, ElasticJob operator
+holding the Lease, state in ConfigMaps and the ElasticJob status) with its
+REST API for the workers, and the workers: ``examples/gpt/train.py`` in
+elastic mode training a tiny GPT with gloo over the host network.
+
+The job starts on 2 GPUs, is scaled to 4 through the scale subresource (as
+``kubectl scale`` does), then one worker's process is killed: the kubelet
+reports its pod Failed, and the job resumes from the newest version held by
+the node stores and runs to the last step.
+"""
+
+from __future__ import annotations
+
+import base64
+import socket
+import sys
+from collections.abc import Iterator
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kubernetes import client
+
+from tenplex.errors import NotFound
+from tenplex.k8s import crd
+from tenplex.k8s.emulator import ApiServerEmulator
+from tenplex.k8s.kubelet import LocalKubelet
+from tenplex.k8s.operator import KubernetesScheduler
+from tenplex.k8s.settings import KubernetesSettings
+from tenplex.scheduler.api import create_app
+from tenplex.scheduler.controller import SchedulerSettings
+from tenplex.scheduler.state import Phase
+from tenplex.serving import BackgroundServer, bind_socket
+from tenplex.store.client import StoreClient
+
+from .cluster import NS, elasticjob, eventually, store_pod, worker_pods
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+TOKEN = "e2e-token"
+NODES = {"node-0": "127.0.7.2", "node-1": "127.0.7.3", "node-2": "127.0.7.4"}
+MODEL = {"vocab": 64, "dim": 32, "n_layers": 4, "n_heads": 4, "seq_len": 16}
+SNAPSHOT_EVERY = 3
+STEPS = 24
+WORKER = [sys.executable, "-m", "examples.gpt.train", "--layers", "4", "--dim", "32", "--heads", "4", "--vocab", "64",
+          "--seq-len", "16", "--samples", "4096", "--global-batch", "8", "--snapshot-every", str(SNAPSHOT_EVERY)]
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class Cluster:
+    def __init__(self, api: ApiServerEmulator, root: Path, stack: ExitStack) -> None:
+        self.api = api
+        self.kubelets: dict[str, LocalKubelet] = {}
+        api.create("secrets", {"metadata": {"name": "tenplex-auth"},
+                               "data": {"token": base64.b64encode(TOKEN.encode()).decode()}}, NS)
+        for node, ip in NODES.items():
+            api.add_node(node, gpus=2, address=ip)
+            kubelet = LocalKubelet(stack.enter_context(api.api_client()), node, ip, root / node, cwd=REPO)
+            self.kubelets[node] = stack.enter_context(kubelet)
+            port = free_port(ip)
+            pod = store_pod(node, port=port, command=[
+                sys.executable, "-m", "tenplex", "store", "serve", "--root", str(root / node / "store"),
+                "--host", ip, "--port", str(port)])
+            pod["spec"]["containers"][0]["env"] = [
+                {"name": "TENPLEX_TOKEN", "valueFrom": {"secretKeyRef": {"name": "tenplex-auth", "key": "token"}}}]
+            api.create("pods", pod, NS)
+        for node, ip in NODES.items():
+            port = api.get("pods", f"store-{node}", NS)["spec"]["containers"][0]["ports"][0]["hostPort"]
+            store = StoreClient(f"http://{ip}:{port}", TOKEN, retries=0, timeout=2)
+            eventually(lambda s=store: _healthy(s), f"the store daemon of {node}", timeout=60, interval=0.2)
+
+
+def _healthy(store: StoreClient) -> bool:
+    try:
+        store.health()
+        return True
+    except Exception:
+        return False
+
+
+@pytest.fixture
+def cluster(api: ApiServerEmulator, tmp_path: Path) -> Iterator[Cluster]:
+    with ExitStack() as stack:
+        yield Cluster(api, tmp_path / "nodes", stack)
+
+
+@pytest.fixture
+def scheduler(api: ApiServerEmulator, cluster: Cluster, tmp_path: Path) -> Iterator[KubernetesScheduler]:
+    sock = bind_socket("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    settings = KubernetesSettings(namespace=NS, identity="scheduler-0", auth_secret="tenplex-auth",
+                                  lease_duration_seconds=5, renew_deadline_seconds=4, retry_period_seconds=1)
+    base = free_port("127.0.7.2")
+    sched = KubernetesScheduler(api.api_client(), settings,
+                                SchedulerSettings(url=url, token=TOKEN, heartbeat_interval=0.3), tmp_path / "sched",
+                                master_ports=(base, base + 20), watch_timeout=10)
+    server = BackgroundServer(create_app(sched, token=TOKEN), sock=sock).start()
+    sched.recover()
+    assert sched.operator.leading.wait(30), "the scheduler never took the Lease"
+    try:
+        yield sched
+    finally:
+        server.stop()
+        for ctl in sched.list():
+            ctl.close()  # no failure handling while the workers are taken down
+            sched.backend.stop(ctl.spec.name, [w.worker_id for w in ctl.status.workers], grace=2)
+        sched.close()
+
+
+def wait_job(sched: KubernetesScheduler, name: str, pred: Any, what: str, timeout: float = 240.0) -> Any:
+    def check() -> Any:
+        try:
+            ctl = sched.get(name)
+        except NotFound:  # the operator has not seen the ElasticJob yet
+            return None
+        with ctl.lock:
+            st = ctl.status
+            assert st.phase != Phase.FAILED, f"job failed while {what}: {st.message}"
+            return st if pred(st) else None
+    return eventually(check, what, timeout=timeout, interval=0.2)
+
+
+def test_reference_job_scaled_through_the_scale_subresource_and_recovered_after_a_pod_failure(
+        api: ApiServerEmulator, cluster: Cluster, scheduler: KubernetesScheduler) -> None:
+    job = elasticjob("gpt", 2, provider="example-gpt", model=MODEL, command=WORKER, steps=STEPS,
+                     snapshot_every=SNAPSHOT_EVERY, max_gpus=4,
+                     env=[{"name": "OMP_NUM_THREADS", "value": "1"}, {"name": "GLOO_SOCKET_IFNAME", "value": "lo"}])
+    api.create("elasticjobs", job, NS)
+    wait_job(scheduler, "gpt", lambda s: s.phase == Phase.RUNNING and s.step >= 3, "training on 2 GPUs")
+
+    with api.api_client() as api_client:
+        client.CustomObjectsApi(api_client).patch_namespaced_custom_object_scale(
+            crd.GROUP, crd.VERSION, NS, crd.PLURAL, "gpt", {"spec": {"replicas": 4}})
+    st = wait_job(scheduler, "gpt", lambda s: s.phase == Phase.RUNNING and s.generation == 1 and s.step >= 9,
+                  "training on 4 GPUs")
+    assert st.gpus == 4 and sorted(st.hosts) == ["node-0", "node-1"]
+    # The stopped generation-0 pods are removed when generation 1 is launched.
+    pods = eventually(lambda: (p := worker_pods(api, "gpt")) and len(p) == 4 and p, "4 worker pods")
+    assert sorted((p["metadata"]["name"], p["spec"]["nodeName"]) for p in pods) == [
+        ("gpt-g1-r0", "node-0"), ("gpt-g1-r1", "node-0"), ("gpt-g1-r2", "node-1"), ("gpt-g1-r3", "node-1")]
+    ej = api.get("elasticjobs", "gpt", NS)["status"]
+    assert ej["gpus"] == 4 and ej["lastReconfiguration"]["reason"] == "scale"
+    assert ej["lastReconfiguration"]["from"]["gpus"] == 2 and ej["lastReconfiguration"]["to"]["gpus"] == 4
+
+    victim = "gpt-g1-r3"
+    cluster.kubelets["node-1"].kill(victim)  # the process dies: the kubelet reports the pod Failed
+    st = wait_job(scheduler, "gpt", lambda s: s.phase == Phase.SUCCEEDED, "recovering and finishing")
+    assert st.step == STEPS
+
+    scale, failure = st.history
+    assert (scale.reason, scale.from_gpus, scale.to_gpus, scale.steps_lost) == ("scale", 2, 4, 0)
+    assert scale.bytes_remote == scale.lower_bound_bytes > 0  # node-1's half came over the network, once
+    assert failure.reason == "failure" and victim in (failure.error or "") and "137" in (failure.error or "")
+    # Recovery restarts from the newest snapshot every node store holds: the steps since then are lost, at most
+    # two snapshot intervals (the killed rank may die while its newest snapshot is still being written).
+    assert failure.to_gpus == 4 and 0 <= failure.steps_lost < 2 * SNAPSHOT_EVERY
+    assert failure.bytes_remote == failure.lower_bound_bytes  # same placement: every node restores its own shards
+    assert failure.version_from is not None and failure.downtime_seconds is not None
+
+    ej = eventually(lambda: (s := api.get("elasticjobs", "gpt", NS)["status"])["phase"] == "Succeeded" and s,
+                    "the ElasticJob status Succeeded")
+    assert ej["step"] == STEPS and ej["lastReconfiguration"]["reason"] == "failure"
+    assert crd.elasticjob_errors(api.get("elasticjobs", "gpt", NS)) == []
