@@ -55,6 +55,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BUFFER_BYTES = 2 << 30
+_WRITERS = 2  # threads storing finished shards (one can write while the other waits on fsync)
 
 
 class StoreLike(Protocol):
@@ -405,7 +406,19 @@ def _run(
             with budget:
                 budget.notify_all()
 
-    with ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix=f"tenplex-transform-{hp.host}") as pool:
+    writes: list[Future[None]] = []
+    with (
+        ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix=f"tenplex-transform-{hp.host}") as pool,
+        ThreadPoolExecutor(max_workers=_WRITERS, thread_name_prefix=f"tenplex-transform-{hp.host}-write") as writer,
+    ):
+
+        def finish(shard: _Shard) -> None:
+            """Hand a complete shard to the writers, so that the readers go on fetching meanwhile."""
+            f = writer.submit(_store, plan, hp, shard, clients, state, stored)
+            f.add_done_callback(check)
+            with state.lock:
+                writes.append(f)
+
         for idx, dest in enumerate(hp.shards):
             nbytes = dest.nbytes
             with budget:
@@ -416,17 +429,22 @@ def _run(
                     break
                 in_flight[0] += nbytes
             shard = _Shard(idx, dest, len(by_shard[idx]), buffers)
-            if by_shard[idx]:
-                for tr in by_shard[idx]:
-                    futures.append(pool.submit(_piece, plan, hp, shard, tr, clients, state, stored))
-                    futures[-1].add_done_callback(check)
-            else:  # an empty shard (0-size tensor): store it as is
-                futures.append(pool.submit(_store, plan, hp, shard, clients, state, stored))
+            if not by_shard[idx]:  # an empty shard (0-size tensor): store it as is
+                finish(shard)
+            for tr in by_shard[idx]:
+                futures.append(pool.submit(_piece, plan, hp, shard, tr, clients, state, finish))
                 futures[-1].add_done_callback(check)
         if state.failed.is_set():
             for f in futures:
                 f.cancel()
         wait(futures)
+        # Every fetch has finished, so no more writes are being added.
+        with state.lock:
+            pending_writes = list(writes)
+        if state.failed.is_set():
+            for f in pending_writes:
+                f.cancel()
+        wait(pending_writes)
     if errors:
         # A TransformFailed names the piece; prefer it over secondary errors.
         first = next((e for e in errors if isinstance(e, TransformFailed)), errors[0])
@@ -440,7 +458,7 @@ def _piece(
     tr: Transfer,
     clients: Mapping[str, StoreLike],
     state: _State,
-    stored: Callable[[int], None],
+    finish: Callable[[_Shard], None],
 ) -> None:
     if state.failed.is_set():
         return
@@ -456,7 +474,7 @@ def _piece(
         shard.missing -= 1
         last = shard.missing == 0
     if last:
-        _store(plan, hp, shard, clients, state, stored)
+        finish(shard)
 
 
 def _candidates(plan: Plan, tr: Transfer) -> list[str]:
