@@ -367,7 +367,7 @@ class KubernetesBackend(Backend):
             manifest = self.worker_pod_manifest(job_obj, command, w)
             try:
                 resp = self.core.create_namespaced_pod(namespace, manifest, _preload_content=False)
-                informer.upsert(json.loads(resp.data))
+                informer.add_created(json.loads(resp.data))
             except client.ApiException as exc:
                 if exc.status != 409:
                     raise InvalidConfig(f"job {job}: the API server refused worker pod {namespace}/{w.worker_id}: "

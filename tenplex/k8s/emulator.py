@@ -7,8 +7,9 @@ watches, label and field selectors, the scale and status subresources with
 their write rules, optimistic concurrency on update. This module emulates
 exactly that part of the API, as the real server behaves:
 
-* resources: pods (with ``status``, ``binding`` and ``eviction``), nodes, namespaces,
-  services, configmaps, secrets, events, leases (``coordination.k8s.io``) and the
+* resources: pods (with ``status``, ``binding`` and ``eviction``, which honours
+  PodDisruptionBudgets), nodes, namespaces, services, configmaps, secrets, events,
+  leases (``coordination.k8s.io``), poddisruptionbudgets (``policy/v1``) and the
   ``ElasticJob`` custom resource with its ``status`` and ``scale`` subresources;
 * create (``generateName`` too), get, list, replace (PUT), patch
   (JSON merge patch, JSON patch, and a strategic merge patch for built-in
@@ -29,7 +30,8 @@ exactly that part of the API, as the real server behaves:
 
 Test hooks (thread-safe, callable from the test thread) change the world the
 way kubelets, node controllers and operators do: :meth:`add_node`,
-:meth:`set_node_ready`, :meth:`cordon_node`, :meth:`drain_node`,
+:meth:`set_node_ready`, :meth:`cordon_node`, :meth:`drain_node` (evicts regardless of budgets),
+:meth:`evict_node_pods` (one budget-respecting pass of ``kubectl drain``),
 :meth:`set_pod_running`, :meth:`fail_pod`, :meth:`set_pod_succeeded`, and
 :meth:`expire_watches` / :meth:`compact` to force 410 Gone.
 
@@ -152,6 +154,8 @@ def default_resources() -> tuple[ResourceType, ...]:
         ResourceType("", "v1", "secrets", "Secret", True),
         ResourceType("", "v1", "events", "Event", True, short_names=("ev",)),
         ResourceType("coordination.k8s.io", "v1", "leases", "Lease", True),
+        ResourceType("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget", True, status_subresource=True,
+                     short_names=("pdb",)),
         ResourceType(crd.GROUP, crd.VERSION, crd.PLURAL, crd.KIND, True, status_subresource=True, scale=ej_scale,
                      custom=True, returns_object_on_delete=True, validate=crd.elasticjob_errors,
                      defaults=_elasticjob_defaults, short_names=crd.SHORT_NAMES,
@@ -738,6 +742,52 @@ def _wants_table(request: Request, rt: ResourceType) -> bool:
     return bool(rt.printer_columns) and "as=Table" in request.headers.get("accept", "")
 
 
+def selector_text(selector: Mapping[str, Any] | None) -> str:
+    """A metav1.LabelSelector (matchLabels, matchExpressions) as label-selector text."""
+    selector = selector or {}
+    parts = [f"{k}={v}" for k, v in (selector.get("matchLabels") or {}).items()]
+    for e in selector.get("matchExpressions") or []:
+        op, key, values = e.get("operator"), e.get("key"), ",".join(e.get("values") or [])
+        parts.append({"In": f"{key} in ({values})", "NotIn": f"{key} notin ({values})", "Exists": key,
+                      "DoesNotExist": f"!{key}"}[op])
+    return ",".join(parts)
+
+
+def _pod_healthy(pod: Mapping[str, Any]) -> bool:
+    status = pod.get("status") or {}
+    return status.get("phase") == "Running" and not pod["metadata"].get("deletionTimestamp") and any(
+        c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+
+
+def _blocking_budget(store: _Store, namespace: str, pod: Mapping[str, Any]) -> str | None:
+    """The name of a PodDisruptionBudget that forbids evicting ``pod`` now, or None.
+
+    As the disruption controller computes it: of the pods a budget selects,
+    the healthy (Running and Ready) ones may drop to ``minAvailable``, or
+    ``maxUnavailable`` of all may be unhealthy. A pod that is not healthy
+    itself may always be evicted (it disrupts nothing), like a terminated one.
+    """
+    if not _pod_healthy(pod):
+        return None
+    pods_rt = store.resource_by_key("pods")
+    pdb_rt = store.resource_by_key("poddisruptionbudgets")
+    labels = pod["metadata"].get("labels") or {}
+    for pdb in store.list(_Filter(pdb_rt, namespace)):
+        reqs = parse_label_selector(selector_text(pdb.get("spec", {}).get("selector")))
+        if not reqs or not all(r.matches(labels) for r in reqs):
+            continue
+        selected = store.list(_Filter(pods_rt, namespace, reqs))
+        healthy = sum(1 for p in selected if _pod_healthy(p))
+        spec = pdb.get("spec") or {}
+        if "maxUnavailable" in spec:
+            allowed = int(spec["maxUnavailable"]) - (len(selected) - healthy)
+        else:
+            allowed = healthy - int(spec.get("minAvailable", 1))
+        if allowed <= 0:
+            return str(pdb["metadata"]["name"])
+    return None
+
+
 class _App:
     def __init__(self, store: _Store, stopping: threading.Event) -> None:
         self.store = store
@@ -897,7 +947,13 @@ class _App:
         if t.subresource == "eviction":
             if method != "POST":
                 raise ApiError(405, "MethodNotAllowed", "evictions are created with POST")
-            store.delete(t.rt, t.namespace, t.name)
+            with store.lock:
+                blocking = _blocking_budget(store, t.namespace or "", store.get(t.rt, t.namespace, t.name))
+                if blocking is not None:
+                    raise ApiError(429, "TooManyRequests", "Cannot evict pod as it would violate the pod's disruption "
+                                   "budget.", {"causes": [{"reason": "DisruptionBudget",
+                                                            "message": f"The disruption budget {blocking} is not met"}]})
+                store.delete(t.rt, t.namespace, t.name)
             return JSONResponse({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201},
                                 status_code=201)
         if method == "GET":
@@ -1195,6 +1251,26 @@ class ApiServerEmulator:
                 self.delete("pods", meta["name"], meta["namespace"])
                 evicted.append(f"{meta['namespace']}/{meta['name']}")
         return evicted
+
+    def evict_node_pods(self, name: str) -> tuple[list[str], list[str]]:
+        """One pass of ``kubectl drain --ignore-daemonsets``: cordon, then evict (through the eviction API's rules,
+        PodDisruptionBudgets included) every pod on the node that no DaemonSet owns.
+
+        Returns ``ns/name`` of the evicted pods and of those a budget protected; a drain retries the latter.
+        """
+        self.cordon_node(name)
+        evicted, blocked = [], []
+        with self._store.lock:
+            pods = [p for p in self.list("pods") if p.get("spec", {}).get("nodeName") == name
+                    and not any(o.get("kind") == "DaemonSet" for o in p["metadata"].get("ownerReferences") or [])]
+            for pod in pods:
+                meta = pod["metadata"]
+                if _blocking_budget(self._store, meta["namespace"], pod) is not None:
+                    blocked.append(f"{meta['namespace']}/{meta['name']}")
+                    continue
+                self.delete("pods", meta["name"], meta["namespace"])
+                evicted.append(f"{meta['namespace']}/{meta['name']}")
+        return evicted, blocked
 
     def node_address(self, name: str) -> str:
         for addr in self.get("nodes", name).get("status", {}).get("addresses", []):

@@ -60,6 +60,8 @@ class Informer:
         self._watch_timeout = watch_timeout
         self._retry = retry_interval
         self._cache: dict[Key, dict[str, Any]] = {}
+        self._pending_added: set[Key] = set()
+        """Keys put in by :meth:`add_created` whose ADDED event the watch has not delivered yet."""
         self._lock = threading.RLock()
         self._handlers: list[Handler] = []
         self._stop = threading.Event()
@@ -109,12 +111,18 @@ class Informer:
         with self._lock:
             return list(self._cache.values())
 
-    def upsert(self, obj: dict[str, Any]) -> None:
-        """Put an object this process just wrote into the cache (the watch confirms it later).
+    def add_created(self, obj: dict[str, Any]) -> None:
+        """Put an object this process just created into the cache, unless the watch delivered it already.
 
-        No handler runs here: handlers run on the informer's thread only, so a writer holding
-        its own locks never re-enters them through a handler."""
-        self._apply("MODIFIED", obj, notify=False)
+        So that a reader right after the create sees it. Only a new key is added: replacing a
+        cached object with our write's answer would hide from the handlers the changes made by
+        others in between (their events would then look stale). No handler runs here: the
+        watch's ADDED event, handled on the informer's thread, is reported as usual."""
+        key = key_of(obj)
+        with self._lock:
+            if key not in self._cache:
+                self._cache[key] = obj
+                self._pending_added.add(key)
 
     # -- list and watch ----------------------------------------------------------------------
 
@@ -180,7 +188,7 @@ class Informer:
             rv = new_rv or rv
         return rv
 
-    def _apply(self, kind: str, obj: dict[str, Any], *, notify: bool = True) -> None:
+    def _apply(self, kind: str, obj: dict[str, Any]) -> None:
         key = key_of(obj)
         with self._lock:
             old = self._cache.get(key)
@@ -188,29 +196,20 @@ class Informer:
                 if old is None:
                     return  # a replayed deletion
                 del self._cache[key]
+                self._pending_added.discard(key)
             else:
-                if old is not None and _rv(old) == _rv(obj):
+                created_here = key in self._pending_added
+                self._pending_added.discard(key)
+                if old is not None and _rv(old) == _rv(obj) and not created_here:
                     return  # a replay: nothing changed
-                if old is not None and _newer(_rv(old), _rv(obj)):
-                    return  # an older view than ours (we wrote it and cached the answer)
                 self._cache[key] = obj
+                if created_here:
+                    old = None  # what we put in was our own create's answer: this is its ADDED event
                 kind = "ADDED" if old is None else "MODIFIED"
-            handlers = list(self._handlers) if notify else []
+            handlers = list(self._handlers)
         for handler in handlers:
             try:
                 handler(kind, obj, old)
             except Exception:  # one broken handler must not stop the cache
                 log.exception("informer %s: handler failed on %s %s/%s", self.name, kind, *key)
 
-
-def _newer(a: str | None, b: str | None) -> bool:
-    """Whether resourceVersion ``a`` is newer than ``b``.
-
-    ResourceVersions are opaque to clients in general; both the API server
-    (etcd revisions) and the emulator use increasing integers, and the
-    comparison is only used to drop a stale echo of our own write.
-    """
-    try:
-        return a is not None and b is not None and int(a) > int(b)
-    except ValueError:
-        return False

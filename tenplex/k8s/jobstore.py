@@ -198,9 +198,8 @@ class KubeJobStore:
         view = self.status_view(spec.name, status, previous=job_obj.get("status") or {})
         body = {"status": {**{k: None for k in _STATUS_KEYS}, **view.to_dict()}}
         try:
-            updated = self.custom.patch_namespaced_custom_object_status(
+            self.custom.patch_namespaced_custom_object_status(
                 crd.GROUP, crd.VERSION, meta["namespace"], crd.PLURAL, meta["name"], body)
-            self.jobs.informer.upsert(updated)
         except client.ApiException as exc:
             if exc.status == 404:
                 log.info("job %s: the ElasticJob is gone; status not written", spec.name)

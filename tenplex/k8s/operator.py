@@ -20,7 +20,9 @@ the API server (:mod:`tenplex.k8s.jobstore`). Its :class:`ElasticJobOperator`
   deleted worker pod or a NotReady node wakes the job's controller (which
   fails over from the survivors' newest version); a cordoned node asks the
   jobs on it for a planned redeployment off it (stop at a step boundary,
-  snapshot, then move), so its state is pulled before its pods go.
+  snapshot, then move), so its state is pulled before its pods go. A
+  PodDisruptionBudget (``maxUnavailable: 0``) on each job's worker pods makes
+  ``kubectl drain`` wait for that instead of evicting the workers first.
 """
 
 from __future__ import annotations
@@ -59,6 +61,11 @@ STATUS_SYNC_SECONDS = 2.0
 """How often a running job's step is published to its ElasticJob status between state changes."""
 RESYNC_SECONDS = 30.0
 """Every ElasticJob is reconciled this often besides its watch events (a safety net, as in client-go)."""
+
+
+def budget_name(job: str) -> str:
+    """The PodDisruptionBudget of a job's worker pods."""
+    return f"{job}-tenplex-workers"
 
 
 def job_spec_from_elasticjob(obj: Mapping[str, Any]) -> JobSpec:
@@ -195,6 +202,7 @@ class ElasticJobOperator:
         self.settings = settings
         self.custom = client.CustomObjectsApi(api_client)
         self.coordination = client.CoordinationV1Api(api_client)
+        self.policy = client.PolicyV1Api(api_client)
         self._exit_on_lost = exit_on_lost_leadership
         self.leading = threading.Event()
         self.lost = threading.Event()
@@ -340,6 +348,7 @@ class ElasticJobOperator:
                     self._refuse(obj, exc.detail)
                     return
                 sched.jobstore.set_observed_generation(name, generation)
+                self._ensure_budget(obj)
                 sched.create(spec)
                 log.info("job %s: created from ElasticJob %s/%s (generation %d, %d GPUs)", name, ns, name, generation,
                          spec.gpus)
@@ -372,6 +381,28 @@ class ElasticJobOperator:
         store.set_observed_generation(name, generation)
         with ctl.lock:
             store.save(ctl.spec, ctl.status)
+
+    def _ensure_budget(self, obj: Mapping[str, Any]) -> None:
+        """A PodDisruptionBudget that lets no worker pod be evicted (``kubectl drain``, autoscaler scale-down).
+
+        Evictions wait instead, while the scheduler, which sees the node cordoned,
+        stops the workers at a step boundary, snapshots, moves the state and the
+        workers off the node, and deletes the old pods itself (a deletion is not an
+        eviction); then the drain goes through. Owned by the ElasticJob.
+        """
+        meta = obj["metadata"]
+        body = {
+            "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+            "metadata": {"name": budget_name(meta["name"]), "namespace": meta["namespace"],
+                         "labels": crd.job_labels(meta["name"]), "ownerReferences": [crd.owner_reference(obj)]},
+            "spec": {"maxUnavailable": 0, "selector": {"matchLabels": crd.job_labels(meta["name"])}},
+        }
+        try:
+            self.policy.create_namespaced_pod_disruption_budget(meta["namespace"], body)
+        except client.ApiException as exc:
+            if exc.status != 409:  # 409: there already (a restart); anything else: drains will not wait for us
+                log.warning("job %s: no PodDisruptionBudget (%s %s): a drain will evict its workers before their "
+                            "state is moved", meta["name"], exc.status, exc.reason)
 
     def _refuse(self, obj: Mapping[str, Any], reason: str) -> None:
         """An ElasticJob the scheduler cannot run: say why in its status (Failed, condition InvalidSpec)."""

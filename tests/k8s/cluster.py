@@ -11,6 +11,9 @@ from tenplex.k8s.emulator import ApiServerEmulator
 
 NS = "default"
 STORE_LABELS = {crd.LABEL_ROLE: crd.ROLE_STORE, "app.kubernetes.io/name": "tenplex"}
+STORE_DAEMONSET = {"apiVersion": "apps/v1", "kind": "DaemonSet", "name": "tenplex-store",
+                   "uid": "8a6c4a47-0000-4000-8000-00000000d5e7", "controller": True, "blockOwnerDeletion": True}
+"""The store pods' owner, as the chart's DaemonSet (kubectl drain --ignore-daemonsets leaves such pods alone)."""
 MEGATRON_MODEL = {"num_layers": 2, "hidden": 64, "heads": 4, "vocab": 128, "seq_len": 32,
                   "make_vocab_size_divisible_by": 8}
 
@@ -21,7 +24,8 @@ def store_pod(node: str, *, port: int = crd.STORE_PORT, command: list[str] | Non
                                  "ports": [{"name": "store", "containerPort": port, "hostPort": port}]}
     if command is not None:
         container["command"] = command
-    return {"metadata": {"name": f"store-{node}", "namespace": NS, "labels": dict(STORE_LABELS)},
+    return {"metadata": {"name": f"store-{node}", "namespace": NS, "labels": dict(STORE_LABELS),
+                         "ownerReferences": [STORE_DAEMONSET]},
             "spec": {"nodeName": node, "containers": [container]}}
 
 

@@ -186,6 +186,7 @@ def test_rbac_is_least_privilege() -> None:
     expected |= {("", "pods", v, ()) for v in ("create", "get", "list", "watch", "delete", "patch")}
     expected |= {("", "events", "create", ())}
     expected |= {("", "configmaps", v, ()) for v in ("create", "get", "list", "patch", "delete")}
+    expected |= {("policy", "poddisruptionbudgets", v, ()) for v in ("create", "get", "delete")}
     expected |= {("coordination.k8s.io", "leases", "create", ())}
     expected |= {("coordination.k8s.io", "leases", v, (crd.LEADER_LEASE,)) for v in ("get", "update", "patch")}
     assert granted == expected

@@ -20,7 +20,12 @@ from tenplex.errors import InvalidConfig
 from tenplex.k8s import crd
 from tenplex.k8s.emulator import ApiServerEmulator
 from tenplex.k8s.jobstore import ptc_configmap, state_configmap
-from tenplex.k8s.operator import KubernetesScheduler, advertise_url, job_spec_from_elasticjob
+from tenplex.k8s.operator import (
+    KubernetesScheduler,
+    advertise_url,
+    budget_name,
+    job_spec_from_elasticjob,
+)
 from tenplex.k8s.settings import KubernetesSettings
 from tenplex.scheduler.controller import SchedulerSettings
 from tenplex.scheduler.state import JobSpec, Phase
@@ -152,15 +157,31 @@ def test_a_not_ready_node_is_a_lost_host(cluster: ApiServerEmulator, sched: Kube
     assert ctl.status.history[-1].reason == "failure"
 
 
-def test_a_cordoned_node_asks_for_a_redeployment(cluster: ApiServerEmulator, sched: KubernetesScheduler) -> None:
+def test_a_drain_waits_while_the_scheduler_redeploys_off_the_node(cluster: ApiServerEmulator,
+                                                                  sched: KubernetesScheduler) -> None:
     cluster.create("elasticjobs", elasticjob("gpt", 2), NS)
-    running_pods(cluster, "gpt", 2)
+    for pod in running_pods(cluster, "gpt", 2):
+        cluster.set_pod_running(pod["metadata"]["name"], NS)
     ctl = sched.get("gpt")
     eventually(lambda: ctl.status.phase == Phase.RUNNING, "Running")
     assert ctl.status.hosts == ["gpu-a"]
+    budget = cluster.get("poddisruptionbudgets", budget_name("gpt"), NS)
+    assert budget["spec"] == {"maxUnavailable": 0, "selector": {"matchLabels": crd.job_labels("gpt")}}
+    assert budget["metadata"]["ownerReferences"] == [crd.owner_reference(cluster.get("elasticjobs", "gpt", NS))]
+
     cluster.cordon_node("gpu-b")  # not the job's node: nothing to do
-    cluster.cordon_node("gpu-a")
-    eventually(lambda: ctl.status.pending_reason == "node-drain", "a redeployment off gpu-a")
+    # kubectl drain: cordon, then evictions, which the budget refuses while the workers run there.
+    evicted, blocked = cluster.evict_node_pods("gpu-a")
+    assert evicted == [] and blocked == [f"{NS}/gpt-g0-r0", f"{NS}/gpt-g0-r1"]
+    with cluster.api_client() as api_client, pytest.raises(client.ApiException) as refused:
+        client.CoreV1Api(api_client).create_namespaced_pod_eviction(
+            "gpt-g0-r0", NS, {"metadata": {"name": "gpt-g0-r0", "namespace": NS}})
+    assert refused.value.status == 429 and "disruption budget" in refused.value.body
+    # Instead the scheduler is asked to move the job off gpu-a (a planned reconfiguration: snapshot, then move).
+    eventually(lambda: ctl.status.pending_reason in ("node-drain", "redeploy"), "a redeployment off gpu-a")
+    # Pods that no longer run (stopped by the scheduler) are evicted at the drain's next pass.
+    cluster.set_pod_succeeded("gpt-g0-r0", NS)
+    assert cluster.evict_node_pods("gpu-a") == ([f"{NS}/gpt-g0-r0"], [f"{NS}/gpt-g0-r1"])
 
 
 def test_expired_watches_do_not_lose_events(cluster: ApiServerEmulator, sched: KubernetesScheduler) -> None:

@@ -81,4 +81,8 @@ tenplex.io/role: {{ .role }}
 - apiGroups: [""]
   resources: ["configmaps"]
   verbs: ["create", "get", "list", "patch", "delete"]
+{{- /* A budget per job, so that kubectl drain waits while the scheduler moves the workers and their state. */}}
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["create", "get", "delete"]
 {{- end }}
