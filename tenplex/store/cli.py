@@ -30,6 +30,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--token", default=None, help="bearer token required by every route but /healthz (default: $TENPLEX_TOKEN)")
     serve.add_argument("--port-file", default=None, help="write the bound port to this file once listening")
     serve.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES, help="target zarr chunk size (default 4 MiB)")
+    serve.add_argument(
+        "--workers", type=int, default=1, help="server processes sharing the port (default 1; about one per core for parallel pulls)"
+    )
     serve.set_defaults(func=_serve)
 
     ls = cmds.add_parser("ls", help="list the jobs of a store daemon, or the versions of one job")
@@ -72,6 +75,7 @@ def _serve(args: argparse.Namespace) -> int:
         token=args.token,
         port_file=args.port_file,
         chunk_bytes=args.chunk_bytes,
+        workers=args.workers,
         log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
     )
     return 0

@@ -40,10 +40,13 @@ import asyncio
 import contextlib
 import ctypes
 import hmac
+import json
 import logging
 import os
+import shutil
 import socket
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -63,6 +66,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.multiprocess import MultiProcessCollector
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -79,6 +83,9 @@ log = logging.getLogger(__name__)
 SINGLE_PASS_BYTES = 64 << 20
 PIECE_BYTES = 32 << 20
 TOKEN_ENV = "TENPLEX_TOKEN"
+_ROOT_ENV = "TENPLEX_STORE_ROOT"
+_OPTIONS_ENV = "TENPLEX_STORE_OPTIONS"
+_MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's own switch to multiprocess mode
 
 
 def format_shape(shape: tuple[int, ...] | list[int]) -> str:
@@ -206,6 +213,10 @@ def create_app(
 
     @api.get("/metrics")
     async def prometheus() -> Response:
+        if os.environ.get(_MULTIPROC_ENV):  # several worker processes: sum their metric files
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry)
+            return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @api.get("/v1/jobs")
@@ -444,6 +455,7 @@ def serve(
     log_level: str = "info",
     tune_malloc: bool = True,
     map_chunks: bool = True,
+    workers: int = 1,
 ) -> None:
     """Run the node daemon until interrupted (blocking). ``port=0`` picks a free port.
 
@@ -452,6 +464,8 @@ def serve(
     ``token`` defaults to the ``TENPLEX_TOKEN`` environment variable.
     """
     token = token if token is not None else os.environ.get(TOKEN_ENV) or None
+    if workers < 1:
+        raise InvalidInput(f"workers must be >= 1, got {workers}")
     options: dict[str, Any] = {"map_chunks": map_chunks}
     if chunk_bytes is not None:
         options["chunk_bytes"] = chunk_bytes
@@ -463,9 +477,16 @@ def serve(
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text(f"{bound}\n")
         os.replace(tmp, path)
+    log.info(
+        "tenplex store serving %s at %s (auth %s, %d worker process%s)",
+        store.root, _url(host, bound), "on" if token else "off", workers, "" if workers == 1 else "es",
+    )
+    if workers > 1:
+        _serve_workers(sock, store, token, workers, log_level, tune_malloc=tune_malloc)
+        log.info("tenplex store at %s stopped", _url(host, bound))
+        return
     if tune_malloc:
         _keep_freed_memory()
-    log.info("tenplex store serving %s at %s (auth %s)", store.root, _url(host, bound), "on" if token else "off")
     server = uvicorn.Server(_config(create_app(store, token=token), log_level))
     try:
         server.run(sockets=[sock])
@@ -474,6 +495,61 @@ def serve(
     finally:
         store.close()
     log.info("tenplex store at %s stopped", _url(host, bound))
+
+
+def _serve_workers(sock: socket.socket, store: LocalStore, token: str | None, workers: int, log_level: str, *, tune_malloc: bool) -> None:
+    """Several uvicorn worker processes on one listening socket (uvicorn's supervisor restarts dead ones).
+
+    One event loop sends every response body from one thread, so on a node
+    with several cores one process cannot keep several parallel transfers
+    busy. Workers share the root safely (the store's structural changes take
+    a file lock); their Prometheus metrics are summed through a shared
+    multiprocess directory.
+    """
+    from uvicorn.supervisors import Multiprocess
+
+    metrics_dir = tempfile.mkdtemp(prefix="tenplex-store-metrics-")
+    env = {
+        _ROOT_ENV: str(store.root),
+        _OPTIONS_ENV: json.dumps({"chunk_bytes": store.chunk_bytes, "map_chunks": store.map_chunks, "tune_malloc": tune_malloc}),
+        _MULTIPROC_ENV: metrics_dir,
+        TOKEN_ENV: token or "",
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # the spawned workers read their configuration from the environment
+    try:
+        config = uvicorn.Config(
+            "tenplex.store.server:app_from_env",
+            factory=True,
+            workers=workers,
+            loop="uvloop",
+            http="httptools",
+            lifespan="off",
+            access_log=False,
+            log_level=log_level.lower(),
+            timeout_keep_alive=30,
+            log_config=None,
+        )
+        with contextlib.suppress(KeyboardInterrupt):
+            Multiprocess(config, sockets=[sock]).run()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def app_from_env() -> FastAPI:
+    """The app of one worker process of :func:`serve` with ``workers > 1`` (configured by the parent's environment)."""
+    root = os.environ.get(_ROOT_ENV)
+    if not root:
+        raise InvalidInput(f"{_ROOT_ENV} is not set: app_from_env is only for worker processes started by serve()")
+    options = json.loads(os.environ.get(_OPTIONS_ENV, "{}"))
+    if options.pop("tune_malloc", False):
+        _keep_freed_memory()
+    return create_app(LocalStore(root, **options), token=os.environ.get(TOKEN_ENV) or None)
 
 
 def _keep_freed_memory() -> None:

@@ -99,3 +99,50 @@ def test_serve_ls_get_verify_gc(daemon: tuple[str, Path], tmp_path: Path, capsys
     assert main(["store", "gc", "--root", str(root), "gpt", "--keep", "1"]) == 0
     assert "s1-g0" in capsys.readouterr().out
     assert main(["store", "gc", "--root", str(root), "gpt", "--keep", "0"]) == 1
+
+
+@pytest.mark.slow
+def test_serve_with_worker_processes(tmp_path: Path) -> None:
+    """Two uvicorn workers on one port share the root; /metrics sums both processes."""
+    port_file = tmp_path / "port"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    root = tmp_path / "root"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tenplex", "store", "serve", "--root", str(root), "--port-file", str(port_file), "--workers", "2", "--token", TOKEN],
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not port_file.exists():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        with StoreClient(f"http://127.0.0.1:{int(port_file.read_text())}", TOKEN, max_connections=4) as c:
+            while not c.health():
+                assert proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.05)
+            data = np.arange(64 * 32, dtype=np.int32).reshape(64, 32)
+            for i in range(8):  # spread over both workers (new connections land on either)
+                box = Region(((8 * i, 8 * i + 8), (0, 32)))
+                c.write_shard("mw", "s1-g0", "w", box, np.ascontiguousarray(data[box.slices()]), dtype="int32", global_shape=(64, 32))
+            c.commit("mw", "s1-g0")
+            from tenplex.store.client import ReadRequest
+
+            outs = [np.empty((16, 32), np.int32) for _ in range(4)]
+            c.read_many([ReadRequest("mw", "s1-g0", "w", Region(((16 * i, 16 * i + 16), (0, 32))), o) for i, o in enumerate(outs)], concurrency=4)
+            assert np.array_equal(np.concatenate(outs), data)
+            metrics = {
+                line.split(" ")[0]: float(line.split(" ")[1]) for line in c.metrics().splitlines() if line and not line.startswith("#")
+            }
+            assert metrics["tenplex_store_bytes_in_total"] == data.nbytes
+            assert metrics["tenplex_store_bytes_out_total"] == data.nbytes
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0
