@@ -11,8 +11,8 @@
 Each comparison alternates baseline and store runs and reports the median of
 the per-round ratios (the machine is shared and its load drifts).
 
-3. Extra resident memory of the daemon while it serves a 1 GiB region in one
-   request (target <= 256 MiB): the exact shard (stored checksum, one pass)
+3. Extra resident memory of the daemon (all its processes) while it serves a
+   1 GiB region in one request (target <= 256 MiB): the exact shard (stored checksum, one pass)
    and a region that is not a shard (checksum pass, then the body).
 
 Usage: .venv/bin/python benchmarks/store_throughput.py [--dir DIR] [--repeats 9] [--json OUT]
@@ -123,10 +123,61 @@ def rss_bytes(pid: int) -> int:
     raise RuntimeError("no VmRSS")
 
 
-def start_daemon(root: Path, workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and its descendants (the daemon's supervisor and its worker processes)."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError):
+                continue
+            parents.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(parents.get(p, []))
+    return out
+
+
+def tree_rss(pids: list[int]) -> int:
+    return sum(rss_bytes(p) for p in pids)
+
+
+def peak_extra_rss(pids: list[int], action: Callable[[], object]) -> tuple[int, float]:
+    """Run ``action`` while sampling the processes' resident memory; (peak - start, seconds)."""
+    before = tree_rss(pids)
+    peak = before
+    done = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, tree_rss(pids))
+            time.sleep(0.005)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    t = time.perf_counter()
+    try:
+        action()
+    finally:
+        elapsed = time.perf_counter() - t
+        done.set()
+        sampler.join()
+    return peak - before, elapsed
+
+
+def start_daemon(root: Path, workdir: Path, workers: int) -> tuple[subprocess.Popen[bytes], str]:
     port_file = workdir / "daemon.port"
+    port_file.unlink(missing_ok=True)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tenplex", "--log-level", "WARNING", "store", "serve", "--root", str(root), "--port-file", str(port_file)],
+        [
+            sys.executable, "-m", "tenplex", "--log-level", "WARNING", "store", "serve",
+            "--root", str(root), "--port-file", str(port_file), "--workers", str(workers),
+        ],
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": str(ROOT), "TENPLEX_TOKEN": ""},
     )
@@ -156,6 +207,7 @@ def main() -> int:
     parser.add_argument("--dir", default=None, help="scratch directory (default: a new temp dir, removed at the end)")
     parser.add_argument("--repeats", type=int, default=9, help="rounds of (baseline, store) per comparison")
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="daemon worker processes (default: nproc)")
     args = parser.parse_args()
 
     workdir = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="tenplex-bench-"))
@@ -210,7 +262,8 @@ def main() -> int:
     store.close()
 
     # -- 2. HTTP -------------------------------------------------------------
-    daemon, url = start_daemon(root, workdir)
+    daemon, url = start_daemon(root, workdir, args.workers)
+    print(f"daemon: tenplex store serve --workers {args.workers}")
     base = subprocess.Popen([sys.executable, "-c", BASELINE_SERVER, str(N)], stdout=subprocess.PIPE)
     try:
         assert base.stdout is not None
@@ -280,27 +333,12 @@ def main() -> int:
         for label, region in (("exact_shard", Region.full((N, N))), ("sub_region", Region(((1, N), (0, N))))):
             conn = http.client.HTTPConnection("127.0.0.1", port)
             readinto_raw(conn, "/v1/jobs/bench/versions/s1-g0/tensors/w?region=0:1,0:16", big_target[:64])  # warm
-            before = rss_bytes(daemon.pid)
-            peak = before
-            done = threading.Event()
-
-            def sample() -> None:
-                nonlocal peak
-                while not done.is_set():  # noqa: B023
-                    peak = max(peak, rss_bytes(daemon.pid))
-                    time.sleep(0.005)
-
-            sampler = threading.Thread(target=sample)  # noqa: B023 (joined within the iteration)
-            sampler.start()
             nbytes = region.volume * 4
-            t = time.perf_counter()
-            readinto_raw(conn, f"/v1/jobs/bench/versions/s1-g0/tensors/w?region={region.format()}", big_target[:nbytes])
-            elapsed = time.perf_counter() - t
-            done.set()
-            sampler.join()
+            path = f"/v1/jobs/bench/versions/s1-g0/tensors/w?region={region.format()}"
+            extra_bytes, elapsed = peak_extra_rss(process_tree(daemon.pid), lambda: readinto_raw(conn, path, big_target[:nbytes]))  # noqa: B023
             conn.close()
             assert big.reshape(-1)[: region.volume].tobytes() == data[region.slices()].tobytes()
-            extra = (peak - before) / MiB
+            extra = extra_bytes / MiB
             results[f"server_extra_mib_{label}"] = extra
             results[f"server_1gib_{label}_mbps"] = nbytes / elapsed / 1e6
             print(f"serve 1 GiB {label} in one request: {nbytes / elapsed / 1e6:.0f} MB/s, extra server RSS {extra:.0f} MiB (target 256)")
