@@ -9,9 +9,11 @@ REST API for the workers, and the workers: ``examples/gpt/train.py`` in
 elastic mode training a tiny GPT with gloo over the host network.
 
 The job starts on 2 GPUs, is scaled to 4 through the scale subresource (as
-``kubectl scale`` does), then one worker's process is killed: the kubelet
-reports its pod Failed, and the job resumes from the newest version held by
-the node stores and runs to the last step.
+``kubectl scale`` does), is moved off a drained node (its PodDisruptionBudget
+holds the evictions until the scheduler has moved the state and the
+workers), then one worker's process is killed: the kubelet reports its pod
+Failed, and the job resumes from the newest version held by the node stores
+and runs to the last step.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ TOKEN = "e2e-token"
 NODES = {"node-0": "127.0.7.2", "node-1": "127.0.7.3", "node-2": "127.0.7.4"}
 MODEL = {"vocab": 64, "dim": 32, "n_layers": 4, "n_heads": 4, "seq_len": 16}
 SNAPSHOT_EVERY = 3
-STEPS = 24
+STEPS = 30
 WORKER = [sys.executable, "-m", "examples.gpt.train", "--layers", "4", "--dim", "32", "--heads", "4", "--vocab", "64",
           "--seq-len", "16", "--samples", "4096", "--global-batch", "8", "--snapshot-every", str(SNAPSHOT_EVERY)]
 
@@ -154,14 +156,28 @@ def test_reference_job_scaled_through_the_scale_subresource_and_recovered_after_
     assert ej["gpus"] == 4 and ej["lastReconfiguration"]["reason"] == "scale"
     assert ej["lastReconfiguration"]["from"]["gpus"] == 2 and ej["lastReconfiguration"]["to"]["gpus"] == 4
 
-    victim = "gpt-g1-r3"
-    cluster.kubelets["node-1"].kill(victim)  # the process dies: the kubelet reports the pod Failed
+    # kubectl drain node-1: the job's PodDisruptionBudget refuses the evictions while its workers run there;
+    # the scheduler sees the cordon, stops the workers at a step boundary, snapshots, moves node-1's state to
+    # node-2 (pulled from node-1's store, which a drain leaves running) and restarts there.
+    evicted, blocked = api.evict_node_pods("node-1")
+    assert evicted == [] and blocked == [f"{NS}/gpt-g1-r2", f"{NS}/gpt-g1-r3"]
+    st = wait_job(scheduler, "gpt", lambda s: s.phase == Phase.RUNNING and s.generation == 2 and s.step >= 15,
+                  "training off the drained node")
+    assert st.gpus == 4 and sorted(st.hosts) == ["node-0", "node-2"]
+    assert eventually(lambda: (r := api.evict_node_pods("node-1"))[1] == [] and r, "the drain to go through")
+    assert not [p for p in worker_pods(api, "gpt") if p["spec"]["nodeName"] == "node-1"]
+
+    victim = next(p["metadata"]["name"] for p in worker_pods(api, "gpt") if p["spec"]["nodeName"] == "node-2")
+    cluster.kubelets["node-2"].kill(victim)  # the process dies: the kubelet reports the pod Failed
     st = wait_job(scheduler, "gpt", lambda s: s.phase == Phase.SUCCEEDED, "recovering and finishing")
     assert st.step == STEPS
 
-    scale, failure = st.history
+    scale, drain, failure = st.history
     assert (scale.reason, scale.from_gpus, scale.to_gpus, scale.steps_lost) == ("scale", 2, 4, 0)
     assert scale.bytes_remote == scale.lower_bound_bytes > 0  # node-1's half came over the network, once
+    assert drain.reason in ("node-drain", "redeploy") and drain.steps_lost == 0
+    assert (drain.from_hosts, sorted(drain.to_hosts)) == (["node-0", "node-1"], ["node-0", "node-2"])
+    assert drain.bytes_remote == drain.lower_bound_bytes > 0  # node-1's shards, moved to node-2 before its pods went
     # Seen first either as the pod's failure (the kubelet reports exit code 137) or as a peer's report of a
     # broken collective, whichever reaches the scheduler first.
     assert failure.reason == "failure"
