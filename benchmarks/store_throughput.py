@@ -13,7 +13,8 @@ the per-round ratios (the machine is shared and its load drifts).
 
 3. Extra resident memory of the daemon (all its processes) while it serves a
    1 GiB region in one request (target <= 256 MiB): the exact shard (stored checksum, one pass)
-   and a region that is not a shard (checksum pass, then the body).
+   and a region that is not a shard (checksum pass, then the body); and while it
+   receives a 1 GiB upload.
 
 Usage: .venv/bin/python benchmarks/store_throughput.py [--dir DIR] [--repeats 9] [--json OUT]
 """
@@ -342,6 +343,16 @@ def main() -> int:
             results[f"server_extra_mib_{label}"] = extra
             results[f"server_1gib_{label}_mbps"] = nbytes / elapsed / 1e6
             print(f"serve 1 GiB {label} in one request: {nbytes / elapsed / 1e6:.0f} MB/s, extra server RSS {extra:.0f} MiB (target 256)")
+
+        # -- and while receiving a 1 GiB upload (streamed into zarr piece by piece) --------
+        with StoreClient(url, timeout=300) as up:
+            extra_bytes, elapsed = peak_extra_rss(
+                process_tree(daemon.pid),
+                lambda: up.write_shard("bench", "s2-g0", "w", Region.full((N, N)), data, dtype="float32", global_shape=(N, N)),
+            )
+        results["server_extra_mib_upload"] = extra_bytes / MiB
+        results["server_1gib_upload_mbps"] = data.nbytes / elapsed / 1e6
+        print(f"receive a 1 GiB upload: {data.nbytes / elapsed / 1e6:.0f} MB/s, extra server RSS {extra_bytes / MiB:.0f} MiB (target 256)")
     finally:
         stop(daemon)
         base.kill()
