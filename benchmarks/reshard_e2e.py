@@ -30,6 +30,7 @@ import tempfile
 import threading
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -91,9 +92,13 @@ def snapshot(old: PTC, clients: dict[str, StoreClient], job: str) -> float:
     start = time.perf_counter()
 
     def one(host: str) -> None:
-        for t, s in old.shards_on_host(host):
+        def put(entry) -> None:  # type: ignore[no-untyped-def]
+            t, s = entry
             clients[host].write_shard(job, OLD_V, t.name, s.region, shard_data(t.name, s.region),
                                       dtype=t.dtype, global_shape=t.shape)
+
+        with ThreadPoolExecutor(4) as pool:  # overlaps the per-shard file creation and fsync waits
+            list(pool.map(put, old.shards_on_host(host)))
         clients[host].commit(job, OLD_V)
 
     threads = [threading.Thread(target=one, args=(h,)) for h in old.hosts]
@@ -276,6 +281,7 @@ def main() -> None:
         "move (dp2,tp2)@h0,h1 -> (dp1,tp2,pp2)@h2,h3": (["h2", "h3"], None),
         "failure of h1: (dp2,tp2)@h0,h1 -> (dp1,tp2,pp2)@h0,h2": (["h0", "h2"], {"h0", "h2", "h3"}),
     }
+    own_work = not args.workdir
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="tenplex-reshard-"))
     work.mkdir(parents=True, exist_ok=True)
     old_file = work / "old.json"
@@ -325,6 +331,8 @@ def main() -> None:
             if p.poll() is None:
                 p.terminate()
                 p.wait()
+        if own_work:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BUFFER_BYTES = 2 << 30
-_WRITERS = 2  # threads storing finished shards (one can write while the other waits on fsync)
+_WRITERS = 4  # threads storing finished shards: several overlap the per-shard file creation and fsync waits
 
 
 class StoreLike(Protocol):
