@@ -39,6 +39,7 @@ import math
 import os
 import shutil
 import threading
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -711,11 +712,13 @@ class LocalStore:
             shutil.rmtree(trash, ignore_errors=True)
         log.info("deleted version %s of job %s", v, job)
 
-    def gc(self, job: str, keep_last: int) -> list[Version]:
+    def gc(self, job: str, keep_last: int, *, stale_staging_s: float = 3600.0) -> list[Version]:
         """Delete all but the newest ``keep_last`` committed versions, and uncommitted ones older than the newest committed.
 
         Uncommitted versions newer than every committed one may still be being
-        written and are kept. Also clears leftovers of killed writers.
+        written and are kept. Also clears leftovers of killed writers: deleted
+        or replaced copies, and shards left in staging that nothing has
+        written to for ``stale_staging_s`` seconds.
         """
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
             raise InvalidInput(f"keep_last must be an integer >= 1 (the newest committed version is never collected), got {keep_last!r}")
@@ -731,19 +734,24 @@ class LocalStore:
         for v in doomed:
             with contextlib.suppress(NotFound):
                 self.delete(job, v)
-        self._clean_staging(job)
+        self._clean_staging(job, stale_staging_s)
         if doomed:
             log.info("gc of job %s deleted %s", job, ", ".join(map(str, doomed)))
         return doomed
 
-    def _clean_staging(self, job: str) -> None:
-        """Remove deleted versions and replaced shards left by crashes (never in-flight writes of live processes)."""
+    def _clean_staging(self, job: str, stale_s: float) -> None:
+        """Remove deleted versions, replaced shards and abandoned partial shards left by crashes."""
         staging = self._staging(job)
         if not staging.is_dir():
             return
+        now = time.time()
         for entry in os.listdir(staging):
+            path = staging / entry
             if entry.startswith(("deleted-", "replaced-")):
-                shutil.rmtree(staging / entry, ignore_errors=True)
+                shutil.rmtree(path, ignore_errors=True)
+            elif entry.startswith("shard-") and now - _newest_mtime(path) > stale_s:
+                log.info("removing %s: a partial shard nothing has written to for %.0f s", path, now - _newest_mtime(path))
+                shutil.rmtree(path, ignore_errors=True)
 
     def verify(self, job: str, version: Version | str) -> list[str]:
         """Re-read every shard and compare its crc32c with the recorded one; the problems found (empty = intact)."""
@@ -763,6 +771,16 @@ class LocalStore:
 
     def nbytes(self, job: str, version: Version | str) -> int:
         return self.manifest(job, version).nbytes
+
+
+def _newest_mtime(path: Path) -> float:
+    """Latest modification time of anything under ``path`` (a partial shard being written keeps changing)."""
+    newest = 0.0
+    for dirpath, _dirs, files in os.walk(path):
+        for name in (dirpath, *(os.path.join(dirpath, f) for f in files)):
+            with contextlib.suppress(FileNotFoundError):
+                newest = max(newest, os.stat(name).st_mtime)
+    return newest
 
 
 def _fsync_tree(path: Path) -> None:

@@ -102,6 +102,13 @@ def test_writer_killed_mid_version(tmp_path: Path, delay: float) -> None:
     store.commit("job", "s3-g0")
     assert sorted(map(str, store.gc("job", keep_last=2))) == ["s2-g0"]
     _check_baseline(store, base)
+    # the shard the writer was in the middle of stays in staging until it is stale
+    staging = tmp_path / ".staging" / "job"
+    partial = [p for p in staging.iterdir() if p.name.startswith("shard-")]
+    store.gc("job", keep_last=2)
+    assert [p for p in staging.iterdir() if p.name.startswith("shard-")] == partial
+    store.gc("job", keep_last=2, stale_staging_s=-1.0)
+    assert not any(staging.iterdir())
 
 
 @pytest.mark.slow
