@@ -140,6 +140,7 @@ class KubernetesBackend(Backend):
         self._reserved: dict[tuple[str, int], float] = {}
         self._lost_nodes: dict[str, HostInfo] = {}
         self._known_nodes: dict[str, HostInfo] = {}
+        self._job_namespace: dict[str, str] = {}
         self._started = False
         selector = f"{crd.LABEL_ROLE} in ({crd.ROLE_WORKER},{crd.ROLE_STORE})"
         self.nodes = Informer("nodes", self.core.list_node, watch_timeout=watch_timeout)
@@ -276,10 +277,17 @@ class KubernetesBackend(Backend):
     # -- workers ------------------------------------------------------------------------------
 
     def _worker_pod(self, job: str, worker_id: str) -> dict[str, Any] | None:
+        """The cached pod of a worker: a direct lookup once the job's namespace is known, else a scan."""
+        with self._lock:
+            namespace = self._job_namespace.get(job)
+        if namespace is not None:
+            pod = self._informer_for(namespace).get(namespace, worker_id)
+            return pod if pod is not None and _is_worker_of(pod, job) else None
         for inf in self.pods:
             for pod in inf.items():
-                if pod["metadata"]["name"] == worker_id and _labels(pod).get(crd.LABEL_JOB) == job \
-                        and _labels(pod).get(crd.LABEL_ROLE) == crd.ROLE_WORKER:
+                if pod["metadata"]["name"] == worker_id and _is_worker_of(pod, job):
+                    with self._lock:
+                        self._job_namespace[job] = pod["metadata"]["namespace"]
                     return pod
         return None
 
@@ -362,6 +370,8 @@ class KubernetesBackend(Backend):
         job_obj = self._elasticjob(job)
         namespace = job_obj["metadata"].get("namespace") or "default"
         informer = self._informer_for(namespace)
+        with self._lock:
+            self._job_namespace[job] = namespace
         self._remove_finished(job, {str(w.env.get(ENV_GENERATION, "0")) for w in workers})
         for w in workers:
             manifest = self.worker_pod_manifest(job_obj, command, w)
@@ -454,14 +464,18 @@ class KubernetesBackend(Backend):
 
     def job_pods(self, job: str) -> list[dict[str, Any]]:
         """The job's worker pods as cached (for the operator's status and for tests)."""
-        return [p for p in self._pods() if _labels(p).get(crd.LABEL_JOB) == job
-                and _labels(p).get(crd.LABEL_ROLE) == crd.ROLE_WORKER]
+        return [p for p in self._pods() if _is_worker_of(p, job)]
 
     def host(self, name: str) -> HostInfo:
         for h in self.hosts():
             if h.name == name:
                 return h
         raise NotFound(f"node {name!r} has no allocatable {self._gpu} or is not known to the Kubernetes backend")
+
+
+def _is_worker_of(pod: Mapping[str, Any], job: str) -> bool:
+    labels = _labels(pod)
+    return labels.get(crd.LABEL_JOB) == job and labels.get(crd.LABEL_ROLE) == crd.ROLE_WORKER
 
 
 def _store_usable(pod: Mapping[str, Any]) -> bool:

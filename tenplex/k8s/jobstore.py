@@ -193,6 +193,12 @@ class KubeJobStore:
         self._write_status(job_obj, spec, status)
         self._prune_ptcs(job_obj, status)
 
+    def publish(self, spec: JobSpec, status: JobStatus) -> None:
+        """Write only the ElasticJob's status (progress between state changes; the record is saved by ``save``)."""
+        job_obj = self.jobs.find(check_job_name(spec.name))
+        if job_obj is not None:
+            self._write_status(job_obj, spec, status)
+
     def _write_status(self, job_obj: Mapping[str, Any], spec: JobSpec, status: JobStatus) -> None:
         meta = job_obj["metadata"]
         view = self.status_view(spec.name, status, previous=job_obj.get("status") or {})

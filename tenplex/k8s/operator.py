@@ -119,6 +119,16 @@ def advertise_url(settings: KubernetesSettings, port: int, fallback: str,
     return fallback
 
 
+class NotLeader(TenplexError):
+    """This scheduler replica does not hold the Lease (or is still resuming the jobs): ask again.
+
+    503, so that workers retry, and a retry through the scheduler's Service can
+    reach the leader; a 404 would tell them their job is gone."""
+
+    code = "not_leader"
+    http_status = 503
+
+
 class KubernetesScheduler(Scheduler):
     """The scheduler service on Kubernetes: jobs come from ElasticJobs, state lives in the API server."""
 
@@ -142,6 +152,21 @@ class KubernetesScheduler(Scheduler):
 
     def resume_jobs(self) -> list[str]:
         return super().recover()
+
+    def find(self, name: str) -> JobController | None:
+        """The job's controller, or None (never raises: for the operator's own bookkeeping)."""
+        with self._lock:
+            return self._jobs.get(name)
+
+    def get(self, name: str) -> JobController:
+        ctl = self.find(name)
+        if ctl is not None:
+            return ctl
+        if not self.operator.leading.is_set():
+            raise NotLeader(f"scheduler replica {self.k8s_settings.identity} does not lead (Lease "
+                            f"{self.k8s_settings.namespace}/{self.k8s_settings.lease_name}) or is still resuming "
+                            f"its jobs; job {name!r} is not here yet")
+        return super().get(name)
 
     def create(self, spec: JobSpec) -> JobController:
         if not self.jobstore.has_job(spec.name):
@@ -335,10 +360,7 @@ class ElasticJobOperator:
                     self._refuse(obj, f"the job name {name!r} is already used by the ElasticJob in namespace "
                                       f"{owner['metadata']['namespace']}")
                 return
-            try:
-                ctl = sched.get(name)
-            except NotFound:
-                ctl = None
+            ctl = sched.find(name)
             if ctl is None:
                 if refused:
                     return
@@ -429,6 +451,8 @@ class ElasticJobOperator:
             self._delete_job(name, "its ElasticJob was deleted")
 
     def _delete_job(self, name: str, why: str) -> None:
+        if self.scheduler.find(name) is None:
+            return
         try:
             self.scheduler.delete(name)
         except NotFound:
@@ -471,7 +495,7 @@ class ElasticJobOperator:
                     if self._published_step.get(ctl.spec.name) == step:
                         continue
                     try:
-                        self.scheduler.jobstore.save(ctl.spec, ctl.status)
+                        self.scheduler.jobstore.publish(ctl.spec, ctl.status)
                         self._published_step[ctl.spec.name] = step
                     except (TenplexError, client.ApiException) as exc:
                         log.warning("job %s: publishing the status failed: %s", ctl.spec.name, exc)

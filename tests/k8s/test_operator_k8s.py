@@ -9,6 +9,9 @@ which is how these tests see that the failure was handled.
 
 from __future__ import annotations
 
+import json
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,13 +25,16 @@ from tenplex.k8s.emulator import ApiServerEmulator
 from tenplex.k8s.jobstore import ptc_configmap, state_configmap
 from tenplex.k8s.operator import (
     KubernetesScheduler,
+    NotLeader,
     advertise_url,
     budget_name,
     job_spec_from_elasticjob,
 )
 from tenplex.k8s.settings import KubernetesSettings
+from tenplex.scheduler.api import create_app
 from tenplex.scheduler.controller import SchedulerSettings
 from tenplex.scheduler.state import JobSpec, Phase
+from tenplex.serving import BackgroundServer
 
 from .cluster import NS, add_gpu_node, elasticjob, eventually, worker_pods
 
@@ -267,6 +273,17 @@ def test_only_the_lease_holder_acts_and_a_follower_takes_over(cluster: ApiServer
         cluster.create("elasticjobs", elasticjob("gpt", 2), NS)
         pods = running_pods(cluster, "gpt", 2)
         assert not b.operator.leading.wait(3) and b.list() == []  # the follower stays idle
+        # Workers that reach the follower (the Service spreads requests) are told to retry, not that the job is gone.
+        with pytest.raises(NotLeader, match="sched-b does not lead"):
+            b.get("gpt")
+        server = BackgroundServer(create_app(b, token=None)).start()
+        try:
+            with urllib.request.urlopen(f"{server.url}/v1/jobs/gpt", timeout=10) as resp:
+                raise AssertionError(f"the follower answered {resp.status}")
+        except urllib.error.HTTPError as exc:
+            assert exc.code == 503 and json.loads(exc.read())["error"] == "not_leader"
+        finally:
+            server.stop()
         assert cluster.get("leases", crd.LEADER_LEASE, NS)["spec"]["holderIdentity"] == "sched-a"
         a.close()  # stops renewing; b takes the lease after it expires and resumes the job
         assert b.operator.leading.wait(20), "sched-b never took over"
