@@ -10,13 +10,18 @@ which is how these tests see that the failure was handled.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from kubernetes import client
 
 from tenplex.errors import InvalidConfig
@@ -294,3 +299,41 @@ def test_only_the_lease_holder_acts_and_a_follower_takes_over(cluster: ApiServer
     finally:
         b.close()
         a.close()
+
+
+@pytest.mark.slow
+def test_scheduler_serve_with_the_kubernetes_backend(cluster: ApiServerEmulator, tmp_path: Path) -> None:
+    """The chart's command line, run as a process against the emulator: it leads, runs the job, and exits when it
+    loses the Lease (Kubernetes then restarts it as a follower)."""
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump(cluster.kubeconfig()))
+    port_file = tmp_path / "port"
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig), "POD_NAME": "tenplex-scheduler-5d9c7b6f4-x2x7q",
+           "POD_NAMESPACE": NS, "TENPLEX_LEASE_DURATION_SECONDS": "3", "TENPLEX_RENEW_DEADLINE_SECONDS": "2",
+           "TENPLEX_RETRY_PERIOD_SECONDS": "1", "TENPLEX_TOKEN": "t0k3n"}
+    env.pop("TENPLEX_ADVERTISE_URL", None)
+    cluster.create("elasticjobs", elasticjob("gpt", 2), NS)
+    log = tmp_path / "scheduler.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "tenplex", "scheduler", "serve", "--backend", "kubernetes",
+                                 "--host", "127.0.0.1", "--port", "0", "--port-file", str(port_file),
+                                 "--state-dir", str(tmp_path / "state")], env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        pods = eventually(lambda: proc.poll() is None and len(worker_pods(cluster, "gpt")) == 2
+                          and worker_pods(cluster, "gpt"), "the job's pods", timeout=90)
+        port = int(port_file.read_text())
+        env_of = {e["name"]: e.get("value") for e in pods[0]["spec"]["containers"][0]["env"]}
+        assert env_of["TENPLEX_SCHEDULER_URL"] == f"http://tenplex-scheduler.{NS}.svc:{port}"
+        assert cluster.get("leases", crd.LEADER_LEASE, NS)["spec"]["holderIdentity"] == env["POD_NAME"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10) as resp:
+            assert resp.status == 200
+        # Another replica holds the Lease now (as after a partition): this one must stop acting and exit.
+        cluster.patch("leases", crd.LEADER_LEASE, {"spec": {"holderIdentity": "intruder", "leaseDurationSeconds": 60,
+                                                            "renewTime": datetime.now(UTC).strftime(
+                                                                "%Y-%m-%dT%H:%M:%S.%fZ")}}, NS)
+        proc.wait(timeout=30)
+        assert "lost the Lease" in log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
