@@ -46,8 +46,9 @@ from tenplex.k8s import crd
 from tenplex.k8s.informer import Informer
 from tenplex.k8s.settings import KubernetesSettings
 from tenplex.ptc import PTC
-from tenplex.scheduler.state import JobSpec, JobStatus, check_job_name
+from tenplex.scheduler.state import JobSpec, JobStatus, Phase, check_job_name
 from tenplex.store.version import Version
+from tenplex.units import human_bytes
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +131,8 @@ class KubeJobStore:
         self._observed: dict[str, int] = {}
         self._extra_conditions: dict[str, dict[str, Condition]] = {}
         self._ptc_generations: dict[str, set[int]] = {}
+        self._seen: dict[str, tuple[str, int]] = {}
+        """Job -> (phase, finished reconfigurations) at its last save: what the Events report changes of."""
 
     # -- what the operator adds to the status -------------------------------------------
 
@@ -192,6 +195,48 @@ class KubeJobStore:
                   {"status.json.gz": _pack(status.to_json()), "spec.json.gz": _pack(spec.to_json())})
         self._write_status(job_obj, spec, status)
         self._prune_ptcs(job_obj, status)
+        self._record_events(job_obj, status)
+
+    def _record_events(self, job_obj: Mapping[str, Any], status: JobStatus) -> None:
+        """Kubernetes Events on the ElasticJob (``kubectl describe ej``) for phase changes and finished
+        reconfigurations. Only changes seen by this process: a restarted scheduler does not repeat old news."""
+        name = job_obj["metadata"]["name"]
+        finished = [h for h in status.history if h.finished_at is not None]
+        with self._lock:
+            previous = self._seen.get(name)
+            self._seen[name] = (status.phase.value, len(finished))
+        if previous is None:
+            return
+        phase, done = previous
+        for h in finished[done:]:
+            if h.error is not None and status.phase == Phase.FAILED:
+                continue  # the Failed event says it
+            self._event(job_obj, "Normal", "Reconfigured",
+                        f"{h.reason}: {h.from_config or '-'} ({h.from_gpus} GPUs) -> {h.to_config or '-'} "
+                        f"({h.to_gpus} GPUs); downtime {h.downtime_seconds or 0:.1f} s; "
+                        f"{human_bytes(h.bytes_remote)} over the network (lower bound "
+                        f"{human_bytes(h.lower_bound_bytes)}), {human_bytes(h.bytes_local)} local; "
+                        f"{h.steps_lost} steps lost")
+        if status.phase.value != phase:
+            kind, reason = _PHASE_EVENTS[status.phase]
+            self._event(job_obj, kind, reason, status.message)
+
+    def _event(self, job_obj: Mapping[str, Any], kind: str, reason: str, message: str) -> None:
+        meta = job_obj["metadata"]
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        body = {
+            "apiVersion": "v1", "kind": "Event",
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            "involvedObject": {"apiVersion": crd.API_VERSION, "kind": crd.KIND, "name": meta["name"],
+                               "namespace": meta["namespace"], "uid": meta.get("uid")},
+            "type": kind, "reason": reason, "message": message[:1024],
+            "source": {"component": "tenplex-scheduler"}, "reportingComponent": "tenplex.io/scheduler",
+            "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+        }
+        try:
+            self.core.create_namespaced_event(meta["namespace"], body)
+        except client.ApiException as exc:  # events are for people; never fail a job over one
+            log.warning("job %s: event %s not recorded: %s %s", meta["name"], reason, exc.status, exc.reason)
 
     def publish(self, spec: JobSpec, status: JobStatus) -> None:
         """Write only the ElasticJob's status (progress between state changes; the record is saved by ``save``)."""
@@ -348,7 +393,16 @@ class KubeJobStore:
             self._ptc_generations.pop(name, None)
             self._observed.pop(name, None)
             self._extra_conditions.pop(name, None)
+            self._seen.pop(name, None)
 
+
+_PHASE_EVENTS = {
+    Phase.PENDING: ("Normal", "Pending"),
+    Phase.RUNNING: ("Normal", "Running"),
+    Phase.RECONFIGURING: ("Normal", "Reconfiguring"),
+    Phase.FAILED: ("Warning", "Failed"),
+    Phase.SUCCEEDED: ("Normal", "Succeeded"),
+}
 
 _STATUS_KEYS = ("phase", "gpus", "parallel", "step", "version", "selector", "conditions", "lastReconfiguration",
                 "observedGeneration")

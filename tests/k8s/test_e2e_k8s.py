@@ -192,3 +192,5 @@ def test_reference_job_scaled_through_the_scale_subresource_and_recovered_after_
                     "the ElasticJob status Succeeded")
     assert ej["step"] == STEPS and ej["lastReconfiguration"]["reason"] == "failure"
     assert crd.elasticjob_errors(api.get("elasticjobs", "gpt", NS)) == []
+    reasons = [e["reason"] for e in api.list("events", NS) if e["involvedObject"]["name"] == "gpt"]
+    assert reasons.count("Reconfigured") == 3 and reasons.count("Succeeded") == 1, reasons

@@ -155,6 +155,13 @@ def test_a_failed_worker_pod_triggers_failure_handling(cluster: ApiServerEmulato
     assert condition(status, "Failed")["status"] == "True"
     assert "gpt-g0-r1" in condition(status, "Failed")["message"]
     assert status["gpus"] == 0
+    # kubectl describe shows the story as Events on the ElasticJob.
+    events = eventually(lambda: sorted((e["type"], e["reason"], e["message"]) for e in cluster.list("events", NS)
+                                       if e["involvedObject"]["name"] == "gpt"
+                                       and e["involvedObject"]["kind"] == crd.KIND), "events", timeout=5)
+    assert [(kind, reason) for kind, reason, _ in events] == [("Normal", "Running"), ("Warning", "Failed")]
+    assert events[0][2].startswith("started in dp1 x tp2 x pp1")
+    assert events[1][2].startswith("worker gpt-g0-r1 exited with code 139")
 
 
 def test_a_not_ready_node_is_a_lost_host(cluster: ApiServerEmulator, sched: KubernetesScheduler) -> None:
