@@ -7,8 +7,8 @@ the API server (:mod:`tenplex.k8s.jobstore`). Its :class:`ElasticJobOperator`
 * holds the Lease ``tenplex-scheduler`` (coordination.k8s.io/v1) through the
   official client's leader election: a replica that does not hold it does
   nothing but wait for it, so two replicas never act on one job; a leader
-  that fails to renew stops acting at once (and ``serve`` exits, so that
-  Kubernetes restarts it as a follower);
+  that fails to renew stops acting at once (``serve`` exits with status 1,
+  so that Kubernetes restarts it as a follower);
 * once leading, resumes every job from the API server (status ConfigMaps),
   then watches ElasticJobs: a new one is created as a job, a change of
   ``spec.gpus`` (``kubectl scale elasticjob/NAME --replicas=N`` goes through the
@@ -31,7 +31,6 @@ import logging
 import os
 import queue
 import re
-import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -294,10 +293,14 @@ class ElasticJobOperator:
             return
         log.error("%s: lost the Lease %s; stopping all job controllers", self.settings.identity,
                   self.settings.lease_name)
+        if self._exit_on_lost:
+            # At once, not after a graceful shutdown: a controller in the middle of a transfer would otherwise
+            # go on while the next leader (after the lease duration) resumes the same job. Every stage of a
+            # job is idempotent and resumable, so dying here loses nothing; Kubernetes restarts us as a follower.
+            logging.shutdown()
+            os._exit(1)
         self._stop_acting()
         self.lost.set()
-        if self._exit_on_lost:
-            os.kill(os.getpid(), signal.SIGTERM)  # the server shuts down; Kubernetes restarts us as a follower
 
     def _stop_acting(self) -> None:
         if not self._acting.is_set():

@@ -338,7 +338,7 @@ def test_scheduler_serve_with_the_kubernetes_backend(cluster: ApiServerEmulator,
         cluster.patch("leases", crd.LEADER_LEASE, {"spec": {"holderIdentity": "intruder", "leaseDurationSeconds": 60,
                                                             "renewTime": datetime.now(UTC).strftime(
                                                                 "%Y-%m-%dT%H:%M:%S.%fZ")}}, NS)
-        proc.wait(timeout=30)
+        assert proc.wait(timeout=30) == 1
         assert "lost the Lease" in log.read_text()
     finally:
         if proc.poll() is None:
