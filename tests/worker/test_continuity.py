@@ -160,18 +160,9 @@ def assemble(results: list[dict], key: str) -> dict[str, np.ndarray]:
     return full
 
 
-# The executor indexes each destination buffer with ``buf[region.slices()]``; for a 0-d tensor
-# (AdamW's ``optim/<param>/step``) that is ``buf[()]``, a numpy scalar copy instead of a view, and
-# read_into then fails with AttributeError. Until tenplex/transformer/execute.py takes 0-d
-# pieces (``buf[(*slices, ...)]``), the transitions stop there; strict, so the fix shows as XPASS.
-TRANSFORMER_0D = pytest.mark.xfail(
-    raises=AttributeError, strict=True, reason="transformer executor cannot fill 0-d destination shards yet"
-)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "name", [pytest.param(n, marks=TRANSFORMER_0D) for n in TRANSITIONS] + list(SAME_LAYOUT)
+    "name", list(TRANSITIONS) + list(SAME_LAYOUT)
 )
 def test_transition_continues_training_exactly(name: str, stores: dict[str, StoreServer], tmp_path: Path) -> None:
     old, new = TRANSITIONS[name] if name in TRANSITIONS else (SAME_LAYOUT[name], SAME_LAYOUT[name])
