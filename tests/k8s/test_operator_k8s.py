@@ -24,7 +24,7 @@ import pytest
 import yaml
 from kubernetes import client
 
-from tenplex.errors import InvalidConfig
+from tenplex.errors import InvalidConfig, InvalidInput
 from tenplex.k8s import crd
 from tenplex.k8s.emulator import ApiServerEmulator
 from tenplex.k8s.jobstore import ptc_configmap, state_configmap
@@ -344,3 +344,21 @@ def test_scheduler_serve_with_the_kubernetes_backend(cluster: ApiServerEmulator,
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
+
+
+def test_job_spec_follows_the_elasticjob() -> None:
+    obj = elasticjob("gpt", 4, table=[{"gpus": 4, "dp": 2, "tp": 2, "pp": 1}, {"gpus": 2, "dp": 1, "tp": 2, "pp": 1}],
+                     env=[{"name": "A", "value": "1"},
+                          {"name": "S", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}])
+    obj["spec"]["args"] = ["--steps", "5"]
+    obj["spec"]["policy"]["zero"] = 1
+    spec = job_spec_from_elasticjob(obj)
+    assert spec.command == ("python", "-m", "examples.gpt.train", "--steps", "5")
+    assert (spec.gpus, spec.min_gpus, spec.max_gpus, spec.steps, spec.snapshot_every) == (4, 1, 4, 1000, 10)
+    assert spec.heartbeat_timeout == 120.0 and spec.image == "tenplex:test"
+    assert dict(spec.env) == {"A": "1"}  # Secret and downward-API entries go into the pod spec as they are
+    assert (spec.dataset.num_samples, spec.dataset.global_batch_size, spec.dataset.seed) == (4096, 8, 0)
+    assert {g: c.describe() for g, c in spec.policy.table.items()} == {4: "dp2 x tp2 x pp1", 2: "dp1 x tp2 x pp1"}
+    assert spec.policy.zero == 1 and spec.layout.provider == "megatron-gpt"
+    with pytest.raises(InvalidInput, match="gpus must be a multiple of gpusPerPod"):
+        job_spec_from_elasticjob({**obj, "spec": {**obj["spec"], "gpusPerPod": 3}})
