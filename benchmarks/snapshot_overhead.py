@@ -49,11 +49,12 @@ def single_device_ptc(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
     return PTC(config={"dp": 1}, devices=(Device(0, "node-0"),), tensors=tuple(tensors))
 
 
-def start_daemon(root: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_daemon(root: Path, nice: int = 0) -> tuple[subprocess.Popen[bytes], str]:
     port_file = root / "port"
     proc = subprocess.Popen(
         [sys.executable, "-m", "tenplex", "--log-level", "WARNING", "store", "serve", "--root", str(root / "data"), "--port-file", str(port_file)],
         env={**os.environ, "TENPLEX_TOKEN": ""},
+        preexec_fn=(lambda: os.nice(nice)) if nice else None,  # noqa: PLW1509 (no threads yet in the child)
     )
     deadline = time.monotonic() + 60
     while not port_file.exists() or not port_file.read_text().strip():
@@ -74,6 +75,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=4, help="steps per block")
     ap.add_argument("--rounds", type=int, default=3, help="ABAB rounds")
     ap.add_argument("--store", choices=("http", "direct"), default="http")
+    ap.add_argument("--daemon-nice", type=int, default=0, help="http store only: run the store daemon this much nicer")
     ap.add_argument("--no-fsync", action="store_true", help="direct store only: skip the store's fsyncs (shows their cost)")
     ap.add_argument("--target", type=float, default=0.10, help="largest acceptable slowdown (0.10 = 10%%)")
     args = ap.parse_args()
@@ -101,7 +103,7 @@ def main() -> int:
         root = Path(tmp)
         daemon = None
         if args.store == "http":
-            daemon, url = start_daemon(root)
+            daemon, url = start_daemon(root, args.daemon_nice)
             store: ShardStore = StoreClient(url)
         else:
             store = DirectStore(LocalStore(root / "data", durable=not args.no_fsync))
@@ -140,7 +142,7 @@ def main() -> int:
     slowdown = with_snap / base - 1
     print(f"model: dim {cfg.dim}, {cfg.n_layers} layers, vocab {cfg.vocab}, seq {cfg.seq_len}, batch {args.batch}; "
           f"state {state_mb:.0f} MiB in {len(ptc.tensors)} tensors per snapshot (params + AdamW); store {args.store}"
-          f"{' without fsync' if args.no_fsync else ''}; torch threads {torch.get_num_threads()}; load average {os.getloadavg()[0]:.1f}")
+          f"{' without fsync' if args.no_fsync else ''}{f' (daemon nice {args.daemon_nice})' if args.daemon_nice else ''}; torch threads {torch.get_num_threads()}; load average {os.getloadavg()[0]:.1f}")
     print(f"step time, median of {len(times['none'])}: no snapshot {base * 1e3:.0f} ms, "
           f"snapshot every step {with_snap * 1e3:.0f} ms  -> slowdown {slowdown * 100:+.1f}% (target <= {args.target * 100:.0f}%)")
     if copy_s:
