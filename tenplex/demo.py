@@ -57,7 +57,7 @@ def job_spec(s: DemoSettings) -> dict[str, Any]:
         "name": "gpt-demo",
         "layout": {"provider": "example-gpt", "model": MODEL, "precision": "fp32"},
         "dataset": {"num_samples": SAMPLES, "seed": s.seed, "global_batch_size": s.global_batch},
-        "command": [*train_command(s), "--snapshot-every", "4"],
+        "command": train_command(s),
         "gpus": 2,
         "min_gpus": 1,
         "max_gpus": s.hosts * s.gpus_per_host,

@@ -44,6 +44,7 @@ from tenplex.scheduler.protocol import (
     ENV_HOST,
     ENV_JOB,
     ENV_SCHEDULER_URL,
+    ENV_SNAPSHOT_EVERY,
     ENV_STORE_URL,
     ENV_TOKEN,
     ENV_WORKER_ID,
@@ -357,6 +358,7 @@ class JobController:
                 ENV_STORE_URL: info.store_url,
                 ENV_HOST: host,
                 ENV_GENERATION: str(generation),
+                ENV_SNAPSHOT_EVERY: str(self.spec.snapshot_every),
                 **dict(self.spec.env),
             }
             if self.settings.token:

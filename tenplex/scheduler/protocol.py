@@ -60,6 +60,8 @@ ENV_HOST = "TENPLEX_HOST"
 """The (emulated) host name the worker runs on, as named in the PTC."""
 ENV_GENERATION = "TENPLEX_GENERATION"
 """The layout generation the worker was launched for."""
+ENV_SNAPSHOT_EVERY = "TENPLEX_SNAPSHOT_EVERY"
+"""The job's snapshot interval in steps: it bounds the steps a failure can lose."""
 
 # torchrun's variables, read as well.
 ENV_RANK = "RANK"

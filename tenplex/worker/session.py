@@ -138,8 +138,13 @@ class ElasticWorker:
     def from_scheduler(
         cls, environ: Mapping[str, str] | None = None, *, snapshot_every: int | None = None
     ) -> ElasticWorker:
-        """Register with the scheduler named by ``TENPLEX_*`` variables and take its assignment."""
+        """Register with the scheduler named by ``TENPLEX_*`` variables and take its assignment.
+
+        ``snapshot_every`` defaults to the job's interval (``TENPLEX_SNAPSHOT_EVERY``).
+        """
         env = os.environ if environ is None else environ
+        if snapshot_every is None and env.get(p.ENV_SNAPSHOT_EVERY):
+            snapshot_every = int(env[p.ENV_SNAPSHOT_EVERY])
         control = ControlClient.from_env(env)
         rank = int(env[p.ENV_RANK]) if env.get(p.ENV_RANK) else None
         assignment = control.register(host=env.get(p.ENV_HOST) or None, rank=rank)

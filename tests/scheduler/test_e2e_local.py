@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 MODEL = {"vocab": 64, "dim": 32, "n_layers": 2, "n_heads": 4, "seq_len": 16}
 SNAPSHOT_EVERY = 3
 WORKER = [sys.executable, "-m", "examples.gpt.train", "--layers", "2", "--dim", "32", "--heads", "4", "--vocab", "64",
-          "--seq-len", "16", "--samples", "4096", "--global-batch", "8", "--snapshot-every", str(SNAPSHOT_EVERY)]
+          "--seq-len", "16", "--samples", "4096", "--global-batch", "8"]
 
 
 def job(name: str, gpus: int, steps: int) -> dict:
@@ -40,6 +40,7 @@ def job(name: str, gpus: int, steps: int) -> dict:
         "gpus": gpus,
         "max_gpus": 4,
         "steps": steps,
+        "snapshot_every": SNAPSHOT_EVERY,  # reaches the workers as TENPLEX_SNAPSHOT_EVERY
         "heartbeat_timeout": 120,
         "env": {"OMP_NUM_THREADS": "1"},
     }
