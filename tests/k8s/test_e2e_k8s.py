@@ -31,6 +31,7 @@ from kubernetes import client
 
 from tenplex.errors import NotFound
 from tenplex.k8s import crd
+from tenplex.k8s.backend import ANNOTATION_MASTER_PORT
 from tenplex.k8s.emulator import ApiServerEmulator
 from tenplex.k8s.kubelet import LocalKubelet
 from tenplex.k8s.operator import KubernetesScheduler
@@ -152,6 +153,11 @@ def test_reference_job_scaled_through_the_scale_subresource_and_recovered_after_
     pods = eventually(lambda: (p := worker_pods(api, "gpt")) and len(p) == 2 and p, "2 worker pods")
     assert [(p["metadata"]["name"], p["spec"]["nodeName"]) for p in pods] == [
         ("gpt-g1-r0", "node-0"), ("gpt-g1-r1", "node-1")]
+    # The rendezvous: rank 0 listens on its node's address (host network) at a port the pod's annotation records.
+    envs = [{e["name"]: e.get("value") for e in p["spec"]["containers"][0]["env"]} for p in pods]
+    assert {e["MASTER_ADDR"] for e in envs} == {NODES["node-0"]} and envs[0]["MASTER_PORT"] == envs[1]["MASTER_PORT"]
+    assert pods[0]["spec"]["hostNetwork"] and pods[0]["metadata"]["annotations"] == {
+        ANNOTATION_MASTER_PORT: envs[0]["MASTER_PORT"]}
     ej = api.get("elasticjobs", "gpt", NS)["status"]
     assert ej["gpus"] == 2 and ej["lastReconfiguration"]["reason"] == "scale"
     assert ej["lastReconfiguration"]["from"]["gpus"] == 1 and ej["lastReconfiguration"]["to"]["gpus"] == 2
