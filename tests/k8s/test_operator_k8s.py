@@ -362,3 +362,16 @@ def test_job_spec_follows_the_elasticjob() -> None:
     assert spec.policy.zero == 1 and spec.layout.provider == "megatron-gpt"
     with pytest.raises(InvalidInput, match="gpus must be a multiple of gpusPerPod"):
         job_spec_from_elasticjob({**obj, "spec": {**obj["spec"], "gpusPerPod": 3}})
+
+
+def test_the_chart_names_the_service_like_the_deployment() -> None:
+    """advertise_url derives the scheduler Service from the pod name: the chart must keep the two names equal."""
+    from .test_k8s_chart import one, render
+
+    docs = render()
+    deployment = one(docs, "Deployment")
+    service = one(docs, "Service", deployment["metadata"]["name"])
+    assert deployment["metadata"]["name"] == service["metadata"]["name"] == "rel-tenplex-scheduler"
+    settings = KubernetesSettings(namespace="tenplex", identity=f"{deployment['metadata']['name']}-7f9c6d5b8-q4x2z")
+    port = service["spec"]["ports"][0]["port"]
+    assert advertise_url(settings, port, "unused", {}) == f"http://rel-tenplex-scheduler.tenplex.svc:{port}"
