@@ -18,7 +18,7 @@ from tenplex.scheduler.backend import LocalBackend, LocalCluster
 from tenplex.scheduler.controller import SchedulerSettings
 from tenplex.scheduler.service import Scheduler
 from tenplex.scheduler.state import StateDir, atomic_write
-from tenplex.serving import BackgroundServer, bind_socket, serve_forever, url_host
+from tenplex.serving import BackgroundServer, bind_socket, serve_forever, url_for, write_port_file
 
 log = logging.getLogger(__name__)
 
@@ -61,13 +61,16 @@ def build_scheduler(backend_name: str, state_dir: Path, url: str, token: str | N
 def serve(backend_name: str, state_dir: Path, host: str, port: int, token: str | None, *, hosts: int,
           gpus_per_host: int, port_file: Path | None = None) -> None:
     sock = bind_socket(host, port)
-    url = f"http://{url_host(host)}:{sock.getsockname()[1]}"
+    url = url_for(host, sock.getsockname()[1])
     scheduler = build_scheduler(backend_name, state_dir, url, token, hosts=hosts, gpus_per_host=gpus_per_host)
     recovered = scheduler.recover()
     if recovered:
         log.info("resumed jobs: %s", ", ".join(recovered))
     try:
-        serve_forever(create_app(scheduler, token=token), host, port, port_file=port_file, what="scheduler", sock=sock)
+        if port_file is not None:
+            write_port_file(port_file, sock.getsockname()[1])
+        log.info("scheduler (%s backend) listening on %s", backend_name, url)
+        serve_forever(create_app(scheduler, token=token), sock, log_level="info")
     finally:
         scheduler.close()
 
@@ -89,7 +92,7 @@ class LocalScheduler:
     def start(self) -> LocalScheduler:
         # The app needs its URL before it serves: bind first, then build.
         sock = bind_socket(self._sock_host, 0)
-        url = f"http://{self._sock_host}:{sock.getsockname()[1]}"
+        url = url_for(self._sock_host, sock.getsockname()[1])
         self.scheduler = build_scheduler("local", self.state_dir, url, self.token, hosts=self._hosts,
                                          gpus_per_host=self._gpus, heartbeat_interval=self._heartbeat)
         self.scheduler.recover()

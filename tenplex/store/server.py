@@ -47,14 +47,12 @@ import shutil
 import socket
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import uvicorn
 from anyio import to_thread
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -70,9 +68,17 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tenplex.errors import InvalidInput, StoreUnavailable, TenplexError, Unauthorized
+from tenplex.errors import InvalidInput, TenplexError, Unauthorized
 from tenplex.ptc.dtypes import check_dtype, itemsize, storage_dtype
 from tenplex.ptc.region import Region
+from tenplex.serving import (
+    BackgroundServer,
+    bind_socket,
+    serve_forever,
+    url_for,
+    uvicorn_config,
+    write_port_file,
+)
 from tenplex.store.buffers import byte_view, crc_of, slabs
 from tenplex.store.local import LocalStore, ShardWriter, TensorReader
 from tenplex.store.model import format_checksum
@@ -413,37 +419,6 @@ async def _receive_shard(request: Request, writer: ShardWriter, expected: int) -
         index += 1
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise StoreUnavailable(f"cannot listen on {host}:{port}: {exc.strerror}") from None
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
-
-
-def _url(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
-def _config(app: FastAPI, log_level: str) -> uvicorn.Config:
-    return uvicorn.Config(
-        app,
-        loop="uvloop",
-        http="httptools",
-        lifespan="off",
-        access_log=False,
-        log_level=log_level.lower(),
-        timeout_keep_alive=30,
-        log_config=None,
-    )
-
-
 def serve(
     root: str | Path,
     host: str = "127.0.0.1",
@@ -470,31 +445,25 @@ def serve(
     if chunk_bytes is not None:
         options["chunk_bytes"] = chunk_bytes
     store = LocalStore(root, **options)
-    sock = _bind(host, port)
+    sock = bind_socket(host, port)
     bound = sock.getsockname()[1]
     if port_file is not None:
-        path = Path(port_file)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(f"{bound}\n")
-        os.replace(tmp, path)
+        write_port_file(port_file, bound)
     log.info(
         "tenplex store serving %s at %s (auth %s, %d worker process%s)",
-        store.root, _url(host, bound), "on" if token else "off", workers, "" if workers == 1 else "es",
+        store.root, url_for(host, bound), "on" if token else "off", workers, "" if workers == 1 else "es",
     )
     if workers > 1:
         _serve_workers(sock, store, token, workers, log_level, tune_malloc=tune_malloc)
-        log.info("tenplex store at %s stopped", _url(host, bound))
+        log.info("tenplex store at %s stopped", url_for(host, bound))
         return
     if tune_malloc:
         _keep_freed_memory()
-    server = uvicorn.Server(_config(create_app(store, token=token), log_level))
     try:
-        server.run(sockets=[sock])
-    except KeyboardInterrupt:  # uvicorn shut down cleanly and re-raised the signal
-        pass
+        serve_forever(create_app(store, token=token), sock, log_level=log_level)
     finally:
         store.close()
-    log.info("tenplex store at %s stopped", _url(host, bound))
+    log.info("tenplex store at %s stopped", url_for(host, bound))
 
 
 def _serve_workers(sock: socket.socket, store: LocalStore, token: str | None, workers: int, log_level: str, *, tune_malloc: bool) -> None:
@@ -518,18 +487,7 @@ def _serve_workers(sock: socket.socket, store: LocalStore, token: str | None, wo
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the spawned workers read their configuration from the environment
     try:
-        config = uvicorn.Config(
-            "tenplex.store.server:app_from_env",
-            factory=True,
-            workers=workers,
-            loop="uvloop",
-            http="httptools",
-            lifespan="off",
-            access_log=False,
-            log_level=log_level.lower(),
-            timeout_keep_alive=30,
-            log_config=None,
-        )
+        config = uvicorn_config("tenplex.store.server:app_from_env", log_level, factory=True, workers=workers)
         with contextlib.suppress(KeyboardInterrupt):
             Multiprocess(config, sockets=[sock]).run()
     finally:
@@ -575,7 +533,7 @@ def _keep_freed_memory() -> None:
     log.debug("malloc tuned for buffer reuse: %s", ok)
 
 
-class StoreServer:
+class StoreServer(BackgroundServer):
     """A store daemon in a background thread, for tests and embedding: ``with StoreServer(root) as s: s.url``."""
 
     def __init__(
@@ -591,51 +549,10 @@ class StoreServer:
         piece_bytes: int = PIECE_BYTES,
     ) -> None:
         self.store = store if store is not None else LocalStore(root)
-        self.host = host
-        self._port = port
         self.token = token
-        self.app = create_app(self.store, token=token, single_pass_bytes=single_pass_bytes, piece_bytes=piece_bytes)
-        self._server = uvicorn.Server(_config(self.app, log_level))
-        self._thread: threading.Thread | None = None
-        self._sock: socket.socket | None = None
-
-    @property
-    def port(self) -> int:
-        if self._sock is None:
-            raise StoreUnavailable("the store server is not started")
-        return int(self._sock.getsockname()[1])
-
-    @property
-    def url(self) -> str:
-        return _url(self.host, self.port)
+        app = create_app(self.store, token=token, single_pass_bytes=single_pass_bytes, piece_bytes=piece_bytes)
+        super().__init__(app, host, port, log_level=log_level)
 
     def start(self, timeout: float = 30.0) -> StoreServer:
-        if self._thread is not None:
-            return self
-        self._sock = _bind(self.host, self._port)
-        self._thread = threading.Thread(
-            target=self._server.run, kwargs={"sockets": [self._sock]}, name=f"tenplex-store-{self.port}", daemon=True
-        )
-        self._thread.start()
-        deadline = time.monotonic() + timeout
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise StoreUnavailable(f"store server on {self.url} did not start within {timeout} s")
-            time.sleep(0.01)
+        super().start(timeout)
         return self
-
-    def stop(self, timeout: float = 30.0) -> None:
-        if self._thread is None:
-            return
-        self._server.should_exit = True
-        self._thread.join(timeout)
-        self._thread = None
-        if self._sock is not None:
-            self._sock.close()
-
-    def __enter__(self) -> StoreServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
