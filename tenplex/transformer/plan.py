@@ -903,26 +903,34 @@ def lower_bound_bytes(
     ov = _as_version(old_version, "old_version") if old_version is not None else Version(0)
     sources = _sources(old, ov, holders, alive)
     # (host, tensor) -> the old regions that host holds: as a set (exact matches) and a list.
-    held: dict[tuple[str, str], tuple[set[Bounds], list[Bounds]]] = {}
+    # tensor -> host -> the old regions that host holds: as a set (exact matches) and a list.
+    held: dict[str, dict[str, tuple[set[Bounds], list[Bounds]]]] = {}
     host_of = {d.id: d.host for d in old.devices}
+    old_sets: dict[tuple[int, ...], frozenset[str]] = {}
     for t in old.tensors:
+        per = held[t.name] = {}
         for s in t.shards:
-            for h in {host_of[d] for d in s.devices}:
-                if h in sources:
-                    entry = held.get((h, t.name))
-                    if entry is None:
-                        entry = held[(h, t.name)] = (set(), [])
-                    entry[0].add(s.region.bounds)
-                    entry[1].append(s.region.bounds)
+            hosts = old_sets.get(s.devices)
+            if hosts is None:
+                hosts = old_sets[s.devices] = frozenset(h for h in (host_of[d] for d in s.devices) if h in sources)
+            for h in hosts:
+                entry = per.get(h)
+                if entry is None:
+                    entry = per[h] = (set(), [])
+                entry[0].add(s.region.bounds)
+                entry[1].append(s.region.bounds)
     old_shape = {t.name: t.shape for t in old.tensors}
     new_host_of = {d.id: d.host for d in new.devices}
     host_sets: dict[tuple[int, ...], frozenset[str]] = {}
     total = 0
     for t in new.tensors:
         shape = old_shape[t.name]
+        same_shape = shape == t.shape
+        per = held[t.name]
         size = t.itemsize
         for s in t.shards:
-            clipped = tuple((a, min(b, n)) for (a, b), n in zip(s.region.bounds, shape, strict=True))
+            bounds = s.region.bounds
+            clipped = bounds if same_shape else tuple((a, min(b, n)) for (a, b), n in zip(bounds, shape, strict=True))
             if any(a >= b for a, b in clipped):
                 continue
             need = _volume(clipped)
@@ -930,7 +938,7 @@ def lower_bound_bytes(
             if hosts is None:
                 hosts = host_sets[s.devices] = frozenset(new_host_of[d] for d in s.devices)
             for h in hosts:  # a host stores a shard once
-                entry = held.get((h, t.name))
+                entry = per.get(h)
                 if entry is None:
                     total += need * size
                 elif clipped not in entry[0]:
