@@ -45,7 +45,7 @@ from tenplex.errors import InvalidConfig, NotFound, StoreUnavailable, TenplexErr
 from tenplex.k8s import crd
 from tenplex.k8s.backend import ClusterEvent, KubernetesBackend
 from tenplex.k8s.jobstore import ElasticJobIndex, KubeJobStore
-from tenplex.k8s.settings import KubernetesSettings
+from tenplex.k8s.settings import ENV_ADVERTISE_URL, KubernetesSettings
 from tenplex.ptc import DatasetState, ParallelConfig
 from tenplex.scheduler.controller import JobController, SchedulerSettings
 from tenplex.scheduler.layouts import LayoutSpec
@@ -55,7 +55,6 @@ from tenplex.scheduler.state import JobSpec, Phase
 
 log = logging.getLogger(__name__)
 
-ENV_ADVERTISE_URL = "TENPLEX_ADVERTISE_URL"
 STATUS_SYNC_SECONDS = 2.0
 """How often a running job's step is published to its ElasticJob status between state changes."""
 RESYNC_SECONDS = 30.0
@@ -103,11 +102,13 @@ def advertise_url(settings: KubernetesSettings, port: int, fallback: str,
                   environ: Mapping[str, str] | None = None) -> str:
     """The scheduler URL that worker pods use; it must survive a scheduler restart (a Service, not a pod IP).
 
-    ``$TENPLEX_ADVERTISE_URL`` when set; else the chart's Service, which is named
-    like the scheduler's Deployment: ``http://<deployment>.<namespace>.svc:<port>``,
+    ``$TENPLEX_ADVERTISE_URL`` (the chart sets it to its Service) when set; else a
+    Service named like the scheduler's Deployment: ``http://<deployment>.<namespace>.svc:<port>``,
     the Deployment being the pod name without its ReplicaSet hash and suffix.
     """
     env = os.environ if environ is None else environ
+    if settings.advertise_url:
+        return settings.advertise_url
     if env.get(ENV_ADVERTISE_URL):
         return env[ENV_ADVERTISE_URL].rstrip("/")
     m = re.fullmatch(r"(.+)-[a-z0-9]{5,10}-[a-z0-9]{5}", settings.identity)

@@ -29,11 +29,12 @@ ENV_WORKER_IMAGE = "TENPLEX_WORKER_IMAGE"
 ENV_WORKER_SERVICE_ACCOUNT = "TENPLEX_WORKER_SERVICE_ACCOUNT"
 ENV_AUTH_SECRET = "TENPLEX_AUTH_SECRET"
 ENV_AUTH_SECRET_KEY = "TENPLEX_AUTH_SECRET_KEY"
+ENV_ADVERTISE_URL = "TENPLEX_ADVERTISE_URL"
 
 SCHEDULER_ENV = (
     ENV_TOKEN, ENV_POD_NAME, ENV_POD_NAMESPACE, ENV_WATCH_NAMESPACES, ENV_LEADER_ELECTION, ENV_LEASE_NAME,
     ENV_LEASE_DURATION, ENV_RENEW_DEADLINE, ENV_RETRY_PERIOD, ENV_STORE_PORT, ENV_STORE_ROOT, ENV_WORKER_IMAGE,
-    ENV_WORKER_SERVICE_ACCOUNT, ENV_AUTH_SECRET, ENV_AUTH_SECRET_KEY,
+    ENV_WORKER_SERVICE_ACCOUNT, ENV_AUTH_SECRET, ENV_AUTH_SECRET_KEY, ENV_ADVERTISE_URL,
 )
 """Every variable the chart sets on the scheduler container."""
 
@@ -61,6 +62,8 @@ class KubernetesSettings:
     auth_secret: str = ""
     """Secret (in the job's namespace) whose ``auth_secret_key`` worker pods read TENPLEX_TOKEN from."""
     auth_secret_key: str = "token"
+    advertise_url: str = ""
+    """The scheduler's URL as worker pods reach it (the chart's Service); must outlive a scheduler pod."""
 
     def __post_init__(self) -> None:
         if not self.namespace:
@@ -69,6 +72,8 @@ class KubernetesSettings:
             raise InvalidConfig(f"{ENV_POD_NAME} is empty: the scheduler needs an identity for leader election")
         if not 0 < self.store_port < 65536:
             raise InvalidConfig(f"{ENV_STORE_PORT} must be a port in 1..65535, got {self.store_port}")
+        if self.advertise_url and not self.advertise_url.startswith(("http://", "https://")):
+            raise InvalidConfig(f"{ENV_ADVERTISE_URL} must be an http(s) URL, got {self.advertise_url!r}")
         if not self.store_root.startswith("/"):
             raise InvalidConfig(f"{ENV_STORE_ROOT} must be an absolute path, got {self.store_root!r}")
         if self.leader_election and not (
@@ -114,4 +119,5 @@ class KubernetesSettings:
             worker_service_account=env.get(ENV_WORKER_SERVICE_ACCOUNT, ""),
             auth_secret=env.get(ENV_AUTH_SECRET, ""),
             auth_secret_key=env.get(ENV_AUTH_SECRET_KEY) or "token",
+            advertise_url=env.get(ENV_ADVERTISE_URL, "").rstrip("/"),
         )

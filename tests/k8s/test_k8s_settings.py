@@ -33,7 +33,8 @@ def test_chart_sets_exactly_the_documented_variables() -> None:
 def test_chart_defaults_parse_to_the_settings_defaults() -> None:
     settings = KubernetesSettings.from_env(scheduler_env())
     defaults = KubernetesSettings(namespace="tenplex", identity="rel-tenplex-scheduler-abc12",
-                                  worker_image="tenplex:0.1.0", auth_secret="rel-tenplex-auth")
+                                  worker_image="tenplex:0.1.0", auth_secret="rel-tenplex-auth",
+                                  advertise_url="http://rel-tenplex-scheduler.tenplex.svc:8080")
     assert settings == defaults
     assert settings.manages("anything")
 

@@ -375,3 +375,6 @@ def test_the_chart_names_the_service_like_the_deployment() -> None:
     settings = KubernetesSettings(namespace="tenplex", identity=f"{deployment['metadata']['name']}-7f9c6d5b8-q4x2z")
     port = service["spec"]["ports"][0]["port"]
     assert advertise_url(settings, port, "unused", {}) == f"http://rel-tenplex-scheduler.tenplex.svc:{port}"
+    # The chart says it outright, too: the Service's name and port, which is what the workers reach.
+    env = {e["name"]: e.get("value") for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["TENPLEX_ADVERTISE_URL"] == f"http://{service['metadata']['name']}.tenplex.svc:{port}"
