@@ -93,7 +93,7 @@ def _plan(args: argparse.Namespace) -> int:
     )
     console = Console()
     if args.explain:
-        console.print(plan.explain(), end="", markup=False, highlight=False)
+        sys.stdout.write(plan.explain(width=max(console.width, 100)))
     else:
         s = plan_summary(plan)
         ratio = s["network_bytes"] / s["lower_bound_bytes"] if s["lower_bound_bytes"] else 1.0

@@ -332,15 +332,15 @@ class Plan:
 
     # -- explanation --------------------------------------------------------
 
-    def explain(self, *, tensors: int = 15, hosts: int = 40) -> str:
-        """A human summary: totals, per-host bytes local/remote/sent, per-tensor breakdown."""
+    def explain(self, *, tensors: int = 15, hosts: int = 40, width: int = 130) -> str:
+        """A human summary: totals, per-host bytes local/remote/sent, per-tensor breakdown (``width`` columns)."""
         from rich.console import Console
         from rich.table import Table
 
         from tenplex.ptc.cli import human_bytes
 
         buf = StringIO()
-        console = Console(file=buf, width=130, color_system=None, force_terminal=False)
+        console = Console(file=buf, width=width, color_system=None, force_terminal=False)
         sends = self.send_bytes()
         recv = self.receive_bytes()
         top_send = max(sends.items(), key=itemgetter(1), default=("-", 0))
