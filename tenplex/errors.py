@@ -99,3 +99,18 @@ class TransformFailed(TenplexError):
 
     code = "transform_failed"
     http_status = 500
+
+
+def error_class(code: str) -> type[TenplexError] | None:
+    """The :class:`TenplexError` subclass whose ``code`` is ``code``, for clients rebuilding a server's error.
+
+    Walks the hierarchy at each call (it is small), so subclasses defined in other
+    modules, such as a client's own unavailability error, are found once imported.
+    """
+    stack: list[type[TenplexError]] = [TenplexError]
+    while stack:
+        cls = stack.pop()
+        if cls.code == code:
+            return cls
+        stack.extend(cls.__subclasses__())
+    return None

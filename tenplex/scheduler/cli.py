@@ -15,7 +15,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from tenplex.errors import InvalidInput, NotFound, StoreUnavailable, TenplexError, Unauthorized
+from tenplex.errors import InvalidInput, StoreUnavailable, TenplexError, error_class
 from tenplex.units import human_bytes
 
 DEFAULT_URL = "http://127.0.0.1:8470"
@@ -91,12 +91,14 @@ class SchedulerClient:
             with urllib.request.urlopen(req, timeout=self.timeout) as resp:
                 return json.loads(resp.read() or b"null")
         except urllib.error.HTTPError as exc:
+            code = None
             try:
                 err = json.loads(exc.read())
-                detail = err.get("detail", str(err))
-            except ValueError:
+                code, detail = err.get("error"), err.get("detail", str(err))
+            except (ValueError, AttributeError):
                 detail = exc.reason
-            cls = {401: Unauthorized, 404: NotFound}.get(exc.code, InvalidInput if exc.code < 500 else TenplexError)
+            cls = (error_class(code) if isinstance(code, str) else None) or (
+                InvalidInput if exc.code < 500 else TenplexError)
             raise cls(f"{method} {path}: {detail}") from None
         except (urllib.error.URLError, OSError) as exc:
             raise StoreUnavailable(f"scheduler at {self.url} is unreachable: {exc}") from None

@@ -32,7 +32,13 @@ import crc32c
 import numpy as np
 
 from tenplex import errors
-from tenplex.errors import ChecksumMismatch, InvalidInput, StoreUnavailable, TenplexError
+from tenplex.errors import (
+    ChecksumMismatch,
+    InvalidInput,
+    StoreUnavailable,
+    TenplexError,
+    error_class,
+)
 from tenplex.ptc.dtypes import itemsize, name_of_torch, storage_dtype
 from tenplex.ptc.region import Region
 from tenplex.store.buffers import byte_view, host_data, numpy_view, payload_offset, slabs
@@ -64,16 +70,6 @@ class ReadRequest:
     tensor: str
     region: Region
     out: Any  # np.ndarray | torch.Tensor
-
-
-def _error_classes() -> dict[str, type[TenplexError]]:
-    found: dict[str, type[TenplexError]] = {}
-    stack: list[type[TenplexError]] = [TenplexError]
-    while stack:
-        cls = stack.pop()
-        found.setdefault(cls.code, cls)
-        stack.extend(cls.__subclasses__())
-    return found
 
 
 _BY_STATUS: dict[int, type[TenplexError]] = {
@@ -147,7 +143,6 @@ class StoreClient:
         self._slots = threading.BoundedSemaphore(max_connections)
         self._idle: list[tuple[http.client.HTTPConnection, float]] = []  # (connection, when it went idle)
         self._lock = threading.Lock()
-        self._errors = _error_classes()
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
         self._closed = False
@@ -248,7 +243,7 @@ class StoreClient:
             code, detail = str(obj["error"]), str(obj["detail"])
         except (ValueError, KeyError, TypeError):
             code, detail = "", payload[:500].decode("utf-8", "replace") or f"HTTP {status}"
-        cls = self._errors.get(code) or _BY_STATUS.get(status) or (StoreUnavailable if status >= 500 else TenplexError)
+        cls = error_class(code) or _BY_STATUS.get(status) or (StoreUnavailable if status >= 500 else TenplexError)
         return cls(f"{detail} (store {self.url})")
 
     def _json(self, method: str, path: str) -> Any:

@@ -47,17 +47,6 @@ class SchedulerUnavailable(TenplexError):
     http_status = 503
 
 
-def _error_classes() -> dict[str, type[TenplexError]]:
-    """code -> class for every TenplexError subclass, to rebuild the scheduler's errors."""
-    out: dict[str, type[TenplexError]] = {}
-    stack: list[type[TenplexError]] = [TenplexError]
-    while stack:
-        cls = stack.pop()
-        out.setdefault(cls.code, cls)
-        stack.extend(cls.__subclasses__())
-    return out
-
-
 @dataclass(frozen=True, slots=True)
 class ControlClient:
     """REST client of one worker: ``ControlClient(url, job, worker_id, token)`` or :meth:`from_env`.
@@ -206,7 +195,7 @@ def _error_from(method: str, url: str, status: int, payload: bytes) -> TenplexEr
             detail = raw_detail if isinstance(raw_detail, str) else json.dumps(raw_detail)[:500]
     except ValueError:
         pass
-    cls = _error_classes().get(code) if isinstance(code, str) else None
+    cls = errors.error_class(code) if isinstance(code, str) else None
     if cls is None:
         cls = errors.InvalidInput if 400 <= status < 500 else SchedulerUnavailable
     return cls(f"{method} {url}: HTTP {status}: {detail}")
