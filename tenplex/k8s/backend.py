@@ -55,9 +55,6 @@ STORE_PORT_NAME = "store"
 LABEL_GENERATION = "tenplex.io/generation"
 LABEL_RANK = "tenplex.io/rank"
 ANNOTATION_MASTER_PORT = "tenplex.io/master-port"
-LOOPBACK_ONLY_ENV = ("GLOO_SOCKET_IFNAME",)
-"""Variables the controller sets for the one-machine local backend that would break a real cluster
-(gloo bound to ``lo``); worker pods get them only when the ElasticJob's own env sets them."""
 PORT_RESERVATION_SECONDS = 120.0
 
 
@@ -305,11 +302,8 @@ class KubernetesBackend(Backend):
         spec = crd.ElasticJobSpec.from_object(job_obj)
         meta = job_obj["metadata"]
         job = meta["name"]
-        own_env = {e["name"] for e in spec.env}
         env: list[dict[str, Any]] = []
         for key, value in w.env.items():
-            if key in LOOPBACK_ONLY_ENV and key not in own_env:
-                continue
             if key == ENV_TOKEN and self.settings.auth_secret:
                 env.append({"name": key, "valueFrom": {"secretKeyRef": {
                     "name": self.settings.auth_secret, "key": self.settings.auth_secret_key}}})

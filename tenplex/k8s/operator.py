@@ -483,7 +483,7 @@ class ElasticJobOperator:
             elif ev.node is None or ev.node in hosts or ev.kind in ("store-changed", "node-changed"):
                 if ev.kind in ("node-lost", "worker-exited", "worker-deleted"):
                     log.info("job %s: %s", ctl.spec.name, ev.detail)
-                _wake(ctl)
+                ctl.wake()
 
     # -- housekeeping ----------------------------------------------------------------------------
 
@@ -509,11 +509,6 @@ class ElasticJobOperator:
                     self.reconcile_all()
                 except Exception:
                     log.exception("periodic reconcile failed")
-
-
-def _wake(ctl: JobController) -> None:
-    """Make a controller look at the cluster now instead of at its next poll."""
-    ctl._wake.set()  # noqa: SLF001 - the controller's own wake-up event, as its request_* methods use it
 
 
 def build_kubernetes_scheduler(state_dir: Path, url: str, token: str | None, *, port: int,

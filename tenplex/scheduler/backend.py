@@ -234,7 +234,8 @@ class LocalBackend(Backend):
         log_dir.mkdir(parents=True, exist_ok=True)
         pids: dict[str, int | None] = {}
         for w in workers:
-            env = {**os.environ, **w.env}
+            # All emulated hosts share this machine's loopback: gloo must bind there (the job's env may override).
+            env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", **w.env}
             logf = open(log_dir / f"{w.worker_id}.log", "ab")  # noqa: SIM115 - handed to the child process
             try:
                 proc = subprocess.Popen(list(command), env=env, stdout=logf, stderr=subprocess.STDOUT,

@@ -124,6 +124,10 @@ class JobController:
         if self._thread is not None:
             self._thread.join(timeout=30)
 
+    def wake(self) -> None:
+        """Look at the cluster now instead of at the next poll (a watch saw something)."""
+        self._wake.set()
+
     def _save(self) -> None:
         self.state.save(self.spec, self.status)
 
@@ -351,7 +355,6 @@ class JobController:
                 "LOCAL_WORLD_SIZE": str(placement.gpus_per_node),
                 "MASTER_ADDR": master.address,
                 "MASTER_PORT": str(st.master_port),
-                "GLOO_SOCKET_IFNAME": "lo",
                 ENV_SCHEDULER_URL: self.settings.url,
                 ENV_JOB: self.spec.name,
                 ENV_WORKER_ID: wid,

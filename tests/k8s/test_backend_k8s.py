@@ -37,7 +37,7 @@ def backend(api: ApiServerEmulator) -> Iterator[KubernetesBackend]:
 def launches(job: str, generation: int, hosts: list[str], env: dict[str, str] | None = None) -> list[WorkerLaunch]:
     return [WorkerLaunch(f"{job}-g{generation}-r{rank}", rank, host, 0,
                          {"RANK": str(rank), "MASTER_ADDR": "127.0.0.2", "MASTER_PORT": "29500", "LOCAL_RANK": "1",
-                          "LOCAL_WORLD_SIZE": "2", "GLOO_SOCKET_IFNAME": "lo", "TENPLEX_TOKEN": "s3cret",
+                          "LOCAL_WORLD_SIZE": "2", "TENPLEX_TOKEN": "s3cret",
                           "TENPLEX_GENERATION": str(generation), **(env or {})})
             for rank, host in enumerate(hosts)]
 
