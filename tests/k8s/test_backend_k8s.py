@@ -107,7 +107,8 @@ def test_worker_pods_are_pinned_owned_and_get_the_worker_environment(api: ApiSer
 def test_job_env_keeps_gloo_interface_when_the_job_sets_it(api: ApiServerEmulator, backend: KubernetesBackend,
                                                            tmp_path: Path) -> None:
     api.create("elasticjobs", elasticjob("lo", 1, env=[{"name": "GLOO_SOCKET_IFNAME", "value": "lo"}]), NS)
-    backend.launch("lo", ["python"], launches("lo", 0, ["gpu-a"]), tmp_path)
+    # The controller puts the job's own env into every worker's launch env.
+    backend.launch("lo", ["python"], launches("lo", 0, ["gpu-a"], env={"GLOO_SOCKET_IFNAME": "lo"}), tmp_path)
     (pod,) = worker_pods(api, "lo")
     env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
     assert env["GLOO_SOCKET_IFNAME"] == "lo"
