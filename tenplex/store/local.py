@@ -18,8 +18,13 @@ Why this shape:
 - A version is committed by writing its manifest to a temporary file,
   fsyncing it and renaming it to ``.commits/<version>.json``; the rename is
   atomic, so a crash at any point leaves the version either committed with
-  all its data (fsynced first) or visibly uncommitted. Committed versions
+  all its data (made durable first) or visibly uncommitted. Committed versions
   are immutable, which is what makes caching their metadata safe.
+- Durability is established once, at commit: one ``syncfs`` of the store's
+  file system before the marker (per-shard fsyncs cost thousands of calls per
+  version for nothing, since an uncommitted version is never served as
+  committed). After a machine crash an uncommitted version may hold torn
+  shards: writers never resume one, they delete and redo it.
 - Structural changes (installing a shard, committing, deleting) take an
   exclusive ``flock`` on the job's lock file, so several processes (workers
   writing directly, the node daemon) can share one root.
@@ -32,12 +37,14 @@ Why this shape:
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import json
 import logging
 import math
 import os
 import shutil
+import sys
 import threading
 import time
 import uuid
@@ -502,8 +509,8 @@ class LocalStore:
                 )
 
     def _install(self, writer: ShardWriter, info: ShardInfo) -> None:
-        if self.durable:
-            _fsync_tree(writer.staging)
+        # No fsync here: an uncommitted version is never served as committed, and a crash before the
+        # commit leaves it for the writer to redo. Durability is established once, at commit.
         vdir = self._version_dir(writer.job, writer.version)
         tdir = vdir / tensor_dirname(writer.tensor)
         target = tdir / region_key(writer.region)
@@ -683,7 +690,7 @@ class LocalStore:
                 raise NotFound(f"version {v} of job {job!r} is not in this store; nothing to commit")
             manifest = self._scan_manifest(job, v, committed=True)
             if self.durable:
-                _fsync_tree(vdir)
+                _sync_tree(vdir)
             marker.parent.mkdir(exist_ok=True)
             _write_json_atomic(marker, manifest.to_json(), durable=self.durable)
         log.info("committed version %s of job %s: %d shards, %d bytes", v, job, len(manifest.shards), manifest.nbytes)
@@ -781,6 +788,31 @@ def _newest_mtime(path: Path) -> float:
             with contextlib.suppress(FileNotFoundError):
                 newest = max(newest, os.stat(name).st_mtime)
     return newest
+
+
+def _sync_tree(path: Path) -> None:
+    """Make every file and directory entry under ``path`` durable before the commit marker is written.
+
+    One ``syncfs(2)`` of the store's file system (Linux) flushes them all in a single call; a version
+    of a few hundred shards would otherwise cost thousands of fsyncs. Elsewhere, fsync each one.
+    """
+    if _syncfs(path):
+        return
+    _fsync_tree(path)
+
+
+def _syncfs(path: Path) -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except (OSError, AttributeError):
+        return False
+    try:
+        return libc.syncfs(fd) == 0
+    finally:
+        os.close(fd)
 
 
 def _fsync_tree(path: Path) -> None:
