@@ -81,7 +81,7 @@ def populate(cluster: Cluster, ptc: PTC, state: dict[str, np.ndarray], job: str,
         store = cluster.servers[host].store
         for t, s in ptc.shards_on_host(host):
             store.write_shard(
-                job, version, t.name, s.region, np.ascontiguousarray(state[t.name][s.region.slices()]),
+                job, version, t.name, s.region, state[t.name][s.region.slices()].copy(),
                 dtype=t.dtype, global_shape=t.shape,
             )
         store.commit(job, version)
@@ -123,7 +123,7 @@ def check_new_state(cluster: Cluster, new: PTC, state: dict[str, np.ndarray], jo
             got = client.read(job, version, name, region, t.dtype)
             want = expected_slice(state, name, region, t.shape)
             assert got.dtype == want.dtype and got.shape == want.shape
-            assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), f"{host}: {name} {region} differs"
+            assert got.tobytes() == want.tobytes(), f"{host}: {name} {region} differs"  # bit for bit
             checked += 1
         assert {(s.tensor, s.region) for s in client.manifest(job, version).shards} == set(wanted), (
             f"{host}: the new version holds other shards than its devices need"

@@ -94,3 +94,24 @@ def test_execute_plan_runs_all_hosts_in_parallel(cluster) -> None:
     assert all(seen[h] == plan.hosts[h].bytes_total for h in plan.hosts)
     assert metrics.registry.get_sample_value("tenplex_transforms_total", {"outcome": "ok"}) == len(plan.hosts)
     check_new_state(cluster, new, state, "par", "s1-g1")
+
+
+def test_zero_dim_tensors_move(cluster) -> None:
+    """0-d state (AdamW's step counter) must land in the destination buffer, not in a scalar copy."""
+    from tenplex.ptc import PTC, Device, Region, Shard, Tensor, TensorKind
+
+    def ptc(hosts: list[str]) -> PTC:
+        devices = tuple(Device(i, h) for i, h in enumerate(hosts))
+        ids = tuple(range(len(hosts)))
+        return PTC({}, devices, (
+            Tensor("optim/w/step", (), "float32", TensorKind.OPTIMIZER, (Shard(Region(()), ids),)),
+            Tensor("w", (6,), "bfloat16", TensorKind.PARAM,
+                   tuple(Shard(r, (i % len(hosts),)) for i, r in enumerate(Region.full((6,)).split(0, 2)))),
+        ))
+
+    old, new = ptc(["h0", "h1"]), ptc(["h2"])
+    state = random_state(old, seed=5)
+    populate(cluster, old, state, "scalar", "s1-g0")
+    plan = make_plan(old, new, job="scalar", old_version="s1-g0", new_version="s1-g1")
+    transform_all(cluster, plan)
+    check_new_state(cluster, new, state, "scalar", "s1-g1")
