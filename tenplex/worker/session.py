@@ -144,7 +144,10 @@ class ElasticWorker:
         """
         env = os.environ if environ is None else environ
         if snapshot_every is None and env.get(p.ENV_SNAPSHOT_EVERY):
-            snapshot_every = int(env[p.ENV_SNAPSHOT_EVERY])
+            text = env[p.ENV_SNAPSHOT_EVERY]
+            if not text.strip().isdigit():
+                raise InvalidConfig(f"{p.ENV_SNAPSHOT_EVERY} must be a positive integer, got {text!r}")
+            snapshot_every = int(text)
         control = ControlClient.from_env(env)
         rank = int(env[p.ENV_RANK]) if env.get(p.ENV_RANK) else None
         assignment = control.register(host=env.get(p.ENV_HOST) or None, rank=rank)
