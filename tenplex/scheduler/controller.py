@@ -394,7 +394,8 @@ class JobController:
                 w.exit_code = exits[w.worker_id]
             self._enter(Phase.SUCCEEDED, None, f"completed {st.step} steps")
             return
-        if st.downtime_started_at is not None and st.workers and all(
+        # A step past the restored one means every rank took part in it (its collectives): training is back.
+        if st.downtime_started_at is not None and any(
             w.step is not None and w.step > (st.restored_step or 0) for w in st.workers
         ):
             self._finish_downtime()
@@ -436,6 +437,8 @@ class JobController:
 
     def _begin_planned(self) -> None:
         st = self.status
+        if st.downtime_started_at is not None:  # the previous change's workers are training: close its record
+            self._finish_downtime()
         newest = max([w.step for w in st.workers if w.step is not None] + [st.step])
         st.stop_at_step = newest + STOP_MARGIN_STEPS
         st.target_gpus = st.requested_gpus or st.gpus
@@ -665,8 +668,10 @@ class JobController:
         ids = [w.worker_id for w in st.workers]
         self.backend.stop(self.spec.name, ids, grace=2.0)
         self._peer_failure = None
-        if st.downtime_started_at is None:
-            st.downtime_started_at = time.time()
+        if st.downtime_started_at is not None and st.history and st.history[-1].finished_at is None \
+                and st.history[-1].reason != "failure":
+            self._finish_downtime()  # the change in progress ends here; its downtime so far is its own
+        st.downtime_started_at = st.downtime_started_at or time.time()
         if not st.history or st.history[-1].finished_at is not None or st.history[-1].reason != "failure":
             st.history.append(Reconfiguration(reason="failure", started_at=time.time(), from_config=self._config_text(),
                                               from_gpus=st.gpus, from_hosts=list(st.hosts)))

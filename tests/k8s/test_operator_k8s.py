@@ -156,9 +156,12 @@ def test_a_failed_worker_pod_triggers_failure_handling(cluster: ApiServerEmulato
     assert "gpt-g0-r1" in condition(status, "Failed")["message"]
     assert status["gpus"] == 0
     # kubectl describe shows the story as Events on the ElasticJob.
-    events = eventually(lambda: sorted((e["type"], e["reason"], e["message"]) for e in cluster.list("events", NS)
-                                       if e["involvedObject"]["name"] == "gpt"
-                                       and e["involvedObject"]["kind"] == crd.KIND), "events", timeout=5)
+    def job_events() -> list[tuple[str, str, str]] | None:
+        found = sorted((e["type"], e["reason"], e["message"]) for e in cluster.list("events", NS)
+                       if e["involvedObject"]["name"] == "gpt" and e["involvedObject"]["kind"] == crd.KIND)
+        return found if len(found) >= 2 else None  # the Failed event is published after the phase
+
+    events = eventually(job_events, "both events", timeout=10)
     assert [(kind, reason) for kind, reason, _ in events] == [("Normal", "Running"), ("Warning", "Failed")]
     assert events[0][2].startswith("started in dp1 x tp2 x pp1")
     assert events[1][2].startswith("worker gpt-g0-r1 exited with code 139")
