@@ -30,7 +30,7 @@ $(TOOLS)/helm: deploy/install_tools.py | $(PY)
 tools: $(TOOLS)/helm
 
 demo: install
-	$(VENV)/bin/tenplex demo
+	$(VENV)/bin/tenplex --log-level WARNING demo
 
 test: install tools
 	$(VENV)/bin/ruff check tenplex tests benchmarks examples
