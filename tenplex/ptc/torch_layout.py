@@ -336,24 +336,3 @@ def _layout_tensors(stages: list[list[TensorLayout]], parallel: ParallelConfig, 
                 holders = sorted({d for _, devs in shards for d in devs})
                 tensors.append(build_tensor(f"optim/{lay.name}/step", (), "float32", TensorKind.OPTIMIZER, [(Region.full(()), holders)]))
     return tensors
-
-
-def example_gpt_ptc(
-    cfg: Any,
-    parallel: ParallelConfig,
-    placement: Placement,
-    dataset: DatasetState | None = None,
-    *,
-    optimizer: str = "adamw",
-) -> PTC:
-    """The PTC of the reference job in ``examples/gpt`` (``cfg`` is its ``GPTConfig``).
-
-    The job lives outside the package, so it is imported here, on use; the
-    repository root must be importable (as it is for the tests, the demo and
-    the container image).
-    """
-    try:
-        from examples.gpt.layout import gpt_ptc
-    except ImportError as exc:
-        raise InvalidConfig(f"the reference job examples.gpt is not importable here: {exc}") from None
-    return gpt_ptc(cfg, parallel, placement, dataset=dataset, optimizer=optimizer)

@@ -257,15 +257,6 @@ def test_with_a_real_process_group_it_derives_in_a_subprocess() -> None:
         dist.destroy_process_group()
 
 
-def test_example_gpt_ptc_is_the_reference_jobs_layout() -> None:
-    from tenplex.ptc.torch_layout import example_gpt_ptc
-
-    parallel = ParallelConfig(dp=2, tp=2)
-    assert example_gpt_ptc(CFG, parallel, Placement.uniform(4, 2)).dumps() == gpt_ptc(
-        CFG, parallel, Placement.uniform(4, 2)
-    ).dumps()
-
-
 def test_concurrent_derivations_take_turns() -> None:
     """The fake process group is process-global; threads deriving at once must not collide."""
     from concurrent.futures import ThreadPoolExecutor

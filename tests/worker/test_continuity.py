@@ -25,9 +25,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from examples.gpt.layout import gpt_ptc
 from examples.gpt.model import GPTConfig
 from tenplex.ptc import PTC, DatasetState, ParallelConfig, Placement
-from tenplex.ptc.torch_layout import example_gpt_ptc
 from tenplex.store import Version
 from tenplex.store.client import StoreClient
 from tenplex.store.server import StoreServer
@@ -69,7 +69,7 @@ def placement(parallel: ParallelConfig) -> Placement:
 
 def layout(parallel: ParallelConfig, consumed: int) -> PTC:
     dataset = DatasetState(NUM_SAMPLES, SEED, GLOBAL_BATCH, consumed)
-    return example_gpt_ptc(CFG, parallel, placement(parallel), dataset=dataset)
+    return gpt_ptc(CFG, parallel, placement(parallel), dataset=dataset)
 
 
 @pytest.fixture(scope="module")
