@@ -699,37 +699,7 @@ class JobController:
             self._enter(Phase.RECONFIGURING, Stage.PLANNING,
                         f"{reason}; recovering from {version} held by {sorted(have)} ({rec.steps_lost} steps lost)")
             return
-        if not candidates and not st.committed:
-            self._restart_from_initial_state(reason, reached)
-            return
         self._fail(f"{reason}; no version of the state is fully held by the surviving hosts {sorted(holders)}")
-
-    def _restart_from_initial_state(self, reason: str, reached: int) -> None:
-        """No snapshot was ever committed: the job is still at its deterministic start, so begin again there.
-
-        Under a new generation, so that nothing the dead run left uncommitted is ever mixed into a commit.
-        """
-        st = self.status
-        rec = st.history[-1]
-        try:
-            decision = self._decide_feasible(st.requested_gpus or st.target_gpus or st.gpus, list(st.hosts),
-                                             self.spec.dataset.consumed_samples)
-        except TenplexError as exc:
-            self._fail(f"{reason}; and no configuration for what is left: {exc.detail}")
-            return
-        gen = max([st.generation, *st.version_generation.values()]) + 1
-        self._set_ptc(gen, decision.ptc)
-        rec.to_config = decision.parallel.describe()
-        rec.to_gpus = decision.parallel.world_size
-        rec.to_hosts = list(decision.placement.hosts)
-        rec.steps_lost = reached
-        st.restore_version = None
-        st.restored_step = 0
-        st.step = 0
-        st.stop_at_step = None
-        self._launch(decision, generation=gen)
-        self._enter(Phase.RUNNING, None, f"{reason}; no snapshot had been committed yet: restarted from the initial "
-                                         f"state in {decision.parallel.describe()} ({reached} steps lost)")
 
     def _fail(self, reason: str) -> None:
         st = self.status

@@ -188,18 +188,3 @@ def test_a_lost_host_is_survived_from_the_remaining_replica(tmp_path: Path) -> N
     assert 0 <= failure["steps_lost"] <= 2 * SNAPSHOT_EVERY, failure
     # The survivor held a whole replica: nothing had to cross the network.
     assert failure["bytes_remote"] == failure["lower_bound_bytes"] == 0 and failure["bytes_local"] > 0, failure
-
-
-def test_a_failure_before_any_snapshot_restarts_from_the_initial_state(tmp_path: Path) -> None:
-    with LocalScheduler(tmp_path, hosts=1, gpus_per_host=2, heartbeat_interval=0.3) as sched:
-        client = SchedulerClient(sched.url)
-        body = job("early", gpus=2, steps=12)
-        body["snapshot_every"] = 1000  # no snapshot will exist when the worker dies
-        client.create(body)
-        st = wait_for(client, "early", running(0, 1), "training")
-        sched.scheduler.backend.kill_worker("early", st["workers"][0]["worker_id"], signal.SIGKILL)
-        st = wait_for(client, "early", lambda s: s["phase"] == "Succeeded", "restarting and finishing")
-    assert st["step"] == 12 and st["generation"] >= 1
-    [failure] = st["history"]
-    assert failure["reason"] == "failure" and failure["version_from"] is None and failure["steps_lost"] >= 1, failure
-    assert failure["downtime_seconds"] is not None, failure
