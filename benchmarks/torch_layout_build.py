@@ -24,10 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import partial
@@ -42,6 +39,9 @@ from examples.gpt.parallelize import parallelize  # noqa: E402
 from tenplex.ptc import ParallelConfig, Placement  # noqa: E402
 from tenplex.ptc.megatron import GPTSpec, megatron_gpt_ptc  # noqa: E402
 from tenplex.ptc.torch_layout import derive_ptc, read_stage_layouts  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ptc_build import median_time  # noqa: E402  (the sibling benchmark; one timing helper)
 
 
 @dataclass(frozen=True)
@@ -66,17 +66,6 @@ CASES = [
          GPTConfig(vocab=51200, dim=12288, n_layers=96, n_heads=96, seq_len=2048),
          ParallelConfig(dp=8, tp=8, pp=16, zero=3), 8),
 ]
-
-
-def median_time(fn: Callable[[], Any], runs: int) -> tuple[float, Any]:
-    """Median wall time of ``runs`` calls (after one warm-up) and the last result."""
-    result = fn()
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), result
 
 
 def run_case(case: Case, runs: int) -> dict[str, Any]:
