@@ -12,6 +12,9 @@ labels and annotations), ``secretKeyRef``/``configMapKeyRef``, and ``$(VAR)``
 references to earlier entries. It reports the pod Running, then Succeeded or
 Failed with the exit code when the process ends, and terminates the process
 (SIGTERM, then SIGKILL after the grace period) when the pod is deleted.
+As a container ends with its main process, whatever that process started and
+left behind (in its process group) is killed when it exits: the ranks of a
+multi-GPU worker pod do not outlive their killed launcher.
 
 The image is not pulled: the process runs with this machine's Python, and a
 container without ``command`` runs the local stand-in given for its image's
@@ -112,7 +115,8 @@ class LocalKubelet:
                 running = list(self._pods.values())
             for pod in running:
                 if pod.process.poll() is None:
-                    pod.process.kill()
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(pod.process.pid, signal.SIGKILL)
                     pod.process.wait(timeout=10)
 
     def __enter__(self) -> LocalKubelet:
@@ -214,6 +218,7 @@ class LocalKubelet:
 
     def _reap(self, running: _Running, container: client.V1Container) -> None:
         code = running.process.wait()
+        _kill_leftovers(running.process.pid)
         if running.deleted:
             return
         phase = "Succeeded" if code == 0 else "Failed"
@@ -297,6 +302,12 @@ class LocalKubelet:
                 raise KeyError(f"env {name}: configmap {ref.name} has no key {ref.key!r}")
             return str(data[ref.key])
         raise ValueError(f"env {name}: this kind of valueFrom is not supported by the test kubelet")
+
+
+def _kill_leftovers(pgid: int) -> None:
+    """SIGKILL what remains of a pod's process group once its main process is gone (a container's end)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
 
 
 def wait_for(predicate: Any, timeout: float = 10.0, interval: float = 0.02, what: str = "condition") -> Any:

@@ -104,3 +104,31 @@ def test_pods_of_other_nodes_and_bad_env_are_handled(api: ApiServerEmulator, k8s
     wait_for(lambda: phase(k8s, "nosecret") == "Failed", what="pod with a missing secret Failed")
     assert k8s.core.read_namespaced_pod("nosecret", NS).status.reason == "CreateContainerConfigError"
     assert phase(k8s, "elsewhere") == "Pending" and kubelet.pid("elsewhere") is None
+
+
+@pytest.mark.slow
+def test_a_multi_rank_pods_ranks_end_with_its_killed_launcher(k8s: Clients, kubelet: LocalKubelet, tmp_path: Path) -> None:
+    """As a container ends with its main process: the ranks the launcher started do not outlive it."""
+    out = tmp_path / "ranks"
+    out.mkdir()
+    code = ("import os, pathlib, time; pathlib.Path(os.environ['OUT'], os.environ['RANK']).write_text(str(os.getpid()));"
+            " time.sleep(600)")
+    pod = python_pod("ranks", code, [{"name": "OUT", "value": str(out)}, {"name": "TENPLEX_POD_RANKS", "value":
+                      '[{"RANK":"0","LOCAL_RANK":"0"},{"RANK":"1","LOCAL_RANK":"1"}]'}])
+    container = pod["spec"]["containers"][0]
+    container["command"] = [sys.executable, "-m", "tenplex", "worker", "launch", "--", *container["command"]]
+    k8s.core.create_namespaced_pod(NS, pod)
+    pids = wait_for(lambda: len(found := [int(p.read_text() or 0) for p in sorted(out.iterdir())]) == 2
+                    and all(found) and found, timeout=30, what="both ranks of pod ranks")
+    kubelet.kill("ranks")  # the launcher only
+    wait_for(lambda: phase(k8s, "ranks") == "Failed", what="pod ranks Failed")
+    assert k8s.core.read_namespaced_pod("ranks", NS).status.container_statuses[0].state.terminated.exit_code == 137
+    for pid in pids:
+        wait_for(lambda p=pid: not _alive(p), what=f"rank process {pid} to end with its pod")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
