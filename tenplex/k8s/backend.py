@@ -8,10 +8,21 @@ hostPort). A host is *schedulable* unless cordoned (``spec.unschedulable``).
 A node that disappears from the API stays known as lost, so the jobs that had
 workers on it fail over instead of waiting for it.
 
-Each worker (one rank, one GPU) is a pod named after the worker id, pinned to
-its planned node with ``nodeName`` (the scheduler has already placed it; the
-kube-scheduler has nothing left to decide), labelled with the job and role,
-and owned by the ElasticJob so that deleting the job deletes its pods.
+Worker pods are pinned to their planned node with ``nodeName`` (the
+scheduler has already placed them; the kube-scheduler has nothing left to
+decide), labelled with the job and role, and owned by the ElasticJob so that
+deleting the job deletes its pods. With ``spec.gpusPerPod`` = 1 (the default)
+each worker (one rank, one GPU) is a pod named after its worker id. With
+``gpusPerPod`` = G > 1 a pod runs G ranks of one node (NCCL's intra-node paths
+need them in one container, sharing its GPUs and ``/dev/shm``): the ranks a
+node runs are taken G consecutive local ranks at a time; the pod is named after
+its first worker id, requests G GPUs, lists its worker ids in the annotation
+``tenplex.io/workers`` and its ranks in the label ``tenplex.io/ranks``, and
+runs the job's command under ``tenplex worker launch`` (:mod:`tenplex.launcher`),
+which starts one process per rank from the per-rank environment in
+``TENPLEX_POD_RANKS``. Towards the scheduler nothing changes: ``stop`` and
+``exited`` still speak of worker ids; a pod's outcome is that of all its ranks,
+and stopping any of them stops the pod.
 
 The rendezvous (``MASTER_ADDR``/``MASTER_PORT``): worker pods use the host
 network, so rank 0 listens on its node's address, which the scheduler knows
@@ -45,8 +56,15 @@ from tenplex.errors import Conflict, InvalidConfig, NotFound, StoreUnavailable
 from tenplex.k8s import crd
 from tenplex.k8s.informer import Informer
 from tenplex.k8s.settings import KubernetesSettings
+from tenplex.launcher import ENV_LOCAL_WORLD_SIZE, ENV_POD_RANKS
 from tenplex.scheduler.backend import Backend, HostInfo, WorkerLaunch
-from tenplex.scheduler.protocol import ENV_GENERATION, ENV_LOCAL_RANK, ENV_TOKEN
+from tenplex.scheduler.protocol import (
+    ENV_GENERATION,
+    ENV_LOCAL_RANK,
+    ENV_RANK,
+    ENV_TOKEN,
+    ENV_WORKER_ID,
+)
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +72,15 @@ WORKER_CONTAINER = "worker"
 STORE_PORT_NAME = "store"
 LABEL_GENERATION = "tenplex.io/generation"
 LABEL_RANK = "tenplex.io/rank"
+LABEL_RANKS = "tenplex.io/ranks"
+"""On a multi-rank pod: its ranks, ``first-last`` (they are consecutive)."""
+ANNOTATION_WORKERS = "tenplex.io/workers"
+"""On a multi-rank pod: the worker ids it runs, comma-separated, in local-rank order."""
 ANNOTATION_MASTER_PORT = "tenplex.io/master-port"
+LAUNCHER_COMMAND = ("tenplex", "worker", "launch", "--")
+"""What a multi-rank pod runs before the job's command (the image's ``tenplex`` entry point)."""
+RANK_ENV = (ENV_RANK, ENV_LOCAL_RANK, ENV_WORKER_ID)
+"""Per-rank variables: always in a multi-rank pod's TENPLEX_POD_RANKS, never in its shared environment."""
 PORT_RESERVATION_SECONDS = 120.0
 
 
@@ -106,6 +132,46 @@ def pod_exit_code(pod: Mapping[str, Any], container: str | None = None) -> int |
     return None
 
 
+def pod_groups(workers: Sequence[WorkerLaunch], gpus_per_pod: int) -> list[tuple[WorkerLaunch, ...]]:
+    """The workers each pod runs: per host, ``gpus_per_pod`` consecutive local ranks at a time.
+
+    The scheduler places ranks on a host in multiples of the job's GPUs per pod
+    (whole nodes, then the rest, all multiples of it); anything else cannot be
+    cut into pods and is refused, naming the host and its ranks.
+    """
+    if gpus_per_pod < 1:
+        raise InvalidConfig(f"gpusPerPod must be at least 1, got {gpus_per_pod}")
+    if gpus_per_pod == 1:
+        return [(w,) for w in workers]
+    by_host: dict[str, list[WorkerLaunch]] = {}
+    for w in workers:
+        by_host.setdefault(w.host, []).append(w)
+    groups: list[tuple[WorkerLaunch, ...]] = []
+    for host, ranks in by_host.items():
+        ranks.sort(key=lambda w: (w.local_rank, w.rank))
+        if len(ranks) % gpus_per_pod:
+            raise InvalidConfig(f"node {host} was given {len(ranks)} ranks {[w.rank for w in ranks]}, not a multiple "
+                                f"of gpusPerPod={gpus_per_pod}: they cannot be cut into worker pods")
+        local = [w.local_rank for w in ranks]
+        if len(set(local)) != len(local):
+            raise InvalidConfig(f"node {host}: ranks {[w.rank for w in ranks]} have repeated local ranks {local}")
+        for start in range(0, len(ranks), gpus_per_pod):
+            group = tuple(ranks[start:start + gpus_per_pod])
+            numbers = [w.rank for w in group]
+            if numbers != list(range(numbers[0], numbers[0] + len(numbers))):
+                raise InvalidConfig(f"node {host}: the ranks of one worker pod must be consecutive, got {numbers} "
+                                    f"(gpusPerPod={gpus_per_pod})")
+            groups.append(group)
+    return sorted(groups, key=lambda g: g[0].rank)
+
+
+def pod_workers(pod: Mapping[str, Any]) -> list[str]:
+    """The worker ids a worker pod runs: those of its ``tenplex.io/workers`` annotation, else its name."""
+    meta = pod.get("metadata") or {}
+    listed = (meta.get("annotations") or {}).get(ANNOTATION_WORKERS)
+    return [w for w in listed.split(",") if w] if listed else [meta["name"]]
+
+
 def _labels(obj: Mapping[str, Any]) -> Mapping[str, str]:
     return (obj.get("metadata") or {}).get("labels") or {}
 
@@ -138,6 +204,8 @@ class KubernetesBackend(Backend):
         self._lost_nodes: dict[str, HostInfo] = {}
         self._known_nodes: dict[str, HostInfo] = {}
         self._job_namespace: dict[str, str] = {}
+        self._pod_of: dict[tuple[str, str], str] = {}
+        """(job, worker id) -> the name of the pod running it, where that is not the worker id (multi-rank pods)."""
         self._started = False
         selector = f"{crd.LABEL_ROLE} in ({crd.ROLE_WORKER},{crd.ROLE_STORE})"
         self.nodes = Informer("nodes", self.core.list_node, watch_timeout=watch_timeout)
@@ -274,18 +342,31 @@ class KubernetesBackend(Backend):
     # -- workers ------------------------------------------------------------------------------
 
     def _worker_pod(self, job: str, worker_id: str) -> dict[str, Any] | None:
-        """The cached pod of a worker: a direct lookup once the job's namespace is known, else a scan."""
+        """The cached pod running a worker.
+
+        A direct lookup once the job's namespace and the pod's name are known
+        (the worker id, or what launch or an earlier scan recorded); else a scan
+        of the cached pods (after a scheduler restart, the multi-rank pods'
+        ``tenplex.io/workers`` annotations say which pod runs which worker).
+        """
         with self._lock:
             namespace = self._job_namespace.get(job)
+            name = self._pod_of.get((job, worker_id), worker_id)
         if namespace is not None:
-            pod = self._informer_for(namespace).get(namespace, worker_id)
-            return pod if pod is not None and _is_worker_of(pod, job) else None
-        for inf in self.pods:
-            for pod in inf.items():
-                if pod["metadata"]["name"] == worker_id and _is_worker_of(pod, job):
-                    with self._lock:
-                        self._job_namespace[job] = pod["metadata"]["namespace"]
-                    return pod
+            informer = self._informer_for(namespace)
+            pod = informer.get(namespace, name)
+            if pod is not None and _is_worker_of(pod, job) and worker_id in pod_workers(pod):
+                return pod
+            candidates = informer.items()
+        else:
+            candidates = self._pods()
+        for pod in candidates:
+            if _is_worker_of(pod, job) and worker_id in pod_workers(pod):
+                with self._lock:
+                    self._job_namespace[job] = pod["metadata"]["namespace"]
+                    if pod["metadata"]["name"] != worker_id:
+                        self._pod_of[(job, worker_id)] = pod["metadata"]["name"]
+                return pod
         return None
 
     def _informer_for(self, namespace: str) -> Informer:
@@ -298,39 +379,59 @@ class KubernetesBackend(Backend):
                             f"(watch namespaces: {', '.join(self.settings.watch_namespaces)})")
 
     def worker_pod_manifest(self, job_obj: Mapping[str, Any], command: Sequence[str], w: WorkerLaunch) -> dict[str, Any]:
-        """The pod of one worker (public so that tests and ``kubectl``-minded readers can see exactly what runs)."""
+        """The pod of one worker of a job with one GPU per pod (see :meth:`pod_manifest`)."""
+        return self.pod_manifest(job_obj, command, (w,))
+
+    def pod_manifest(self, job_obj: Mapping[str, Any], command: Sequence[str],
+                     workers: Sequence[WorkerLaunch]) -> dict[str, Any]:
+        """The pod running ``workers`` (one group of :func:`pod_groups`; public so that tests and
+        ``kubectl``-minded readers can see exactly what runs)."""
         spec = crd.ElasticJobSpec.from_object(job_obj)
         meta = job_obj["metadata"]
         job = meta["name"]
+        if len(workers) != spec.gpus_per_pod:
+            raise InvalidConfig(f"job {job}: a worker pod runs gpusPerPod={spec.gpus_per_pod} ranks, got "
+                                f"{len(workers)} ({[w.worker_id for w in workers]})")
+        w = workers[0]
+        shared, per_rank = _split_env(job, workers)
         env: list[dict[str, Any]] = []
-        for key, value in w.env.items():
+        for key, value in shared.items():
             if key == ENV_TOKEN and self.settings.auth_secret:
                 env.append({"name": key, "valueFrom": {"secretKeyRef": {
                     "name": self.settings.auth_secret, "key": self.settings.auth_secret_key}}})
                 continue
             if key == ENV_LOCAL_RANK:
                 value = "0"  # one GPU per pod: the process's device is cuda:0 whatever its local rank on the node
-            elif key == "LOCAL_WORLD_SIZE":
-                value = "1"
+            elif key == ENV_LOCAL_WORLD_SIZE:
+                value = str(len(workers))  # the ranks address the pod's GPUs, which they alone see
             env.append({"name": key, "value": str(value)})
+        if per_rank is not None:
+            env.append({"name": ENV_POD_RANKS, "value": json.dumps(per_rank, separators=(",", ":"))})
         env += [dict(e) for e in spec.env if "valueFrom" in e]
         env += [
             {"name": crd.ENV_NODE_IP, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "status.hostIP"}}},
             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.name"}}},
             {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.namespace"}}},
         ]
+        gpus = str(len(workers))
         resources: dict[str, dict[str, Any]] = {
-            "requests": {**dict(spec.resources.get("requests") or {}), self._gpu: "1"},
-            "limits": {**dict(spec.resources.get("limits") or {}), self._gpu: "1"},
+            "requests": {**dict(spec.resources.get("requests") or {}), self._gpu: gpus},
+            "limits": {**dict(spec.resources.get("limits") or {}), self._gpu: gpus},
         }
+        argv = list(command) if per_rank is None else [*LAUNCHER_COMMAND, *command]
         container: dict[str, Any] = {"name": WORKER_CONTAINER, "image": spec.image or self.settings.worker_image,
-                                     "command": list(command), "env": env, "resources": resources}
+                                     "command": argv, "env": env, "resources": resources}
         if spec.image_pull_policy:
             container["imagePullPolicy"] = spec.image_pull_policy
         generation = str(w.env.get(ENV_GENERATION, "0"))
         annotations = {}
-        if w.rank == 0 and "MASTER_PORT" in w.env:
-            annotations[ANNOTATION_MASTER_PORT] = str(w.env["MASTER_PORT"])
+        labels = {**crd.job_labels(job), LABEL_GENERATION: generation, LABEL_RANK: str(w.rank)}
+        if len(workers) > 1:
+            annotations[ANNOTATION_WORKERS] = ",".join(x.worker_id for x in workers)
+            labels[LABEL_RANKS] = f"{workers[0].rank}-{workers[-1].rank}"
+        master = next((x for x in workers if x.rank == 0), None)
+        if master is not None and "MASTER_PORT" in master.env:
+            annotations[ANNOTATION_MASTER_PORT] = str(master.env["MASTER_PORT"])
         pod_spec: dict[str, Any] = {
             "nodeName": w.host,
             "restartPolicy": "Never",
@@ -350,7 +451,7 @@ class KubernetesBackend(Backend):
             "metadata": {
                 "name": w.worker_id,
                 "namespace": meta.get("namespace") or "default",
-                "labels": {**crd.job_labels(job), LABEL_GENERATION: generation, LABEL_RANK: str(w.rank)},
+                "labels": labels,
                 "annotations": annotations,
                 "ownerReferences": [crd.owner_reference(job_obj)],
             },
@@ -358,17 +459,23 @@ class KubernetesBackend(Backend):
         }
 
     def launch(self, job: str, command: Sequence[str], workers: Sequence[WorkerLaunch], log_dir: Path) -> dict[str, int | None]:
-        """Create one pod per worker; an existing pod of the same generation is taken as already launched."""
+        """Create the workers' pods (one per ``gpusPerPod`` ranks of a node, see :func:`pod_groups`);
+        an existing pod of the same generation is taken as already launched."""
         if not command:
             raise InvalidConfig(f"job {job!r} has no worker command")
         job_obj = self._elasticjob(job)
         namespace = job_obj["metadata"].get("namespace") or "default"
         informer = self._informer_for(namespace)
+        groups = pod_groups(workers, crd.ElasticJobSpec.from_object(job_obj).gpus_per_pod)
+        manifests = [self.pod_manifest(job_obj, command, group) for group in groups]  # all valid before any is made
         with self._lock:
             self._job_namespace[job] = namespace
+            for group in groups:
+                for x in group[1:]:
+                    self._pod_of[(job, x.worker_id)] = group[0].worker_id
         self._remove_finished(job, {str(w.env.get(ENV_GENERATION, "0")) for w in workers})
-        for w in workers:
-            manifest = self.worker_pod_manifest(job_obj, command, w)
+        for group, manifest in zip(groups, manifests, strict=True):
+            w = group[0]
             try:
                 resp = self.core.create_namespaced_pod(namespace, manifest, _preload_content=False)
                 informer.add_created(json.loads(resp.data))
@@ -382,7 +489,8 @@ class KubernetesBackend(Backend):
                     raise Conflict(f"job {job}: pod {namespace}/{w.worker_id} already exists and is not "
                                    f"generation {want}'s worker") from None
                 log.info("job %s: pod %s already exists (launched before a scheduler restart)", job, w.worker_id)
-            log.info("job %s: created pod %s/%s (rank %d on node %s)", job, namespace, w.worker_id, w.rank, w.host)
+            log.info("job %s: created pod %s/%s (ranks %s on node %s)", job, namespace, w.worker_id,
+                     ", ".join(str(x.rank) for x in group), w.host)
         return {w.worker_id: None for w in workers}
 
     def _remove_finished(self, job: str, generations: set[str]) -> None:
@@ -401,7 +509,8 @@ class KubernetesBackend(Backend):
 
     def stop(self, job: str, worker_ids: Sequence[str], *, grace: float = 10.0) -> None:
         """Delete the pods (the kubelet sends SIGTERM, then SIGKILL after ``grace``) and wait until they are gone."""
-        pods = [p for wid in worker_ids if (p := self._worker_pod(job, wid)) is not None]
+        found = {p["metadata"]["name"]: p for wid in worker_ids if (p := self._worker_pod(job, wid)) is not None}
+        pods = list(found.values())  # a multi-rank pod once, whichever of its workers were named
         seconds = max(0, math.ceil(grace))
         for pod in pods:
             meta = pod["metadata"]
@@ -413,14 +522,22 @@ class KubernetesBackend(Backend):
                     log.warning("job %s: deleting pod %s failed: %s %s", job, meta["name"], exc.status, _api_message(exc))
         deadline = time.monotonic() + seconds + 15.0
         while time.monotonic() < deadline:
-            left = [p["metadata"]["name"] for p in pods if self._worker_pod(job, p["metadata"]["name"]) is not None]
+            left = [p["metadata"]["name"] for p in pods if self._live_pod(p) is not None]
             if not left:
                 return
             time.sleep(0.05)
         log.warning("job %s: pods %s still terminating %.0fs after deletion", job, left, seconds + 15.0)
 
+    def _live_pod(self, pod: Mapping[str, Any]) -> dict[str, Any] | None:
+        """The cached pod with the same namespace, name and uid as ``pod`` (None once it is gone)."""
+        meta = pod["metadata"]
+        now = self._informer_for(meta["namespace"]).get(meta["namespace"], meta["name"])
+        return now if now is not None and now["metadata"].get("uid") == meta.get("uid") else None
+
     def exited(self, job: str, worker_ids: Sequence[str]) -> dict[str, int | None]:
-        """Succeeded -> 0, Failed -> the worker container's exit code (None when it has none), gone -> None."""
+        """Succeeded -> 0, Failed -> the worker container's exit code (None when it has none), gone -> None.
+
+        A multi-rank pod's outcome is that of each of its workers."""
         out: dict[str, int | None] = {}
         for wid in worker_ids:
             pod = self._worker_pod(job, wid)
@@ -465,6 +582,32 @@ class KubernetesBackend(Backend):
             if h.name == name:
                 return h
         raise NotFound(f"node {name!r} has no allocatable {self._gpu} or is not known to the Kubernetes backend")
+
+
+def _split_env(job: str, workers: Sequence[WorkerLaunch]) -> tuple[dict[str, str], list[dict[str, str]] | None]:
+    """A pod's environment: what all its workers share, and (for several) each one's own variables.
+
+    One worker: all of its environment is shared, no per-rank list. Several:
+    a variable goes into the per-rank list (``TENPLEX_POD_RANKS``) when it is
+    one of :data:`RANK_ENV` or differs between them (or some lack it); each
+    rank's ``LOCAL_RANK`` becomes its index in the pod, the GPU it uses among
+    the pod's GPUs. The token is never put in the list: it must be shared.
+    """
+    if len(workers) == 1:
+        return {k: str(v) for k, v in workers[0].env.items()}, None
+    keys = dict.fromkeys(k for w in workers for k in w.env)
+    differ = {k for k in keys if k in RANK_ENV or len({w.env.get(k) for w in workers}) > 1
+              or any(k not in w.env for w in workers)}
+    if ENV_TOKEN in differ:
+        raise InvalidConfig(f"job {job}: the ranks of one pod must share {ENV_TOKEN}; workers "
+                            f"{[w.worker_id for w in workers]} do not")
+    shared = {k: str(workers[0].env[k]) for k in keys if k not in differ}
+    per_rank = []
+    for index, w in enumerate(workers):
+        own = {k: str(w.env[k]) for k in keys if k in differ and k in w.env}
+        own.update({ENV_RANK: str(w.rank), ENV_LOCAL_RANK: str(index), ENV_WORKER_ID: w.worker_id})
+        per_rank.append(own)
+    return shared, per_rank
 
 
 def _is_worker_of(pod: Mapping[str, Any], job: str) -> bool:

@@ -41,7 +41,8 @@ def add_gpu_node(api: ApiServerEmulator, name: str, address: str, *, gpus: int =
 def elasticjob(name: str, gpus: int, *, namespace: str = NS, provider: str = "megatron-gpt",
                model: dict[str, Any] | None = None, command: list[str] | None = None, steps: int = 1000,
                snapshot_every: int = 10, env: list[dict[str, Any]] | None = None, max_gpus: int = 4,
-               table: list[dict[str, int]] | None = None, training: bool = True) -> dict[str, Any]:
+               table: list[dict[str, int]] | None = None, training: bool = True,
+               gpus_per_pod: int | None = None) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "image": "tenplex:test",
         "command": command or ["python", "-m", "examples.gpt.train"],
@@ -51,6 +52,8 @@ def elasticjob(name: str, gpus: int, *, namespace: str = NS, provider: str = "me
         "layout": {"provider": provider, "model": model or dict(MEGATRON_MODEL)},
         "env": env or [{"name": "OMP_NUM_THREADS", "value": "1"}],
     }
+    if gpus_per_pod is not None:
+        spec["gpusPerPod"] = gpus_per_pod
     if training:
         spec["training"] = {"steps": steps, "snapshotEvery": snapshot_every, "heartbeatTimeoutSeconds": 120,
                             "dataset": {"numSamples": 4096, "globalBatchSize": 8}}

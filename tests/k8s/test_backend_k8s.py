@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -9,9 +10,17 @@ import pytest
 
 from tenplex.errors import Conflict, InvalidConfig, NotFound
 from tenplex.k8s import crd
-from tenplex.k8s.backend import ANNOTATION_MASTER_PORT, ClusterEvent, KubernetesBackend
+from tenplex.k8s.backend import (
+    ANNOTATION_MASTER_PORT,
+    ANNOTATION_WORKERS,
+    LABEL_RANKS,
+    ClusterEvent,
+    KubernetesBackend,
+    pod_groups,
+)
 from tenplex.k8s.emulator import ApiServerEmulator
 from tenplex.k8s.settings import KubernetesSettings
+from tenplex.launcher import ENV_POD_RANKS, parse_pod_ranks
 from tenplex.scheduler.backend import HostInfo, WorkerLaunch
 
 from .cluster import NS, add_gpu_node, elasticjob, eventually, store_pod, worker_pods
@@ -181,3 +190,93 @@ def test_store_pod_address_and_port_come_from_the_store_pod(api: ApiServerEmulat
     api.set_pod_running("store-gpu-d", NS, pod_ip="10.244.0.7")
     eventually(lambda: any(h.name == "gpu-d" and h.ready for h in backend.hosts()), "gpu-d ready")
     assert backend.host("gpu-d") == HostInfo("gpu-d", 4, "http://10.1.0.4:7272", "10.1.0.4")
+
+
+def node_launches(job: str, generation: int, hosts: list[str]) -> list[WorkerLaunch]:
+    """What the controller launches: ranks in host order, local ranks counted per host."""
+    out: list[WorkerLaunch] = []
+    for rank, host in enumerate(hosts):
+        local = sum(1 for w in out if w.host == host)
+        wid = f"{job}-g{generation}-r{rank}"
+        out.append(WorkerLaunch(wid, rank, host, local, {
+            "RANK": str(rank), "WORLD_SIZE": str(len(hosts)), "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.2", "MASTER_PORT": "29501", "TENPLEX_WORKER_ID": wid, "TENPLEX_TOKEN": "s3cret",
+            "TENPLEX_STORE_URL": f"http://{host}:7070", "TENPLEX_GENERATION": str(generation)}))
+    return out
+
+
+def test_multi_gpu_pods_run_their_nodes_ranks_under_the_launcher(api: ApiServerEmulator, backend: KubernetesBackend,
+                                                                 tmp_path: Path) -> None:
+    api.create("elasticjobs", elasticjob("mp", 4, gpus_per_pod=2), NS)
+    events: list[ClusterEvent] = []
+    backend.add_listener(events.append)
+    ids = backend.launch("mp", ["python", "-m", "examples.gpt.train"],
+                         node_launches("mp", 0, ["gpu-a", "gpu-a", "gpu-b", "gpu-b"]), tmp_path)
+    assert ids == dict.fromkeys(["mp-g0-r0", "mp-g0-r1", "mp-g0-r2", "mp-g0-r3"])
+    pods = worker_pods(api, "mp")
+    assert [(p["metadata"]["name"], p["spec"]["nodeName"]) for p in pods] == [("mp-g0-r0", "gpu-a"),
+                                                                              ("mp-g0-r2", "gpu-b")]
+    first, second = pods
+    assert first["metadata"]["labels"] == {**crd.job_labels("mp"), "tenplex.io/generation": "0", "tenplex.io/rank": "0",
+                                           LABEL_RANKS: "0-1"}
+    assert second["metadata"]["labels"][LABEL_RANKS] == "2-3"
+    assert first["metadata"]["annotations"] == {ANNOTATION_MASTER_PORT: "29501", ANNOTATION_WORKERS: "mp-g0-r0,mp-g0-r1"}
+    assert second["metadata"]["annotations"] == {ANNOTATION_WORKERS: "mp-g0-r2,mp-g0-r3"}
+    for pod in pods:
+        (container,) = pod["spec"]["containers"]
+        assert container["command"] == ["tenplex", "worker", "launch", "--", "python", "-m", "examples.gpt.train"]
+        assert container["resources"]["requests"][crd.GPU_RESOURCE] == "2"
+        assert container["resources"]["limits"][crd.GPU_RESOURCE] == "2"
+    env = {e["name"]: e for e in first["spec"]["containers"][0]["env"]}
+    # Shared by the pod's ranks: one environment; per rank: the launcher's list, local ranks within the pod.
+    assert env["LOCAL_WORLD_SIZE"]["value"] == "2" and env["WORLD_SIZE"]["value"] == "4"
+    assert "RANK" not in env and "LOCAL_RANK" not in env and "TENPLEX_WORKER_ID" not in env
+    assert env["TENPLEX_TOKEN"] == {"name": "TENPLEX_TOKEN",
+                                    "valueFrom": {"secretKeyRef": {"name": "tenplex-auth", "key": "token"}}}
+    second_env = {e["name"]: e.get("value") for e in second["spec"]["containers"][0]["env"]}
+    assert second_env["TENPLEX_STORE_URL"] == "http://gpu-b:7070"
+    assert json.loads(second_env[ENV_POD_RANKS]) == [
+        {"RANK": "2", "LOCAL_RANK": "0", "TENPLEX_WORKER_ID": "mp-g0-r2"},
+        {"RANK": "3", "LOCAL_RANK": "1", "TENPLEX_WORKER_ID": "mp-g0-r3"}]
+    # The launcher reads exactly that: its ranks and their environment.
+    assert [(r.rank, r.local_rank) for r in parse_pod_ranks(second_env[ENV_POD_RANKS])] == [(2, 0), (3, 1)]
+
+    # A pod's outcome is each of its ranks'; stopping any rank of a pod stops the pod.
+    all_ids = list(ids)
+    for pod in pods:
+        api.set_pod_running(pod["metadata"]["name"], NS)
+    eventually(lambda: backend.exited("mp", all_ids) == {}, "all running")
+    api.fail_pod("mp-g0-r2", NS, exit_code=3)
+    assert eventually(lambda: backend.exited("mp", all_ids) or None, "the failed pod") == {"mp-g0-r2": 3, "mp-g0-r3": 3}
+    assert [e.detail for e in events if e.kind == "worker-exited"] == ["worker pod mp-g0-r2 Failed (exit code 3)"]
+    backend.stop("mp", ["mp-g0-r1"], grace=1)
+    assert [p["metadata"]["name"] for p in worker_pods(api, "mp")] == ["mp-g0-r2"]
+    assert backend.exited("mp", all_ids) == {"mp-g0-r0": None, "mp-g0-r1": None, "mp-g0-r2": 3, "mp-g0-r3": 3}
+
+    # Scaled to 2 GPUs: one pod. A scheduler restarted meanwhile finds the pod of each worker from the annotation.
+    backend.stop("mp", all_ids, grace=1)
+    backend.launch("mp", ["python"], node_launches("mp", 1, ["gpu-a", "gpu-a"]), tmp_path)
+    (pod,) = worker_pods(api, "mp")
+    assert pod["metadata"]["name"] == "mp-g1-r0" and pod["metadata"]["labels"][LABEL_RANKS] == "0-1"
+    with api.api_client() as api_client:
+        restarted = KubernetesBackend(api_client, SETTINGS, lambda name: api.get("elasticjobs", name, NS),
+                                      watch_timeout=5).start()
+        try:
+            api.set_pod_succeeded("mp-g1-r0", NS)
+            assert eventually(lambda: restarted.exited("mp", ["mp-g1-r0", "mp-g1-r1"]) or None, "the exits") == {
+                "mp-g1-r0": 0, "mp-g1-r1": 0}
+            restarted.stop("mp", ["mp-g1-r1"], grace=1)
+            assert worker_pods(api, "mp") == []
+        finally:
+            restarted.close()
+
+
+def test_ranks_that_cannot_be_cut_into_pods_are_refused(api: ApiServerEmulator, backend: KubernetesBackend,
+                                                        tmp_path: Path) -> None:
+    api.create("elasticjobs", elasticjob("mp", 4, gpus_per_pod=2), NS)
+    with pytest.raises(InvalidConfig, match=r"node gpu-b was given 1 ranks \[2\], not a multiple of gpusPerPod=2"):
+        backend.launch("mp", ["python"], node_launches("mp", 0, ["gpu-a", "gpu-a", "gpu-b"]), tmp_path)
+    with pytest.raises(InvalidConfig, match=r"ranks of one worker pod must be consecutive, got \[0, 2\]"):
+        backend.launch("mp", ["python"], node_launches("mp", 0, ["gpu-a", "gpu-b", "gpu-a", "gpu-b"]), tmp_path)
+    assert worker_pods(api, "mp") == []  # nothing is created unless every pod can be
+    assert [[w.rank for w in g] for g in pod_groups(node_launches("mp", 0, ["gpu-a"] * 4), 2)] == [[0, 1], [2, 3]]
