@@ -26,6 +26,7 @@ from kubernetes import client
 
 from tenplex.errors import InvalidConfig, InvalidInput
 from tenplex.k8s import crd
+from tenplex.k8s.backend import ANNOTATION_WORKERS, LABEL_RANKS
 from tenplex.k8s.emulator import ApiServerEmulator
 from tenplex.k8s.jobstore import ptc_configmap, state_configmap
 from tenplex.k8s.operator import (
@@ -36,6 +37,7 @@ from tenplex.k8s.operator import (
     job_spec_from_elasticjob,
 )
 from tenplex.k8s.settings import KubernetesSettings
+from tenplex.launcher import ENV_POD_RANKS, parse_pod_ranks
 from tenplex.scheduler.api import create_app
 from tenplex.scheduler.controller import SchedulerSettings
 from tenplex.scheduler.state import JobSpec, Phase
@@ -165,6 +167,40 @@ def test_a_failed_worker_pod_triggers_failure_handling(cluster: ApiServerEmulato
     assert [(kind, reason) for kind, reason, _ in events] == [("Normal", "Running"), ("Warning", "Failed")]
     assert events[0][2].startswith("started in dp1 x tp2 x pp1")
     assert events[1][2].startswith("worker gpt-g0-r1 exited with code 139")
+
+
+def test_multi_gpu_pods_and_a_failed_pod_fails_all_its_ranks(cluster: ApiServerEmulator,
+                                                             sched: KubernetesScheduler) -> None:
+    cluster.create("elasticjobs", elasticjob("gpt", 4, gpus_per_pod=2, table=[{"gpus": 4, "dp": 2, "tp": 2, "pp": 1}]),
+                   NS)
+    pods = running_pods(cluster, "gpt", 2)
+    assert [(p["metadata"]["name"], p["spec"]["nodeName"], p["metadata"]["labels"][LABEL_RANKS],
+             p["metadata"]["annotations"][ANNOTATION_WORKERS]) for p in pods] == [
+        ("gpt-g0-r0", "gpu-a", "0-1", "gpt-g0-r0,gpt-g0-r1"), ("gpt-g0-r2", "gpu-b", "2-3", "gpt-g0-r2,gpt-g0-r3")]
+    for pod in pods:
+        (container,) = pod["spec"]["containers"]
+        assert container["resources"]["limits"][crd.GPU_RESOURCE] == "2"
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        first = int(pod["metadata"]["labels"]["tenplex.io/rank"])
+        assert [(r.rank, r.local_rank, r.env["TENPLEX_WORKER_ID"]) for r in parse_pod_ranks(env[ENV_POD_RANKS])] == \
+            [(first, 0, f"gpt-g0-r{first}"), (first + 1, 1, f"gpt-g0-r{first + 1}")]
+        assert env["WORLD_SIZE"] == "4" and env["LOCAL_WORLD_SIZE"] == "2"
+        cluster.set_pod_running(pod["metadata"]["name"], NS)
+    ctl = sched.get("gpt")
+    eventually(lambda: ctl.status.phase == Phase.RUNNING, "Running")
+    assert [(w.worker_id, w.host) for w in ctl.status.workers] == [
+        ("gpt-g0-r0", "gpu-a"), ("gpt-g0-r1", "gpu-a"), ("gpt-g0-r2", "gpu-b"), ("gpt-g0-r3", "gpu-b")]
+    # What the controller's poll gets from the backend once the watch has seen the pod Failed (asked from the
+    # watch's own listener, so before the controller's stop of the survivors can reach the cache).
+    ids = [w.worker_id for w in ctl.status.workers]
+    seen: list[dict[str, int | None]] = []
+    sched.kube_backend.add_listener(
+        lambda e: seen.append(sched.kube_backend.exited("gpt", ids)) if e.kind == "worker-exited" else None)
+    cluster.fail_pod("gpt-g0-r2", NS, exit_code=134)
+    assert eventually(lambda: seen, "the pod's failure seen") == [{"gpt-g0-r2": 134, "gpt-g0-r3": 134}]
+    eventually(lambda: ctl.status.phase == Phase.FAILED, "failure handling", timeout=30)
+    assert "worker gpt-g0-r2 exited with code 134" in ctl.status.message
+    assert worker_pods(cluster, "gpt") == []  # the survivors' pod was stopped
 
 
 def test_a_not_ready_node_is_a_lost_host(cluster: ApiServerEmulator, sched: KubernetesScheduler) -> None:
