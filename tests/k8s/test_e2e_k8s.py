@@ -14,11 +14,16 @@ holds the evictions until the scheduler has moved the state and the
 workers), then one worker's process is killed: the kubelet reports its pod
 Failed, and the job resumes from the newest version held by the node stores
 and runs to the last step.
+
+A second run gives the nodes two GPUs each and the job ``gpusPerPod: 2``: its
+worker pods run two ranks each under ``tenplex worker launch``, one pod on one
+node, then, scaled to 4 GPUs, one pod on each of two nodes, to the last step.
 """
 
 from __future__ import annotations
 
 import base64
+import os
 import socket
 import sys
 from collections.abc import Iterator
@@ -31,7 +36,7 @@ from kubernetes import client
 
 from tenplex.errors import NotFound
 from tenplex.k8s import crd
-from tenplex.k8s.backend import ANNOTATION_MASTER_PORT
+from tenplex.k8s.backend import ANNOTATION_MASTER_PORT, LABEL_RANKS
 from tenplex.k8s.emulator import ApiServerEmulator
 from tenplex.k8s.kubelet import LocalKubelet
 from tenplex.k8s.operator import KubernetesScheduler
@@ -63,14 +68,17 @@ def free_port(host: str) -> int:
 
 
 class Cluster:
-    def __init__(self, api: ApiServerEmulator, root: Path, stack: ExitStack) -> None:
+    def __init__(self, api: ApiServerEmulator, root: Path, stack: ExitStack, gpus_per_node: int = 1) -> None:
         self.api = api
         self.kubelets: dict[str, LocalKubelet] = {}
         api.create("secrets", {"metadata": {"name": "tenplex-auth"},
                                "data": {"token": base64.b64encode(TOKEN.encode()).decode()}}, NS)
+        # The image's PATH: its ``tenplex`` entry point (multi-GPU pods run their ranks under it) is this venv's.
+        env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
         for node, ip in NODES.items():
-            api.add_node(node, gpus=1, address=ip)  # one GPU each: few processes; every change crosses nodes
-            kubelet = LocalKubelet(stack.enter_context(api.api_client()), node, ip, root / node, cwd=REPO)
+            # One GPU each by default: few processes; every change crosses nodes.
+            api.add_node(node, gpus=gpus_per_node, address=ip)
+            kubelet = LocalKubelet(stack.enter_context(api.api_client()), node, ip, root / node, base_env=env, cwd=REPO)
             self.kubelets[node] = stack.enter_context(kubelet)
             port = free_port(ip)
             pod = store_pod(node, port=port, command=[
@@ -94,9 +102,10 @@ def _healthy(store: StoreClient) -> bool:
 
 
 @pytest.fixture
-def cluster(api: ApiServerEmulator, tmp_path: Path) -> Iterator[Cluster]:
+def cluster(api: ApiServerEmulator, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    """The nodes; ``@pytest.mark.parametrize("cluster", [G], indirect=True)`` gives each G GPUs (default 1)."""
     with ExitStack() as stack:
-        yield Cluster(api, tmp_path / "nodes", stack)
+        yield Cluster(api, tmp_path / "nodes", stack, gpus_per_node=getattr(request, "param", 1))
 
 
 @pytest.fixture
@@ -200,3 +209,40 @@ def test_reference_job_scaled_through_the_scale_subresource_and_recovered_after_
     assert crd.elasticjob_errors(api.get("elasticjobs", "gpt", NS)) == []
     reasons = [e["reason"] for e in api.list("events", NS) if e["involvedObject"]["name"] == "gpt"]
     assert reasons.count("Reconfigured") == 3 and reasons.count("Succeeded") == 1, reasons
+
+
+@pytest.mark.parametrize("cluster", [2], indirect=True)
+def test_multi_gpu_pods_train_scale_and_complete(api: ApiServerEmulator, cluster: Cluster,
+                                                 scheduler: KubernetesScheduler) -> None:
+    steps = 12
+    job = elasticjob("gpt", 2, provider="example-gpt", model=MODEL, command=WORKER, steps=steps,
+                     snapshot_every=SNAPSHOT_EVERY, max_gpus=4, gpus_per_pod=2,
+                     table=[{"gpus": 2, "dp": 2, "tp": 1, "pp": 1}, {"gpus": 4, "dp": 4, "tp": 1, "pp": 1}],
+                     env=[{"name": "OMP_NUM_THREADS", "value": "1"}, {"name": "GLOO_SOCKET_IFNAME", "value": "lo"}])
+    api.create("elasticjobs", job, NS)
+    wait_job(scheduler, "gpt", lambda s: s.phase == Phase.RUNNING and s.step >= 3, "training on one 2-GPU pod")
+    (pod,) = worker_pods(api, "gpt")
+    assert (pod["metadata"]["name"], pod["spec"]["nodeName"], pod["metadata"]["labels"][LABEL_RANKS]) == (
+        "gpt-g0-r0", "node-0", "0-1")
+    assert pod["spec"]["containers"][0]["resources"]["limits"][crd.GPU_RESOURCE] == "2"
+    launched = cluster.kubelets["node-0"].log_path("gpt-g0-r0").read_text()
+    assert "started rank 0 (local rank 0)" in launched and "started rank 1 (local rank 1)" in launched
+
+    with api.api_client() as api_client:
+        client.CustomObjectsApi(api_client).patch_namespaced_custom_object_scale(
+            crd.GROUP, crd.VERSION, NS, crd.PLURAL, "gpt", {"spec": {"replicas": 4}})
+    st = wait_job(scheduler, "gpt", lambda s: s.phase == Phase.RUNNING and s.generation == 1, "training on 4 GPUs")
+    assert st.gpus == 4 and st.hosts == ["node-0", "node-1"]
+    pods = eventually(lambda: (p := worker_pods(api, "gpt")) and len(p) == 2 and p, "two 2-GPU pods")
+    assert [(p["metadata"]["name"], p["spec"]["nodeName"], p["metadata"]["labels"][LABEL_RANKS]) for p in pods] == [
+        ("gpt-g1-r0", "node-0", "0-1"), ("gpt-g1-r2", "node-1", "2-3")]
+
+    st = wait_job(scheduler, "gpt", lambda s: s.phase == Phase.SUCCEEDED, "finishing on 4 GPUs")
+    assert st.step == steps
+    (scale,) = st.history
+    assert (scale.reason, scale.from_gpus, scale.to_gpus, scale.steps_lost) == ("scale", 2, 4, 0)
+    assert scale.bytes_remote == scale.lower_bound_bytes > 0  # node-1's ranks got their state over the network
+    # Every rank exited 0, so did each pod's launcher.
+    phases = eventually(lambda: (ph := [p["status"]["phase"] for p in worker_pods(api, "gpt")]) == ["Succeeded"] * 2
+                        and ph, "both pods Succeeded")
+    assert phases == ["Succeeded", "Succeeded"]
