@@ -179,7 +179,9 @@ def _spec_schema() -> dict[str, Any]:
                     },
                 },
             },
-            "gpusPerPod": _int(1, "GPUs requested by each worker pod (nvidia.com/gpu).", default=1),
+            "gpusPerPod": _int(1, "GPUs (nvidia.com/gpu) and ranks of each worker pod, and the granularity of gpus. "
+                                     "Above 1, a pod runs that many ranks of one node under 'tenplex worker "
+                                     "launch', each selecting its GPU by LOCAL_RANK.", default=1),
             "gpus": _int(0, "Desired total GPU count; 0 suspends the job keeping its state."),
             "minGpus": _int(1, "Fewest GPUs the job may run on (failures below this fail the job)."),
             "maxGpus": _int(1, "Most GPUs the job may be scaled to."),
