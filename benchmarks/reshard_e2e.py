@@ -8,12 +8,15 @@ laid out (dp2, tp2) on hosts h0, h1 (2 GPUs each). Two reconfigurations to (dp1,
 Tenplex: four `tenplex store serve` daemons (one per emulated host, 127.0.0.2..5); the old state
 is written into h0/h1's stores as the workers' snapshot would (timed separately); then timed end to
 end: plan + every target host's transform, each in its own already started process like a node's
-(pull, verify, write the new version, commit).
+(pull, verify, write the new version, commit; a shard a survivor keeps is verified and linked).
+The store writes past the page cache, so the old state is read cold: before every run its files
+are evicted from the page cache (earlier runs read them in). DCP's load reads what its save just
+wrote through the page cache, as it does in its own save-then-load flow.
 DCP: 4 gloo processes hold the old layout as DTensors and call torch.distributed.checkpoint.save;
 4 fresh gloo processes hold empty DTensors of the new layout and call dcp.load, which reshards.
 Timed: save (between barriers) + load (between barriers). Bytes read by DCP are the stored chunk
 bytes its FileSystemReader reads (it reads whole saved chunks); Tenplex's are the piece bytes read
-from the stores (local + remote). Both results are checked element by element against the data.
+from the stores (local + remote; a linked shard counts as read: its checksum is verified). Both results are checked element by element against the data.
 
 Run: .venv/bin/python benchmarks/reshard_e2e.py [--layers 8 --hidden 896 --heads 14 --vocab 8192]
 """
@@ -168,8 +171,30 @@ class Nodes:
             p.join(10)
 
 
+def evict_old_version(work: Path, old: PTC, job: str) -> int:
+    """Drop the old version's files from the page cache; the bytes dropped.
+
+    The store writes chunk files past the page cache (O_DIRECT), so after a
+    snapshot its state is on disk, not in memory: a transform reads it cold.
+    Earlier runs of the same scenario read it into the cache; evicting it
+    before every run keeps each run as cold as the first.
+    """
+    dropped = 0
+    for host in old.hosts:
+        for dirpath, _dirs, files in os.walk(work / host / job / OLD_V):
+            for name in files:
+                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+                try:
+                    dropped += os.fstat(fd).st_size
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+    return dropped
+
+
 def tenplex_run(old: PTC, new: PTC, nodes: Nodes, urls: dict[str, str], job: str,
-                alive: set[str] | None, new_version: str) -> dict:
+                alive: set[str] | None, new_version: str, work: Path) -> dict:
+    evict_old_version(work, old, job)
     start = time.perf_counter()
     plan = make_plan(old, new, job=job, old_version=OLD_V, new_version=new_version, alive=alive)
     plan_s = time.perf_counter() - start
@@ -186,6 +211,7 @@ def tenplex_run(old: PTC, new: PTC, nodes: Nodes, urls: dict[str, str], job: str
         "seconds": total,
         "plan_seconds": plan_s,
         "bytes_read": sum(r["bytes_local"] + r["bytes_remote"] for r in reports.values()),
+        "bytes_linked": sum(r["bytes_linked"] for r in reports.values()),
         "network_bytes": plan.network_bytes,
         "lower_bound_bytes": plan.lower_bound_bytes,
         "local_bytes": plan.local_bytes,
@@ -305,7 +331,7 @@ def main() -> None:
             nodes = Nodes(hosts, work, urls, alive)
             tens, dcps = [], []
             for r in range(args.repeat):  # interleaved, so that load from other users hits both alike
-                tens.append(tenplex_run(old, new, nodes, urls, job, alive, f"s100-g{r + 1}"))
+                tens.append(tenplex_run(old, new, nodes, urls, job, alive, f"s100-g{r + 1}", work))
                 dcps.append(dcp_run(old_file, new_file, work))
                 print(f"  [{name} run {r + 1}] tenplex {tens[-1]['seconds']:.2f} s, dcp {dcps[-1]['seconds']:.2f} s", flush=True)
             nodes.close()
@@ -316,7 +342,8 @@ def main() -> None:
                 f"{name} ({stat} of {args.repeat}):\n"
                 f"  tenplex: {ten['seconds']:.2f} s end to end (plan {ten['plan_seconds'] * 1e3:.0f} ms); "
                 f"read {ten['bytes_read'] / 1e9:.3f} GB (network {ten['network_bytes'] / 1e9:.3f} GB = lower bound "
-                f"{ten['lower_bound_bytes'] / 1e9:.3f} GB, local {ten['local_bytes'] / 1e9:.3f} GB); "
+                f"{ten['lower_bound_bytes'] / 1e9:.3f} GB, local {ten['local_bytes'] / 1e9:.3f} GB of which "
+                f"{ten['bytes_linked'] / 1e9:.3f} GB kept in place by linking); "
                 f"snapshot into the stores beforehand {snap:.2f} s; all runs "
                 + ", ".join(f"{x['seconds']:.2f}" for x in tens) + "\n"
                 f"  dcp:     {dcp['seconds']:.2f} s (save {dcp['save_seconds']:.2f} + load {dcp['load_seconds']:.2f}); "

@@ -60,7 +60,14 @@ import zarr
 import zarr.storage
 from zarr.core.buffer.cpu import NDBuffer
 
-from tenplex.errors import Conflict, InvalidInput, InvalidRegion, NotFound, StateLost
+from tenplex.errors import (
+    ChecksumMismatch,
+    Conflict,
+    InvalidInput,
+    InvalidRegion,
+    NotFound,
+    StateLost,
+)
 from tenplex.ptc.dtypes import check_dtype, itemsize, storage_dtype
 from tenplex.ptc.region import Region, subtract
 from tenplex.store.buffers import (
@@ -81,7 +88,7 @@ from tenplex.store.names import (
     tensor_dirname,
     tensor_from_dirname,
 )
-from tenplex.store.rawchunks import RawChunkReader, RawChunkWriter, raw_eligible
+from tenplex.store.rawchunks import ChunkLayout, RawChunkReader, RawChunkWriter, direct_writes_work
 from tenplex.store.version import Version
 
 if TYPE_CHECKING:
@@ -118,20 +125,29 @@ def _write_json_atomic(path: Path, obj: Any, *, durable: bool) -> None:
         _fsync_path(path.parent, directory=True)
 
 
-def _read_attrs(node_dir: Path) -> dict[str, Any]:
-    """Our record from a zarr node's metadata document (zarr v3 spec: ``attributes`` of zarr.json)."""
+def _read_meta(node_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A zarr node's metadata document and our record in it (zarr v3 spec: ``attributes`` of zarr.json)."""
     with open(node_dir / "zarr.json", encoding="utf-8") as f:
         meta = json.load(f)
     rec = meta.get("attributes", {}).get(ATTR)
     if not isinstance(rec, dict):
         raise InvalidInput(f"{node_dir} is not a shard written by the tenplex store (no '{ATTR}' attribute)")
-    return rec
+    return meta, rec
+
+
+def _write_group(node_dir: Path, attributes: dict[str, Any]) -> None:
+    """A zarr v3 group node (``zarr.json``), written directly: zarr's own path costs milliseconds per group."""
+    node_dir.mkdir(parents=True, exist_ok=True)
+    doc = {"zarr_format": 3, "node_type": "group", "attributes": {ATTR: attributes}}
+    _write_json_atomic(node_dir / "zarr.json", doc, durable=False)
 
 
 @dataclass(frozen=True, slots=True)
 class _StoredShard:
     info: ShardInfo
     path: Path
+    layout: ChunkLayout | None
+    """None when the array's chunks are not raw little-endian elements (read through zarr then)."""
 
 
 class TensorReader:
@@ -161,7 +177,7 @@ class TensorReader:
         first = shards[0].info
         self.dtype = first.dtype
         self.global_shape = first.global_shape
-        self._arrays: dict[Path, tuple[zarr.Array, RawChunkReader | None]] = {}
+        self._arrays: dict[Path, RawChunkReader | zarr.Array] = {}
         self._lock = threading.Lock()
         self._executor = executor
         self._map_chunks = map_chunks
@@ -185,20 +201,22 @@ class TensorReader:
                 return s.info
         return None
 
-    def _array(self, path: Path) -> tuple[zarr.Array, RawChunkReader | None]:
+    def _array(self, shard: _StoredShard) -> RawChunkReader | zarr.Array:
+        """The direct chunk reader of a shard, or zarr's array for a layout the direct path does not know."""
         with self._lock:
-            found = self._arrays.get(path)
+            found = self._arrays.get(shard.path)
             if found is None:
-                try:
-                    arr = zarr.open_array(store=zarr.storage.LocalStore(path, read_only=True), mode="r")
-                except FileNotFoundError:
-                    raise NotFound(
-                        f"a shard of tensor {self.tensor!r} in version {self.version} of job {self.job!r} "
-                        "disappeared (the version was deleted or the shard replaced)"
-                    ) from None
-                raw = RawChunkReader(path, arr, map_chunks=self._map_chunks) if raw_eligible(arr) else None
-                found = (arr, raw)
-                self._arrays[path] = found
+                if shard.layout is not None:
+                    found = RawChunkReader(shard.path, shard.layout, map_chunks=self._map_chunks)
+                else:
+                    try:
+                        found = zarr.open_array(store=zarr.storage.LocalStore(shard.path, read_only=True), mode="r")
+                    except FileNotFoundError:
+                        raise NotFound(
+                            f"a shard of tensor {self.tensor!r} in version {self.version} of job {self.job!r} "
+                            "disappeared (the version was deleted or the shard replaced)"
+                        ) from None
+                self._arrays[shard.path] = found
             return found
 
     def plan(self, region: Region) -> list[tuple[_StoredShard, Region]]:
@@ -232,9 +250,9 @@ class TensorReader:
         for shard, common in self.plan(region):
             src = common.relative_to(shard.info.region)
             dst = out[common.relative_to(region).slices()] if region.ndim else out  # out[()] would be a copy
-            arr, raw = self._array(shard.path)
-            if raw is not None:
-                raw.read(src, dst, self._executor)
+            arr = self._array(shard)
+            if isinstance(arr, RawChunkReader):
+                arr.read(src, dst, self._executor)
             else:
                 arr.get_basic_selection(src.slices(), out=NDBuffer.from_numpy_array(dst))
 
@@ -242,8 +260,10 @@ class TensorReader:
         """crc32c of the region's C-order bytes, computed through one bounded buffer."""
         crc = 0
         st = storage_dtype(self.dtype)
-        for piece in slabs(region.shape, self.itemsize, piece_bytes):
-            buf = np.empty(piece.shape, st)
+        pieces = list(slabs(region.shape, self.itemsize, piece_bytes))
+        flat = np.empty(max(p.volume for p in pieces), st)  # one buffer for every piece: no page faults after the first
+        for piece in pieces:
+            buf = flat[: piece.volume].reshape(piece.shape)
             self.read(piece.shift(region.start), buf)
             crc = crc_of(buf, crc)
         return crc
@@ -266,9 +286,10 @@ class ShardWriter:
     dtype: str
     global_shape: tuple[int, ...]
     staging: Path
-    array: zarr.Array
+    layout: ChunkLayout
     pieces: list[Region]
     raw: RawChunkWriter | None = None
+    _zarr: zarr.Array | None = None
     _next: int = 0
     _crc: int = 0
     _done: bool = False
@@ -292,9 +313,16 @@ class ShardWriter:
                 if self.raw is not None and self.raw.covers_whole_chunks(piece):
                     self.raw.write(piece, data)
                 else:
-                    self.array.set_basic_selection(piece.slices(), data)
+                    self._zarr_array().set_basic_selection(piece.slices(), data)
             self._crc = crc_of(data, self._crc)
             self._next += 1
+
+    def _zarr_array(self) -> zarr.Array:
+        """zarr's view of the staged array, for pieces the direct writer does not handle (made on first use)."""
+        if self._zarr is None:
+            _write_json_atomic(self.staging / "zarr.json", self.layout.metadata({}), durable=False)
+            self._zarr = zarr.open_array(store=zarr.storage.LocalStore(self.staging), mode="r+", config=_ZARR_CONFIG)
+        return self._zarr
 
     def finish(self) -> ShardInfo:
         """Record the checksum and move the shard into its version (replacing an earlier copy)."""
@@ -308,8 +336,8 @@ class ShardWriter:
             self._done = True
         info = ShardInfo(self.tensor, self.region, self.dtype, self.global_shape, format_checksum(self._crc), self.nbytes)
         try:
-            self.array.update_attributes({ATTR: info.to_json()})
-            self.store._install(self, info)
+            _write_json_atomic(self.staging / "zarr.json", self.layout.metadata({ATTR: info.to_json()}), durable=False)
+            self.store._install(self.job, self.version, info, self.staging)
         except BaseException:
             shutil.rmtree(self.staging, ignore_errors=True)
             raise
@@ -332,6 +360,9 @@ class LocalStore:
     region in parallel. ``map_chunks`` (default) copies mostly-read chunks
     through a pre-faulted memory map, measured about 1.4x faster than reading
     their rows with ``preadv`` (what ``False`` does) and no more daemon CPU.
+    ``direct_writes`` (default, where the file system allows it) writes
+    chunk files with ``O_DIRECT``, past the page cache: see
+    :class:`~tenplex.store.rawchunks.RawChunkWriter` for why and what it measured.
     """
 
     def __init__(
@@ -343,6 +374,7 @@ class LocalStore:
         cache_size: int = 1024,
         read_threads: int = 1,
         map_chunks: bool = True,
+        direct_writes: bool = True,
     ) -> None:
         if chunk_bytes < 64:
             raise InvalidInput(f"chunk_bytes must be at least 64, got {chunk_bytes}")
@@ -359,6 +391,7 @@ class LocalStore:
             raise InvalidInput(f"read_threads must be >= 1, got {read_threads}")
         self._read_threads = read_threads
         self.map_chunks = map_chunks
+        self.direct_writes = direct_writes and direct_writes_work(self.root)
 
     def __repr__(self) -> str:
         return f"LocalStore({str(self.root)!r})"
@@ -451,22 +484,17 @@ class LocalStore:
         staging = staging_root / f"shard-{uuid.uuid4().hex}"
         st = storage_dtype(dtype)
         chunks = chunk_shape(region.shape, st.itemsize, self.chunk_bytes)
-        array = zarr.create_array(
-            zarr.storage.LocalStore(staging),
-            shape=region.shape,
-            dtype=st,
-            chunks=chunks,
-            compressors=None,
-            filters=None,
-            fill_value=0,
-            config=_ZARR_CONFIG,
-            attributes={},
-        )
+        layout = ChunkLayout(region.shape, chunks, st)
+        staging.mkdir()
         # a piece must hold whole bands of chunks, or zarr reads back and rewrites chunks it already wrote
         band = chunks[0] * math.prod(region.shape[1:]) * st.itemsize if chunks else st.itemsize
         pieces = list(slabs(region.shape, st.itemsize, max(piece_bytes, min(band, _MAX_PIECE_BYTES)), align=chunks))
-        raw = RawChunkWriter(staging, array) if raw_eligible(array) else None
-        return ShardWriter(self, job, v, tensor, region, dtype, gshape, staging, array, pieces, raw)
+        raw = (
+            RawChunkWriter(staging, layout, direct=self.direct_writes)
+            if ChunkLayout.from_metadata(layout.metadata({})) is not None
+            else None
+        )
+        return ShardWriter(self, job, v, tensor, region, dtype, gshape, staging, layout, pieces, raw)
 
     def write_shard(
         self,
@@ -508,33 +536,83 @@ class LocalStore:
                     f"{list(shard.info.global_shape)}; got {dtype} {list(gshape)}"
                 )
 
-    def _install(self, writer: ShardWriter, info: ShardInfo) -> None:
+    def link_shard(
+        self, job: str, from_version: Version | str, tensor: str, region: Region, to_version: Version | str,
+        *, verify: bool = True,
+    ) -> ShardInfo:
+        """Put the shard ``region`` of ``tensor`` of committed ``from_version`` into ``to_version`` without copying it.
+
+        The new shard's files are hard links to the old one's: a transform that
+        keeps a shard on its host costs a few metadata operations instead of
+        reading and writing its bytes. Sharing is safe because committed
+        versions are immutable and the store never writes a file in place
+        (every write makes new files and renames them), and deleting either
+        version leaves the other's links intact. :class:`NotFound` when
+        ``from_version`` holds no shard with exactly this region (the caller
+        copies the bytes instead); the recorded checksum carries over.
+        ``verify`` first checks the old shard against its checksum (one read
+        pass, no write), so that a shard damaged on disk is not carried into
+        the new version: :class:`ChecksumMismatch`, and the caller fetches a replica.
+        """
+        reader = self.open_tensor(job, from_version, tensor)
+        src = next((sh for sh in reader._shards if sh.info.region == region), None)
+        if src is None:
+            raise NotFound(
+                f"version {reader.version} of job {job!r} has no shard of {tensor!r} with exactly region {region.format()!r}"
+            )
+        v = check_version(to_version)
+        if self._is_committed(job, v):
+            raise Conflict(f"version {v} of job {job!r} is committed; committed versions are immutable")
+        info = src.info
+        self._check_tensor_consistent(job, v, tensor, info.dtype, info.global_shape)
+        if verify:
+            crc = format_checksum(reader.checksum(region))
+            if crc != info.checksum:
+                raise ChecksumMismatch(
+                    f"shard {tensor!r} {region.format()!r} of version {reader.version} of job {job!r} in {self.root}: "
+                    f"crc32c {crc}, recorded {info.checksum}: it is damaged on disk"
+                )
+        staging = self._staging(job) / f"shard-{uuid.uuid4().hex}"
+        staging.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            _link_tree(src.path, staging)
+            self._install(job, v, info, staging)
+        except FileNotFoundError:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise NotFound(
+                f"shard {tensor!r} {region.format()!r} of version {reader.version} of job {job!r} disappeared while being linked"
+            ) from None
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        return info
+
+    def _install(self, job: str, version: Version, info: ShardInfo, staging: Path) -> None:
+        """Rename a complete shard from staging into its version, replacing an earlier copy of the same region."""
         # No fsync here: an uncommitted version is never served as committed, and a crash before the
         # commit leaves it for the writer to redo. Durability is established once, at commit.
-        vdir = self._version_dir(writer.job, writer.version)
-        tdir = vdir / tensor_dirname(writer.tensor)
-        target = tdir / region_key(writer.region)
-        with self._locked(writer.job, create=True):
-            if self._is_committed(writer.job, writer.version):
+        vdir = self._version_dir(job, version)
+        tdir = vdir / tensor_dirname(info.tensor)
+        target = tdir / region_key(info.region)
+        with self._locked(job, create=True):
+            if self._is_committed(job, version):
                 raise Conflict(
-                    f"version {writer.version} of job {writer.job!r} was committed while shard "
-                    f"{writer.tensor!r} {writer.region.format()!r} was being written"
+                    f"version {version} of job {job!r} was committed while shard "
+                    f"{info.tensor!r} {info.region.format()!r} was being written"
                 )
-            self._check_tensor_consistent(writer.job, writer.version, writer.tensor, writer.dtype, writer.global_shape)
+            self._check_tensor_consistent(job, version, info.tensor, info.dtype, info.global_shape)
             if not (vdir / "zarr.json").is_file():
-                zarr.create_group(
-                    zarr.storage.LocalStore(vdir), attributes={ATTR: {"job": writer.job, "version": str(writer.version)}}
-                )
+                _write_group(vdir, {"job": job, "version": str(version)})
             if not (tdir / "zarr.json").is_file():
-                zarr.create_group(zarr.storage.LocalStore(tdir), attributes={ATTR: {"tensor": writer.tensor}})
+                _write_group(tdir, {"tensor": info.tensor})
             old = None
             if target.exists():
-                old = writer.staging.with_name(f"replaced-{uuid.uuid4().hex}")
+                old = staging.with_name(f"replaced-{uuid.uuid4().hex}")
                 os.rename(target, old)
-            os.rename(writer.staging, target)
+            os.rename(staging, target)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-        log.debug("stored %s %s %s of job %s (%d bytes)", writer.version, info.tensor, info.region, writer.job, info.nbytes)
+        log.debug("stored %s %s %s of job %s (%d bytes)", version, info.tensor, info.region, job, info.nbytes)
 
     # -- reading ------------------------------------------------------------
 
@@ -549,12 +627,13 @@ class LocalStore:
             if region is None:
                 continue
             try:
-                info = ShardInfo.from_json(_read_attrs(tdir / name))
+                meta, rec = _read_meta(tdir / name)
             except FileNotFoundError:
                 continue  # replaced or deleted while we looked
+            info = ShardInfo.from_json(rec)
             if info.tensor != tensor or info.region != region:
                 raise InvalidInput(f"shard {tdir / name} records tensor {info.tensor!r} region {info.region}; the store is corrupt")
-            out.append(_StoredShard(info, tdir / name))
+            out.append(_StoredShard(info, tdir / name, ChunkLayout.from_metadata(meta)))
             if limit is not None and len(out) >= limit:
                 break
         return out
@@ -788,6 +867,22 @@ def _newest_mtime(path: Path) -> float:
             with contextlib.suppress(FileNotFoundError):
                 newest = max(newest, os.stat(name).st_mtime)
     return newest
+
+
+def _link_tree(src: Path, dst: Path) -> None:
+    """Recreate the directory tree ``src`` at ``dst`` with hard links to its files (copies where links fail)."""
+    for dirpath, _dirs, files in os.walk(src):
+        out = dst / os.path.relpath(dirpath, src)
+        out.mkdir(parents=True, exist_ok=True)
+        for name in files:
+            try:
+                os.link(os.path.join(dirpath, name), out / name)
+            except FileNotFoundError:
+                raise
+            except OSError:  # a file system without hard links, or the link limit: copy this one
+                shutil.copyfile(os.path.join(dirpath, name), out / name)
+    if not dst.is_dir():  # os.walk yields nothing for a source that is gone
+        raise FileNotFoundError(src)
 
 
 def _sync_tree(path: Path) -> None:

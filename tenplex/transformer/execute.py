@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -43,8 +43,6 @@ from tenplex.ptc.dtypes import storage_dtype
 from tenplex.transformer.plan import CHECKPOINT, DestShard, HostPlan, Plan, Transfer
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
-
     from prometheus_client import CollectorRegistry
 
     from tenplex.ptc.region import Region
@@ -114,6 +112,10 @@ class LocalTarget:
     ) -> Any:
         return self.store.write_shard(job, version, tensor, region, data, dtype=dtype, global_shape=global_shape)
 
+    def link_shard(self, job: str, from_version: Version | str, tensor: str, region: Region, to_version: Version | str) -> Any:
+        """A shard kept as it is on this host goes into the new version as hard links: no bytes read or written."""
+        return self.store.link_shard(job, from_version, tensor, region, to_version)
+
     def commit(self, job: str, version: Version | str) -> Any:
         return self.store.commit(job, version)
 
@@ -136,6 +138,9 @@ class TransformReport:
     shards: int = 0
     bytes_checkpoint: int = 0
     """Part of ``bytes_remote`` read from the persistent checkpoint."""
+    bytes_linked: int = 0
+    """Part of ``bytes_local``: whole shards kept on this host, linked into the new version (read only
+    to verify their checksums, never copied or written)."""
 
     @property
     def bytes_total(self) -> int:
@@ -148,6 +153,7 @@ class TransformReport:
             "bytes_remote": self.bytes_remote,
             "bytes_zero": self.bytes_zero,
             "bytes_checkpoint": self.bytes_checkpoint,
+            "bytes_linked": self.bytes_linked,
             "seconds": self.seconds,
             "requests": self.requests,
             "replanned_pieces": self.replanned_pieces,
@@ -198,6 +204,7 @@ class _State:
         self.progress = progress
         self.metrics = metrics
         self.bytes = {"local": 0, "remote": 0, "checkpoint": 0, "zero": 0}
+        self.linked = 0
         self.requests = 0
         self.replanned = 0
         self.failed = threading.Event()
@@ -338,11 +345,12 @@ def execute_host_plan(
         replanned_pieces=state.replanned,
         shards=len(hp.shards),
         bytes_checkpoint=b["checkpoint"],
+        bytes_linked=state.linked,
     )
     log.info(
-        "host %s: %s committed in %.2f s (%d local, %d remote, %d zero bytes; %d requests, %d re-planned)",
-        host, plan.new_version, seconds, report.bytes_local, report.bytes_remote, report.bytes_zero,
-        report.requests, report.replanned_pieces,
+        "host %s: %s committed in %.2f s (%d local (%d linked), %d remote, %d zero bytes; %d requests, %d re-planned)",
+        host, plan.new_version, seconds, report.bytes_local, report.bytes_linked, report.bytes_remote,
+        report.bytes_zero, report.requests, report.replanned_pieces,
     )
     return report
 
@@ -385,6 +393,7 @@ def _run(
     by_shard: list[list[Transfer]] = [[] for _ in hp.shards]
     for tr in hp.transfers:
         by_shard[tr.shard].append(tr)
+    linked = _link_kept_shards(plan, hp, by_shard, clients[hp.host], state)
     budget = threading.Condition()
     in_flight = [0]  # bytes of buffers allocated and not yet stored
 
@@ -420,6 +429,8 @@ def _run(
                 writes.append(f)
 
         for idx, dest in enumerate(hp.shards):
+            if idx in linked:
+                continue
             nbytes = dest.nbytes
             with budget:
                 # One shard larger than the budget still runs, alone.
@@ -449,6 +460,51 @@ def _run(
         # A TransformFailed names the piece; prefer it over secondary errors.
         first = next((e for e in errors if isinstance(e, TransformFailed)), errors[0])
         raise first
+
+
+def _link_kept_shards(
+    plan: Plan, hp: HostPlan, by_shard: Sequence[Sequence[Transfer]], target: StoreLike, state: _State
+) -> set[int]:
+    """Link the destination shards that are exactly a shard this host already holds; their indices.
+
+    Such a shard (same tensor, same region: a layout change that keeps it on
+    this host) needs none of its bytes moved. Only a target that can link
+    (the node's own store, :class:`LocalTarget`) does it; a shard the old
+    version turns out not to hold exactly is left to the ordinary copy.
+    """
+    link = getattr(target, "link_shard", None)
+    if link is None:
+        return set()
+    candidates = [
+        idx for idx, trs in enumerate(by_shard)
+        if len(trs) == 1 and trs[0].source == hp.host and trs[0].region == hp.shards[idx].region
+    ]
+    if not candidates:
+        return set()
+
+    def one(idx: int) -> bool:
+        dest = hp.shards[idx]
+        try:
+            link(plan.job, plan.old_version, dest.tensor, dest.region, plan.new_version)
+        except TenplexError as exc:
+            if exc.code not in ("not_found", "state_lost", "checksum_mismatch"):
+                raise TransformFailed(
+                    f"host {hp.host}: linking {dest.tensor} {dest.region} into {plan.new_version} failed "
+                    f"({exc.code}: {exc.detail}); nothing was committed, {plan.old_version} is intact"
+                ) from exc
+            log.log(
+                logging.WARNING if exc.code == "checksum_mismatch" else logging.DEBUG,
+                "host %s: %s %s is not linkable (%s); copying it", hp.host, dest.tensor, dest.region, exc.detail,
+            )
+            return False
+        with state.lock:
+            state.linked += dest.nbytes
+        state.add("local", dest.nbytes, request=False)
+        return True
+
+    with ThreadPoolExecutor(max_workers=_WRITERS, thread_name_prefix=f"tenplex-transform-{hp.host}-link") as pool:
+        done = list(pool.map(one, candidates))
+    return {idx for idx, ok in zip(candidates, done, strict=True) if ok}
 
 
 def _piece(

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tenplex.errors import (
+    ChecksumMismatch,
     Conflict,
     InvalidInput,
     InvalidRegion,
@@ -358,3 +359,84 @@ def test_both_copy_paths_give_the_same_bytes(tmp_path: Path, map_chunks: bool) -
         out = np.empty(region.shape, np.float32)
         s.read_region("j", "s1-g0", "w", region, out, committed_only=False)
         assert out.tobytes() == np.ascontiguousarray(data[region.slices()]).tobytes()
+
+
+def test_link_shard_shares_files_and_survives_deleting_the_old_version(store: LocalStore) -> None:
+    data = random_array((300, 200), "float32", seed=3)
+    top, bottom = Region(((0, 150), (0, 200))), Region(((150, 300), (0, 200)))
+    for r in (top, bottom):
+        store.write_shard("j", "s1-g0", "w", r, data[r.slices()], dtype="float32", global_shape=data.shape)
+    store.commit("j", "s1-g0")
+    info = store.link_shard("j", "s1-g0", "w", top, "s2-g1")
+    recorded = {sh.region: sh.checksum for sh in store.manifest("j", "s1-g0").shards}
+    assert info.region == top and info.checksum == recorded[top]
+    old_files = sorted(p for p in (store.root / "j" / "s1-g0" / "w" / "r0-150_0-200").rglob("*") if p.is_file())
+    assert old_files and all(p.stat().st_nlink == 2 for p in old_files)  # shared, not copied
+    with pytest.raises(NotFound, match="exactly region"):
+        store.link_shard("j", "s1-g0", "w", Region(((0, 100), (0, 200))), "s2-g1")
+    with pytest.raises(NotFound):
+        store.link_shard("j", "s1-g1", "w", top, "s2-g1")  # no such version
+    store.write_shard("j", "s2-g1", "w", bottom, data[bottom.slices()], dtype="float32", global_shape=data.shape)
+    store.commit("j", "s2-g1")
+    with pytest.raises(Conflict, match="immutable"):
+        store.link_shard("j", "s1-g0", "w", top, "s2-g1")
+    store.delete("j", "s1-g0")
+    out = np.empty_like(data)
+    store.read_region("j", "s2-g1", "w", Region.full(data.shape), out)
+    assert same_bits(out, data) and store.verify("j", "s2-g1") == []
+
+
+def test_link_shard_refuses_a_shard_damaged_on_disk(store: LocalStore) -> None:
+    data = random_array((64, 64), "float32", seed=4)
+    region = Region.full(data.shape)
+    store.write_shard("j", "s1-g0", "w", region, data, dtype="float32", global_shape=data.shape)
+    store.commit("j", "s1-g0")
+    chunk = next(p for p in (store.root / "j" / "s1-g0" / "w").rglob("*") if p.is_file() and p.name != "zarr.json")
+    raw = bytearray(chunk.read_bytes())
+    raw[5] ^= 0x01
+    chunk.write_bytes(bytes(raw))
+    with pytest.raises(ChecksumMismatch, match="damaged on disk"):
+        store.link_shard("j", "s1-g0", "w", region, "s2-g1")
+    assert "s2-g1" not in [str(v.version) for v in store.versions("j")]  # nothing was installed
+
+
+@pytest.mark.parametrize("shape", [(1000, 37), (5,), ()])
+def test_direct_and_buffered_writes_store_the_same_bytes(tmp_path: Path, shape: tuple[int, ...]) -> None:
+    # O_DIRECT writes go through an aligned bounce buffer and an ftruncate to the chunk size; the chunk
+    # files must be byte-identical to the buffered ones (edge chunks zero-padded), and zarr must read them.
+    data = random_array(shape, "float32", seed=5)
+    stores = {d: LocalStore(tmp_path / str(d), chunk_bytes=4096 + 36, direct_writes=d) for d in (True, False)}
+    assert stores[True].direct_writes  # tmp_path is on a disk file system here
+    for s in stores.values():
+        s.write_shard("j", "s1-g0", "w", Region.full(shape), data, dtype="float32", global_shape=shape)
+        s.commit("j", "s1-g0")
+    files = {d: {p.relative_to(s.root): p.read_bytes() for p in s.root.rglob("*") if p.is_file() and "c" in p.relative_to(s.root).parts} for d, s in stores.items()}
+    assert files[True] and files[True] == files[False]
+    out = np.empty_like(data)
+    stores[True].read_region("j", "s1-g0", "w", Region.full(shape), out)
+    assert same_bits(out, data) and stores[True].verify("j", "s1-g0") == []
+
+
+def test_a_file_system_without_o_direct_gets_buffered_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    from tenplex.store import rawchunks
+
+    data = random_array((300, 300), "bfloat16", seed=6)
+    region = Region.full(data.shape)
+    direct_store = LocalStore(tmp_path / "a")  # probed while O_DIRECT works
+    assert direct_store.direct_writes
+    real_open = os.open
+
+    def refusing_open(path, flags, *args):  # type: ignore[no-untyped-def]
+        if flags & rawchunks._O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(rawchunks.os, "open", refusing_open)  # a file system that refuses O_DIRECT
+    assert not LocalStore(tmp_path / "b").direct_writes  # the probe finds out up front
+    # A store that believed in O_DIRECT falls back at the first refusal, and still stores every byte.
+    direct_store.write_shard("j", "s1-g0", "w", region, data, dtype="bfloat16", global_shape=data.shape)
+    out = np.empty_like(data)
+    direct_store.read_region("j", "s1-g0", "w", region, out, committed_only=False)
+    assert same_bits(out, data)

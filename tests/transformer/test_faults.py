@@ -158,3 +158,27 @@ def test_local_target_and_corrupt_local_copy_falls_back_to_a_replica(cluster) ->
     assert report.bytes_remote == plan.hosts["h1"].bytes_remote + victim.nbytes
     execute_host_plan(plan, "h2", target=cluster.clients["h2"], sources={h: cluster.clients[h] for h in ("h0", "h1")})
     check_new_state(cluster, new, state, "local", NEW_V)
+
+
+def test_survivor_links_the_shards_it_keeps(cluster) -> None:
+    # h1 fails; h0 keeps its (dp0, tp0/tp1) shards of the first pipeline stage exactly as they were,
+    # so running on its own store it links them into the new version instead of copying their bytes.
+    old = layout(ParallelConfig(dp=2, tp=2), 2, ["h0", "h1"], "fp32")
+    new = layout(ParallelConfig(tp=2, pp=2), 2, ["h0", "h2"], "fp32")
+    state = random_state(old, seed=16)
+    populate(cluster, old, state, "keep", OLD_V)
+    plan = make_plan(old, new, job="keep", old_version=OLD_V, new_version=NEW_V, alive={"h0", "h2"})
+    kept = {(t.name, s.region) for t, s in old.shards_on_host("h0")}
+    expected_linked = sum(d.nbytes for d in plan.hosts["h0"].shards if (d.tensor, d.region) in kept)
+    assert expected_linked > 0
+    store = cluster.servers["h0"].store
+    report = execute_host_plan(plan, "h0", target=LocalTarget(store), sources={})
+    assert report.bytes_linked == expected_linked
+    assert report.bytes_local == plan.hosts["h0"].bytes_local and report.bytes_remote == plan.hosts["h0"].bytes_remote
+    some = next(d for d in plan.hosts["h0"].shards if (d.tensor, d.region) in kept and d.nbytes > 0)
+    shard_dir = store.root / "keep" / NEW_V / tensor_dirname(some.tensor) / region_key(some.region)
+    assert all(p.stat().st_nlink >= 2 for p in shard_dir.rglob("*") if p.is_file())
+    execute_host_plan(plan, "h2", target=cluster.clients["h2"], sources={"h0": cluster.clients["h0"]})
+    check_new_state(cluster, new, state, "keep", NEW_V)
+    store.delete("keep", OLD_V)  # the new version's linked shards stay intact
+    check_new_state(cluster, new, state, "keep", NEW_V)
