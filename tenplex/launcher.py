@@ -183,12 +183,14 @@ class PodLauncher:
                     continue
                 child.code = exit_status(returncode)
                 how = f"signal {-returncode}" if returncode < 0 else f"code {returncode}"
-                level = logging.INFO if child.code == 0 or first_failure is not None else logging.ERROR
+                stopping = first_failure is not None or self._stop_signal is not None
+                level = logging.INFO if child.code == 0 or stopping else logging.ERROR
                 log.log(level, "rank %d (local rank %d, pid %d) exited with %s", child.rank.rank,
                         child.rank.local_rank, child.process.pid, how)
                 if child.code != 0 and first_failure is None:
                     first_failure = child
-                    if self._running():
+                    # After a forwarded stop the ranks are ending anyway, within the pod's grace period.
+                    if self._stop_signal is None and self._running():
                         log.error("rank %d failed: terminating the other ranks of the pod (SIGKILL after %.1fs)",
                                   child.rank.rank, self.failure_grace)
                         self._terminate_all(signal.SIGTERM)

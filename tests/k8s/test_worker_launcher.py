@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -150,3 +151,24 @@ def test_cli_bad_input_exits_2_and_an_unrunnable_command_127(tmp_path: Path) -> 
         done = subprocess.run([sys.executable, "-m", "tenplex", "worker", "launch", *argv], env=environ, cwd=REPO,
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == code and message in done.stderr, (argv, done.returncode, done.stderr)
+
+
+@pytest.mark.slow
+def test_ranks_ended_by_a_forwarded_sigterm_give_the_pod_128_plus_15(tmp_path: Path) -> None:
+    code = ("import os, pathlib, time; pathlib.Path(os.environ['OUT'], os.environ['RANK']).write_text(''); "
+            "time.sleep(60)")
+
+    def stop_when_ready() -> None:
+        deadline = time.monotonic() + 30
+        while len(list(tmp_path.iterdir())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        os.kill(os.getpid(), signal.SIGTERM)  # handled by the launcher's handler in this (the main) thread
+
+    before = signal.getsignal(signal.SIGTERM)
+    stopper = threading.Thread(target=stop_when_ready, daemon=True)
+    stopper.start()
+    started = time.monotonic()
+    assert launch(child(code), {**os.environ, ENV_POD_RANKS: pod_ranks(0, 1), "OUT": str(tmp_path)}) == 128 + 15
+    assert time.monotonic() - started < 20
+    stopper.join(timeout=5)
+    assert signal.getsignal(signal.SIGTERM) == before  # the launcher put the previous handler back
