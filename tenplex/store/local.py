@@ -336,7 +336,9 @@ class ShardWriter:
             self._done = True
         info = ShardInfo(self.tensor, self.region, self.dtype, self.global_shape, format_checksum(self._crc), self.nbytes)
         try:
-            _write_json_atomic(self.staging / "zarr.json", self.layout.metadata({ATTR: info.to_json()}), durable=False)
+            # a plain write: the staging directory is this writer's alone and is renamed into place after
+            with open(self.staging / "zarr.json", "w", encoding="utf-8") as f:
+                json.dump(self.layout.metadata({ATTR: info.to_json()}), f, separators=(",", ":"))
             self.store._install(self.job, self.version, info, self.staging)
         except BaseException:
             shutil.rmtree(self.staging, ignore_errors=True)
@@ -480,12 +482,15 @@ class LocalStore:
         self._check_tensor_consistent(job, v, tensor, dtype, gshape)
 
         staging_root = self._staging(job)
-        staging_root.mkdir(parents=True, exist_ok=True)
         staging = staging_root / f"shard-{uuid.uuid4().hex}"
         st = storage_dtype(dtype)
         chunks = chunk_shape(region.shape, st.itemsize, self.chunk_bytes)
         layout = ChunkLayout(region.shape, chunks, st)
-        staging.mkdir()
+        try:
+            staging.mkdir()
+        except FileNotFoundError:  # the job's first shard here
+            staging_root.mkdir(parents=True, exist_ok=True)
+            staging.mkdir()
         # a piece must hold whole bands of chunks, or zarr reads back and rewrites chunks it already wrote
         band = chunks[0] * math.prod(region.shape[1:]) * st.itemsize if chunks else st.itemsize
         pieces = list(slabs(region.shape, st.itemsize, max(piece_bytes, min(band, _MAX_PIECE_BYTES)), align=chunks))

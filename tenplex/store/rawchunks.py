@@ -99,7 +99,9 @@ class ChunkLayout:
     shape: tuple[int, ...]
     chunks: tuple[int, ...]
     dtype: np.dtype
-    separator: str = "/"
+    separator: str = "."
+    """Of the ``default`` chunk key encoding: ``.`` keeps the chunk files in the array's directory
+    (``c.1.0``; no directory per chunk row to create), ``/`` nests them (zarr's default, read too)."""
 
     @property
     def itemsize(self) -> int:
@@ -110,7 +112,7 @@ class ChunkLayout:
         return math.prod(self.chunks) * self.itemsize
 
     def chunk_key(self, coords: Sequence[int]) -> str:
-        """The chunk file of ``coords`` under the ``default`` chunk key encoding (``c/1/0``; ``c`` for 0-d)."""
+        """The chunk file of ``coords`` under the ``default`` chunk key encoding (``c.1.0``; ``c`` for 0-d)."""
         return "c" + "".join(f"{self.separator}{k}" for k in coords)
 
     def metadata(self, attributes: dict[str, Any]) -> dict[str, Any]:
@@ -294,6 +296,7 @@ class RawChunkWriter:
         self.path = path
         self.layout = layout
         self.direct = direct and bool(_O_DIRECT)
+        self._nested = layout.separator == "/" and len(layout.chunks) > 0  # chunk files in subdirectories
 
     def covers_whole_chunks(self, piece: Region) -> bool:
         r = self.reader
@@ -353,7 +356,8 @@ class RawChunkWriter:
             else:
                 np.copyto(chunk, block)
             name = self.path / self.reader._encode(coords)
-            name.parent.mkdir(parents=True, exist_ok=True)
+            if self._nested:
+                name.parent.mkdir(parents=True, exist_ok=True)
             try:
                 fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_DIRECT, 0o644)
                 try:
@@ -377,7 +381,8 @@ class RawChunkWriter:
 
     def _write_file(self, coords: tuple[int, ...], buffers: list[object]) -> None:
         name = self.path / self.reader._encode(coords)
-        name.parent.mkdir(parents=True, exist_ok=True)
+        if self._nested:
+            name.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             written = 0

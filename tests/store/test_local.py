@@ -125,18 +125,18 @@ def test_read_touches_only_the_chunks_of_the_region(tmp_path: Path) -> None:
     data = random_array((40, 40), "float32")
     s.write_shard("j", "s1-g0", "w", Region.full((40, 40)), data, dtype="float32", global_shape=(40, 40))
     s.commit("j", "s1-g0")
-    chunk_root = tmp_path / "j" / "s1-g0" / "w" / "r0-40_0-40" / "c"
+    shard_dir = tmp_path / "j" / "s1-g0" / "w" / "r0-40_0-40"
     # truncate every chunk outside rows 10..20 x cols 20..30: decoding one would raise
     for i in range(4):
         for k in range(4):
             if (i, k) != (1, 2):
-                (chunk_root / str(i) / str(k)).write_bytes(b"bad")
+                (shard_dir / f"c.{i}.{k}").write_bytes(b"bad")
     out = np.empty((7, 5), np.float32)
     s.read_region("j", "s1-g0", "w", Region(((12, 19), (21, 26))), out)
     assert np.array_equal(out, data[12:19, 21:26])
     with pytest.raises(StateLost, match="has 3 bytes"):
         s.read_region("j", "s1-g0", "w", Region(((0, 1), (0, 1))), np.empty((1, 1), np.float32))
-    (chunk_root / "0" / "0").unlink()  # zarr would read a missing chunk as zeros; the store says it is damaged
+    (shard_dir / "c.0.0").unlink()  # zarr would read a missing chunk as zeros; the store says it is damaged
     with pytest.raises(StateLost, match="missing"):
         s.read_region("j", "s1-g0", "w", Region(((0, 1), (0, 1))), np.empty((1, 1), np.float32))
 
@@ -266,7 +266,7 @@ def test_verify_reports_corruption(store: LocalStore) -> None:
     store.write_shard("j", "s1-g0", "b", Region.full((64,)), data[0].copy(), dtype="float32", global_shape=(64,))
     store.commit("j", "s1-g0")
     assert store.verify("j", "s1-g0") == []
-    chunk = next(p for p in (store.root / "j" / "s1-g0" / "w").rglob("*") if p.is_file() and p.parent.name != "r0-64_0-64" and p.name != "zarr.json")
+    chunk = next(p for p in (store.root / "j" / "s1-g0" / "w" / "r0-64_0-64").iterdir() if p.name.startswith("c"))
     raw = bytearray(chunk.read_bytes())
     raw[5] ^= 0x01
     chunk.write_bytes(bytes(raw))
@@ -410,7 +410,7 @@ def test_direct_and_buffered_writes_store_the_same_bytes(tmp_path: Path, shape: 
     for s in stores.values():
         s.write_shard("j", "s1-g0", "w", Region.full(shape), data, dtype="float32", global_shape=shape)
         s.commit("j", "s1-g0")
-    files = {d: {p.relative_to(s.root): p.read_bytes() for p in s.root.rglob("*") if p.is_file() and "c" in p.relative_to(s.root).parts} for d, s in stores.items()}
+    files = {d: {p.relative_to(s.root): p.read_bytes() for p in s.root.rglob("*") if p.is_file() and p.name.startswith("c")} for d, s in stores.items()}
     assert files[True] and files[True] == files[False]
     out = np.empty_like(data)
     stores[True].read_region("j", "s1-g0", "w", Region.full(shape), out)
@@ -440,3 +440,32 @@ def test_a_file_system_without_o_direct_gets_buffered_writes(tmp_path: Path, mon
     out = np.empty_like(data)
     direct_store.read_region("j", "s1-g0", "w", region, out, committed_only=False)
     assert same_bits(out, data)
+
+
+def test_arrays_with_nested_chunk_keys_are_read_directly(tmp_path: Path) -> None:
+    # zarr's own default key encoding nests chunk files (c/1/0); shards written that way (by zarr, or by
+    # earlier versions of this store) are read through the same direct path.
+    import json
+
+    import zarr
+
+    from tenplex.store import rawchunks
+
+    data = random_array((70, 50), "int32", seed=8)
+    store = LocalStore(tmp_path, chunk_bytes=1024)
+    store.write_shard("j", "s1-g0", "w", Region.full(data.shape), data, dtype="int32", global_shape=data.shape)
+    shard_dir = tmp_path / "j" / "s1-g0" / "w" / "r0-70_0-50"
+    record = json.loads((shard_dir / "zarr.json").read_text())["attributes"]
+    nested = tmp_path / "nested"
+    arr = zarr.create_array(str(nested), shape=data.shape, dtype="int32", chunks=(16, 16), compressors=None,
+                            filters=None, fill_value=0, attributes=record)
+    arr[...] = data
+    shutil.rmtree(shard_dir)
+    shutil.move(nested, shard_dir)
+    assert (shard_dir / "c" / "0" / "0").is_file()
+    store.commit("j", "s1-g0")
+    reader = store.open_tensor("j", "s1-g0", "w")
+    assert isinstance(reader._array(reader._shards[0]), rawchunks.RawChunkReader)
+    out = np.empty((33, 21), np.int32)
+    store.read_region("j", "s1-g0", "w", Region(((20, 53), (9, 30))), out)
+    assert same_bits(out, data[20:53, 9:30]) and store.verify("j", "s1-g0") == []
