@@ -77,6 +77,8 @@ def main() -> int:
     ap.add_argument("--store", choices=("http", "direct"), default="http")
     ap.add_argument("--daemon-nice", type=int, default=0, help="http store only: run the store daemon this much nicer")
     ap.add_argument("--no-fsync", action="store_true", help="direct store only: skip the store's fsyncs (shows their cost)")
+    ap.add_argument("--writer-nice", type=int, default=10, help="Snapshotter writer_nice (threads' niceness above training)")
+    ap.add_argument("--write-concurrency", type=int, default=4, help="Snapshotter write_concurrency")
     ap.add_argument("--target", type=float, default=0.10, help="largest acceptable slowdown (0.10 = 10%%)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -107,7 +109,7 @@ def main() -> int:
             store: ShardStore = StoreClient(url)
         else:
             store = DirectStore(LocalStore(root / "data", durable=not args.no_fsync))
-        snap = Snapshotter(store, JOB, ptc, rank=0)
+        snap = Snapshotter(store, JOB, ptc, rank=0, writer_nice=args.writer_nice, write_concurrency=args.write_concurrency)
         times: dict[str, list[float]] = {"none": [], "snapshot": []}
         written: list[Version] = []
         copy_s: list[float] = []
@@ -142,7 +144,8 @@ def main() -> int:
     slowdown = with_snap / base - 1
     print(f"model: dim {cfg.dim}, {cfg.n_layers} layers, vocab {cfg.vocab}, seq {cfg.seq_len}, batch {args.batch}; "
           f"state {state_mb:.0f} MiB in {len(ptc.tensors)} tensors per snapshot (params + AdamW); store {args.store}"
-          f"{' without fsync' if args.no_fsync else ''}{f' (daemon nice {args.daemon_nice})' if args.daemon_nice else ''}; torch threads {torch.get_num_threads()}; load average {os.getloadavg()[0]:.1f}")
+          f"{' without fsync' if args.no_fsync else ''}{f' (daemon nice {args.daemon_nice})' if args.daemon_nice else ''}; "
+          f"writer nice {args.writer_nice}, {args.write_concurrency} writer threads; torch threads {torch.get_num_threads()}; load average {os.getloadavg()[0]:.1f}")
     print(f"step time, median of {len(times['none'])}: no snapshot {base * 1e3:.0f} ms, "
           f"snapshot every step {with_snap * 1e3:.0f} ms  -> slowdown {slowdown * 100:+.1f}% (target <= {args.target * 100:.0f}%)")
     if copy_s:

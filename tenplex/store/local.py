@@ -88,7 +88,14 @@ from tenplex.store.names import (
     tensor_dirname,
     tensor_from_dirname,
 )
-from tenplex.store.rawchunks import ChunkLayout, RawChunkReader, RawChunkWriter, direct_writes_work
+from tenplex.store.rawchunks import (
+    ChunkLayout,
+    ChunkRun,
+    RawChunkReader,
+    RawChunkWriter,
+    checksum_runs,
+    direct_writes_work,
+)
 from tenplex.store.version import Version
 
 if TYPE_CHECKING:
@@ -103,6 +110,8 @@ _LOCK = ".lock"
 _PIECE_BYTES = 32 << 20  # bounded buffers for streamed writes and verification
 _MAX_PIECE_BYTES = 256 << 20  # ... grown up to this to hold whole bands of chunks
 _ZARR_CONFIG = {"write_empty_chunks": True}
+MIN_RUN_BYTES = 64 << 10
+"""Regions whose chunk-file runs average less than this are copied out rather than served run by run."""
 
 
 def _fsync_path(path: Path, *, directory: bool = False) -> None:
@@ -116,7 +125,7 @@ def _fsync_path(path: Path, *, directory: bool = False) -> None:
 def _write_json_atomic(path: Path, obj: Any, *, durable: bool) -> None:
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, separators=(",", ":"))
+        f.write(json.dumps(obj, separators=(",", ":")))  # json.dump would run the pure-Python encoder
         if durable:
             f.flush()
             os.fsync(f.fileno())
@@ -256,8 +265,39 @@ class TensorReader:
             else:
                 arr.get_basic_selection(src.slices(), out=NDBuffer.from_numpy_array(dst))
 
+    def runs(self, region: Region, min_run_bytes: int = MIN_RUN_BYTES) -> list[ChunkRun] | None:
+        """The region's payload as runs of chunk-file bytes (see :meth:`RawChunkReader.runs`), or None.
+
+        None when the region is not inside one shard with raw chunk files, or
+        when its runs would average under ``min_run_bytes`` (small regions, or
+        row segments of chunks narrower than the region: copying those out is
+        cheaper than mapping and handling each run). Raises like :meth:`plan`
+        when the shards do not cover the region.
+        """
+        parts = self.plan(region)
+        if not parts:
+            return []
+        if len(parts) != 1:
+            return None
+        shard, _common = parts[0]
+        arr = self._array(shard)
+        if not isinstance(arr, RawChunkReader):
+            return None
+        sel = region.relative_to(shard.info.region)
+        if arr.run_count(sel) * min_run_bytes > region.volume * self.itemsize:
+            return None
+        return arr.runs(sel)
+
     def checksum(self, region: Region, piece_bytes: int = _PIECE_BYTES) -> int:
-        """crc32c of the region's C-order bytes, computed through one bounded buffer."""
+        """crc32c of the region's C-order bytes.
+
+        Read in place from the page cache (no copy, ``piece_bytes`` mapped at a
+        time) when the region is runs of chunk files; otherwise copied through
+        one bounded buffer.
+        """
+        runs = self.runs(region)
+        if runs is not None:
+            return checksum_runs(runs, piece_bytes)
         crc = 0
         st = storage_dtype(self.dtype)
         pieces = list(slabs(region.shape, self.itemsize, piece_bytes))
@@ -338,7 +378,7 @@ class ShardWriter:
         try:
             # a plain write: the staging directory is this writer's alone and is renamed into place after
             with open(self.staging / "zarr.json", "w", encoding="utf-8") as f:
-                json.dump(self.layout.metadata({ATTR: info.to_json()}), f, separators=(",", ":"))
+                f.write(json.dumps(self.layout.metadata({ATTR: info.to_json()}), separators=(",", ":")))
             self.store._install(self.job, self.version, info, self.staging)
         except BaseException:
             shutil.rmtree(self.staging, ignore_errors=True)
@@ -494,11 +534,8 @@ class LocalStore:
         # a piece must hold whole bands of chunks, or zarr reads back and rewrites chunks it already wrote
         band = chunks[0] * math.prod(region.shape[1:]) * st.itemsize if chunks else st.itemsize
         pieces = list(slabs(region.shape, st.itemsize, max(piece_bytes, min(band, _MAX_PIECE_BYTES)), align=chunks))
-        raw = (
-            RawChunkWriter(staging, layout, direct=self.direct_writes)
-            if ChunkLayout.from_metadata(layout.metadata({})) is not None
-            else None
-        )
+        # chunk files are the raw little-endian elements (what ChunkLayout.metadata declares) on a little-endian host
+        raw = RawChunkWriter(staging, layout, direct=self.direct_writes) if sys.byteorder == "little" else None
         return ShardWriter(self, job, v, tensor, region, dtype, gshape, staging, layout, pieces, raw)
 
     def write_shard(
