@@ -62,6 +62,7 @@ from tenplex.scheduler.protocol import (
     ENV_GENERATION,
     ENV_LOCAL_RANK,
     ENV_RANK,
+    ENV_STORE_ROOT,
     ENV_TOKEN,
     ENV_WORKER_ID,
 )
@@ -70,6 +71,7 @@ log = logging.getLogger(__name__)
 
 WORKER_CONTAINER = "worker"
 STORE_PORT_NAME = "store"
+STORE_VOLUME = "tenplex-store"
 LABEL_GENERATION = "tenplex.io/generation"
 LABEL_RANK = "tenplex.io/rank"
 LABEL_RANKS = "tenplex.io/ranks"
@@ -441,6 +443,11 @@ class KubernetesBackend(Backend):
             "terminationGracePeriodSeconds": 30,
             "containers": [container],
         }
+        if self.settings.store_host_path:
+            # The node's store directory, shared with its daemon: the ranks snapshot into it directly.
+            env.append({"name": ENV_STORE_ROOT, "value": self.settings.store_root})
+            container["volumeMounts"] = [{"name": STORE_VOLUME, "mountPath": self.settings.store_root}]
+            pod_spec["volumes"] = [{"name": STORE_VOLUME, "hostPath": {"path": self.settings.store_host_path, "type": "Directory"}}]
         if spec.tolerations:
             pod_spec["tolerations"] = [dict(t) for t in spec.tolerations]
         if self.settings.worker_service_account:

@@ -25,6 +25,7 @@ ENV_RENEW_DEADLINE = "TENPLEX_RENEW_DEADLINE_SECONDS"
 ENV_RETRY_PERIOD = "TENPLEX_RETRY_PERIOD_SECONDS"
 ENV_STORE_PORT = "TENPLEX_STORE_PORT"
 ENV_STORE_ROOT = "TENPLEX_STORE_ROOT"
+ENV_STORE_HOST_PATH = "TENPLEX_STORE_HOST_PATH"
 ENV_WORKER_IMAGE = "TENPLEX_WORKER_IMAGE"
 ENV_WORKER_SERVICE_ACCOUNT = "TENPLEX_WORKER_SERVICE_ACCOUNT"
 ENV_AUTH_SECRET = "TENPLEX_AUTH_SECRET"
@@ -33,7 +34,7 @@ ENV_ADVERTISE_URL = "TENPLEX_ADVERTISE_URL"
 
 SCHEDULER_ENV = (
     ENV_TOKEN, ENV_POD_NAME, ENV_POD_NAMESPACE, ENV_WATCH_NAMESPACES, ENV_LEADER_ELECTION, ENV_LEASE_NAME,
-    ENV_LEASE_DURATION, ENV_RENEW_DEADLINE, ENV_RETRY_PERIOD, ENV_STORE_PORT, ENV_STORE_ROOT, ENV_WORKER_IMAGE,
+    ENV_LEASE_DURATION, ENV_RENEW_DEADLINE, ENV_RETRY_PERIOD, ENV_STORE_PORT, ENV_STORE_ROOT, ENV_STORE_HOST_PATH, ENV_WORKER_IMAGE,
     ENV_WORKER_SERVICE_ACCOUNT, ENV_AUTH_SECRET, ENV_AUTH_SECRET_KEY, ENV_ADVERTISE_URL,
 )
 """Every variable the chart sets on the scheduler container."""
@@ -56,6 +57,10 @@ class KubernetesSettings:
     retry_period_seconds: int = 2
     store_port: int = STORE_PORT
     store_root: str = DEFAULT_STORE_ROOT
+    store_host_path: str = ""
+    """The node directory behind the store DaemonSet's volume. When set, worker pods mount it at
+    ``store_root`` and snapshot into it directly (``TENPLEX_STORE_ROOT``), sharing it with the daemon;
+    when empty they upload to the daemon over HTTP."""
     worker_image: str = ""
     """Image for workers whose ElasticJob names none (the chart passes its own image)."""
     worker_service_account: str = ""
@@ -76,6 +81,8 @@ class KubernetesSettings:
             raise InvalidConfig(f"{ENV_ADVERTISE_URL} must be an http(s) URL, got {self.advertise_url!r}")
         if not self.store_root.startswith("/"):
             raise InvalidConfig(f"{ENV_STORE_ROOT} must be an absolute path, got {self.store_root!r}")
+        if self.store_host_path and not self.store_host_path.startswith("/"):
+            raise InvalidConfig(f"{ENV_STORE_HOST_PATH} must be an absolute path, got {self.store_host_path!r}")
         if self.leader_election and not (
             self.lease_duration_seconds > self.renew_deadline_seconds > 1.2 * self.retry_period_seconds >= 1.2
         ):
@@ -115,6 +122,7 @@ class KubernetesSettings:
             retry_period_seconds=integer(ENV_RETRY_PERIOD, 2),
             store_port=integer(ENV_STORE_PORT, STORE_PORT),
             store_root=env.get(ENV_STORE_ROOT) or DEFAULT_STORE_ROOT,
+            store_host_path=env.get(ENV_STORE_HOST_PATH, ""),
             worker_image=env.get(ENV_WORKER_IMAGE, ""),
             worker_service_account=env.get(ENV_WORKER_SERVICE_ACCOUNT, ""),
             auth_secret=env.get(ENV_AUTH_SECRET, ""),

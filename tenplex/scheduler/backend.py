@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tenplex.errors import InvalidConfig, NotFound, StoreUnavailable
+from tenplex.scheduler.protocol import ENV_STORE_ROOT
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +155,14 @@ class LocalCluster:
         with self._lock:
             return [h.info for h in self._hosts.values()]
 
+    def store_root(self, name: str) -> Path:
+        """The root directory of ``name``'s store (its daemon's ``--root``), which its workers share."""
+        with self._lock:
+            h = self._hosts.get(name)
+        if h is None:
+            raise NotFound(f"host {name!r} is not part of this local cluster")
+        return h.root / "store"
+
     def kill_host(self, name: str) -> None:
         """Lose a host: its store daemon dies (its workers are killed by the caller or the test)."""
         with self._lock:
@@ -235,7 +244,8 @@ class LocalBackend(Backend):
         pids: dict[str, int | None] = {}
         for w in workers:
             # All emulated hosts share this machine's loopback: gloo must bind there (the job's env may override).
-            env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", **w.env}
+            # Workers write their snapshots into their host's store directly (same machine, shared root).
+            env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", ENV_STORE_ROOT: str(self.cluster.store_root(w.host)), **w.env}
             logf = open(log_dir / f"{w.worker_id}.log", "ab")  # noqa: SIM115 - handed to the child process
             try:
                 proc = subprocess.Popen(list(command), env=env, stdout=logf, stderr=subprocess.STDOUT,

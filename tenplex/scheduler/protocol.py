@@ -56,6 +56,11 @@ ENV_TOKEN = "TENPLEX_TOKEN"
 """Bearer token for the scheduler and the store (absent: no auth)."""
 ENV_STORE_URL = "TENPLEX_STORE_URL"
 """Base URL of the node-local store daemon of the host the worker runs on."""
+ENV_STORE_ROOT = "TENPLEX_STORE_ROOT"
+"""Optional: the node-local store's root directory as this worker sees it (a host path mounted into
+the worker). When it exists, the worker snapshots and restores its own shards there directly, sharing
+the root with the node's daemon (the store locks structural changes across processes): no HTTP upload,
+about half the CPU of a snapshot (``benchmarks/snapshot_overhead.py``). Otherwise the daemon's URL is used."""
 ENV_HOST = "TENPLEX_HOST"
 """The (emulated) host name the worker runs on, as named in the PTC."""
 ENV_GENERATION = "TENPLEX_GENERATION"

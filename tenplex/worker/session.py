@@ -40,7 +40,7 @@ from tenplex.worker.restore import RestoreResult, restore
 from tenplex.worker.sampler import ElasticSampler
 from tenplex.worker.snapshot import SnapshotResult, Snapshotter
 from tenplex.worker.state import check_layout, ensure_optimizer_state, live_pieces
-from tenplex.worker.stores import ShardStore, open_store
+from tenplex.worker.stores import DirectStore, ShardStore, open_store
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +100,18 @@ class WorkerSetup:
             heartbeat_interval_s=a.heartbeat_interval_s,
             worker_id=a.worker_id,
         )
+
+
+def node_store(env: Mapping[str, str], store_url: str, token: str | None) -> ShardStore:
+    """The node-local store as this worker reaches it best: its root directory when the backend mounted
+    it here (``TENPLEX_STORE_ROOT``, shared with the daemon), else the daemon at ``store_url``."""
+    root = env.get(p.ENV_STORE_ROOT, "")
+    if root and os.path.isdir(root):
+        log.info("node store at %s (direct, shared with the daemon at %s)", root, store_url)
+        return DirectStore(root)
+    if root:
+        log.warning("%s=%s is not a directory here; using the store daemon at %s", p.ENV_STORE_ROOT, root, store_url)
+    return open_store(store_url, token)
 
 
 class ElasticWorker:
@@ -162,7 +174,7 @@ class ElasticWorker:
             setup.generation,
             setup.restore_version or "nothing",
         )
-        return cls(setup, control, snapshot_every=snapshot_every)
+        return cls(setup, control, snapshot_every=snapshot_every, store=node_store(env, setup.store, setup.token))
 
     @property
     def parallel(self) -> ParallelConfig:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -103,6 +104,8 @@ def test_worker_pods_are_pinned_owned_and_get_the_worker_environment(api: ApiSer
     assert env["TENPLEX_TOKEN"] == {"name": "TENPLEX_TOKEN",
                                     "valueFrom": {"secretKeyRef": {"name": "tenplex-auth", "key": "token"}}}
     assert env[crd.ENV_NODE_IP]["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"
+    # Without the store's node directory in the settings, workers upload to the daemon: nothing is mounted.
+    assert "TENPLEX_STORE_ROOT" not in env and "volumes" not in r0["spec"] and "volumeMounts" not in container
 
     # Launching again (a scheduler restarted mid-launch) takes the existing pods; deleting the job deletes them.
     backend.launch("gpt", ["python"], launches("gpt", 0, ["gpu-a", "gpu-b"]), tmp_path)
@@ -280,3 +283,22 @@ def test_ranks_that_cannot_be_cut_into_pods_are_refused(api: ApiServerEmulator, 
         backend.launch("mp", ["python"], node_launches("mp", 0, ["gpu-a", "gpu-b", "gpu-a", "gpu-b"]), tmp_path)
     assert worker_pods(api, "mp") == []  # nothing is created unless every pod can be
     assert [[w.rank for w in g] for g in pod_groups(node_launches("mp", 0, ["gpu-a"] * 4), 2)] == [[0, 1], [2, 3]]
+
+
+def test_worker_pods_mount_the_node_store_when_configured(api: ApiServerEmulator, tmp_path: Path) -> None:
+    # The chart passes the store DaemonSet's hostPath: worker pods mount it where the daemon sees it and
+    # snapshot into it directly (TENPLEX_STORE_ROOT), sharing the node's store with the daemon.
+    api.create("elasticjobs", elasticjob("mnt", 1), NS)
+    settings = replace(SETTINGS, store_root="/var/lib/tenplex/store", store_host_path="/mnt/nvme/tenplex")
+    with api.api_client() as api_client:
+        be = KubernetesBackend(api_client, settings, lambda name: api.get("elasticjobs", name, NS))
+        pod = be.pod_manifest(api.get("elasticjobs", "mnt", NS), ["python"], launches("mnt", 0, ["gpu-a"]))
+    (container,) = pod["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["TENPLEX_STORE_ROOT"] == "/var/lib/tenplex/store"
+    assert container["volumeMounts"] == [{"name": "tenplex-store", "mountPath": "/var/lib/tenplex/store"}]
+    assert pod["spec"]["volumes"] == [
+        {"name": "tenplex-store", "hostPath": {"path": "/mnt/nvme/tenplex", "type": "Directory"}}
+    ]
+    with pytest.raises(InvalidConfig, match="TENPLEX_STORE_HOST_PATH must be an absolute path"):
+        replace(SETTINGS, store_host_path="relative/dir")
