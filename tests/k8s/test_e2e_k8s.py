@@ -167,7 +167,9 @@ def test_reference_job_scaled_through_the_scale_subresource_and_recovered_after_
     assert {e["MASTER_ADDR"] for e in envs} == {NODES["node-0"]} and envs[0]["MASTER_PORT"] == envs[1]["MASTER_PORT"]
     assert pods[0]["spec"]["hostNetwork"] and pods[0]["metadata"]["annotations"] == {
         ANNOTATION_MASTER_PORT: envs[0]["MASTER_PORT"]}
-    ej = api.get("elasticjobs", "gpt", NS)["status"]
+    # The custom resource's status is written after the controller's own record: wait for it to catch up.
+    ej = eventually(lambda: (s := api.get("elasticjobs", "gpt", NS)["status"]).get("gpus") == 2
+                    and s.get("lastReconfiguration") and s, "the ElasticJob status to show the scale")
     assert ej["gpus"] == 2 and ej["lastReconfiguration"]["reason"] == "scale"
     assert ej["lastReconfiguration"]["from"]["gpus"] == 1 and ej["lastReconfiguration"]["to"]["gpus"] == 2
 

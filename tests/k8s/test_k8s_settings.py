@@ -34,7 +34,8 @@ def test_chart_defaults_parse_to_the_settings_defaults() -> None:
     settings = KubernetesSettings.from_env(scheduler_env())
     defaults = KubernetesSettings(namespace="tenplex", identity="rel-tenplex-scheduler-abc12",
                                   worker_image="tenplex:0.1.0", auth_secret="rel-tenplex-auth",
-                                  advertise_url="http://rel-tenplex-scheduler.tenplex.svc:8080")
+                                  advertise_url="http://rel-tenplex-scheduler.tenplex.svc:8080",
+                                  store_host_path="/var/lib/tenplex/store")  # workers.mountStore is on by default
     assert settings == defaults
     assert settings.manages("anything")
 
@@ -48,6 +49,10 @@ def test_chart_values_reach_the_settings() -> None:
     assert (settings.store_port, settings.store_root, settings.lease_name) == (7171, "/data/tenplex", "other")
     assert (settings.auth_secret, settings.auth_secret_key) == ("team", "bearer")
     assert (settings.worker_service_account, settings.worker_image) == ("trainer", "tenplex:1.2.3")
+    off = KubernetesSettings.from_env(scheduler_env("--set", "workers.mountStore=false"))
+    assert off.store_host_path == ""  # worker pods upload their snapshots to the daemon instead
+    moved = KubernetesSettings.from_env(scheduler_env("--set", "store.hostPath=/mnt/nvme0/tenplex"))
+    assert moved.store_host_path == "/mnt/nvme0/tenplex"
 
 
 @pytest.mark.parametrize(
