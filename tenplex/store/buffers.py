@@ -28,12 +28,20 @@ DEFAULT_CHUNK_BYTES = 4 << 20
 
 
 def chunk_shape(shape: Sequence[int], item: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> tuple[int, ...]:
-    """A chunk of about ``chunk_bytes``, near-square in the last two dimensions.
+    """A chunk of about ``chunk_bytes`` that suits both row and column slices.
 
-    Row slices (tensor parallelism of row-parallel layers, pipeline splits of
-    stacked layers) and column slices (column-parallel layers) are both common
-    reads, so neither direction should cut through many thin chunks. Leading
-    dimensions get whatever budget the last two leave.
+    Trailing dimensions are taken whole while they fit (the common case: a
+    band of whole rows, e.g. 64 x 16384 float32 for a 4 MiB chunk): a chunk
+    file is then one contiguous run of the array's C-order bytes, so a row
+    slice (tensor parallelism of row-parallel layers, pipeline splits of
+    stacked layers) is whole chunk files or bands of them, served straight
+    from the page cache without a copy. Column slices (column-parallel
+    layers) lose nothing by it: in a C-order chunk file a column slice is read
+    as row segments of ``min(slice width, chunk width)`` elements, so wider
+    chunks never shorten those segments, and only the rows the slice touches
+    are read. When a single row is larger than ``chunk_bytes`` the chunk is
+    near-square in the last two dimensions instead, and leading dimensions get
+    whatever budget the last two leave.
     """
     n = len(shape)
     if n == 0:
@@ -44,12 +52,22 @@ def chunk_shape(shape: Sequence[int], item: int, chunk_bytes: int = DEFAULT_CHUN
     dims = [max(int(s), 1) for s in shape]
     if n == 1:
         return (min(dims[0], budget),)
+    chunks = [1] * n
+    if dims[-1] <= budget:  # whole rows fit: take trailing dimensions whole while they do
+        used = 1
+        d = n - 1
+        while d >= 0 and used * dims[d] <= budget:
+            chunks[d] = dims[d]
+            used *= dims[d]
+            d -= 1
+        if d >= 0:
+            chunks[d] = max(1, budget // used)
+        return tuple(chunks)
     side = max(1, math.isqrt(budget))
     c_last = min(dims[-1], side)
     c_rows = min(dims[-2], max(1, budget // c_last))
     if c_rows == dims[-2]:  # few rows: let the rows be wider
         c_last = min(dims[-1], max(1, budget // c_rows))
-    chunks = [1] * n
     chunks[-1], chunks[-2] = c_last, c_rows
     used = c_last * c_rows
     for d in range(n - 3, -1, -1):

@@ -8,12 +8,20 @@ zarr v3 specification fixes the chunk file format: the chunk's elements in C
 order at the full chunk shape (edge chunks padded). So a region can be
 copied from each chunk file directly into the caller's buffer: one copy from
 the page cache, no intermediate buffer, and only the chunks the region
-touches. A chunk the region mostly covers is mapped pre-faulted
-(``MAP_POPULATE``, one syscall instead of a fault per page) and copied with
-numpy (about 1.4x faster than ``preadv`` in one thread); for a small part of
-a chunk, or with ``map_chunks=False``, only its rows are read, with
-``preadv`` straight into the destination rows (one iovec per row). Arrays with any other codec
-or layout fall back to zarr's own reader.
+touches. A part of a chunk of 64 KiB or more, or of more than a few row
+segments, is copied with numpy from a map of the chunk file that asks for
+huge pages (see :func:`_map_file`; a 1/4-width column slice of whole-row
+chunks: 6.2 GB/s mapped vs 3.7 GB/s with a ``preadv`` per row segment); a
+small part, or any part with ``map_chunks=False``, is read with ``preadv``
+straight into the destination rows (one iovec per row). Arrays with any other
+codec or layout fall back to zarr's own reader.
+
+A region's payload can also be described as *runs*: byte ranges of chunk
+files in payload order (:meth:`RawChunkReader.runs`). For the store's
+whole-row chunks any band of rows is one run per chunk, so the server sends
+such regions from maps of the chunk files without copying them
+(:func:`map_runs`), and checksums are computed in place
+(:func:`checksum_runs`).
 
 A missing or short chunk file is an error here (zarr would silently return
 fill values): this store writes every chunk, so it means damage.
@@ -30,6 +38,7 @@ opens every array the store writes.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import logging
@@ -38,12 +47,13 @@ import mmap
 import os
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Executor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import crc32c
 import numpy as np
 
 from tenplex.errors import NotFound, StateLost
@@ -52,11 +62,15 @@ from tenplex.ptc.region import Region
 log = logging.getLogger(__name__)
 
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
-_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
+_MAP_MIN_BYTES = 64 << 10  # parts of a chunk at least this big are copied through a map, smaller ones with preadv ...
+_PREADV_MAX_SEGMENTS = 8  # ... unless they are more ranges of the file than this (one preadv each; a map copies all at once)
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _DIRECT_ALIGN = 4096  # O_DIRECT buffer address, file offset and length: a multiple of the logical block size
 _bounce = threading.local()
+MAX_MAPS = 256
+"""Chunk files mapped at a time by one batch of runs (4 MiB chunks: 1 GiB; each map holds a descriptor)."""
 
 
 def _bounce_buffer(size: int) -> mmap.mmap:
@@ -84,6 +98,27 @@ def direct_writes_work(directory: Path) -> bool:
         return False
     finally:
         probe.unlink(missing_ok=True)
+
+
+def _map_file(fd: int, nbytes: int) -> mmap.mmap:
+    """A read-only shared map of a file's first ``nbytes``, asking for huge pages (``MADV_HUGEPAGE``).
+
+    Why huge pages: where the file system keeps files in large page-cache
+    folios (ext4 on Linux 6.x does) and transparent huge pages are enabled
+    (``always`` or ``madvise``), the first read of a chunk through such a map
+    fills the page cache with 2 MiB folios, and every later map of the chunk
+    then costs two page-table entries instead of a thousand. Measured on the
+    2-core VM (4 MiB chunk files written with ``O_DIRECT``): crc32c through a
+    map ran at 12 GB/s when the first read had gone through a huge-page map,
+    4-5 GB/s when it had gone through ``pread`` or a plain map; mapping 64 MiB
+    took 0.3 ms instead of 7 ms. Without THP the advice is ignored. No
+    ``MAP_POPULATE``: pages are mapped as they are touched, after the advice.
+    """
+    m = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    if _MADV_HUGEPAGE is not None and nbytes >= 2 << 20:
+        with contextlib.suppress(OSError):  # a kernel without THP
+            m.madvise(_MADV_HUGEPAGE)
+    return m
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +203,16 @@ class ChunkLayout:
         return cls(shape, chunks, dtype, separator)
 
 
+@dataclass(frozen=True, slots=True)
+class ChunkRun:
+    """Bytes ``[offset, offset + nbytes)`` of one chunk file: one contiguous run of a region's C-order payload."""
+
+    reader: RawChunkReader
+    coords: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
 class RawChunkReader:
     """Reads regions of one array with a :class:`ChunkLayout` by ``preadv`` into the destination."""
 
@@ -198,8 +243,62 @@ class RawChunkReader:
                 jobs.append((coords, common))
         return jobs
 
-    def read_chunk(self, coords: tuple[int, ...], part: Region, sel: Region, dst: np.ndarray) -> None:
-        """Copy ``part`` (inside chunk ``coords``) into ``dst`` (the destination of all of ``sel``)."""
+    def runs(self, sel: Region) -> list[ChunkRun]:
+        """``sel``'s C-order payload as byte runs of chunk files, in payload order.
+
+        Wherever the selection takes exactly one whole chunk (inside the array)
+        in every dimension after some dimension ``d``, a run spans all of
+        those dimensions: for the store's whole-row chunks any band of rows is
+        one run per chunk it touches, and a whole chunk is one run. Otherwise
+        the runs are the selection's row segments (short: the caller decides
+        from their number whether runs are worth it).
+        """
+        if sel.empty:
+            return []
+        if not self.shape:
+            return [ChunkRun(self, (), 0, self.itemsize)]
+        d = self._run_dim(sel)
+        fixed = tuple(a // c for (a, _b), c in zip(sel.bounds[d + 1 :], self.chunks[d + 1 :], strict=True))
+        stride = self._strides[d]
+        a_d, b_d = sel.bounds[d]
+        c_d = self.chunks[d]
+        along = [(k, max(a_d, k * c_d), min(b_d, (k + 1) * c_d)) for k in range(a_d // c_d, (b_d - 1) // c_d + 1)]
+        out: list[ChunkRun] = []
+        for idx in itertools.product(*(range(a, b) for a, b in sel.bounds[:d])):
+            lead = tuple(i // c for i, c in zip(idx, self.chunks, strict=False))
+            base = sum((i - k * c) * s for i, k, c, s in zip(idx, lead, self.chunks, self._strides, strict=False))
+            for k, lo, hi in along:
+                coords = (*lead, k, *fixed)
+                offset = base + (lo - k * c_d) * stride
+                nbytes = (hi - lo) * stride
+                last = out[-1] if out else None
+                if last is not None and last.coords == coords and last.offset + last.nbytes == offset:
+                    out[-1] = ChunkRun(self, coords, last.offset, last.nbytes + nbytes)  # adjacent in the file too
+                else:
+                    out.append(ChunkRun(self, coords, offset, nbytes))
+        return out
+
+    def _run_dim(self, sel: Region) -> int:
+        """The first dimension of a run: every later one is exactly one whole chunk of ``sel``, inside the array."""
+        d = len(self.shape) - 1
+        while d > 0:
+            a, b = sel.bounds[d]
+            c = self.chunks[d]
+            if not (a % c == 0 and b - a == c and b <= self.shape[d]):
+                break
+            d -= 1
+        return d
+
+    def run_count(self, sel: Region) -> int:
+        """How many runs :meth:`runs` returns for ``sel`` at most (adjacent ones merge), without listing them."""
+        if sel.empty or not self.shape:
+            return 0 if sel.empty else 1
+        d = self._run_dim(sel)
+        a, b = sel.bounds[d]
+        return math.prod(sel.shape[:d]) * ((b - 1) // self.chunks[d] - a // self.chunks[d] + 1)
+
+    def _open_chunk(self, coords: tuple[int, ...]) -> tuple[int, Path]:
+        """An open descriptor of a chunk file whose size has been checked (the caller closes it)."""
         name = self.path / self._encode(coords)
         try:
             fd = os.open(name, os.O_RDONLY)
@@ -211,19 +310,45 @@ class RawChunkReader:
             size = os.fstat(fd).st_size
             if size != self.chunk_bytes:
                 raise StateLost(f"chunk file {name} has {size} bytes, expected {self.chunk_bytes}: the shard is damaged")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, name
+
+    def map_chunk(self, coords: tuple[int, ...]) -> mmap.mmap:
+        """A read-only shared map of a whole chunk file: its page-cache pages, nothing copied."""
+        fd, _name = self._open_chunk(coords)
+        try:
+            return _map_file(fd, self.chunk_bytes)
+        finally:
+            os.close(fd)  # the map keeps its own reference to the file
+
+    def read_chunk(self, coords: tuple[int, ...], part: Region, sel: Region, dst: np.ndarray) -> None:
+        """Copy ``part`` (inside chunk ``coords``) into ``dst`` (the destination of all of ``sel``)."""
+        fd, name = self._open_chunk(coords)
+        try:
             origin = [k * c for k, c in zip(coords, self.chunks, strict=True)]
             local = [(a - o, b - o) for (a, b), o in zip(part.bounds, origin, strict=True)]
             view = dst[part.relative_to(sel).slices()] if sel.ndim else dst
-            if self._use_mmap and part.volume * self.itemsize * 2 >= self.chunk_bytes:
+            if self._use_mmap and (
+                part.volume * self.itemsize >= min(_MAP_MIN_BYTES, self.chunk_bytes // 2) or self._segments(local) > _PREADV_MAX_SEGMENTS
+            ):
                 self._copy_mapped(fd, local, view)
             else:
                 self._copy(fd, local, view, name)
         finally:
             os.close(fd)
 
+    def _segments(self, local: Sequence[tuple[int, int]]) -> int:
+        """How many contiguous byte ranges of the chunk file a part (in chunk coordinates) is."""
+        if len(local) < 2:
+            return 1
+        rows_adjacent = local[-1] == (0, self.chunks[-1])
+        return math.prod(b - a for a, b in local[: -2 if rows_adjacent else -1])
+
     def _copy_mapped(self, fd: int, local: Sequence[tuple[int, int]], view: np.ndarray) -> None:
         """Most of a chunk: map it pre-faulted (one syscall) and copy the part with numpy (user-space memcpy)."""
-        m = mmap.mmap(fd, self.chunk_bytes, flags=_MAP_FLAGS, prot=mmap.PROT_READ)
+        m = _map_file(fd, self.chunk_bytes)
         try:
             raw = _UINT[self.itemsize]
             src = np.ndarray(self.chunks, dtype=raw, buffer=m)
@@ -276,6 +401,77 @@ class RawChunkReader:
         wait(futures)  # never return (or raise) while a thread may still write into dst
         for f in futures:
             f.result()
+
+
+def split_runs(runs: Sequence[ChunkRun], max_bytes: int) -> Iterator[ChunkRun]:
+    """The runs, each cut into runs of at most ``max_bytes`` (bounds what one batch maps)."""
+    for run in runs:
+        if run.nbytes <= max_bytes:
+            yield run
+            continue
+        for start in range(0, run.nbytes, max_bytes):
+            yield ChunkRun(run.reader, run.coords, run.offset + start, min(max_bytes, run.nbytes - start))
+
+
+def map_runs(runs: Sequence[ChunkRun]) -> list[memoryview]:
+    """Read-only views of the runs' bytes where they lie in the page cache, in order; nothing is copied.
+
+    Each chunk file is mapped once (see :func:`_map_file`). A view keeps its map alive: a map is unmapped when its last view is
+    released (for a response body: when the transport has sent it), so the
+    memory this holds is bounded by what the caller keeps.
+    """
+    maps: dict[tuple[int, tuple[int, ...]], memoryview] = {}
+    out = []
+    for run in runs:
+        key = (id(run.reader), run.coords)
+        whole = maps.get(key)
+        if whole is None:
+            whole = memoryview(run.reader.map_chunk(run.coords))
+            maps[key] = whole
+        out.append(whole[run.offset : run.offset + run.nbytes])
+    return out
+
+
+def chunks_of(runs: Sequence[ChunkRun]) -> int:
+    """How many distinct chunk files the runs lie in (each is one map, and one descriptor, while mapped)."""
+    return len({(id(run.reader), run.coords) for run in runs})
+
+
+def mapped_batches(runs: Sequence[ChunkRun], batch_bytes: int, max_maps: int = MAX_MAPS) -> Iterator[list[memoryview]]:
+    """:func:`map_runs` over consecutive batches of at most ``batch_bytes`` in at most ``max_maps`` chunk files.
+
+    Both bounds hold for any region: the bytes mapped at a time, and the open
+    maps (Python's ``mmap`` keeps a file descriptor per map).
+    """
+    batch: list[ChunkRun] = []
+    files: set[tuple[int, tuple[int, ...]]] = set()
+    size = 0
+    for run in split_runs(runs, batch_bytes):
+        key = (id(run.reader), run.coords)
+        if batch and (size + run.nbytes > batch_bytes or (key not in files and len(files) >= max_maps)):
+            yield map_runs(batch)
+            batch, size = [], 0
+            files.clear()
+        batch.append(run)
+        files.add(key)
+        size += run.nbytes
+    if batch:
+        yield map_runs(batch)
+
+
+def crc_of_views(views: Sequence[memoryview], crc: int = 0) -> int:
+    """crc32c of the views' bytes one after the other, continuing from ``crc``."""
+    for view in views:
+        crc = crc32c.crc32c(view, crc)
+    return crc
+
+
+def checksum_runs(runs: Sequence[ChunkRun], batch_bytes: int, crc: int = 0) -> int:
+    """crc32c of the runs' bytes read in place (no copy), at most ``batch_bytes`` mapped at a time."""
+    for views in mapped_batches(runs, batch_bytes):
+        crc = crc_of_views(views, crc)
+        del views  # unmap this batch before mapping the next
+    return crc
 
 
 class RawChunkWriter:

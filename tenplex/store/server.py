@@ -14,20 +14,29 @@ Routes (all but ``/healthz`` need ``Authorization: Bearer <token>`` when a token
 
 Region reads answer raw C-order bytes with ``X-Tenplex-Dtype``,
 ``X-Tenplex-Shape`` (``a,b``; empty for 0-d) and ``X-Tenplex-Checksum``
-(``crc32c:xxxxxxxx`` of the body). How the body is produced, by size:
+(``crc32c:xxxxxxxx`` of the body). A region that is exactly a stored shard
+carries the checksum recorded at write time (no checksum pass; a corrupted
+disk shows up as a checksum mismatch at the client); any other region's
+checksum is computed from the bytes that are sent. How the body is produced:
 
-- a region that is exactly a stored shard: the checksum recorded at write
-  time is the header (no checksum pass; a corrupted disk shows up as a
-  checksum mismatch at the client);
-- up to ``single_pass_bytes`` (64 MiB): read into one buffer (checksummed
-  unless it is a whole shard) and answered as a ``memoryview`` body (the
-  fastest path uvicorn has);
-- a larger whole shard: the body streams in 32 MiB pieces, the next piece
-  read while the current one is sent;
-- any other large region: a first pass computes the checksum through one
-  bounded buffer, then the same pieces stream. Clients split big reads into
-  requests of at most ``single_pass_bytes`` anyway (see
-  :class:`~tenplex.store.client.StoreClient`), so this path is for others.
+- a region inside one shard whose payload is long runs of chunk files (any
+  band of rows of the store's whole-row chunks, whole chunks, whole shards;
+  runs averaging at least ``min_run_bytes``, 64 KiB): sent straight from
+  read-only maps of the chunk files' page-cache pages, never copied in this
+  process. Up to ``single_pass_bytes`` (64 MiB) the maps made for the
+  checksum are the ones sent; a larger region is checksummed batch by batch
+  and then sent in ``piece_bytes`` (32 MiB) batches, the next one mapped
+  while one is on the wire (see :func:`_runs_response`);
+- any other region up to ``single_pass_bytes``: read into one buffer
+  (checksummed unless it is a whole shard) and answered as a ``memoryview``
+  body;
+- any other larger region: a first pass computes the checksum through one
+  bounded buffer (a whole shard needs none), then the body streams in
+  ``piece_bytes`` pieces, the next piece read while the current one is sent.
+
+Clients split big reads into requests of at most 32 MiB anyway (see
+:class:`~tenplex.store.client.StoreClient`), so the streamed paths are for
+others.
 
 Uploads stream the request body into piece buffers that go to zarr as they
 fill (two pieces of memory at most), the crc32c computed on the way; a body
@@ -48,7 +57,7 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -80,13 +89,23 @@ from tenplex.serving import (
     write_port_file,
 )
 from tenplex.store.buffers import byte_view, crc_of, slabs
-from tenplex.store.local import LocalStore, ShardWriter, TensorReader
+from tenplex.store.local import MIN_RUN_BYTES, LocalStore, ShardWriter, TensorReader
 from tenplex.store.model import format_checksum
 from tenplex.store.names import check_job, check_tensor, check_version
+from tenplex.store.rawchunks import (
+    MAX_MAPS,
+    ChunkRun,
+    checksum_runs,
+    chunks_of,
+    crc_of_views,
+    map_runs,
+    mapped_batches,
+)
 
 log = logging.getLogger(__name__)
 
 SINGLE_PASS_BYTES = 64 << 20
+INLINE_BYTES = 1 << 20  # bodies up to this are mapped and checksummed on the event loop itself
 PIECE_BYTES = 32 << 20
 TOKEN_ENV = "TENPLEX_TOKEN"
 _ROOT_ENV = "TENPLEX_STORE_ROOT"
@@ -170,13 +189,17 @@ def create_app(
     token: str | None,
     single_pass_bytes: int = SINGLE_PASS_BYTES,
     piece_bytes: int = PIECE_BYTES,
+    min_run_bytes: int = MIN_RUN_BYTES,
 ) -> FastAPI:
     """The FastAPI application serving ``store``; ``token`` (if not None) is required on everything but /healthz.
 
-    ``single_pass_bytes`` and ``piece_bytes`` bound the server memory per request (see the module doc).
+    ``single_pass_bytes`` and ``piece_bytes`` bound the server memory per request (see the module doc);
+    bodies whose chunk-file runs average at least ``min_run_bytes`` are sent from the page cache.
     """
-    if single_pass_bytes < 1 or piece_bytes < 1:
-        raise InvalidInput(f"single_pass_bytes and piece_bytes must be positive, got {single_pass_bytes}, {piece_bytes}")
+    if single_pass_bytes < 1 or piece_bytes < 1 or min_run_bytes < 1:
+        raise InvalidInput(
+            f"single_pass_bytes, piece_bytes and min_run_bytes must be positive, got {single_pass_bytes}, {piece_bytes}, {min_run_bytes}"
+        )
     metrics = _Metrics()
     app = FastAPI(title="tenplex store", version="1", docs_url=None, redoc_url=None)
     app.state.store = store
@@ -261,9 +284,9 @@ def create_app(
         check_job(job)
         v = check_version(version)
         check_tensor(tensor)
-        reader: TensorReader = await to_thread.run_sync(
-            lambda: store.open_tensor(job, v, tensor, committed_only=not uncommitted)
-        )
+        reader = store.cached_tensor(job, v, tensor)  # committed, and read before: no thread hop
+        if reader is None:
+            reader = await to_thread.run_sync(lambda: store.open_tensor(job, v, tensor, committed_only=not uncommitted))
         box = reader.parse_region(region) if region is not None else Region.full(reader.global_shape)
         reader.plan(box)  # fail with 404/416/409 before any header is sent
         nbytes = box.volume * reader.itemsize
@@ -276,6 +299,10 @@ def create_app(
         # a whole stored shard carries the checksum recorded when it was written: no checksum pass,
         # and damage on this disk shows up as a mismatch at the client
         exact = reader.exact_shard(box)
+        runs = reader.runs(box, min_run_bytes)
+        if runs is not None:  # the body is runs of chunk files: sent from the page cache, never copied here
+            return await _runs_response(runs, exact.checksum if exact is not None else None, nbytes, headers, metrics,
+                                        single_pass_bytes=single_pass_bytes, piece_bytes=piece_bytes)
         if nbytes <= single_pass_bytes:
             buf = np.empty(box.shape, st)
 
@@ -335,6 +362,109 @@ def _required_header(request: Request, name: str) -> str:
     if value is None:
         raise InvalidInput(f"header {name} is required")
     return value
+
+
+async def _runs_response(
+    runs: list[ChunkRun],
+    checksum: str | None,
+    nbytes: int,
+    headers: dict[str, str],
+    metrics: _Metrics,
+    *,
+    single_pass_bytes: int,
+    piece_bytes: int,
+) -> Response:
+    """A body that is runs of chunk files, sent from read-only maps of their page-cache pages.
+
+    The bytes are never copied in this process: the socket write copies them
+    straight from the page cache, as a server of bytes already in memory
+    would. ``checksum`` (a whole shard's recorded one) or else the crc32c of
+    the very bytes that are sent goes into the header, so the header must be
+    known before the first byte: up to ``single_pass_bytes`` the runs are
+    mapped once, checksummed and sent from the same maps; a larger body is
+    checksummed batch by batch (maps dropped after each) and then sent in
+    batches of ``piece_bytes``, the next batch mapped while one is sent.
+    Chunk files are never written in place (committed versions are
+    immutable, every write makes new files), so what was checksummed is what
+    is sent; a damaged disk still shows up as a mismatch at the client.
+    """
+    if nbytes <= single_pass_bytes and chunks_of(runs) <= MAX_MAPS:
+
+        def map_and_checksum() -> tuple[list[memoryview], str]:
+            views = map_runs(runs)
+            return views, checksum if checksum is not None else format_checksum(crc_of_views(views))
+
+        if nbytes <= INLINE_BYTES:  # cheaper than the two thread switches of a hop to a worker thread
+            views, headers["X-Tenplex-Checksum"] = map_and_checksum()
+        else:
+            views, headers["X-Tenplex-Checksum"] = await to_thread.run_sync(map_and_checksum)
+        return _ViewsResponse(views, headers, metrics)
+    if checksum is None:
+        checksum = format_checksum(await to_thread.run_sync(checksum_runs, runs, piece_bytes))
+    headers["X-Tenplex-Checksum"] = checksum
+    headers["Content-Length"] = str(nbytes)
+    batches = mapped_batches(runs, piece_bytes)
+    first = await to_thread.run_sync(next, batches, [])  # a missing chunk file fails here, before the headers
+    return StreamingResponse(_send_views(first, batches, metrics), media_type="application/octet-stream", headers=headers)
+
+
+class _ViewsResponse(Response):
+    """A bounded body of memoryviews, sent one after the other.
+
+    Unlike :class:`StreamingResponse` it needs no task listening for a client
+    disconnect (uvicorn drops what is sent to a closed connection, and the
+    body is bounded): one task less per request.
+    """
+
+    media_type = "application/octet-stream"
+
+    def __init__(self, views: list[memoryview], headers: dict[str, str], metrics: _Metrics) -> None:
+        super().__init__(content=b"", headers=headers)
+        self.headers["content-length"] = str(sum(v.nbytes for v in views))
+        self._views = views
+        self._metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        views, self._views = self._views, []
+        if not views:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        views.reverse()  # popped from the end: each view (and its map) is dropped once handed over
+        while views:
+            view = views.pop()
+            await send({"type": "http.response.body", "body": view, "more_body": bool(views)})
+            self._metrics.bytes_out.inc(view.nbytes)
+            del view
+
+
+async def _send_views(
+    first: list[memoryview], more: Iterator[list[memoryview]] | None, metrics: _Metrics
+) -> AsyncIterator[memoryview]:
+    """Yield the views of ``first`` and then of ``more``'s batches, mapping the next batch while one is sent.
+
+    Each view is let go of as soon as it is handed to the transport, so a
+    chunk file's map is unmapped once the transport has sent it: the maps
+    held are those of the batch being sent and of the one being prepared.
+    """
+    pending: asyncio.Future[list[memoryview] | None] | None = None
+    batch: list[memoryview] | None = first
+    try:
+        while batch is not None:
+            if more is not None:
+                pending = asyncio.ensure_future(to_thread.run_sync(next, more, None))
+            batch.reverse()  # popped from the end: each view is dropped once sent
+            while batch:
+                view = batch.pop()
+                yield view
+                metrics.bytes_out.inc(view.nbytes)
+                del view
+            batch = await pending if pending is not None else None
+            pending = None
+    finally:
+        if pending is not None:
+            pending.cancel()
+            with contextlib.suppress(BaseException):
+                await pending
 
 
 async def _stream_region(
@@ -547,10 +677,13 @@ class StoreServer(BackgroundServer):
         log_level: str = "warning",
         single_pass_bytes: int = SINGLE_PASS_BYTES,
         piece_bytes: int = PIECE_BYTES,
+        min_run_bytes: int = MIN_RUN_BYTES,
     ) -> None:
         self.store = store if store is not None else LocalStore(root)
         self.token = token
-        app = create_app(self.store, token=token, single_pass_bytes=single_pass_bytes, piece_bytes=piece_bytes)
+        app = create_app(
+            self.store, token=token, single_pass_bytes=single_pass_bytes, piece_bytes=piece_bytes, min_run_bytes=min_run_bytes
+        )
         super().__init__(app, host, port, log_level=log_level)
 
     def start(self, timeout: float = 30.0) -> StoreServer:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -23,8 +24,11 @@ from tenplex.errors import (
 )
 from tenplex.ptc.dtypes import DTYPES, storage_dtype
 from tenplex.ptc.region import Region
+from tenplex.store import local as local_module
 from tenplex.store.local import LocalStore
 from tenplex.store.version import Version
+
+from .conftest import square_chunks
 
 
 def random_array(shape: tuple[int, ...], dtype: str, seed: int = 0) -> np.ndarray:
@@ -284,13 +288,13 @@ def test_leftover_staging_of_a_dead_writer_is_invisible(store: LocalStore) -> No
     assert os.listdir(store.root / ".staging" / "j") == []
 
 
-def test_chunk_shapes_suit_rows_and_columns(tmp_path: Path) -> None:
+def test_chunks_are_4_mib_bands_of_whole_rows(tmp_path: Path) -> None:
     import zarr
 
     s = LocalStore(tmp_path)
     s.write_shard("j", "s1-g0", "w", Region.full((2048, 2048)), np.zeros((2048, 2048), np.float32), dtype="float32", global_shape=(2048, 2048))
     arr = zarr.open_array(str(tmp_path / "j" / "s1-g0" / "w" / "r0-2048_0-2048"), mode="r")
-    assert arr.chunks == (1024, 1024)
+    assert arr.chunks == (512, 2048)
     assert arr.compressors == ()
 
 
@@ -298,15 +302,20 @@ SHAPE3 = (5, 19, 23)
 FULL3 = random_array(SHAPE3, "int16", seed=5)
 
 
-@pytest.fixture(scope="module")
-def cube(tmp_path_factory: pytest.TempPathFactory) -> LocalStore:
-    """A 3-d int16 tensor in two shards with tiny (2 x 8 x 8 -ish) chunks, so regions cut chunks in every way."""
+@pytest.fixture(scope="module", params=["whole-rows", "square"])
+def cube(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStore]:
+    """A 3-d int16 tensor in two shards with tiny chunks (1 x 5 x 23 whole rows, or the 1 x 11 x 11 of
+    stores written before whole-row chunks), so that regions cut chunks in every way."""
+    mp = pytest.MonkeyPatch()
+    if request.param == "square":
+        mp.setattr(local_module, "chunk_shape", square_chunks)
     s = LocalStore(tmp_path_factory.mktemp("cube"), chunk_bytes=256)
     for a, b in ((0, 2), (2, 5)):
         box = Region(((a, b), (0, 19), (0, 23)))
         s.write_shard("j", "s1-g0", "c", box, np.ascontiguousarray(FULL3[box.slices()]), dtype="int16", global_shape=SHAPE3)
     s.commit("j", "s1-g0")
-    return s
+    mp.undo()
+    yield s
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

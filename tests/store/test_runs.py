@@ -1,0 +1,250 @@
+"""Chunk shapes, and regions served as runs of chunk files straight from the page cache (no copy).
+
+The runs path must give the same bytes as copying, in payload order, for any
+region of any layout (the store's whole-row chunks, the near-square chunks of
+stores written before them, zarr's nested keys), and the checksum header of
+a body must be the crc32c of the very bytes sent, on every server path.
+"""
+
+from __future__ import annotations
+
+import http.client
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import crc32c
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tenplex.errors import ChecksumMismatch, NotFound, StateLost
+from tenplex.ptc.region import Region
+from tenplex.store import client as client_module
+from tenplex.store import local as local_module
+from tenplex.store.buffers import chunk_shape
+from tenplex.store.client import StoreClient
+from tenplex.store.local import LocalStore
+from tenplex.store.model import format_checksum
+from tenplex.store.rawchunks import (
+    RawChunkReader,
+    checksum_runs,
+    crc_of_views,
+    map_runs,
+    mapped_batches,
+)
+from tenplex.store.server import StoreServer
+
+from .conftest import square_chunks
+from .test_local import random_array
+
+SHAPE = (7, 45, 33)
+FULL = random_array(SHAPE, "float32", seed=11)
+SHARDS = (Region(((0, 3), (0, 45), (0, 33))), Region(((3, 7), (0, 45), (0, 33))))
+
+
+@pytest.fixture(scope="module", params=["whole-rows", "square"])
+def layout_store(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStore]:
+    """The 3-d tensor in two shards, with small chunks (~400 bytes) in the store's layout or the older square one."""
+    mp = pytest.MonkeyPatch()
+    if request.param == "square":
+        mp.setattr(local_module, "chunk_shape", square_chunks)
+    s = LocalStore(tmp_path_factory.mktemp(request.param), chunk_bytes=400)
+    for box in SHARDS:
+        s.write_shard("j", "s1-g0", "w", box, np.ascontiguousarray(FULL[box.slices()]), dtype="float32", global_shape=SHAPE)
+    s.commit("j", "s1-g0")
+    mp.undo()
+    yield s
+
+
+@st.composite
+def regions(draw: st.DrawFn, shape: tuple[int, ...]) -> Region:
+    bounds = []
+    for n in shape:
+        a = draw(st.integers(0, n))
+        bounds.append((a, draw(st.integers(a, n))))
+    return Region(tuple(bounds))
+
+
+# -- chunk shapes -------------------------------------------------------------
+
+
+def test_chunk_shapes_of_the_benchmark_and_model_tensors() -> None:
+    assert chunk_shape((16384, 16384), 4) == (64, 16384)  # 4 MiB of whole rows: a row slice is whole chunk files
+    assert chunk_shape((50304, 1024), 2) == (2048, 1024)
+    assert chunk_shape((24, 1024, 1024), 4) == (1, 1024, 1024)  # stacked layers: one layer per chunk
+    assert chunk_shape((8, 16, 64), 4) == (8, 16, 64)  # small tensors are one chunk
+    assert chunk_shape((4096, 2_000_000), 4) == (1024, 1024)  # a row over 4 MiB: near-square
+    assert chunk_shape((4096, 2_000_000), 4, 1 << 20) == (512, 512)
+    assert chunk_shape((2, 2_000_000), 4) == (2, 524288)  # few rows: wider chunks
+    assert chunk_shape((3000, 3000), 4, 1024) == (16, 16)  # near-square when one row is larger than a chunk
+    assert chunk_shape((), 4) == ()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    shape=st.lists(st.integers(0, 3000), min_size=1, max_size=4).map(tuple),
+    item=st.sampled_from([1, 2, 4, 8]),
+    chunk_bytes=st.integers(64, 1 << 20),
+)
+def test_chunk_shapes_fit_the_budget_and_take_whole_rows_when_they_fit(shape: tuple[int, ...], item: int, chunk_bytes: int) -> None:
+    chunks = chunk_shape(shape, item, chunk_bytes)
+    assert len(chunks) == len(shape)
+    assert all(1 <= c <= max(n, 1) for c, n in zip(chunks, shape, strict=True))
+    assert math.prod(chunks) * item <= chunk_bytes
+    if max(shape[-1], 1) * item <= chunk_bytes:
+        # trailing dimensions whole, then one partial dimension, then ones: a chunk file is one C-order run
+        d = len(shape) - 1
+        while d >= 0 and chunks[d] == max(shape[d], 1):
+            d -= 1
+        assert d < 0 or all(c == 1 for c in chunks[:d])
+
+
+# -- runs of chunk files --------------------------------------------------------
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(region=regions(SHAPE))
+def test_runs_are_the_payload_in_order(layout_store: LocalStore, region: Region) -> None:
+    reader = layout_store.open_tensor("j", "s1-g0", "w")
+    want = np.ascontiguousarray(FULL[region.slices()]).tobytes()
+    runs = reader.runs(region, min_run_bytes=1)
+    inside_one = any(s.contains(region) for s in SHARDS) or region.empty
+    assert (runs is not None) == inside_one
+    if runs is not None:
+        assert sum(r.nbytes for r in runs) == len(want)
+        assert b"".join(bytes(v) for v in map_runs(runs)) == want
+        if runs:
+            arr = runs[0].reader
+            assert isinstance(arr, RawChunkReader) and arr.run_count(region.relative_to(next(s for s in SHARDS if s.contains(region)))) >= len(runs)
+        for batch_bytes, max_maps in ((1, 256), (100, 2), (1 << 20, 1), (1 << 20, 256)):
+            batches = list(mapped_batches(runs, batch_bytes, max_maps))
+            assert all(sum(v.nbytes for v in b) <= batch_bytes for b in batches)
+            assert all(len({v.obj for v in b}) <= max_maps for b in batches)  # v.obj: the map a view is of
+            assert b"".join(bytes(v) for b in batches for v in b) == want
+            assert checksum_runs(runs, batch_bytes) == (crc32c.crc32c(want) if want else 0)
+    assert reader.checksum(region, piece_bytes=256) == (crc32c.crc32c(want) if want else 0)
+
+
+def test_row_bands_of_whole_row_chunks_are_one_run_per_chunk(tmp_path: Path) -> None:
+    s = LocalStore(tmp_path, chunk_bytes=64 * 100 * 4)  # 64 whole rows of 100 float32 per chunk
+    data = random_array((1000, 100), "float32", seed=2)
+    s.write_shard("j", "s1-g0", "w", Region.full(data.shape), data, dtype="float32", global_shape=data.shape)
+    reader = s.open_tensor("j", "s1-g0", "w", committed_only=False)
+    runs = reader.runs(Region(((10, 300), (0, 100))), min_run_bytes=1)
+    assert runs is not None and [r.coords for r in runs] == [(k, 0) for k in range(5)]
+    assert runs[0].offset == 10 * 400 and runs[0].nbytes == 54 * 400 and runs[-1].nbytes == (300 - 256) * 400
+    # a column slice is row segments: the default minimum run length sends it through the copy path
+    assert reader.runs(Region(((0, 1000), (0, 50)))) is None
+    assert reader.runs(Region(((0, 1000), (0, 50))), min_run_bytes=200) is not None
+
+
+def test_a_missing_chunk_or_shard_is_an_error_not_fill_values(tmp_path: Path) -> None:
+    s = LocalStore(tmp_path, chunk_bytes=1024)
+    data = random_array((64, 64), "float32", seed=1)
+    s.write_shard("j", "s1-g0", "w", Region.full(data.shape), data, dtype="float32", global_shape=data.shape)
+    reader = s.open_tensor("j", "s1-g0", "w", committed_only=False)
+    runs = reader.runs(Region.full(data.shape), min_run_bytes=1)
+    assert runs
+    shard = tmp_path / "j" / "s1-g0" / "w" / "r0-64_0-64"
+    (shard / "c.3.0").unlink()
+    with pytest.raises(StateLost, match="missing"):
+        map_runs(runs)
+    (shard / "c.4.0").write_bytes(b"short")
+    with pytest.raises(StateLost, match="5 bytes"):
+        checksum_runs(runs[4:5], 1 << 20)
+    s.delete("j", "s1-g0")
+    with pytest.raises(NotFound, match="deleted"):
+        map_runs(runs)
+
+
+def test_views_of_a_deleted_version_stay_valid_until_released(tmp_path: Path) -> None:
+    # a body being sent keeps its maps: deleting the version meanwhile must not change what is sent
+    s = LocalStore(tmp_path, chunk_bytes=4096)
+    data = random_array((128, 32), "float32", seed=6)
+    s.write_shard("j", "s1-g0", "w", Region.full(data.shape), data, dtype="float32", global_shape=data.shape)
+    s.commit("j", "s1-g0")
+    runs = s.open_tensor("j", "s1-g0", "w").runs(Region.full(data.shape), min_run_bytes=1)
+    assert runs is not None
+    views = map_runs(runs)
+    s.delete("j", "s1-g0")
+    assert b"".join(bytes(v) for v in views) == data.tobytes()
+    assert crc_of_views(views) == crc32c.crc32c(data.tobytes())
+
+
+# -- over HTTP --------------------------------------------------------------------
+
+
+def _get(port: int, path: str) -> tuple[int, dict[str, str], bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", path)
+    resp = conn.getresponse()
+    body = resp.read()
+    conn.close()
+    return resp.status, {k.lower(): v for k, v in resp.getheaders()}, body
+
+
+@pytest.fixture(scope="module", params=["runs", "copy"])
+def http_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[StoreServer]:
+    """A server over a one-shard tensor and a two-shard one, with every body sent from chunk-file runs, or copied."""
+    root = tmp_path_factory.mktemp(f"http-{request.param}")
+    store = LocalStore(root, chunk_bytes=4096)
+    whole = Region.full(SHAPE)
+    store.write_shard("j", "s1-g0", "one", whole, FULL, dtype="float32", global_shape=SHAPE)
+    for box in SHARDS:
+        store.write_shard("j", "s1-g0", "two", box, np.ascontiguousarray(FULL[box.slices()]), dtype="float32", global_shape=SHAPE)
+    store.commit("j", "s1-g0")
+    min_run = 1 if request.param == "runs" else 1 << 30
+    # single pass up to 8 KiB, bigger bodies in 2 KiB batches: small regions take every path
+    with StoreServer(root, store=store, single_pass_bytes=8 << 10, piece_bytes=2 << 10, min_run_bytes=min_run) as srv:
+        yield srv
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(region=regions(SHAPE), tensor=st.sampled_from(["one", "two"]))
+def test_the_checksum_header_is_the_crc32c_of_the_body(http_server: StoreServer, region: Region, tensor: str) -> None:
+    status, headers, body = _get(http_server.port, f"/v1/jobs/j/versions/s1-g0/tensors/{tensor}?region={region.format()}")
+    assert status == 200
+    assert body == np.ascontiguousarray(FULL[region.slices()]).tobytes()
+    assert headers["x-tenplex-checksum"] == format_checksum(crc32c.crc32c(body) if body else 0)
+    assert headers["content-length"] == str(len(body))
+    assert headers["x-tenplex-shape"] == ",".join(map(str, region.shape))
+
+
+def test_whole_shard_bodies_carry_the_recorded_checksum(http_server: StoreServer) -> None:
+    manifest = http_server.store.manifest("j", "s1-g0")
+    for info in manifest.shards:
+        status, headers, body = _get(http_server.port, f"/v1/jobs/j/versions/s1-g0/tensors/{info.tensor}?region={info.region.format()}")
+        assert status == 200 and headers["x-tenplex-checksum"] == info.checksum
+        assert body == np.ascontiguousarray(FULL[info.region.slices()]).tobytes()
+
+
+def test_a_corrupted_chunk_under_a_recorded_checksum_fails_at_the_client(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path, chunk_bytes=4096)
+    data = random_array((256, 64), "float32", seed=9)
+    store.write_shard("j", "s1-g0", "w", Region.full(data.shape), data, dtype="float32", global_shape=data.shape)
+    store.commit("j", "s1-g0")
+    chunk = tmp_path / "j" / "s1-g0" / "w" / "r0-256_0-64" / "c.2.0"
+    damaged = bytearray(chunk.read_bytes())
+    damaged[7] ^= 0x10
+    chunk.write_bytes(bytes(damaged))
+    expected = data.copy()
+    expected.reshape(-1).view(np.uint8)[32 * 256 + 7] ^= 0x10  # chunk c.2.0 holds rows 32..47
+    for single_pass in (1 << 20, 1024):  # mapped once and sent, and streamed in batches
+        with StoreServer(tmp_path, store=store, single_pass_bytes=single_pass, piece_bytes=4096, min_run_bytes=1) as srv:
+            with StoreClient(srv.url, retries=0) as c, pytest.raises(ChecksumMismatch, match="crc32c"):
+                c.read_into("j", "s1-g0", "w", Region.full(data.shape), np.empty_like(data))
+            # a region that is not the whole shard is checksummed from the bytes sent: they arrive as they are on disk
+            with StoreClient(srv.url, retries=0) as c:
+                out = np.empty((255, 64), np.float32)
+                c.read_into("j", "s1-g0", "w", Region(((1, 256), (0, 64))), out)
+                assert out.tobytes() == expected[1:].tobytes()
+
+
+def test_the_client_verifies_in_blocks_that_do_not_divide_the_body(http_server: StoreServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(client_module, "VERIFY_BLOCK_BYTES", 1000)  # not a multiple of the element size either
+    with StoreClient(http_server.url, max_request_bytes=1 << 30) as c:
+        out = np.empty(SHAPE, np.float32)
+        c.read_into("j", "s1-g0", "one", Region.full(SHAPE), out)
+        assert out.tobytes() == FULL.tobytes()
