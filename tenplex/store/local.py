@@ -104,6 +104,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ATTR = "tenplex"  # key of our record in each zarr node's attributes
+CHUNK_CRCS = "tenplex_chunk_crc32c"  # attribute: each chunk file's crc32c, chunk-grid order (cheap whole-file checks)
 _COMMITS = ".commits"
 _STAGING = ".staging"
 _LOCK = ".lock"
@@ -157,6 +158,8 @@ class _StoredShard:
     path: Path
     layout: ChunkLayout | None
     """None when the array's chunks are not raw little-endian elements (read through zarr then)."""
+    chunk_crcs: tuple[int, ...] | None = None
+    """crc32c of each chunk file as written (chunk-grid order), when the writer recorded them."""
 
 
 class TensorReader:
@@ -377,8 +380,12 @@ class ShardWriter:
         info = ShardInfo(self.tensor, self.region, self.dtype, self.global_shape, format_checksum(self._crc), self.nbytes)
         try:
             # a plain write: the staging directory is this writer's alone and is renamed into place after
+            attributes: dict[str, Any] = {ATTR: info.to_json()}
+            chunk_crcs = self.raw.chunk_checksums() if self.raw is not None and self._zarr is None else None
+            if chunk_crcs is not None:
+                attributes[CHUNK_CRCS] = chunk_crcs
             with open(self.staging / "zarr.json", "w", encoding="utf-8") as f:
-                f.write(json.dumps(self.layout.metadata({ATTR: info.to_json()}), separators=(",", ":")))
+                f.write(json.dumps(self.layout.metadata(attributes), separators=(",", ":")))
             self.store._install(self.job, self.version, info, self.staging)
         except BaseException:
             shutil.rmtree(self.staging, ignore_errors=True)
@@ -609,11 +616,11 @@ class LocalStore:
         info = src.info
         self._check_tensor_consistent(job, v, tensor, info.dtype, info.global_shape)
         if verify:
-            crc = format_checksum(reader.checksum(region))
-            if crc != info.checksum:
+            problem = _damage(reader, src, region)
+            if problem is not None:
                 raise ChecksumMismatch(
                     f"shard {tensor!r} {region.format()!r} of version {reader.version} of job {job!r} in {self.root}: "
-                    f"crc32c {crc}, recorded {info.checksum}: it is damaged on disk"
+                    f"{problem}: it is damaged on disk"
                 )
         staging = self._staging(job) / f"shard-{uuid.uuid4().hex}"
         staging.parent.mkdir(parents=True, exist_ok=True)
@@ -676,7 +683,9 @@ class LocalStore:
             info = ShardInfo.from_json(rec)
             if info.tensor != tensor or info.region != region:
                 raise InvalidInput(f"shard {tdir / name} records tensor {info.tensor!r} region {info.region}; the store is corrupt")
-            out.append(_StoredShard(info, tdir / name, ChunkLayout.from_metadata(meta)))
+            crcs = meta["attributes"].get(CHUNK_CRCS)
+            chunk_crcs = tuple(int(c) for c in crcs) if isinstance(crcs, list) else None
+            out.append(_StoredShard(info, tdir / name, ChunkLayout.from_metadata(meta), chunk_crcs))
             if limit is not None and len(out) >= limit:
                 break
         return out
@@ -921,6 +930,16 @@ def _newest_mtime(path: Path) -> float:
             with contextlib.suppress(FileNotFoundError):
                 newest = max(newest, os.stat(name).st_mtime)
     return newest
+
+
+def _damage(reader: TensorReader, shard: _StoredShard, region: Region) -> str | None:
+    """What is wrong with a stored shard's bytes, or None: each chunk file against its recorded crc32c
+    where the writer recorded them (whole files, sequential, no copies), else one pass against the
+    shard's checksum."""
+    if shard.chunk_crcs is not None and shard.layout is not None:
+        return RawChunkReader(shard.path, shard.layout).verify_chunks(shard.chunk_crcs)
+    crc = format_checksum(reader.checksum(region))
+    return None if crc == shard.info.checksum else f"crc32c {crc}, recorded {shard.info.checksum}"
 
 
 def _link_tree(src: Path, dst: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Iterator
@@ -404,7 +405,10 @@ def test_link_shard_refuses_a_shard_damaged_on_disk(store: LocalStore) -> None:
     raw = bytearray(chunk.read_bytes())
     raw[5] ^= 0x01
     chunk.write_bytes(bytes(raw))
-    with pytest.raises(ChecksumMismatch, match="damaged on disk"):
+    # Each chunk file's crc32c was recorded at write time: the check reads whole files, no region pass.
+    meta = json.loads((chunk.parent / "zarr.json").read_text())
+    assert len(meta["attributes"]["tenplex_chunk_crc32c"]) == len(list(chunk.parent.glob("c*")))
+    with pytest.raises(ChecksumMismatch, match=rf"chunk file {chunk.name}: crc32c .* damaged on disk"):
         store.link_shard("j", "s1-g0", "w", region, "s2-g1")
     assert "s2-g1" not in [str(v.version) for v in store.versions("j")]  # nothing was installed
 
@@ -464,7 +468,7 @@ def test_arrays_with_nested_chunk_keys_are_read_directly(tmp_path: Path) -> None
     store = LocalStore(tmp_path, chunk_bytes=1024)
     store.write_shard("j", "s1-g0", "w", Region.full(data.shape), data, dtype="int32", global_shape=data.shape)
     shard_dir = tmp_path / "j" / "s1-g0" / "w" / "r0-70_0-50"
-    record = json.loads((shard_dir / "zarr.json").read_text())["attributes"]
+    record = {"tenplex": json.loads((shard_dir / "zarr.json").read_text())["attributes"]["tenplex"]}
     nested = tmp_path / "nested"
     arr = zarr.create_array(str(nested), shape=data.shape, dtype="int32", chunks=(16, 16), compressors=None,
                             filters=None, fill_value=0, attributes=record)
@@ -478,3 +482,10 @@ def test_arrays_with_nested_chunk_keys_are_read_directly(tmp_path: Path) -> None
     out = np.empty((33, 21), np.int32)
     store.read_region("j", "s1-g0", "w", Region(((20, 53), (9, 30))), out)
     assert same_bits(out, data[20:53, 9:30]) and store.verify("j", "s1-g0") == []
+    # No per-chunk checksums were recorded by zarr: linking verifies the shard with one checksum pass.
+    store.link_shard("j", "s1-g0", "w", Region.full(data.shape), "s2-g0")
+    raw = bytearray((shard_dir / "c" / "0" / "0").read_bytes())
+    raw[0] ^= 0x10
+    (shard_dir / "c" / "0" / "0").write_bytes(bytes(raw))
+    with pytest.raises(ChecksumMismatch, match="crc32c .* recorded"):
+        store.link_shard("j", "s1-g0", "w", Region.full(data.shape), "s3-g0")
