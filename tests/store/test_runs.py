@@ -248,3 +248,27 @@ def test_the_client_verifies_in_blocks_that_do_not_divide_the_body(http_server: 
         out = np.empty(SHAPE, np.float32)
         c.read_into("j", "s1-g0", "one", Region.full(SHAPE), out)
         assert out.tobytes() == FULL.tobytes()
+
+
+def test_runs_of_chunks_not_in_the_page_cache_are_read_on_mapping(tmp_path: Path) -> None:
+    # chunk files written with O_DIRECT (or evicted) are not cached: mapping them reads them (several at
+    # once, off the GIL), so that a body's first touch in the event loop's socket write finds them mapped
+    import os
+
+    from tenplex.store import rawchunks
+
+    s = LocalStore(tmp_path, chunk_bytes=64 * 100 * 4)
+    data = random_array((1000, 100), "float32", seed=12)
+    s.write_shard("j", "s1-g0", "w", Region.full(data.shape), data, dtype="float32", global_shape=data.shape)
+    shard = tmp_path / "j" / "s1-g0" / "w" / "r0-1000_0-100"
+    for chunk in shard.glob("c.*"):
+        fd = os.open(chunk, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    runs = s.open_tensor("j", "s1-g0", "w", committed_only=False).runs(Region(((5, 1000), (0, 100))), min_run_bytes=1)
+    assert runs is not None and len(runs) == 16
+    probe = memoryview(runs[3].reader.map_chunk(runs[3].coords))
+    assert not rawchunks._first_page_cached(probe)  # evicted
+    views = map_runs(runs)
+    assert rawchunks._first_page_cached(probe)  # read by mapping the runs
+    assert b"".join(bytes(v) for v in views) == data[5:].tobytes()
