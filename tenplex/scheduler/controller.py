@@ -594,7 +594,7 @@ class JobController:
         new_version = str(plan.new_version)
 
         def run(host: str) -> Any:
-            target = self._client_for(hosts[host].store_url)
+            target = self.backend.transform_target(hosts[host]) or self._client_for(hosts[host].store_url)
             existing = {str(v.version): v.committed for v in _versions_or_empty(target, self.spec.name)}
             if existing.get(new_version):
                 return None  # done before a scheduler restart
