@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import signal
 import sys
 import time
@@ -83,6 +84,9 @@ class Demo:
         s.out.mkdir(parents=True, exist_ok=True)
         for f in ("loss-elastic.jsonl", "loss-baseline.jsonl"):
             (s.out / f).unlink(missing_ok=True)
+        # The demo's scheduler state (job records, stores, logs) is its own scratch: a new run starts clean
+        # rather than finding the previous run's job (and refusing to create it again).
+        shutil.rmtree(s.out / "scheduler", ignore_errors=True)
         started = time.monotonic()
         self.say(f"starting the scheduler and {s.hosts} emulated hosts x {s.gpus_per_host} GPUs (state in {s.out})")
         with LocalScheduler(s.out / "scheduler", hosts=s.hosts, gpus_per_host=s.gpus_per_host,
