@@ -193,8 +193,9 @@ def evict_old_version(work: Path, old: PTC, job: str) -> int:
 
 
 def tenplex_run(old: PTC, new: PTC, nodes: Nodes, urls: dict[str, str], job: str,
-                alive: set[str] | None, new_version: str, work: Path) -> dict:
-    evict_old_version(work, old, job)
+                alive: set[str] | None, new_version: str, work: Path, *, warm: bool = False) -> dict:
+    if not warm:
+        evict_old_version(work, old, job)
     start = time.perf_counter()
     plan = make_plan(old, new, job=job, old_version=OLD_V, new_version=new_version, alive=alive)
     plan_s = time.perf_counter() - start
@@ -299,6 +300,8 @@ def main() -> None:
     parser.add_argument("--workdir", help="scratch directory (default: a new temporary one)")
     parser.add_argument("--repeat", type=int, default=3, help="runs per scenario, Tenplex and DCP interleaved")
     parser.add_argument("--best", action="store_true", help="report the best run instead of the median")
+    parser.add_argument("--warm", action="store_true",
+                        help="leave the old state in the page cache between runs (by default it is evicted before each)")
     args = parser.parse_args()
 
     spec = GPTSpec(num_layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab, seq_len=1024)
@@ -331,7 +334,7 @@ def main() -> None:
             nodes = Nodes(hosts, work, urls, alive)
             tens, dcps = [], []
             for r in range(args.repeat):  # interleaved, so that load from other users hits both alike
-                tens.append(tenplex_run(old, new, nodes, urls, job, alive, f"s100-g{r + 1}", work))
+                tens.append(tenplex_run(old, new, nodes, urls, job, alive, f"s100-g{r + 1}", work, warm=args.warm))
                 dcps.append(dcp_run(old_file, new_file, work))
                 print(f"  [{name} run {r + 1}] tenplex {tens[-1]['seconds']:.2f} s, dcp {dcps[-1]['seconds']:.2f} s", flush=True)
             nodes.close()
