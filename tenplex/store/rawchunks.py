@@ -464,12 +464,16 @@ def split_runs(runs: Sequence[ChunkRun], max_bytes: int) -> Iterator[ChunkRun]:
             yield ChunkRun(run.reader, run.coords, run.offset + start, min(max_bytes, run.nbytes - start))
 
 
-def map_runs(runs: Sequence[ChunkRun]) -> list[memoryview]:
+def map_runs(runs: Sequence[ChunkRun], *, fault_in: bool = True) -> list[memoryview]:
     """Read-only views of the runs' bytes where they lie in the page cache, in order; nothing is copied.
 
-    Each chunk file is mapped once (see :func:`_map_file`). A view keeps its map alive: a map is unmapped when its last view is
-    released (for a response body: when the transport has sent it), so the
-    memory this holds is bounded by what the caller keeps.
+    Each chunk file is mapped once (see :func:`_map_file`). A view keeps its
+    map alive: a map is unmapped when its last view is released (for a
+    response body: when the transport has sent it), so the memory this holds
+    is bounded by what the caller keeps. ``fault_in`` maps every page now,
+    reading cold ones from disk (:func:`_populate`, :func:`_read_cold`);
+    leave it off when the caller's next step reads every byte anyway in a
+    call that releases the GIL (a crc32c pass).
     """
     maps: dict[tuple[int, tuple[int, ...]], mmap.mmap] = {}
     views: dict[tuple[int, tuple[int, ...]], memoryview] = {}
@@ -481,10 +485,11 @@ def map_runs(runs: Sequence[ChunkRun]) -> list[memoryview]:
             maps[key] = run.reader.map_chunk(run.coords)
             views[key] = memoryview(maps[key])
         view = views[key][run.offset : run.offset + run.nbytes]
-        if _first_page_cached(view):
-            _populate(maps[key], run.offset, view.nbytes)
-        else:
-            cold.append(view)
+        if fault_in:
+            if _first_page_cached(view):
+                _populate(maps[key], run.offset, view.nbytes)
+            else:
+                cold.append(view)
         out.append(view)
     _read_cold(cold)
     return out
@@ -543,7 +548,9 @@ def chunks_of(runs: Sequence[ChunkRun]) -> int:
     return len({(id(run.reader), run.coords) for run in runs})
 
 
-def mapped_batches(runs: Sequence[ChunkRun], batch_bytes: int, max_maps: int = MAX_MAPS) -> Iterator[list[memoryview]]:
+def mapped_batches(
+    runs: Sequence[ChunkRun], batch_bytes: int, max_maps: int = MAX_MAPS, *, fault_in: bool = True
+) -> Iterator[list[memoryview]]:
     """:func:`map_runs` over consecutive batches of at most ``batch_bytes`` in at most ``max_maps`` chunk files.
 
     Both bounds hold for any region: the bytes mapped at a time, and the open
@@ -555,14 +562,14 @@ def mapped_batches(runs: Sequence[ChunkRun], batch_bytes: int, max_maps: int = M
     for run in split_runs(runs, batch_bytes):
         key = (id(run.reader), run.coords)
         if batch and (size + run.nbytes > batch_bytes or (key not in files and len(files) >= max_maps)):
-            yield map_runs(batch)
+            yield map_runs(batch, fault_in=fault_in)
             batch, size = [], 0
             files.clear()
         batch.append(run)
         files.add(key)
         size += run.nbytes
     if batch:
-        yield map_runs(batch)
+        yield map_runs(batch, fault_in=fault_in)
 
 
 def crc_of_views(views: Sequence[memoryview], crc: int = 0) -> int:
@@ -574,7 +581,7 @@ def crc_of_views(views: Sequence[memoryview], crc: int = 0) -> int:
 
 def checksum_runs(runs: Sequence[ChunkRun], batch_bytes: int, crc: int = 0) -> int:
     """crc32c of the runs' bytes read in place (no copy), at most ``batch_bytes`` mapped at a time."""
-    for views in mapped_batches(runs, batch_bytes):
+    for views in mapped_batches(runs, batch_bytes, fault_in=False):  # the crc32c pass itself reads them, off the GIL
         crc = crc_of_views(views, crc)
         del views  # unmap this batch before mapping the next
     return crc

@@ -391,8 +391,10 @@ async def _runs_response(
     if nbytes <= single_pass_bytes and chunks_of(runs) <= MAX_MAPS:
 
         def map_and_checksum() -> tuple[list[memoryview], str]:
-            views = map_runs(runs)
-            return views, checksum if checksum is not None else format_checksum(crc_of_views(views))
+            if checksum is not None:
+                return map_runs(runs), checksum
+            views = map_runs(runs, fault_in=False)  # the checksum pass maps (and reads) every page
+            return views, format_checksum(crc_of_views(views))
 
         if nbytes <= INLINE_BYTES:  # cheaper than the two thread switches of a hop to a worker thread
             views, headers["X-Tenplex-Checksum"] = map_and_checksum()
