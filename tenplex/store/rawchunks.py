@@ -86,21 +86,6 @@ def _bounce_buffer(size: int) -> mmap.mmap:
     return buf
 
 
-def _read_file(name: Path, buf: memoryview, flags: int) -> int:
-    """Read a file from its start into ``buf`` until EOF or ``buf`` is full; the bytes read."""
-    fd = os.open(name, os.O_RDONLY | flags)
-    try:
-        got = 0
-        while got < len(buf):
-            n = os.readv(fd, [buf[got:]])
-            if n == 0:
-                break
-            got += n
-        return got
-    finally:
-        os.close(fd)
-
-
 def direct_writes_work(directory: Path) -> bool:
     """Whether files in ``directory`` accept an ``O_DIRECT`` write of one aligned block (tmpfs does not)."""
     if not _O_DIRECT:
@@ -412,30 +397,37 @@ class RawChunkReader:
     def verify_chunks(self, crcs: Sequence[int]) -> str | None:
         """Check every chunk file against its recorded crc32c (chunk-grid order); the first problem, or None.
 
-        Whole files are read sequentially with ``O_DIRECT`` into one aligned
-        buffer (buffered where refused): a check of data that is on disk costs
-        disk bandwidth, not page-cache allocations and copies, which is what
-        makes verifying a shard before linking it cheap.
+        Each file is read whole with one ``readv`` into a reused buffer and
+        checksummed: no gather into C order, and the read goes through the
+        page cache on purpose. A shard is verified before it is linked into a
+        new version that the restarting workers read next; they then find it
+        in memory. Measured on the 2-core VM for a survivor's 0.56 GB, cold:
+        ``read`` ~1 GB/s (and cached afterwards), ``O_DIRECT`` ~1.2 GB/s (but
+        the restore reads it from disk again), a crc32c pass over a memory map
+        ~0.23 GB/s (page faults).
         """
         grid = [range(-(-n // c)) for n, c in zip(self.shape, self.chunks, strict=True)]
         keys = list(itertools.product(*grid))
         if len(keys) != len(crcs):
             return f"{len(crcs)} chunk checksums recorded for {len(keys)} chunks"
-        size = -(-self.chunk_bytes // _DIRECT_ALIGN) * _DIRECT_ALIGN
-        buf = memoryview(_bounce_buffer(max(size, _DIRECT_ALIGN)))
+        buf = memoryview(_bounce_buffer(max(self.chunk_bytes + 1, 1)))[: self.chunk_bytes + 1]
         for coords, want in zip(keys, crcs, strict=True):
             name = self.path / self._encode(coords)
             try:
-                try:
-                    got = _read_file(name, buf[:size], _O_DIRECT)
-                except OSError as exc:
-                    if exc.errno != errno.EINVAL:
-                        raise
-                    got = _read_file(name, buf[:size], 0)  # O_DIRECT refused here
+                fd = os.open(name, os.O_RDONLY)
             except FileNotFoundError:
                 return f"chunk file {name.name} is missing"
+            try:
+                got = 0
+                while got < len(buf):  # one byte more than a chunk: a long file shows up too
+                    n = os.readv(fd, [buf[got:]])
+                    if n == 0:
+                        break
+                    got += n
+            finally:
+                os.close(fd)
             if got != self.chunk_bytes:
-                return f"chunk file {name.name} has {got} bytes, expected {self.chunk_bytes}"
+                return f"chunk file {name.name} has {got if got <= self.chunk_bytes else 'more'} bytes, expected {self.chunk_bytes}"
             crc = crc32c.crc32c(buf[: self.chunk_bytes])
             if crc != want:
                 return f"chunk file {name.name}: crc32c {crc:08x}, recorded {want:08x}"
