@@ -8,7 +8,11 @@ straight into the buffer; any other piece lands in a piece-sized temporary and
 is copied in: never whole-tensor staging. The client verifies each payload's
 checksum. A finished shard is uploaded into the target store's *new* version
 and its buffer dropped; buffers in flight are bounded by ``max_buffer_bytes``.
-When every shard is stored the new version is committed.
+When every shard is stored the new version is committed. A destination
+shard that is exactly a shard the target host already holds (a layout change
+that keeps it in place) is not copied when the target is the node's own store
+(:class:`LocalTarget`): its chunk files are checked against their recorded
+checksums and hard-linked into the new version.
 
 Failures: a source that stops answering (:class:`StoreUnavailable` after the
 client's retries) is marked dead for the rest of the transform, and its pieces
@@ -113,7 +117,7 @@ class LocalTarget:
         return self.store.write_shard(job, version, tensor, region, data, dtype=dtype, global_shape=global_shape)
 
     def link_shard(self, job: str, from_version: Version | str, tensor: str, region: Region, to_version: Version | str) -> Any:
-        """A shard kept as it is on this host goes into the new version as hard links: no bytes read or written."""
+        """A shard kept as it is on this host goes into the new version as hard links (checked, not copied)."""
         return self.store.link_shard(job, from_version, tensor, region, to_version)
 
     def commit(self, job: str, version: Version | str) -> Any:
