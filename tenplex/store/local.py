@@ -6,6 +6,7 @@ job name may)::
     <root>/<job>/<version>/zarr.json                 zarr group of one version
     <root>/<job>/<version>/<tensor>/zarr.json        zarr group per tensor ('/' encoded as %2F)
     <root>/<job>/<version>/<tensor>/r0-96_0-64/      zarr array per shard, attributes["tenplex"]
+    <root>/<job>/<version>/<tensor>/r0-96_0-64/c.0.0 its chunk files (key separator '.')
     <root>/<job>/.commits/<version>.json             commit marker = the manifest at commit time
     <root>/<job>/.lock                               flock for structural changes
     <root>/.staging/<job>/                           shards being written, versions being deleted
@@ -29,9 +30,16 @@ Why this shape:
   exclusive ``flock`` on the job's lock file, so several processes (workers
   writing directly, the node daemon) can share one root.
 - Chunks are ~4 MiB, uncompressed (weights barely compress, codecs halve the
-  read speed), near-square in the last two dimensions; every chunk is
-  written even when it equals the fill value so that -0.0 and NaN payloads
-  round-trip bit-exactly.
+  read speed), bands of whole rows where a row fits
+  (:func:`~tenplex.store.buffers.chunk_shape`); every chunk is written even
+  when it equals the fill value so that -0.0 and NaN payloads round-trip
+  bit-exactly. Chunk files are written with ``O_DIRECT`` (see
+  :class:`~tenplex.store.rawchunks.RawChunkWriter`) and their crc32c is
+  recorded next to the shard's.
+- A shard that a new version keeps unchanged (a transform that leaves it on
+  this node) is hard-linked into it (:meth:`LocalStore.link_shard`): committed
+  versions are immutable and nothing writes a file in place, so the versions
+  can share files.
 """
 
 from __future__ import annotations
