@@ -81,6 +81,7 @@ from tenplex.ptc.region import Region, subtract
 from tenplex.store.buffers import (
     DEFAULT_CHUNK_BYTES,
     chunk_shape,
+    crc32c_combine,
     crc_of,
     host_buffer,
     host_data,
@@ -227,7 +228,8 @@ class TensorReader:
             found = self._arrays.get(shard.path)
             if found is None:
                 if shard.layout is not None:
-                    found = RawChunkReader(shard.path, shard.layout, map_chunks=self._map_chunks)
+                    found = RawChunkReader(shard.path, shard.layout, map_chunks=self._map_chunks,
+                                           chunk_crcs=shard.chunk_crcs)
                 else:
                     try:
                         found = zarr.open_array(store=zarr.storage.LocalStore(shard.path, read_only=True), mode="r")
@@ -298,6 +300,19 @@ class TensorReader:
         if arr.run_count(sel) * min_run_bytes > region.volume * self.itemsize:
             return None
         return arr.runs(sel)
+
+    def recorded_checksum(self, runs: Sequence[ChunkRun]) -> int | None:
+        """The crc32c of a payload of whole chunk files from the checksums recorded when they were
+        written (combined, no pass over the bytes), or None when some run is part of a chunk or its
+        shard recorded none. Like a whole shard's recorded checksum, it describes the bytes written:
+        damage on this disk shows up as a mismatch where the payload is verified."""
+        crc: int | None = None
+        for run in runs:
+            recorded = run.reader.recorded_crc(run.coords) if run.offset == 0 else None
+            if recorded is None or run.nbytes != run.reader.chunk_bytes:
+                return None
+            crc = recorded if crc is None else crc32c_combine(crc, recorded, run.nbytes)
+        return crc
 
     def checksum(self, region: Region, piece_bytes: int = _PIECE_BYTES) -> int:
         """crc32c of the region's C-order bytes.

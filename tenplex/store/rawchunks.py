@@ -220,7 +220,9 @@ class ChunkRun:
 class RawChunkReader:
     """Reads regions of one array with a :class:`ChunkLayout` by ``preadv`` into the destination."""
 
-    def __init__(self, path: Path, layout: ChunkLayout, *, map_chunks: bool = True) -> None:
+    def __init__(
+        self, path: Path, layout: ChunkLayout, *, map_chunks: bool = True, chunk_crcs: Sequence[int] | None = None
+    ) -> None:
         self.path = path
         self.shape = layout.shape
         self.chunks = layout.chunks
@@ -233,6 +235,16 @@ class RawChunkReader:
             strides[d] = strides[d + 1] * self.chunks[d + 1]
         self._strides = strides
         self._use_mmap = map_chunks and self.chunk_bytes > 0 and self.itemsize in _UINT
+        self._chunk_crcs: dict[tuple[int, ...], int] | None = None
+        if chunk_crcs is not None:
+            grid = [range(-(-n // c)) for n, c in zip(self.shape, self.chunks, strict=True)]
+            keys = list(itertools.product(*grid))
+            if len(keys) == len(chunk_crcs):
+                self._chunk_crcs = dict(zip(keys, chunk_crcs, strict=True))
+
+    def recorded_crc(self, coords: tuple[int, ...]) -> int | None:
+        """The crc32c recorded for chunk file ``coords`` when it was written, if any."""
+        return None if self._chunk_crcs is None else self._chunk_crcs.get(coords)
 
     def chunk_jobs(self, sel: Region) -> list[tuple[tuple[int, ...], Region]]:
         """The chunks ``sel`` touches, each with the part of ``sel`` inside it (array coordinates)."""

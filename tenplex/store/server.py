@@ -301,7 +301,10 @@ def create_app(
         exact = reader.exact_shard(box)
         runs = reader.runs(box, min_run_bytes)
         if runs is not None:  # the body is runs of chunk files: sent from the page cache, never copied here
-            return await _runs_response(runs, exact.checksum if exact is not None else None, nbytes, headers, metrics,
+            # whole chunk files: their checksums recorded at write time, combined (no pass over the bytes)
+            recorded = reader.recorded_checksum(runs) if exact is None else None
+            known = exact.checksum if exact is not None else (format_checksum(recorded) if recorded is not None else None)
+            return await _runs_response(runs, known, nbytes, headers, metrics,
                                         single_pass_bytes=single_pass_bytes, piece_bytes=piece_bytes)
         if nbytes <= single_pass_bytes:
             buf = np.empty(box.shape, st)

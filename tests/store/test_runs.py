@@ -23,7 +23,7 @@ from tenplex.errors import ChecksumMismatch, NotFound, StateLost
 from tenplex.ptc.region import Region
 from tenplex.store import client as client_module
 from tenplex.store import local as local_module
-from tenplex.store.buffers import chunk_shape
+from tenplex.store.buffers import chunk_shape, crc32c_combine
 from tenplex.store.client import StoreClient
 from tenplex.store.local import LocalStore
 from tenplex.store.model import format_checksum
@@ -243,6 +243,34 @@ def test_a_corrupted_chunk_under_a_recorded_checksum_fails_at_the_client(tmp_pat
                 out = np.empty((255, 64), np.float32)
                 c.read_into("j", "s1-g0", "w", Region(((1, 256), (0, 64))), out)
                 assert out.tobytes() == expected[1:].tobytes()
+            # a region of whole chunk files carries their recorded checksums, combined: damage fails at the client
+            with StoreClient(srv.url, retries=0) as c, pytest.raises(ChecksumMismatch, match="crc32c"):
+                c.read_into("j", "s1-g0", "w", Region(((16, 64), (0, 64))), np.empty((48, 64), np.float32))
+            with StoreClient(srv.url, retries=0) as c:  # chunks 0, 1 and 3 are intact
+                out = np.empty((16, 64), np.float32)
+                c.read_into("j", "s1-g0", "w", Region(((48, 64), (0, 64))), out)
+                assert out.tobytes() == data[48:64].tobytes()
+
+
+@settings(max_examples=200, deadline=None)
+@given(a=st.binary(max_size=300), b=st.binary(max_size=300), zeros=st.integers(0, 1 << 22))
+def test_crc32c_combine_equals_the_checksum_of_the_concatenation(a: bytes, b: bytes, zeros: int) -> None:
+    assert crc32c_combine(crc32c.crc32c(a), crc32c.crc32c(b), len(b)) == crc32c.crc32c(a + b)
+    # lengths of chunk-file size, without materialising most of the bytes
+    tail = bytes(zeros % 5000) + b
+    assert crc32c_combine(crc32c.crc32c(a), crc32c.crc32c(tail), len(tail)) == crc32c.crc32c(a + tail)
+
+
+def test_chunk_aligned_bodies_use_the_recorded_chunk_checksums(tmp_path: Path) -> None:
+    store = LocalStore(tmp_path, chunk_bytes=4096)
+    data = random_array((256, 64), "float32", seed=12)  # 16-row chunk files
+    store.write_shard("j", "s1-g0", "w", Region.full(data.shape), data, dtype="float32", global_shape=data.shape)
+    store.commit("j", "s1-g0")
+    reader = store.open_tensor("j", "s1-g0", "w")
+    aligned = reader.runs(Region(((32, 96), (0, 64))), 1)
+    assert aligned is not None and reader.recorded_checksum(aligned) == crc32c.crc32c(data[32:96].tobytes())
+    partial = reader.runs(Region(((33, 96), (0, 64))), 1)
+    assert partial is not None and reader.recorded_checksum(partial) is None  # starts inside a chunk
 
 
 def test_the_client_verifies_in_blocks_that_do_not_divide_the_body(http_server: StoreServer, monkeypatch: pytest.MonkeyPatch) -> None:
