@@ -159,7 +159,7 @@ def test_reference_job_scaled_through_the_scale_subresource_and_recovered_after_
                   "training on 2 GPUs")
     assert st.gpus == 2 and st.hosts == ["node-0", "node-1"]
     # The stopped generation-0 pods are removed when generation 1 is launched.
-    pods = eventually(lambda: (p := worker_pods(api, "gpt")) and len(p) == 2 and p, "2 worker pods")
+    pods = eventually(lambda: (p := worker_pods(api, "gpt")) and len(p) == 2 and p, "2 worker pods", timeout=90)
     assert [(p["metadata"]["name"], p["spec"]["nodeName"]) for p in pods] == [
         ("gpt-g1-r0", "node-0"), ("gpt-g1-r1", "node-1")]
     # The rendezvous: rank 0 listens on its node's address (host network) at a port the pod's annotation records.
@@ -169,7 +169,7 @@ def test_reference_job_scaled_through_the_scale_subresource_and_recovered_after_
         ANNOTATION_MASTER_PORT: envs[0]["MASTER_PORT"]}
     # The custom resource's status is written after the controller's own record: wait for it to catch up.
     ej = eventually(lambda: (s := api.get("elasticjobs", "gpt", NS)["status"]).get("gpus") == 2
-                    and s.get("lastReconfiguration") and s, "the ElasticJob status to show the scale")
+                    and s.get("lastReconfiguration") and s, "the ElasticJob status to show the scale", timeout=90)
     assert ej["gpus"] == 2 and ej["lastReconfiguration"]["reason"] == "scale"
     assert ej["lastReconfiguration"]["from"]["gpus"] == 1 and ej["lastReconfiguration"]["to"]["gpus"] == 2
 
@@ -181,7 +181,7 @@ def test_reference_job_scaled_through_the_scale_subresource_and_recovered_after_
     st = wait_job(scheduler, "gpt", lambda s: s.phase == Phase.RUNNING and s.generation == 2 and s.step >= 15,
                   "training off the drained node")
     assert st.gpus == 2 and sorted(st.hosts) == ["node-0", "node-2"]
-    assert eventually(lambda: (r := api.evict_node_pods("node-1"))[1] == [] and r, "the drain to go through")
+    assert eventually(lambda: (r := api.evict_node_pods("node-1"))[1] == [] and r, "the drain to go through", timeout=90)
     assert not [p for p in worker_pods(api, "gpt") if p["spec"]["nodeName"] == "node-1"]
 
     victim = next(p["metadata"]["name"] for p in worker_pods(api, "gpt") if p["spec"]["nodeName"] == "node-2")
@@ -206,7 +206,7 @@ def test_reference_job_scaled_through_the_scale_subresource_and_recovered_after_
     assert failure.version_from is not None and failure.downtime_seconds is not None
 
     ej = eventually(lambda: (s := api.get("elasticjobs", "gpt", NS)["status"])["phase"] == "Succeeded" and s,
-                    "the ElasticJob status Succeeded")
+                    "the ElasticJob status Succeeded", timeout=90)
     assert ej["step"] == STEPS and ej["lastReconfiguration"]["reason"] == "failure"
     assert crd.elasticjob_errors(api.get("elasticjobs", "gpt", NS)) == []
     reasons = [e["reason"] for e in api.list("events", NS) if e["involvedObject"]["name"] == "gpt"]
@@ -235,7 +235,7 @@ def test_multi_gpu_pods_train_scale_and_complete(api: ApiServerEmulator, cluster
             crd.GROUP, crd.VERSION, NS, crd.PLURAL, "gpt", {"spec": {"replicas": 4}})
     st = wait_job(scheduler, "gpt", lambda s: s.phase == Phase.RUNNING and s.generation == 1, "training on 4 GPUs")
     assert st.gpus == 4 and st.hosts == ["node-0", "node-1"]
-    pods = eventually(lambda: (p := worker_pods(api, "gpt")) and len(p) == 2 and p, "two 2-GPU pods")
+    pods = eventually(lambda: (p := worker_pods(api, "gpt")) and len(p) == 2 and p, "two 2-GPU pods", timeout=90)
     assert [(p["metadata"]["name"], p["spec"]["nodeName"], p["metadata"]["labels"][LABEL_RANKS]) for p in pods] == [
         ("gpt-g1-r0", "node-0", "0-1"), ("gpt-g1-r2", "node-1", "2-3")]
 
@@ -246,5 +246,5 @@ def test_multi_gpu_pods_train_scale_and_complete(api: ApiServerEmulator, cluster
     assert scale.bytes_remote == scale.lower_bound_bytes > 0  # node-1's ranks got their state over the network
     # Every rank exited 0, so did each pod's launcher.
     phases = eventually(lambda: (ph := [p["status"]["phase"] for p in worker_pods(api, "gpt")]) == ["Succeeded"] * 2
-                        and ph, "both pods Succeeded")
+                        and ph, "both pods Succeeded", timeout=90)
     assert phases == ["Succeeded", "Succeeded"]
