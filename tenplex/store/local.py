@@ -217,10 +217,11 @@ class TensorReader:
 
     def exact_shard(self, region: Region) -> ShardInfo | None:
         """The stored shard whose region is exactly ``region``, if any (its checksum is then known)."""
-        for s in self._shards:
-            if s.info.region == region:
-                return s.info
-        return None
+        stored = self._stored_shard(region)
+        return stored.info if stored is not None else None
+
+    def _stored_shard(self, region: Region) -> _StoredShard | None:
+        return next((s for s in self._shards if s.info.region == region), None)
 
     def _array(self, shard: _StoredShard) -> RawChunkReader | zarr.Array:
         """The direct chunk reader of a shard, or zarr's array for a layout the direct path does not know."""
@@ -628,7 +629,7 @@ class LocalStore:
         the new version: :class:`ChecksumMismatch`, and the caller fetches a replica.
         """
         reader = self.open_tensor(job, from_version, tensor)
-        src = next((sh for sh in reader._shards if sh.info.region == region), None)
+        src = reader._stored_shard(region)
         if src is None:
             raise NotFound(
                 f"version {reader.version} of job {job!r} has no shard of {tensor!r} with exactly region {region.format()!r}"

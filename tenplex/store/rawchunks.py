@@ -150,6 +150,10 @@ class ChunkLayout:
     def chunk_bytes(self) -> int:
         return math.prod(self.chunks) * self.itemsize
 
+    def chunk_coords(self) -> list[tuple[int, ...]]:
+        """Every chunk's grid coordinates, in chunk-grid (C) order: the order recorded checksums follow."""
+        return list(itertools.product(*(range(-(-n // c)) for n, c in zip(self.shape, self.chunks, strict=True))))
+
     def chunk_key(self, coords: Sequence[int]) -> str:
         """The chunk file of ``coords`` under the ``default`` chunk key encoding (``c.1.0``; ``c`` for 0-d)."""
         return "c" + "".join(f"{self.separator}{k}" for k in coords)
@@ -224,6 +228,7 @@ class RawChunkReader:
         self, path: Path, layout: ChunkLayout, *, map_chunks: bool = True, chunk_crcs: Sequence[int] | None = None
     ) -> None:
         self.path = path
+        self.layout = layout
         self.shape = layout.shape
         self.chunks = layout.chunks
         self.itemsize = layout.itemsize
@@ -237,8 +242,7 @@ class RawChunkReader:
         self._use_mmap = map_chunks and self.chunk_bytes > 0 and self.itemsize in _UINT
         self._chunk_crcs: dict[tuple[int, ...], int] | None = None
         if chunk_crcs is not None:
-            grid = [range(-(-n // c)) for n, c in zip(self.shape, self.chunks, strict=True)]
-            keys = list(itertools.product(*grid))
+            keys = layout.chunk_coords()
             if len(keys) == len(chunk_crcs):
                 self._chunk_crcs = dict(zip(keys, chunk_crcs, strict=True))
 
@@ -418,8 +422,7 @@ class RawChunkReader:
         the restore reads it from disk again), a crc32c pass over a memory map
         ~0.23 GB/s (page faults).
         """
-        grid = [range(-(-n // c)) for n, c in zip(self.shape, self.chunks, strict=True)]
-        keys = list(itertools.product(*grid))
+        keys = self.layout.chunk_coords()
         if len(keys) != len(crcs):
             return f"{len(crcs)} chunk checksums recorded for {len(keys)} chunks"
         buf = memoryview(_bounce_buffer(max(self.chunk_bytes + 1, 1)))[: self.chunk_bytes + 1]
@@ -615,8 +618,7 @@ class RawChunkWriter:
 
     def chunk_checksums(self) -> list[int] | None:
         """Every chunk file's crc32c in chunk-grid order, when this writer wrote them all (else None)."""
-        grid = [range(-(-n // c)) for n, c in zip(self.layout.shape, self.layout.chunks, strict=True)]
-        keys = list(itertools.product(*grid))
+        keys = self.layout.chunk_coords()
         if any(k not in self.chunk_crcs for k in keys):
             return None
         return [self.chunk_crcs[k] for k in keys]
@@ -670,7 +672,7 @@ class RawChunkWriter:
         size = -(-r.chunk_bytes // _DIRECT_ALIGN) * _DIRECT_ALIGN
         bounce = _bounce_buffer(size)
         chunk = np.ndarray(r.chunks, dtype=raw, buffer=bounce)
-        src = data.view(raw) if data.ndim else data.reshape(()).view(raw)
+        src = data.view(raw)
         for coords, part in r.chunk_jobs(piece) if r.shape else [((), piece)]:
             block = src[part.relative_to(piece).slices()] if r.shape else src
             if block.shape != r.chunks:
