@@ -317,7 +317,7 @@ class RawChunkReader:
         a, b = sel.bounds[d]
         return math.prod(sel.shape[:d]) * ((b - 1) // self.chunks[d] - a // self.chunks[d] + 1)
 
-    def _open_chunk(self, coords: tuple[int, ...]) -> tuple[int, Path]:
+    def open_chunk(self, coords: tuple[int, ...]) -> tuple[int, Path]:
         """An open descriptor of a chunk file whose size has been checked (the caller closes it)."""
         name = self.path / self._encode(coords)
         try:
@@ -337,7 +337,7 @@ class RawChunkReader:
 
     def map_chunk(self, coords: tuple[int, ...]) -> mmap.mmap:
         """A read-only shared map of a whole chunk file: its page-cache pages, nothing copied."""
-        fd, _name = self._open_chunk(coords)
+        fd, _name = self.open_chunk(coords)
         try:
             return _map_file(fd, self.chunk_bytes)
         finally:
@@ -345,7 +345,7 @@ class RawChunkReader:
 
     def read_chunk(self, coords: tuple[int, ...], part: Region, sel: Region, dst: np.ndarray) -> None:
         """Copy ``part`` (inside chunk ``coords``) into ``dst`` (the destination of all of ``sel``)."""
-        fd, name = self._open_chunk(coords)
+        fd, name = self.open_chunk(coords)
         try:
             origin = [k * c for k, c in zip(coords, self.chunks, strict=True)]
             local = [(a - o, b - o) for (a, b), o in zip(part.bounds, origin, strict=True)]
@@ -555,28 +555,50 @@ def chunks_of(runs: Sequence[ChunkRun]) -> int:
     return len({(id(run.reader), run.coords) for run in runs})
 
 
-def mapped_batches(
-    runs: Sequence[ChunkRun], batch_bytes: int, max_maps: int = MAX_MAPS, *, fault_in: bool = True
-) -> Iterator[list[memoryview]]:
-    """:func:`map_runs` over consecutive batches of at most ``batch_bytes`` in at most ``max_maps`` chunk files.
+def run_batches(runs: Sequence[ChunkRun], batch_bytes: int, max_files: int = MAX_MAPS) -> Iterator[list[ChunkRun]]:
+    """The runs in consecutive batches of at most ``batch_bytes`` in at most ``max_files`` chunk files.
 
-    Both bounds hold for any region: the bytes mapped at a time, and the open
-    maps (Python's ``mmap`` keeps a file descriptor per map).
+    Both bounds hold for any region: the bytes mapped (or sent) at a time, and
+    the chunk files open at once (Python's ``mmap`` keeps a descriptor per map).
     """
     batch: list[ChunkRun] = []
     files: set[tuple[int, tuple[int, ...]]] = set()
     size = 0
     for run in split_runs(runs, batch_bytes):
         key = (id(run.reader), run.coords)
-        if batch and (size + run.nbytes > batch_bytes or (key not in files and len(files) >= max_maps)):
-            yield map_runs(batch, fault_in=fault_in)
+        if batch and (size + run.nbytes > batch_bytes or (key not in files and len(files) >= max_files)):
+            yield batch
             batch, size = [], 0
             files.clear()
         batch.append(run)
         files.add(key)
         size += run.nbytes
     if batch:
+        yield batch
+
+
+def mapped_batches(
+    runs: Sequence[ChunkRun], batch_bytes: int, max_maps: int = MAX_MAPS, *, fault_in: bool = True
+) -> Iterator[list[memoryview]]:
+    """:func:`map_runs` over the batches of :func:`run_batches`."""
+    for batch in run_batches(runs, batch_bytes, max_maps):
         yield map_runs(batch, fault_in=fault_in)
+
+
+def open_runs(runs: Sequence[ChunkRun], fds: dict[tuple[int, tuple[int, ...]], int]) -> list[tuple[int, int, int]]:
+    """``(fd, offset, nbytes)`` of each run, each chunk file opened once (sizes checked) into ``fds``.
+
+    The caller closes what ``fds`` holds, also when this raises (a missing or
+    damaged chunk file) part way.
+    """
+    out = []
+    for run in runs:
+        key = (id(run.reader), run.coords)
+        fd = fds.get(key)
+        if fd is None:
+            fd = fds[key] = run.reader.open_chunk(run.coords)[0]
+        out.append((fd, run.offset, run.nbytes))
+    return out
 
 
 def crc_of_views(views: Sequence[memoryview], crc: int = 0) -> int:

@@ -81,6 +81,8 @@ from tenplex.errors import InvalidInput, TenplexError, Unauthorized
 from tenplex.ptc.dtypes import check_dtype, itemsize, storage_dtype
 from tenplex.ptc.region import Region
 from tenplex.serving import (
+    SENDFILE_EXTENSION,
+    SENDFILE_MESSAGE,
     BackgroundServer,
     bind_socket,
     serve_forever,
@@ -100,12 +102,15 @@ from tenplex.store.rawchunks import (
     crc_of_views,
     map_runs,
     mapped_batches,
+    open_runs,
+    run_batches,
 )
 
 log = logging.getLogger(__name__)
 
 SINGLE_PASS_BYTES = 64 << 20
 INLINE_BYTES = 1 << 20  # bodies up to this are mapped and checksummed on the event loop itself
+SENDFILE_MIN_BYTES = INLINE_BYTES + 1  # smaller bodies: a map on the loop beats a hand-off to a sendfile thread
 PIECE_BYTES = 32 << 20
 TOKEN_ENV = "TENPLEX_TOKEN"
 _ROOT_ENV = "TENPLEX_STORE_ROOT"
@@ -190,15 +195,18 @@ def create_app(
     single_pass_bytes: int = SINGLE_PASS_BYTES,
     piece_bytes: int = PIECE_BYTES,
     min_run_bytes: int = MIN_RUN_BYTES,
+    sendfile_min_bytes: int = SENDFILE_MIN_BYTES,
 ) -> FastAPI:
     """The FastAPI application serving ``store``; ``token`` (if not None) is required on everything but /healthz.
 
     ``single_pass_bytes`` and ``piece_bytes`` bound the server memory per request (see the module doc);
-    bodies whose chunk-file runs average at least ``min_run_bytes`` are sent from the page cache.
+    bodies whose chunk-file runs average at least ``min_run_bytes`` are sent from the page cache, those
+    of at least ``sendfile_min_bytes`` with ``sendfile(2)`` where the server offers it.
     """
-    if single_pass_bytes < 1 or piece_bytes < 1 or min_run_bytes < 1:
+    if single_pass_bytes < 1 or piece_bytes < 1 or min_run_bytes < 1 or sendfile_min_bytes < 1:
         raise InvalidInput(
-            f"single_pass_bytes, piece_bytes and min_run_bytes must be positive, got {single_pass_bytes}, {piece_bytes}, {min_run_bytes}"
+            "single_pass_bytes, piece_bytes, min_run_bytes and sendfile_min_bytes must be positive, got "
+            f"{single_pass_bytes}, {piece_bytes}, {min_run_bytes}, {sendfile_min_bytes}"
         )
     metrics = _Metrics()
     app = FastAPI(title="tenplex store", version="1", docs_url=None, redoc_url=None)
@@ -280,7 +288,9 @@ def create_app(
         return {"job": job, "version": str(v), "deleted": True}
 
     @api.get("/v1/jobs/{job}/versions/{version}/tensors/{tensor:path}")
-    async def get_region(job: str, version: str, tensor: str, region: str | None = None, uncommitted: bool = False) -> Response:
+    async def get_region(
+        request: Request, job: str, version: str, tensor: str, region: str | None = None, uncommitted: bool = False
+    ) -> Response:
         check_job(job)
         v = check_version(version)
         check_tensor(tensor)
@@ -304,7 +314,10 @@ def create_app(
             # whole chunk files: their checksums recorded at write time, combined (no pass over the bytes)
             recorded = reader.recorded_checksum(runs) if exact is None else None
             known = exact.checksum if exact is not None else (format_checksum(recorded) if recorded is not None else None)
-            return await _runs_response(runs, known, nbytes, headers, metrics,
+            # sendfile: chunk files of a committed version are never written again, so what the checksum
+            # covered is what the files hold when they are sent
+            sendfile = not uncommitted and nbytes >= sendfile_min_bytes and SENDFILE_EXTENSION in request.scope.get("extensions", {})
+            return await _runs_response(runs, known, nbytes, headers, metrics, sendfile=sendfile,
                                         single_pass_bytes=single_pass_bytes, piece_bytes=piece_bytes)
         if nbytes <= single_pass_bytes:
             buf = np.empty(box.shape, st)
@@ -374,10 +387,18 @@ async def _runs_response(
     headers: dict[str, str],
     metrics: _Metrics,
     *,
+    sendfile: bool,
     single_pass_bytes: int,
     piece_bytes: int,
 ) -> Response:
-    """A body that is runs of chunk files, sent from read-only maps of their page-cache pages.
+    """A body that is runs of chunk files, sent from the page cache without being copied in this process.
+
+    With ``sendfile`` (the server offers :data:`~tenplex.serving.SENDFILE_EXTENSION`)
+    the chunk files' ranges go to the socket with ``sendfile(2)``: the kernel
+    hands their page-cache pages to the socket, no copy at all on this side
+    (see :class:`_SendfileResponse`); a checksum that is not known from the
+    recorded ones is computed through maps first. Otherwise the body is sent
+    from read-only maps of the pages, which the socket write copies once:
 
     The bytes are never copied in this process: the socket write copies them
     straight from the page cache, as a server of bytes already in memory
@@ -391,6 +412,11 @@ async def _runs_response(
     immutable, every write makes new files), so what was checksummed is what
     is sent; a damaged disk still shows up as a mismatch at the client.
     """
+    if sendfile:
+        if checksum is None:
+            checksum = format_checksum(await to_thread.run_sync(checksum_runs, runs, piece_bytes))
+        headers["X-Tenplex-Checksum"] = checksum
+        return _SendfileResponse(runs, nbytes, headers, metrics, piece_bytes)
     if nbytes <= single_pass_bytes and chunks_of(runs) <= MAX_MAPS:
 
         def map_and_checksum() -> tuple[list[memoryview], str]:
@@ -440,6 +466,58 @@ class _ViewsResponse(Response):
             await send({"type": "http.response.body", "body": view, "more_body": bool(views)})
             self._metrics.bytes_out.inc(view.nbytes)
             del view
+
+
+class _SendfileResponse(Response):
+    """A body of chunk-file ranges sent with ``sendfile(2)`` by the server (:data:`SENDFILE_MESSAGE`).
+
+    The ranges go in batches of at most ``batch_bytes`` in at most
+    ``MAX_MAPS`` chunk files, each batch's files opened just before it is sent
+    and closed after; the first batch is opened here, so that a missing or
+    damaged chunk file fails the request before any header is sent.
+    """
+
+    media_type = "application/octet-stream"
+
+    def __init__(self, runs: list[ChunkRun], nbytes: int, headers: dict[str, str], metrics: _Metrics, batch_bytes: int) -> None:
+        super().__init__(content=b"", headers=headers)
+        self.headers["content-length"] = str(nbytes)
+        self._batches = run_batches(runs, batch_bytes)
+        self._metrics = metrics
+        self._fds: dict[tuple[int, tuple[int, ...]], int] = {}
+        self._first: list[tuple[int, int, int]] | None = None
+        first = next(self._batches, None)
+        if first is not None:
+            try:
+                self._first = open_runs(first, self._fds)
+            except BaseException:
+                self._close()
+                raise
+
+    def _close(self) -> None:
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            ranges = self._first
+            if ranges is None:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return
+            while ranges is not None:
+                batch = next(self._batches, None)
+                await send({"type": SENDFILE_MESSAGE, "files": ranges, "more_body": batch is not None})
+                self._metrics.bytes_out.inc(sum(n for _fd, _offset, n in ranges))
+                self._close()
+                ranges = open_runs(batch, self._fds) if batch is not None else None
+        finally:
+            self._close()
+
+    def __del__(self) -> None:  # a response built but never sent (the request failed before it)
+        if getattr(self, "_fds", None):
+            self._close()
 
 
 async def _send_views(
@@ -683,11 +761,13 @@ class StoreServer(BackgroundServer):
         single_pass_bytes: int = SINGLE_PASS_BYTES,
         piece_bytes: int = PIECE_BYTES,
         min_run_bytes: int = MIN_RUN_BYTES,
+        sendfile_min_bytes: int = SENDFILE_MIN_BYTES,
     ) -> None:
         self.store = store if store is not None else LocalStore(root)
         self.token = token
         app = create_app(
-            self.store, token=token, single_pass_bytes=single_pass_bytes, piece_bytes=piece_bytes, min_run_bytes=min_run_bytes
+            self.store, token=token, single_pass_bytes=single_pass_bytes, piece_bytes=piece_bytes,
+            min_run_bytes=min_run_bytes, sendfile_min_bytes=sendfile_min_bytes,
         )
         super().__init__(app, host, port, log_level=log_level)
 

@@ -188,9 +188,10 @@ def _get(port: int, path: str) -> tuple[int, dict[str, str], bytes]:
     return resp.status, {k.lower(): v for k, v in resp.getheaders()}, body
 
 
-@pytest.fixture(scope="module", params=["runs", "copy"])
+@pytest.fixture(scope="module", params=["runs", "sendfile", "copy"])
 def http_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[StoreServer]:
-    """A server over a one-shard tensor and a two-shard one, with every body sent from chunk-file runs, or copied."""
+    """A server over a one-shard tensor and a two-shard one, with every body sent from chunk-file runs
+    (maps of them, or ``sendfile`` of their ranges), or copied."""
     root = tmp_path_factory.mktemp(f"http-{request.param}")
     store = LocalStore(root, chunk_bytes=4096)
     whole = Region.full(SHAPE)
@@ -198,9 +199,11 @@ def http_server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
     for box in SHARDS:
         store.write_shard("j", "s1-g0", "two", box, np.ascontiguousarray(FULL[box.slices()]), dtype="float32", global_shape=SHAPE)
     store.commit("j", "s1-g0")
-    min_run = 1 if request.param == "runs" else 1 << 30
+    min_run = 1 << 30 if request.param == "copy" else 1
+    sendfile_min = 1 if request.param == "sendfile" else 1 << 40
     # single pass up to 8 KiB, bigger bodies in 2 KiB batches: small regions take every path
-    with StoreServer(root, store=store, single_pass_bytes=8 << 10, piece_bytes=2 << 10, min_run_bytes=min_run) as srv:
+    with StoreServer(root, store=store, single_pass_bytes=8 << 10, piece_bytes=2 << 10, min_run_bytes=min_run,
+                     sendfile_min_bytes=sendfile_min) as srv:
         yield srv
 
 
@@ -234,8 +237,10 @@ def test_a_corrupted_chunk_under_a_recorded_checksum_fails_at_the_client(tmp_pat
     chunk.write_bytes(bytes(damaged))
     expected = data.copy()
     expected.reshape(-1).view(np.uint8)[32 * 256 + 7] ^= 0x10  # chunk c.2.0 holds rows 32..47
-    for single_pass in (1 << 20, 1024):  # mapped once and sent, and streamed in batches
-        with StoreServer(tmp_path, store=store, single_pass_bytes=single_pass, piece_bytes=4096, min_run_bytes=1) as srv:
+    # mapped once and sent, streamed in batches, and sent with sendfile
+    for single_pass, sendfile_min in ((1 << 20, 1 << 40), (1024, 1 << 40), (1 << 20, 1)):
+        with StoreServer(tmp_path, store=store, single_pass_bytes=single_pass, piece_bytes=4096, min_run_bytes=1,
+                         sendfile_min_bytes=sendfile_min) as srv:
             with StoreClient(srv.url, retries=0) as c, pytest.raises(ChecksumMismatch, match="crc32c"):
                 c.read_into("j", "s1-g0", "w", Region.full(data.shape), np.empty_like(data))
             # a region that is not the whole shard is checksummed from the bytes sent: they arrive as they are on disk
@@ -303,3 +308,127 @@ def test_runs_of_chunks_not_in_the_page_cache_are_read_on_mapping(tmp_path: Path
     views = map_runs(runs)
     assert rawchunks._first_page_cached(probe)  # read by mapping the runs
     assert b"".join(bytes(v) for v in views) == data[5:].tobytes()
+
+
+# -- sendfile -------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def big_server(tmp_path: Path) -> Iterator[tuple[StoreServer, np.ndarray]]:
+    """A server over one 16 MiB shard in 64 KiB chunk files whose bodies all go out with sendfile."""
+    store = LocalStore(tmp_path, chunk_bytes=64 << 10)
+    data = random_array((1024, 4096), "float32", seed=21)
+    store.write_shard("j", "s1-g0", "w", Region.full(data.shape), data, dtype="float32", global_shape=data.shape)
+    store.commit("j", "s1-g0")
+    with StoreServer(tmp_path, store=store, piece_bytes=1 << 20, min_run_bytes=1, sendfile_min_bytes=1) as srv:
+        yield srv, data
+
+
+def _open_fds() -> int:
+    import os
+
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _settled_fds(limit: int, timeout: float = 10.0) -> int:
+    """The process's open descriptors once they are down to ``limit`` (or whatever is left at the timeout)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    n = _open_fds()
+    while n > limit and time.monotonic() < deadline:
+        time.sleep(0.05)
+        n = _open_fds()
+    return n
+
+
+def test_sendfile_bodies_are_exact_and_the_connection_is_reused(big_server: tuple[StoreServer, np.ndarray], monkeypatch: pytest.MonkeyPatch) -> None:
+    from tenplex import serving
+
+    srv, data = big_server
+    calls = []
+    real = serving._sendfile_all
+    monkeypatch.setattr(serving, "_sendfile_all", lambda *a: calls.append(len(a[1])) or real(*a))
+    conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
+    for region in (Region.full(data.shape), Region(((3, 1000), (0, 4096))), Region(((0, 1024), (8, 4000)))):
+        conn.request("GET", f"/v1/jobs/j/versions/s1-g0/tensors/w?region={region.format()}")
+        resp = conn.getresponse()
+        body = resp.read()
+        assert resp.status == 200 and body == np.ascontiguousarray(data[region.slices()]).tobytes()
+        assert resp.getheader("X-Tenplex-Checksum") == format_checksum(crc32c.crc32c(body))
+    conn.close()
+    # on one kept-alive connection: the whole shard in 16 batches of 1 MiB (16 chunk files each), rows 3:1000
+    # in 16 batches (the first chunk file partly), the column cut in batches of 1 MiB of row segments
+    assert calls[:16] == [16] * 16 and len(calls) == 16 + 16 + 16
+
+
+def test_a_client_that_leaves_mid_body_costs_nothing(big_server: tuple[StoreServer, np.ndarray]) -> None:
+    import socket
+
+    srv, data = big_server
+    before = _open_fds()
+    for _ in range(5):
+        sock = socket.create_connection(("127.0.0.1", srv.port))
+        sock.sendall(b"GET /v1/jobs/j/versions/s1-g0/tensors/w HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert sock.recv(65536)  # headers and the start of the body
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # reset
+        sock.close()
+    with StoreClient(srv.url) as c:  # the daemon serves the next request as before
+        out = np.empty(data.shape, np.float32)
+        c.read_into("j", "s1-g0", "w", Region.full(data.shape), out)
+        assert out.tobytes() == data.tobytes()
+    assert _settled_fds(before) <= before  # no chunk file or socket descriptor left behind
+
+
+def test_a_client_that_stops_reading_is_dropped_after_the_stall_limit(big_server: tuple[StoreServer, np.ndarray], monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+    import time
+
+    from tenplex import serving
+
+    srv, data = big_server
+    monkeypatch.setattr(serving, "SENDFILE_STALL_S", 0.5)
+    before = _open_fds()
+    sock = socket.create_connection(("127.0.0.1", srv.port))  # one more descriptor in this process
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)  # far less than the body: sendfile stalls
+    sock.sendall(b"GET /v1/jobs/j/versions/s1-g0/tensors/w HTTP/1.1\r\nHost: x\r\n\r\n")
+    time.sleep(0.3)
+    assert _open_fds() > before + 1  # the server holds the chunk files and the connection
+    # nothing is read: after the stall limit the server gives up, closes the connection and the files
+    assert _settled_fds(before + 1) <= before + 1
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    sock.close()
+    with StoreClient(srv.url) as c:
+        out = np.empty(data.shape, np.float32)
+        c.read_into("j", "s1-g0", "w", Region.full(data.shape), out)
+        assert out.tobytes() == data.tobytes()
+
+
+def test_without_the_sendfile_extension_bodies_are_sent_from_maps(tmp_path: Path) -> None:
+    # the app runs under a server that does not offer tenplex.sendfile (plain uvicorn): same bytes
+    import threading
+
+    import uvicorn
+
+    from tenplex.serving import bind_socket
+    from tenplex.store.server import create_app
+
+    store = LocalStore(tmp_path, chunk_bytes=64 << 10)
+    data = random_array((512, 1024), "float32", seed=22)
+    store.write_shard("j", "s1-g0", "w", Region.full(data.shape), data, dtype="float32", global_shape=data.shape)
+    store.commit("j", "s1-g0")
+    sock = bind_socket("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(create_app(store, token=None, sendfile_min_bytes=1), http="httptools",
+                                           lifespan="off", log_config=None, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            threading.Event().wait(0.01)
+        status, headers, body = _get(sock.getsockname()[1], "/v1/jobs/j/versions/s1-g0/tensors/w?region=1:512,0:1024")
+        assert status == 200 and body == data[1:].tobytes()
+        assert headers["x-tenplex-checksum"] == format_checksum(crc32c.crc32c(body))
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
