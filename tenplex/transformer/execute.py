@@ -44,6 +44,7 @@ from tenplex.errors import (
     TransformFailed,
 )
 from tenplex.ptc.dtypes import storage_dtype
+from tenplex.store.rawchunks import aligned_empty
 from tenplex.transformer.plan import CHECKPOINT, DestShard, HostPlan, Plan, Transfer
 
 if TYPE_CHECKING:
@@ -261,7 +262,8 @@ class _BufferPool:
                 buf = free.pop()
                 self._bytes -= buf.nbytes
                 return buf
-        return np.empty(shape, dtype=dtype)
+        # page-aligned: a shard's chunk files are then written with O_DIRECT straight from it
+        return aligned_empty(shape, dtype)
 
     def put(self, buf: np.ndarray) -> None:
         with self._lock:

@@ -36,11 +36,13 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from tenplex.errors import InvalidConfig, NotFound, TenplexError
 from tenplex.ptc import PTC, DatasetState, Region, TensorKind
+from tenplex.store.rawchunks import aligned_empty
 from tenplex.store.version import Version
 from tenplex.worker import trainer_state
 from tenplex.worker.state import check_layout, live_pieces
@@ -193,8 +195,11 @@ class Snapshotter:
         key = (name, region)
         buf = self._buffers.get(key)
         if buf is None or buf.shape != local.shape or buf.dtype != local.dtype:
-            pinned = local.device.type == "cuda"
-            buf = torch.empty(local.shape, dtype=local.dtype, pin_memory=pinned)
+            if local.device.type == "cuda" or local.numel() == 0:
+                buf = torch.empty(local.shape, dtype=local.dtype, pin_memory=local.device.type == "cuda")
+            else:  # page-aligned: the store writes its chunk files with O_DIRECT straight from it
+                buf = torch.from_numpy(aligned_empty((local.numel() * local.element_size(),), np.uint8))
+                buf = buf.view(local.dtype).view(local.shape)
             self._buffers[key] = buf
         return buf
 

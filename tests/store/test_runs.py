@@ -82,6 +82,42 @@ def test_chunk_shapes_of_the_benchmark_and_model_tensors() -> None:
     assert chunk_shape((), 4) == ()
 
 
+def test_chunks_are_whole_pages_where_a_multiple_fits() -> None:
+    assert chunk_shape((8192, 896), 4) == (1168, 896)  # 1022 pages; 1170 rows would end mid-page
+    assert chunk_shape((10_000_000,), 4) == (1 << 20,)
+    assert chunk_shape((3, 7, 5), 4) == (3, 7, 5)  # a small tensor is one chunk as it is
+
+
+def test_direct_writes_from_a_page_aligned_buffer_equal_those_through_the_bounce_buffer(tmp_path: Path) -> None:
+    from tenplex.store.rawchunks import aligned_empty
+
+    data = random_array((2000, 896), "float32", seed=5)  # 64 KiB chunks: 16 rows (whole pages)
+    aligned = aligned_empty(data.shape, np.float32)
+    aligned[...] = data
+    unaligned = np.frombuffer(bytearray(data.nbytes + 4)[4:], np.float32).reshape(data.shape)  # off the page by 4
+    unaligned[...] = data
+    store = LocalStore(tmp_path, chunk_bytes=64 << 10)
+    if not store.direct_writes:
+        pytest.skip("the file system of tmp_path refuses O_DIRECT")
+    assert aligned.ctypes.data % 4096 == 0 and unaligned.ctypes.data % 4096 != 0
+    infos = [
+        store.write_shard("j", "s1-g0", name, Region.full(data.shape), buf, dtype="float32", global_shape=data.shape)
+        for name, buf in (("in-place", aligned), ("bounced", unaligned))
+    ]
+    assert infos[0].checksum == infos[1].checksum == format_checksum(crc32c.crc32c(data.tobytes()))
+    store.commit("j", "s1-g0")
+    shards = [tmp_path / "j" / "s1-g0" / name / "r0-2000_0-896" for name in ("in-place", "bounced")]
+    files = sorted(p.name for p in shards[0].glob("c.*"))
+    assert files == sorted(p.name for p in shards[1].glob("c.*")) and len(files) == 125
+    for name in files:
+        assert (shards[0] / name).read_bytes() == (shards[1] / name).read_bytes()
+    assert store.verify("j", "s1-g0") == []  # every chunk file against its recorded crc32c
+    for name in ("in-place", "bounced"):
+        out = np.empty_like(data)
+        store.read_region("j", "s1-g0", name, Region.full(data.shape), out)
+        assert out.tobytes() == data.tobytes()
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     shape=st.lists(st.integers(0, 3000), min_size=1, max_size=4).map(tuple),
