@@ -185,10 +185,13 @@ async def _send_files(cycle: RequestResponseCycle, message: Any) -> None:
 
 
 def uvicorn_config(app: Any, log_level: str = "warning", **kwargs: Any) -> uvicorn.Config:
+    # The extension hooks into uvicorn's protocol at one method; a uvicorn without it serves plainly (the
+    # store then sends bodies from maps of the chunk files instead).
+    http: Any = SendfileProtocol if callable(getattr(HttpToolsProtocol, "_start_asgi_task", None)) else "httptools"
     return uvicorn.Config(
         app,
         loop="uvloop",
-        http=SendfileProtocol,
+        http=http,
         lifespan="off",
         access_log=False,
         log_level=log_level.lower(),
