@@ -159,8 +159,14 @@ async def _send_files(cycle: RequestResponseCycle, message: Any) -> None:
     if total > cycle.expected_content_length:
         raise RuntimeError("Response content longer than Content-Length")
     transport = cycle.transport
+    deadline = time.monotonic() + SENDFILE_STALL_S
     while transport.get_write_buffer_size():  # the headers (or an earlier part) must be on the wire first
         if transport.is_closing():
+            return
+        if time.monotonic() > deadline:
+            log.info("sendfile response abandoned: the client took no bytes for %.0f s", SENDFILE_STALL_S)
+            cycle.disconnected = True
+            transport.close()
             return
         await asyncio.sleep(0.0005)
     sock = transport.get_extra_info("socket")
