@@ -3,13 +3,14 @@
 Bulk bytes go straight from the socket into the caller's buffer
 (``http.client`` ``readinto`` a memoryview of it, 2-3x faster than requests or
 httpx for large bodies), and uploads are sent from the caller's buffer.
-Connections are kept alive in a bounded pool. Reads larger than
-``max_request_bytes`` (32 MiB) are split into consecutive C-order pieces, each
-its own request landing in its slice of the buffer: the server answers each
-from one buffer in one pass (the checksum header must precede the body, so a
-single request cannot overlap the server's read with the transfer, but two
-requests in flight can), and :meth:`StoreClient.read_many` spreads the pieces
-over its threads. Connection errors and 5xx answers are retried with
+Connections are kept alive in a bounded pool. A read is split into
+consecutive C-order pieces, each its own request landing in its slice of the
+buffer: enough pieces for the requests in flight to keep the server's workers
+busy (a single request cannot overlap the server's work with the transfer,
+several can), none smaller than ``MIN_SPLIT_BYTES`` or larger than
+``max_request_bytes`` (64 MiB): every request costs both ends a fixed amount
+of CPU, so a read of many regions is not cut further than its concurrency
+needs. :meth:`StoreClient.read_many` spreads the pieces over its threads. Connection errors and 5xx answers are retried with
 exponential backoff; every payload is checked against its crc32c header.
 """
 
@@ -57,7 +58,8 @@ IDLE_REUSE_S = 15.0
 _PEER_CLOSED = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
 
 TOKEN_ENV = "TENPLEX_TOKEN"
-MAX_REQUEST_BYTES = 32 << 20  # two pipelined requests beat one: the server reads one while the other is on the wire
+MAX_REQUEST_BYTES = 64 << 20
+MIN_SPLIT_BYTES = 4 << 20  # a read is not split into requests smaller than this (about one chunk file)
 VERIFY_BLOCK_BYTES = 1 << 20
 """Bodies are received and checksummed in blocks of this size (about a core's L2 cache)."""
 T = TypeVar("T")
@@ -104,9 +106,9 @@ class _Piece:
 class StoreClient:
     """HTTP client of one store daemon (``url`` like ``http://10.0.0.5:7070``); thread-safe.
 
-    ``token`` defaults to ``$TENPLEX_TOKEN``. Reads larger than
-    ``max_request_bytes`` become several requests, ``read_concurrency`` of them
-    in flight for one :meth:`read_into`; at most ``max_connections`` are open.
+    ``token`` defaults to ``$TENPLEX_TOKEN``. One :meth:`read_into` is split
+    into up to ``read_concurrency`` requests in flight (more where a piece
+    would exceed ``max_request_bytes``); at most ``max_connections`` are open.
     """
 
     def __init__(
@@ -262,7 +264,14 @@ class StoreClient:
 
     # -- reads --------------------------------------------------------------
 
-    def _pieces(self, job: str, version: Version | str, tensor: str, region: Region, host: np.ndarray, *, verify: bool, uncommitted: bool) -> list[_Piece]:
+    def _piece_bytes(self, nbytes: int, concurrency: int) -> int:
+        """Request size for reading ``nbytes`` with ``concurrency`` requests in flight (see the module doc)."""
+        return min(self.max_request_bytes, max(MIN_SPLIT_BYTES, -(-nbytes // concurrency)))
+
+    def _pieces(
+        self, job: str, version: Version | str, tensor: str, region: Region, host: np.ndarray, *,
+        verify: bool, uncommitted: bool, piece_bytes: int,
+    ) -> list[_Piece]:
         if not isinstance(region, Region):
             raise InvalidInput(f"region must be a Region, got {type(region).__name__}")
         if host.shape != region.shape:
@@ -273,7 +282,7 @@ class StoreClient:
         raw = byte_view(host)
         item = host.dtype.itemsize
         out = []
-        for piece in slabs(region.shape, item, self.max_request_bytes):
+        for piece in slabs(region.shape, item, piece_bytes):
             start = payload_offset(region.shape, item, piece)
             out.append(
                 _Piece(job, v, tensor, piece.shift(region.start), raw[start : start + piece.volume * item], item, verify, uncommitted)
@@ -351,7 +360,8 @@ class StoreClient:
     ) -> None:
         """Fill ``out`` (C-contiguous, shape ``region.shape``, element size of the tensor) with the region."""
         with self._host(out) as host:
-            pieces = self._pieces(job, version, tensor, region, host, verify=verify, uncommitted=uncommitted)
+            piece_bytes = self._piece_bytes(host.nbytes, self.read_concurrency)
+            pieces = self._pieces(job, version, tensor, region, host, verify=verify, uncommitted=uncommitted, piece_bytes=piece_bytes)
             if len(pieces) == 1:
                 self._fetch(pieces[0])
             else:  # the server reads piece k+1 while piece k is on the wire
@@ -368,10 +378,12 @@ class StoreClient:
         if concurrency < 1:
             raise InvalidInput(f"concurrency must be >= 1, got {concurrency}")
         with ExitStack() as stack:
+            hosts = [(r, stack.enter_context(self._host(r.out))) for r in requests]
+            piece_bytes = self._piece_bytes(sum(h.nbytes for _r, h in hosts), concurrency)
             pieces: list[_Piece] = []
-            for r in requests:
-                host = stack.enter_context(self._host(r.out))
-                pieces += self._pieces(r.job, r.version, r.tensor, r.region, host, verify=verify, uncommitted=False)
+            for r, host in hosts:
+                pieces += self._pieces(r.job, r.version, r.tensor, r.region, host, verify=verify, uncommitted=False,
+                                       piece_bytes=piece_bytes)
             self._run(pieces, concurrency)
 
     def _run(self, pieces: list[_Piece], concurrency: int) -> None:
