@@ -329,15 +329,16 @@ def test_runs_of_chunks_not_in_the_page_cache_are_read_on_mapping(tmp_path: Path
 
     from tenplex.store import rawchunks
 
-    s = LocalStore(tmp_path, chunk_bytes=64 * 100 * 4)
-    data = random_array((1000, 100), "float32", seed=12)
+    s = LocalStore(tmp_path, chunk_bytes=64 * 128 * 4)  # 32 KiB chunk files: whole pages
+    data = random_array((1000, 128), "float32", seed=12)
     s.write_shard("j", "s1-g0", "w", Region.full(data.shape), data, dtype="float32", global_shape=data.shape)
-    shard = tmp_path / "j" / "s1-g0" / "w" / "r0-1000_0-100"
+    shard = tmp_path / "j" / "s1-g0" / "w" / "r0-1000_0-128"
+    os.sync()  # a file system without O_DIRECT wrote them through the cache: clean pages can be dropped
     for chunk in shard.glob("c.*"):
         fd = os.open(chunk, os.O_RDONLY)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.close(fd)
-    runs = s.open_tensor("j", "s1-g0", "w", committed_only=False).runs(Region(((5, 1000), (0, 100))), min_run_bytes=1)
+    runs = s.open_tensor("j", "s1-g0", "w", committed_only=False).runs(Region(((5, 1000), (0, 128))), min_run_bytes=1)
     assert runs is not None and len(runs) == 16
     probe = memoryview(runs[3].reader.map_chunk(runs[3].coords))
     assert not rawchunks._first_page_cached(probe)  # evicted
