@@ -33,6 +33,7 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from tenplex.errors import InvalidConfig, TenplexError
+from tenplex.sockets import is_loopback, set_unpaced
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +46,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if is_loopback(host):  # every peer is on this node: accepted connections inherit it (see tenplex.sockets)
+        set_unpaced(sock)
     try:
         sock.bind((host, port))
     except OSError as exc:

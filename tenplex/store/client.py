@@ -42,6 +42,7 @@ from tenplex.errors import (
 )
 from tenplex.ptc.dtypes import itemsize, name_of_torch, storage_dtype
 from tenplex.ptc.region import Region
+from tenplex.sockets import create_connection
 from tenplex.store.buffers import byte_view, host_data, numpy_view, payload_offset, slabs
 from tenplex.store.model import Manifest, ShardInfo, VersionInfo, format_checksum
 from tenplex.store.names import check_job, check_tensor, check_version
@@ -157,7 +158,8 @@ class StoreClient:
     # -- connections --------------------------------------------------------
 
     @contextmanager
-    def _connection(self) -> Iterator[http.client.HTTPConnection]:
+    def _connection(self) -> Iterator[tuple[http.client.HTTPConnection, bool]]:
+        """A connection from the idle pool (and True) or a new one (and False), returned to the pool after use."""
         if self._closed:
             raise InvalidInput(f"the client of {self.url} is closed")
         with self._slots:
@@ -173,9 +175,13 @@ class StoreClient:
             if conn is None:
                 cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
                 conn = cls(self._hostname, self._port, timeout=self.timeout)
+                conn._create_connection = create_connection  # type: ignore[attr-defined]  # unpaced to this node
+                reused = False
+            else:
+                reused = True
             ok = False
             try:
-                yield conn
+                yield conn, reused
                 ok = True
             finally:
                 if ok and conn.sock is not None and not self._closed:
@@ -203,8 +209,7 @@ class StoreClient:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
             reused = False
             try:
-                with self._connection() as conn:
-                    reused = conn.sock is not None
+                with self._connection() as (conn, reused):
                     conn.request(method, self._prefix + path, body=body, headers=hdrs)
                     resp = conn.getresponse()
                     if resp.status >= 400:
