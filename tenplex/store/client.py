@@ -60,7 +60,7 @@ _PEER_CLOSED = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipe
 
 TOKEN_ENV = "TENPLEX_TOKEN"
 MAX_REQUEST_BYTES = 64 << 20
-MIN_SPLIT_BYTES = 4 << 20  # a read is not split into requests smaller than this (about one chunk file)
+MIN_SPLIT_BYTES = 16 << 20  # a read is not split into requests smaller than this (callers with many reads in flight need no more)
 VERIFY_BLOCK_BYTES = 1 << 20
 """Bodies are received and checksummed in blocks of this size (about a core's L2 cache)."""
 T = TypeVar("T")
