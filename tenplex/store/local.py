@@ -75,6 +75,7 @@ from tenplex.errors import (
     InvalidRegion,
     NotFound,
     StateLost,
+    TenplexError,
 )
 from tenplex.ptc.dtypes import check_dtype, itemsize, storage_dtype
 from tenplex.ptc.region import Region, subtract
@@ -754,6 +755,33 @@ class LocalStore:
                 while len(self._cache) > self._cache_size:
                     self._cache.popitem(last=False)
         return reader
+
+    def preload(self, job: str, version: Version | str, threads: int = 8) -> int:
+        """Open every tensor of a committed version into the reader cache, ``threads`` at a time; how many.
+
+        Why: a transform asks a node's daemon for pieces of hundreds of tensors
+        right after a snapshot, and opening a tensor reads its metadata files,
+        cold on disk then (about a second for the ~300 tensors of the 1 GB
+        reshard benchmark, one request after the other). Reading them ahead,
+        several at once, keeps that off the requests. Tensors that cannot be
+        opened are skipped (a request for one reports why).
+        """
+        v = check_version(version)
+        tensors = sorted({info.tensor for info in self.manifest(job, v).shards})
+        todo = [t for t in tensors if self.cached_tensor(job, v, t) is None]
+
+        def one(tensor: str) -> bool:
+            try:
+                self.open_tensor(job, v, tensor)
+                return True
+            except TenplexError as exc:
+                log.debug("preload of %s %s %s skipped: %s", job, v, tensor, exc)
+                return False
+
+        if not todo:
+            return 0
+        with ThreadPoolExecutor(max_workers=max(1, min(threads, len(todo))), thread_name_prefix="tenplex-store-preload") as pool:
+            return sum(pool.map(one, todo))
 
     def read_region(
         self,

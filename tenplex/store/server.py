@@ -56,6 +56,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from pathlib import Path
@@ -105,6 +106,7 @@ from tenplex.store.rawchunks import (
     open_runs,
     run_batches,
 )
+from tenplex.store.version import Version
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +211,7 @@ def create_app(
             f"{single_pass_bytes}, {piece_bytes}, {min_run_bytes}, {sendfile_min_bytes}"
         )
     metrics = _Metrics()
+    preloading: set[tuple[str, Version]] = set()  # versions whose readers were opened ahead (see LocalStore.preload)
     app = FastAPI(title="tenplex store", version="1", docs_url=None, redoc_url=None)
     app.state.store = store
     app.state.metrics = metrics
@@ -297,6 +300,12 @@ def create_app(
         reader = store.cached_tensor(job, v, tensor)  # committed, and read before: no thread hop
         if reader is None:
             reader = await to_thread.run_sync(lambda: store.open_tensor(job, v, tensor, committed_only=not uncommitted))
+            if reader.committed and (job, v) not in preloading:
+                # the first read of a committed version: open its other tensors ahead (a transform asks for all)
+                if len(preloading) > 4096:
+                    preloading.clear()
+                preloading.add((job, v))
+                threading.Thread(target=_preload, args=(store, job, v), name="tenplex-store-preload", daemon=True).start()
         box = reader.parse_region(region) if region is not None else Region.full(reader.global_shape)
         reader.plan(box)  # fail with 404/416/409 before any header is sent
         nbytes = box.volume * reader.itemsize
@@ -371,6 +380,14 @@ def create_app(
     # outermost, so it sees the final status of everything, errors included
     app.add_middleware(_MetricsMiddleware, metrics=metrics)
     return app
+
+
+def _preload(store: LocalStore, job: str, version: Version) -> None:
+    try:
+        n = store.preload(job, version)
+        log.debug("preloaded %d tensors of %s %s", n, job, version)
+    except Exception as exc:  # a version deleted meanwhile, a damaged manifest: requests report it themselves
+        log.debug("preload of %s %s failed: %s", job, version, exc)
 
 
 def _required_header(request: Request, name: str) -> str:

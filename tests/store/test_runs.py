@@ -35,6 +35,7 @@ from tenplex.store.rawchunks import (
     mapped_batches,
 )
 from tenplex.store.server import StoreServer
+from tenplex.store.version import Version
 
 from .conftest import square_chunks
 from .test_local import random_array
@@ -469,3 +470,21 @@ def test_without_the_sendfile_extension_bodies_are_sent_from_maps(tmp_path: Path
         server.should_exit = True
         thread.join(10)
         sock.close()
+
+
+def test_the_first_read_of_a_committed_version_opens_its_other_tensors_ahead(tmp_path: Path) -> None:
+    import time
+
+    store = LocalStore(tmp_path)
+    names = [f"layers.{i}/w" for i in range(12)]
+    for name in names:
+        store.write_shard("j", "s1-g0", name, Region.full((4, 4)), np.full((4, 4), 1.0, np.float32), dtype="float32", global_shape=(4, 4))
+    store.commit("j", "s1-g0")
+    served = LocalStore(tmp_path)  # the daemon's own store object: nothing cached yet
+    with StoreServer(tmp_path, store=served) as srv, StoreClient(srv.url) as c:
+        assert c.read("j", "s1-g0", names[0], Region.full((4, 4)), "float32").sum() == 16
+        deadline = time.monotonic() + 10
+        while any(served.cached_tensor("j", Version.parse("s1-g0"), n) is None for n in names) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert all(served.cached_tensor("j", Version.parse("s1-g0"), n) is not None for n in names)
+    assert LocalStore(tmp_path).preload("j", "s1-g0") == len(names)  # the method itself, on a fresh cache
