@@ -132,6 +132,8 @@ def scheduler(api: ApiServerEmulator, cluster: Cluster, tmp_path: Path) -> Itera
 
 
 def wait_job(sched: KubernetesScheduler, name: str, pred: Any, what: str, timeout: float = 240.0) -> Any:
+    seen: list[str] = []  # the job's states on the way, for the message when it never gets there
+
     def check() -> Any:
         try:
             ctl = sched.get(name)
@@ -140,8 +142,15 @@ def wait_job(sched: KubernetesScheduler, name: str, pred: Any, what: str, timeou
         with ctl.lock:
             st = ctl.status
             assert st.phase != Phase.FAILED, f"job failed while {what}: {st.message}"
+            state = f"{st.phase.value}/{st.stage} g{st.generation} step {st.step} on {st.hosts}: {st.message}"
+            if not seen or seen[-1] != state:
+                seen.append(state)
             return st if pred(st) else None
-    return eventually(check, what, timeout=timeout, interval=0.2)
+
+    try:
+        return eventually(check, what, timeout=timeout, interval=0.2)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; the job's states meanwhile: " + " | ".join(seen[-12:])) from None
 
 
 def test_reference_job_scaled_through_the_scale_subresource_and_recovered_after_a_pod_failure(
