@@ -21,12 +21,15 @@ checksum is computed from the bytes that are sent. How the body is produced:
 
 - a region inside one shard whose payload is long runs of chunk files (any
   band of rows of the store's whole-row chunks, whole chunks, whole shards;
-  runs averaging at least ``min_run_bytes``, 64 KiB): sent straight from
-  read-only maps of the chunk files' page-cache pages, never copied in this
-  process. Up to ``single_pass_bytes`` (64 MiB) the maps made for the
-  checksum are the ones sent; a larger region is checksummed batch by batch
-  and then sent in ``piece_bytes`` (32 MiB) batches, the next one mapped
-  while one is on the wire (see :func:`_runs_response`);
+  runs averaging at least ``min_run_bytes``, 64 KiB): never copied in this
+  process. Bodies over 1 MiB of a committed version go out with
+  ``sendfile(2)`` (:data:`~tenplex.serving.SENDFILE_EXTENSION`; see
+  :class:`_SendfileResponse`); otherwise they are sent from read-only maps of
+  the chunk files' page-cache pages: up to ``single_pass_bytes`` (64 MiB)
+  the maps made for the checksum are the ones sent; a larger region is
+  checksummed batch by batch and then sent in ``piece_bytes`` (32 MiB)
+  batches, the next one mapped while one is on the wire (see
+  :func:`_runs_response`);
 - any other region up to ``single_pass_bytes``: read into one buffer
   (checksummed unless it is a whole shard) and answered as a ``memoryview``
   body;
@@ -415,11 +418,8 @@ async def _runs_response(
     hands their page-cache pages to the socket, no copy at all on this side
     (see :class:`_SendfileResponse`); a checksum that is not known from the
     recorded ones is computed through maps first. Otherwise the body is sent
-    from read-only maps of the pages, which the socket write copies once:
-
-    The bytes are never copied in this process: the socket write copies them
-    straight from the page cache, as a server of bytes already in memory
-    would. ``checksum`` (a whole shard's recorded one) or else the crc32c of
+    from read-only maps of the pages: the socket write copies them straight
+    from the page cache, as a server of bytes already in memory would. ``checksum`` (a whole shard's recorded one) or else the crc32c of
     the very bytes that are sent goes into the header, so the header must be
     known before the first byte: up to ``single_pass_bytes`` the runs are
     mapped once, checksummed and sent from the same maps; a larger body is
