@@ -198,6 +198,8 @@ def test_reference_job_scaled_through_the_scale_subresource_and_recovered_after_
     st = wait_job(scheduler, "gpt", lambda s: s.phase == Phase.SUCCEEDED, "recovering and finishing")
     assert st.step == STEPS
 
+    assert len(st.history) == 3, "reconfigurations: " + "; ".join(
+        f"{r.reason} {r.from_gpus}->{r.to_gpus} {r.from_hosts}->{r.to_hosts}: {r.error}" for r in st.history)
     scale, drain, failure = st.history
     assert (scale.reason, scale.from_gpus, scale.to_gpus, scale.steps_lost) == ("scale", 1, 2, 0)
     assert scale.bytes_remote == scale.lower_bound_bytes > 0  # node-1's replica came over the network, once
