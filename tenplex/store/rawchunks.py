@@ -642,9 +642,9 @@ class RawChunkWriter:
     number of pages lying contiguous and page-aligned in it (a band of whole
     rows of a buffer from :func:`aligned_empty`), otherwise from a page-aligned
     bounce buffer (one copy, reused per thread). Chunk files that are not a
-    whole number of pages (small tensors) are written through the page cache. Why: a buffered write of new file pages costs the page cache
-    allocation and, under the dirty-page limits, throttling; measured on the
-    2-core VM, 512 MiB of new chunk files took 1.16 s buffered (+0.25 s for
+    whole number of pages (small tensors) are written through the page cache.
+    Why: a buffered write of new file pages costs the page cache allocation
+    and, under the dirty-page limits, throttling; measured on the 2-core VM, 512 MiB of new chunk files took 1.16 s buffered (+0.25 s for
     the commit's ``syncfs``) and 0.31 s direct (commit flush ~0). It also
     keeps snapshots from pushing a training job's own data out of memory.
     A file system without ``O_DIRECT`` (tmpfs) gets buffered writes.
@@ -678,8 +678,8 @@ class RawChunkWriter:
         if piece.empty:
             return
         # Chunk files that are not whole pages (small tensors: biases, norms) go through the page cache: an
-        # O_DIRECT write would need padding and a truncation afterwards (~2 ms a file on ext4 here), and the
-        # commit's syncfs flushes them in one pass anyway.
+        # O_DIRECT write would need padding and a truncation afterwards (the truncations were ~8% of the
+        # writer threads' time in a profile of the reshard benchmark), and the commit's syncfs flushes them.
         if self.direct and r.chunk_bytes % _DIRECT_ALIGN == 0 and self._write_direct(piece, data):
             return
         if r.shape == ():
