@@ -44,9 +44,12 @@ def chunk_shape(shape: Sequence[int], item: int, chunk_bytes: int = DEFAULT_CHUN
     near-square in the last two dimensions instead, and leading dimensions get
     whatever budget the last two leave.
 
-    Where the array is cut along a dimension, the cut is rounded down so that
-    a chunk is a whole number of 4 KiB pages when a multiple fits (e.g. 1168
-    rows of 896 float32, not 1170): chunk files are then written with
+    Where the array is cut along a dimension, the chunks share it evenly
+    (:func:`_cut`): zarr stores an edge chunk at full size, so 1344 rows in
+    chunks of the 1170 that fit would take 2340 rows of disk, and every
+    transform and snapshot would write and read the padding. Even chunks are
+    also whole 4 KiB pages where that wastes almost nothing (e.g. 1024 rows
+    of 896 float32 for 8192 rows): chunk files are then written with
     ``O_DIRECT`` straight from the caller's (page-aligned) buffer, with no
     padding and no truncation afterwards.
     """
@@ -58,7 +61,7 @@ def chunk_shape(shape: Sequence[int], item: int, chunk_bytes: int = DEFAULT_CHUN
     budget = chunk_bytes // item
     dims = [max(int(s), 1) for s in shape]
     if n == 1:
-        return (dims[0] if dims[0] <= budget else _page_multiple(budget, item),)
+        return (dims[0] if dims[0] <= budget else _cut(dims[0], budget, item),)
     chunks = [1] * n
     if dims[-1] <= budget:  # whole rows fit: take trailing dimensions whole while they do
         used = 1
@@ -68,26 +71,43 @@ def chunk_shape(shape: Sequence[int], item: int, chunk_bytes: int = DEFAULT_CHUN
             used *= dims[d]
             d -= 1
         if d >= 0:
-            chunks[d] = _page_multiple(max(1, budget // used), used * item)
+            chunks[d] = _cut(dims[d], max(1, budget // used), used * item)
         return tuple(chunks)
     side = max(1, math.isqrt(budget))
-    c_last = min(dims[-1], side)
-    c_rows = min(dims[-2], max(1, budget // c_last))
+    c_last = _cut(dims[-1], side, _PAGE)
+    c_rows = _cut(dims[-2], max(1, budget // c_last), c_last * item)
     if c_rows == dims[-2]:  # few rows: let the rows be wider
-        c_last = min(dims[-1], max(1, budget // c_rows))
+        c_last = _cut(dims[-1], max(1, budget // c_rows), c_rows * item)
     chunks[-1], chunks[-2] = c_last, c_rows
     used = c_last * c_rows
     for d in range(n - 3, -1, -1):
-        c = min(dims[d], max(1, budget // used))
+        c = _cut(dims[d], max(1, budget // used), _PAGE)
         chunks[d] = c
         used *= c
     return tuple(chunks)
 
 
-def _page_multiple(count: int, unit_bytes: int, page: int = 4096) -> int:
-    """``count`` rounded down so that ``count * unit_bytes`` is a multiple of ``page``, if such a count >= 1 exists."""
-    step = page // math.gcd(unit_bytes, page)
-    return count - count % step if count >= step else count
+_PAGE = 4096
+
+
+def _cut(extent: int, fit: int, unit_bytes: int) -> int:
+    """How many of ``extent`` indices a chunk takes, at most ``fit``, so that the chunks share the extent evenly.
+
+    ``unit_bytes`` is the size of one index's slice of a chunk. The count is
+    rounded up to whole pages when that keeps it within ``fit`` and pads the
+    stored extent by at most 1/32 (trying a few more chunks for such a
+    count); otherwise the even count stands and the chunk files are not whole
+    pages (they are written through the page cache).
+    """
+    if extent <= fit:
+        return extent
+    count = -(-extent // fit)
+    step = _PAGE // math.gcd(unit_bytes, _PAGE)
+    for k in range(count, 2 * count + 1):
+        paged = -(-(-(-extent // k)) // step) * step
+        if paged <= fit and (-(-extent // paged) * paged - extent) * 32 <= extent:
+            return paged
+    return -(-extent // count)
 
 
 def slabs(shape: Sequence[int], item: int, max_bytes: int, align: Sequence[int] | None = None) -> Iterator[Region]:

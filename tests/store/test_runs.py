@@ -73,19 +73,21 @@ def regions(draw: st.DrawFn, shape: tuple[int, ...]) -> Region:
 
 def test_chunk_shapes_of_the_benchmark_and_model_tensors() -> None:
     assert chunk_shape((16384, 16384), 4) == (64, 16384)  # 4 MiB of whole rows: a row slice is whole chunk files
-    assert chunk_shape((50304, 1024), 2) == (2048, 1024)
+    assert chunk_shape((50304, 1024), 2) == (2014, 1024)  # 25 even chunks of whole pages: 46 rows of padding, not 896
     assert chunk_shape((24, 1024, 1024), 4) == (1, 1024, 1024)  # stacked layers: one layer per chunk
     assert chunk_shape((8, 16, 64), 4) == (8, 16, 64)  # small tensors are one chunk
     assert chunk_shape((4096, 2_000_000), 4) == (1024, 1024)  # a row over 4 MiB: near-square
     assert chunk_shape((4096, 2_000_000), 4, 1 << 20) == (512, 512)
-    assert chunk_shape((2, 2_000_000), 4) == (2, 524288)  # few rows: wider chunks
+    assert chunk_shape((2, 2_000_000), 4) == (2, 500224)  # few rows: wider chunks (4 even ones)
     assert chunk_shape((3000, 3000), 4, 1024) == (16, 16)  # near-square when one row is larger than a chunk
     assert chunk_shape((), 4) == ()
 
 
 def test_chunks_are_whole_pages_where_a_multiple_fits() -> None:
-    assert chunk_shape((8192, 896), 4) == (1168, 896)  # 1022 pages; 1170 rows would end mid-page
-    assert chunk_shape((10_000_000,), 4) == (1 << 20,)
+    assert chunk_shape((8192, 896), 4) == (1024, 896)  # 8 even chunks of 896 pages; 1170 rows would end mid-page
+    assert chunk_shape((1344, 896), 4) == (672, 896)  # 2 even chunks, not 1168 rows + 1168 stored for the other 176
+    assert chunk_shape((1344, 897), 4) == (672, 897)  # no whole-page count pads little: even chunks, not whole pages
+    assert chunk_shape((10_000_000,), 4) == (1_000_448,)  # 10 chunks of 977 pages; the last one pads 4480 elements
     assert chunk_shape((3, 7, 5), 4) == (3, 7, 5)  # a small tensor is one chunk as it is
 
 
@@ -130,6 +132,9 @@ def test_chunk_shapes_fit_the_budget_and_take_whole_rows_when_they_fit(shape: tu
     assert len(chunks) == len(shape)
     assert all(1 <= c <= max(n, 1) for c, n in zip(chunks, shape, strict=True))
     assert math.prod(chunks) * item <= chunk_bytes
+    for c, n in zip(chunks, shape, strict=True):  # zarr stores edge chunks whole: the chunks share a cut evenly
+        count = -(-max(n, 1) // c)
+        assert count * c - max(n, 1) < count or (count * c - max(n, 1)) * 32 <= n
     if max(shape[-1], 1) * item <= chunk_bytes:
         # trailing dimensions whole, then one partial dimension, then ones: a chunk file is one C-order run
         d = len(shape) - 1
@@ -168,13 +173,13 @@ def test_runs_are_the_payload_in_order(layout_store: LocalStore, region: Region)
 
 
 def test_row_bands_of_whole_row_chunks_are_one_run_per_chunk(tmp_path: Path) -> None:
-    s = LocalStore(tmp_path, chunk_bytes=64 * 100 * 4)  # 64 whole rows of 100 float32 per chunk
+    s = LocalStore(tmp_path, chunk_bytes=64 * 100 * 4)  # 64 rows fit: 1000 rows in 16 even chunks of 63
     data = random_array((1000, 100), "float32", seed=2)
     s.write_shard("j", "s1-g0", "w", Region.full(data.shape), data, dtype="float32", global_shape=data.shape)
     reader = s.open_tensor("j", "s1-g0", "w", committed_only=False)
     runs = reader.runs(Region(((10, 300), (0, 100))), min_run_bytes=1)
     assert runs is not None and [r.coords for r in runs] == [(k, 0) for k in range(5)]
-    assert runs[0].offset == 10 * 400 and runs[0].nbytes == 54 * 400 and runs[-1].nbytes == (300 - 256) * 400
+    assert runs[0].offset == 10 * 400 and runs[0].nbytes == 53 * 400 and runs[-1].nbytes == (300 - 252) * 400
     # a column slice is row segments: the default minimum run length sends it through the copy path
     assert reader.runs(Region(((0, 1000), (0, 50)))) is None
     assert reader.runs(Region(((0, 1000), (0, 50))), min_run_bytes=200) is not None
