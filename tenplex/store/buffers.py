@@ -101,13 +101,17 @@ def _cut(extent: int, fit: int, unit_bytes: int) -> int:
     """
     if extent <= fit:
         return extent
-    count = -(-extent // fit)
+    count = _ceil_div(extent, fit)
     step = _PAGE // math.gcd(unit_bytes, _PAGE)
     for k in range(count, 2 * count + 1):
-        paged = -(-(-(-extent // k)) // step) * step
-        if paged <= fit and (-(-extent // paged) * paged - extent) * 32 <= extent:
+        paged = _ceil_div(_ceil_div(extent, k), step) * step
+        if paged <= fit and (_ceil_div(extent, paged) * paged - extent) * 32 <= extent:
             return paged
-    return -(-extent // count)
+    return _ceil_div(extent, count)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def slabs(shape: Sequence[int], item: int, max_bytes: int, align: Sequence[int] | None = None) -> Iterator[Region]:
