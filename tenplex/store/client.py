@@ -10,8 +10,12 @@ busy (a single request cannot overlap the server's work with the transfer,
 several can), none smaller than ``MIN_SPLIT_BYTES`` or larger than
 ``max_request_bytes`` (64 MiB): every request costs both ends a fixed amount
 of CPU, so a read of many regions is not cut further than its concurrency
-needs. :meth:`StoreClient.read_many` spreads the pieces over its threads. Connection errors and 5xx answers are retried with
-exponential backoff; every payload is checked against its crc32c header.
+needs. :meth:`StoreClient.read_many` spreads the pieces over its threads.
+:meth:`StoreClient.read_regions` reads many regions of one version in one
+request per batch (the daemon's ``POST .../regions``): for the hundreds of
+small shards of a transform, the per-request cost of both ends is paid once
+per batch. Connection errors and 5xx answers are retried with exponential
+backoff; every payload is checked against its crc32c header.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ _PEER_CLOSED = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipe
 
 TOKEN_ENV = "TENPLEX_TOKEN"
 MAX_REQUEST_BYTES = 64 << 20
+MAX_BATCH_REGIONS = 256  # the daemon's limit per batch read (tenplex.store.server.MAX_BATCH_REGIONS)
 MIN_SPLIT_BYTES = 16 << 20  # a read is not split into requests smaller than this (callers with many reads in flight need no more)
 VERIFY_BLOCK_BYTES = 1 << 20
 """Bodies are received and checksummed in blocks of this size (about a core's L2 cache)."""
@@ -75,6 +80,15 @@ class ReadRequest:
     tensor: str
     region: Region
     out: Any  # np.ndarray | torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class RegionRead:
+    """One region of a batch read (:meth:`StoreClient.read_regions`) and the buffer it fills."""
+
+    tensor: str
+    region: Region
+    out: Any  # np.ndarray | torch.Tensor, C-contiguous, shape region.shape
 
 
 _BY_STATUS: dict[int, type[TenplexError]] = {
@@ -299,40 +313,75 @@ class StoreClient:
         path = f"{self._path(p.job, p.version, p.tensor)}?{query}"
 
         def handle(resp: http.client.HTTPResponse) -> None:
-            dtype = resp.getheader("X-Tenplex-Dtype", "")
-            shape = resp.getheader("X-Tenplex-Shape", "")
-            expected_shape = ",".join(str(n) for n in p.region.shape)
-            if shape != expected_shape or itemsize(dtype) != p.item:
-                resp.read()
-                raise InvalidInput(
-                    f"store {self.url} sent {dtype} [{shape}] for {p.tensor!r} {p.region.format()!r}; "
-                    f"the buffer holds {p.item}-byte elements of shape [{expected_shape}]"
-                )
+            what = f"{p.tensor!r} {p.region.format()!r}"
+            self._check_part(resp, what, resp.getheader("X-Tenplex-Dtype", ""), resp.getheader("X-Tenplex-Shape", ""), p.region, p.item)
             length = resp.getheader("Content-Length")
             if length is None or int(length) != len(p.target):
                 resp.read()
-                raise InvalidInput(f"store {self.url} sent {length} bytes for {p.tensor!r} {p.region.format()!r}, expected {len(p.target)}")
-            # The checksum follows the body block by block while each block is still in the CPU cache
-            # (a second pass over a large buffer would read it back from memory).
-            total = len(p.target)
-            got = crc = 0
-            while got < total:
-                n = resp.readinto(p.target[got : min(total, got + VERIFY_BLOCK_BYTES)])
-                if not n:
-                    raise http.client.IncompleteRead(bytes(0), total - got)
-                if p.verify:
-                    crc = crc32c.crc32c(p.target[got : got + n], crc)
-                got += n
-            if p.verify:
-                header = resp.getheader("X-Tenplex-Checksum", "")
-                actual = format_checksum(crc)
-                if actual != header:
-                    raise ChecksumMismatch(
-                        f"{p.tensor!r} {p.region.format()!r} of version {p.version} from {self.url}: "
-                        f"payload crc32c {actual}, the store says {header or 'nothing'}"
-                    )
+                raise InvalidInput(f"store {self.url} sent {length} bytes for {what}, expected {len(p.target)}")
+            self._receive(resp, p.target, resp.getheader("X-Tenplex-Checksum", "") if p.verify else None, what, p.version)
 
         self._call("GET", path, handle)
+
+    def _check_part(self, resp: http.client.HTTPResponse, what: str, dtype: str, shape: str, region: Region, item: int) -> None:
+        """Refuse (reading the rest of the response) a payload whose shape or element size is not the buffer's."""
+        expected_shape = ",".join(str(n) for n in region.shape)
+        try:
+            size = itemsize(dtype)
+        except TenplexError:
+            size = -1
+        if shape != expected_shape or size != item:
+            resp.read()
+            raise InvalidInput(
+                f"store {self.url} sent {dtype} [{shape}] for {what}; "
+                f"the buffer holds {item}-byte elements of shape [{expected_shape}]"
+            )
+
+    def _receive(self, resp: http.client.HTTPResponse, target: memoryview, checksum: str | None, what: str, version: Version) -> None:
+        """Read ``len(target)`` body bytes into ``target``; with a ``checksum`` (the store's), verify them against it.
+
+        The checksum follows the body block by block while each block is still
+        in the CPU cache (a second pass over a large buffer would read it back
+        from memory).
+        """
+        total = len(target)
+        got = crc = 0
+        while got < total:
+            n = resp.readinto(target[got : min(total, got + VERIFY_BLOCK_BYTES)])
+            if not n:
+                raise http.client.IncompleteRead(bytes(0), total - got)
+            if checksum is not None:
+                crc = crc32c.crc32c(target[got : got + n], crc)
+            got += n
+        if checksum is not None and format_checksum(crc) != checksum:
+            raise ChecksumMismatch(
+                f"{what} of version {version} from {self.url}: "
+                f"payload crc32c {format_checksum(crc)}, the store says {checksum or 'nothing'}"
+            )
+
+    def _fetch_batch(self, job: str, version: Version, batch: Sequence[tuple[str, Region, np.ndarray]], verify: bool) -> None:
+        """One ``POST .../regions`` filling every buffer of ``batch``."""
+        body = json.dumps({"regions": [{"tensor": t, "region": r.format()} for t, r, _out in batch]}).encode()
+        total = sum(out.nbytes for _t, _r, out in batch)
+
+        def handle(resp: http.client.HTTPResponse) -> None:
+            try:
+                parts = json.loads(resp.getheader("X-Tenplex-Parts", ""))
+            except ValueError:
+                parts = None
+            if not isinstance(parts, list) or len(parts) != len(batch) or not all(isinstance(x, list) and len(x) == 3 for x in parts):
+                resp.read()
+                raise InvalidInput(f"store {self.url} answered a batch read of {len(batch)} regions without a matching X-Tenplex-Parts header")
+            for (tensor, region, out), (dtype, shape, _checksum) in zip(batch, parts, strict=True):
+                self._check_part(resp, f"{tensor!r} {region.format()!r}", str(dtype), str(shape), region, out.dtype.itemsize)
+            length = resp.getheader("Content-Length")
+            if length is None or int(length) != total:
+                resp.read()
+                raise InvalidInput(f"store {self.url} sent {length} bytes for a batch read of {total} bytes")
+            for (tensor, region, out), (_dtype, _shape, checksum) in zip(batch, parts, strict=True):
+                self._receive(resp, byte_view(out), str(checksum) if verify else None, f"{tensor!r} {region.format()!r}", version)
+
+        self._call("POST", f"{self._path(job, version)}/regions", handle, body=body, headers={"Content-Type": "application/json"})
 
     @contextmanager
     def _host(self, out: np.ndarray | torch.Tensor) -> Iterator[np.ndarray]:
@@ -377,6 +426,39 @@ class StoreClient:
         out = np.empty(region.shape, storage_dtype(dtype))
         self.read_into(job, version, tensor, region, out)
         return out
+
+    def read_regions(self, job: str, version: Version | str, reads: Sequence[RegionRead], *, verify: bool = True) -> None:
+        """Fill every ``out`` with its region of one committed version, in as few requests as the limits allow.
+
+        Consecutive reads go together, one request per batch of at most
+        ``MAX_BATCH_REGIONS`` regions and ``max_request_bytes`` bytes; a region
+        larger than that is read by :meth:`read_into`. One request at a time:
+        callers with many batches run several calls in parallel.
+        """
+        v = check_version(version)
+        check_job(job)
+        with ExitStack() as stack:
+            batch: list[tuple[str, Region, np.ndarray]] = []
+            size = 0
+            for r in reads:
+                host = stack.enter_context(self._host(r.out))
+                check_tensor(r.tensor)
+                if not isinstance(r.region, Region):
+                    raise InvalidInput(f"region must be a Region, got {type(r.region).__name__}")
+                if host.shape != r.region.shape:
+                    raise InvalidInput(
+                        f"output buffer for {r.tensor!r} has shape {list(host.shape)}, region {r.region.format()!r} has {list(r.region.shape)}"
+                    )
+                if host.nbytes > self.max_request_bytes:
+                    self.read_into(job, v, r.tensor, r.region, host, verify=verify)
+                    continue
+                if batch and (len(batch) >= MAX_BATCH_REGIONS or size + host.nbytes > self.max_request_bytes):
+                    self._fetch_batch(job, v, batch, verify)
+                    batch, size = [], 0
+                batch.append((r.tensor, r.region, host))
+                size += host.nbytes
+            if batch:
+                self._fetch_batch(job, v, batch, verify)
 
     def read_many(self, requests: Iterable[ReadRequest], *, concurrency: int = 4, verify: bool = True) -> None:
         """Fetch many regions with at most ``concurrency`` requests in flight; raises the first failure."""

@@ -8,6 +8,7 @@ Routes (all but ``/healthz`` need ``Authorization: Bearer <token>`` when a token
     GET    /v1/jobs/{job}/versions
     GET    /v1/jobs/{job}/versions/{version}                 manifest JSON
     GET    /v1/jobs/{job}/versions/{version}/tensors/{tensor}?region=a:b,c:d[&uncommitted=1]
+    POST   /v1/jobs/{job}/versions/{version}/regions         JSON list of regions -> their bytes, one body
     PUT    /v1/jobs/{job}/versions/{version}/tensors/{tensor}?region=a:b,c:d   raw body
     POST   /v1/jobs/{job}/versions/{version}/commit
     DELETE /v1/jobs/{job}/versions/{version}
@@ -40,6 +41,17 @@ checksum is computed from the bytes that are sent. How the body is produced:
 Clients split big reads into requests of at most 32 MiB anyway (see
 :class:`~tenplex.store.client.StoreClient`), so the streamed paths are for
 others.
+
+A batch read (``POST .../regions``, body ``{"regions": [{"tensor": ..., "region":
+"a:b,c:d"}, ...]}``, at most :data:`MAX_BATCH_REGIONS` of a committed version)
+answers the regions' bytes one after the other in one body, with
+``X-Tenplex-Parts``: a JSON list of ``[dtype, shape, checksum]`` per region, in
+order. Why: a transform pulls hundreds of small shards (biases, norms) from each
+source, and every request costs both ends about a millisecond of Python; one
+request for a batch costs that once. Each region is produced as above: runs of
+chunk files go out with ``sendfile(2)`` (consecutive ones in one hand-off),
+others are read into memory first (at most ``single_pass_bytes`` of those per
+request).
 
 Uploads stream the request body into piece buffers that go to zarr as they
 fill (two pieces of memory at most), the crc32c computed on the way; a body
@@ -78,6 +90,7 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.multiprocess import MultiProcessCollector
+from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -96,7 +109,7 @@ from tenplex.serving import (
 )
 from tenplex.store.buffers import byte_view, crc_of, slabs
 from tenplex.store.local import MIN_RUN_BYTES, LocalStore, ShardWriter, TensorReader
-from tenplex.store.model import format_checksum
+from tenplex.store.model import ShardInfo, format_checksum
 from tenplex.store.names import check_job, check_tensor, check_version
 from tenplex.store.rawchunks import (
     MAX_MAPS,
@@ -117,6 +130,8 @@ SINGLE_PASS_BYTES = 64 << 20
 INLINE_BYTES = 1 << 20  # bodies up to this are mapped and checksummed on the event loop itself
 SENDFILE_MIN_BYTES = INLINE_BYTES + 1  # smaller bodies: a map on the loop beats a hand-off to a sendfile thread
 PIECE_BYTES = 32 << 20
+MAX_BATCH_REGIONS = 256
+"""Regions per batch read: keeps ``X-Tenplex-Parts`` well under a client's 64 KiB header line."""
 TOKEN_ENV = "TENPLEX_TOKEN"
 _ROOT_ENV = "TENPLEX_STORE_ROOT"
 _OPTIONS_ENV = "TENPLEX_STORE_OPTIONS"
@@ -187,6 +202,21 @@ class _MetricsMiddleware:
             self.metrics.latency.labels(scope["method"], route).observe(time.perf_counter() - start)
             if status >= 400:
                 self.metrics.errors.labels(route, str(status)).inc()
+
+
+class RegionRef(BaseModel):
+    """One region of a batch read."""
+
+    model_config = ConfigDict(extra="forbid")
+    tensor: str
+    region: str = Field(description="a:b,c:d in the tensor's global coordinates")
+
+
+class RegionsRequest(BaseModel):
+    """Body of ``POST .../regions``."""
+
+    model_config = ConfigDict(extra="forbid")
+    regions: list[RegionRef] = Field(max_length=MAX_BATCH_REGIONS)
 
 
 def _error_response(exc: TenplexError) -> JSONResponse:
@@ -293,6 +323,50 @@ def create_app(
         await to_thread.run_sync(store.delete, job, v)
         return {"job": job, "version": str(v), "deleted": True}
 
+    def start_preload(job: str, v: Version) -> None:
+        """On the first read of a committed version, open its other tensors ahead (a transform asks for all)."""
+        if (job, v) in preloading:
+            return
+        if len(preloading) > 4096:
+            preloading.clear()
+        preloading.add((job, v))
+        threading.Thread(target=_preload, args=(store, job, v), name="tenplex-store-preload", daemon=True).start()
+
+    @api.post("/v1/jobs/{job}/versions/{version}/regions")
+    async def get_regions(request: Request, job: str, version: str, body: RegionsRequest) -> Response:
+        check_job(job)
+        v = check_version(version)
+        sendfile = SENDFILE_EXTENSION in request.scope.get("extensions", {})
+        first_read = [False]
+
+        def prepare() -> list[_Part]:
+            parts: list[_Part] = []
+            in_memory = 0
+            for i, ref in enumerate(body.regions):
+                check_tensor(ref.tensor)
+                reader = store.cached_tensor(job, v, ref.tensor)
+                if reader is None:
+                    reader = store.open_tensor(job, v, ref.tensor)
+                    first_read[0] = True
+                box = reader.parse_region(ref.region)
+                part = _Part.of(reader, box, sendfile=sendfile, min_run_bytes=min_run_bytes, piece_bytes=piece_bytes)
+                if part.runs is None:
+                    in_memory += part.nbytes
+                    if in_memory > single_pass_bytes:
+                        raise InvalidInput(
+                            f"regions 0..{i} of this batch read need {in_memory} bytes read into memory, more than "
+                            f"the {single_pass_bytes} one request may; ask for fewer regions per request"
+                        )
+                    part.read(reader, box)
+                parts.append(part)
+            return parts
+
+        parts = await to_thread.run_sync(prepare)
+        if first_read[0]:
+            start_preload(job, v)
+        headers = {"X-Tenplex-Parts": json.dumps([[p.dtype, format_shape(p.shape), p.checksum] for p in parts], separators=(",", ":"))}
+        return _PartsResponse(parts, headers, metrics, piece_bytes)
+
     @api.get("/v1/jobs/{job}/versions/{version}/tensors/{tensor:path}")
     async def get_region(
         request: Request, job: str, version: str, tensor: str, region: str | None = None, uncommitted: bool = False
@@ -303,12 +377,8 @@ def create_app(
         reader = store.cached_tensor(job, v, tensor)  # committed, and read before: no thread hop
         if reader is None:
             reader = await to_thread.run_sync(lambda: store.open_tensor(job, v, tensor, committed_only=not uncommitted))
-            if reader.committed and (job, v) not in preloading:
-                # the first read of a committed version: open its other tensors ahead (a transform asks for all)
-                if len(preloading) > 4096:
-                    preloading.clear()
-                preloading.add((job, v))
-                threading.Thread(target=_preload, args=(store, job, v), name="tenplex-store-preload", daemon=True).start()
+            if reader.committed:
+                start_preload(job, v)
         box = reader.parse_region(region) if region is not None else Region.full(reader.global_shape)
         reader.plan(box)  # fail with 404/416/409 before any header is sent
         nbytes = box.volume * reader.itemsize
@@ -454,6 +524,98 @@ async def _runs_response(
     batches = mapped_batches(runs, piece_bytes)
     first = await to_thread.run_sync(next, batches, [])  # a missing chunk file fails here, before the headers
     return StreamingResponse(_send_views(first, batches, metrics), media_type="application/octet-stream", headers=headers)
+
+
+class _Part:
+    """One region of a batch read: its header entry and where its bytes come from (chunk-file runs or memory)."""
+
+    __slots__ = ("checksum", "data", "dtype", "exact", "nbytes", "runs", "shape")
+
+    def __init__(self, dtype: str, shape: tuple[int, ...], nbytes: int, runs: list[ChunkRun] | None, exact: ShardInfo | None) -> None:
+        self.dtype = dtype
+        self.shape = shape
+        self.nbytes = nbytes
+        self.runs = runs
+        self.exact = exact
+        self.checksum = exact.checksum if exact is not None else ""
+        self.data: memoryview | None = None
+
+    @classmethod
+    def of(cls, reader: TensorReader, box: Region, *, sendfile: bool, min_run_bytes: int, piece_bytes: int) -> _Part:
+        """Plan one region (raising for a region the shards do not cover); runs only where ``sendfile`` can send them.
+
+        A small region that is one run (a whole bias in its single chunk
+        file) is sent as a run too: in a batch it costs no hand-off of its own.
+        """
+        reader.plan(box)
+        nbytes = box.volume * reader.itemsize
+        runs = reader.runs(box, max(1, min(min_run_bytes, nbytes))) if sendfile else None
+        part = cls(reader.dtype, box.shape, nbytes, runs, reader.exact_shard(box))
+        if runs is not None and part.exact is None:
+            recorded = reader.recorded_checksum(runs)
+            part.checksum = format_checksum(recorded if recorded is not None else checksum_runs(runs, piece_bytes))
+        return part
+
+    def read(self, reader: TensorReader, box: Region) -> None:
+        buf = np.empty(box.shape, storage_dtype(reader.dtype))
+        reader.read(box, buf)
+        if self.exact is None:
+            self.checksum = format_checksum(crc_of(buf))
+        self.data = byte_view(buf)
+
+
+class _PartsResponse(Response):
+    """The body of a batch read: its parts in order, consecutive runs of chunk files sent by one ``sendfile`` hand-off.
+
+    Chunk files are opened batch by batch (at most ``MAX_MAPS`` at once, see
+    :func:`~tenplex.store.rawchunks.run_batches`) right before they are sent.
+    """
+
+    media_type = "application/octet-stream"
+
+    def __init__(self, parts: list[_Part], headers: dict[str, str], metrics: _Metrics, batch_bytes: int) -> None:
+        super().__init__(content=b"", headers=headers)
+        self.headers["content-length"] = str(sum(p.nbytes for p in parts))
+        # consecutive parts of one kind merged: a list of runs (to sendfile) or one memoryview
+        self._segments: list[list[ChunkRun] | memoryview] = []
+        for p in parts:
+            if p.runs is not None:
+                if self._segments and isinstance(self._segments[-1], list):
+                    self._segments[-1].extend(p.runs)
+                else:
+                    self._segments.append(list(p.runs))
+            elif p.nbytes:
+                assert p.data is not None
+                self._segments.append(p.data)
+        self._metrics = metrics
+        self._batch_bytes = batch_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        segments, self._segments = self._segments, []
+        if not segments:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        fds: dict[tuple[int, tuple[int, ...]], int] = {}
+        try:
+            for i, segment in enumerate(segments):
+                last_segment = i == len(segments) - 1
+                if isinstance(segment, memoryview):
+                    await send({"type": "http.response.body", "body": segment, "more_body": not last_segment})
+                    self._metrics.bytes_out.inc(segment.nbytes)
+                    continue
+                batches = list(run_batches(segment, self._batch_bytes))
+                for j, batch in enumerate(batches):
+                    ranges = open_runs(batch, fds)
+                    more = not (last_segment and j == len(batches) - 1)
+                    await send({"type": SENDFILE_MESSAGE, "files": ranges, "more_body": more})
+                    self._metrics.bytes_out.inc(sum(n for _fd, _offset, n in ranges))
+                    for fd in fds.values():
+                        os.close(fd)
+                    fds.clear()
+        finally:
+            for fd in fds.values():
+                os.close(fd)
 
 
 class _ViewsResponse(Response):

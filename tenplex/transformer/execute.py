@@ -5,7 +5,9 @@ from its pieces: local pieces are read from the host's own store (old
 version), remote ones from their planned source, padding is zero-filled.
 A piece that is contiguous in the destination (whole trailing rows) is read
 straight into the buffer; any other piece lands in a piece-sized temporary and
-is copied in: never whole-tensor staging. The client verifies each payload's
+is copied in: never whole-tensor staging. Contiguous remote pieces of one
+source are pulled in batch reads (one request for up to 16 MiB of them): a
+transform's hundreds of small shards would otherwise cost a request each. The client verifies each payload's
 checksum. A finished shard is uploaded into the target store's *new* version
 and its buffer goes back to a pool for the next shards; buffers in flight are
 bounded by what the fetchers and writers can use at once (and by
@@ -64,6 +66,9 @@ DEFAULT_MAX_BUFFER_BYTES = 2 << 30
 """The most destination-buffer memory a host's transform holds at once (a larger shard still runs, alone)."""
 _MIN_WORKING_BYTES = 64 << 20
 _WRITERS = 4  # threads storing finished shards: several overlap the per-shard file creation and fsync waits
+DEFAULT_BATCH_BYTES = 16 << 20
+"""Remote pieces of one source go in batch reads of up to this many bytes (see :func:`_fetch_batch`)."""
+_BATCH_PIECES = 256  # the store's limit of regions per batch read
 
 
 class StoreLike(Protocol):
@@ -323,16 +328,21 @@ def execute_host_plan(
     progress: Callable[[int, int], None] | None = None,
     metrics: TransformMetrics | None = None,
     max_buffer_bytes: int = DEFAULT_MAX_BUFFER_BYTES,
+    batch_bytes: int = DEFAULT_BATCH_BYTES,
 ) -> TransformReport:
     """Fill and commit ``host``'s shards of ``plan.new_version`` in its store (``target``).
 
     ``sources`` maps source host names (and :data:`CHECKPOINT`) to clients;
     the target host's own pieces are read through ``target``. A source the
     plan names but ``sources`` lacks counts as failed. ``progress`` is called
-    with (bytes done, bytes total) from worker threads.
+    with (bytes done, bytes total) from worker threads. Remote pieces of one
+    source are pulled in batch reads of up to ``batch_bytes`` (0: each piece
+    its own request).
     """
     if concurrency < 1:
         raise InvalidInput(f"concurrency must be >= 1, got {concurrency}")
+    if batch_bytes < 0:
+        raise InvalidInput(f"batch_bytes must be >= 0, got {batch_bytes}")
     if max_buffer_bytes < 1:
         raise InvalidInput(f"max_buffer_bytes must be >= 1, got {max_buffer_bytes}")
     hp = plan.host(host)
@@ -349,7 +359,7 @@ def execute_host_plan(
             raise
         raise TransformFailed(f"host {host}: cannot prepare {target.url} for {plan.new_version}: {exc.detail}") from exc
     try:
-        _run(plan, hp, clients, state, concurrency, max_buffer_bytes)
+        _run(plan, hp, clients, state, concurrency, max_buffer_bytes, batch_bytes)
         target.commit(plan.job, plan.new_version)
     except BaseException as exc:
         state.failed.set()
@@ -423,6 +433,7 @@ def _run(
     state: _State,
     concurrency: int,
     max_buffer_bytes: int,
+    batch_bytes: int,
 ) -> None:
     by_shard: list[list[Transfer]] = [[] for _ in hp.shards]
     for tr in hp.transfers:
@@ -454,6 +465,8 @@ def _run(
                 budget.notify_all()
 
     writes: list[Future[None]] = []
+    batches: dict[str, list[tuple[_Shard, Transfer]]] = {}  # per source, pieces not yet submitted
+    pending_bytes: dict[str, int] = {}
     with (
         ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix=f"tenplex-transform-{hp.host}") as pool,
         ThreadPoolExecutor(max_workers=_WRITERS, thread_name_prefix=f"tenplex-transform-{hp.host}-write") as writer,
@@ -466,12 +479,29 @@ def _run(
             with state.lock:
                 writes.append(f)
 
+        def submit(fn: Callable[..., None], *args: Any) -> None:
+            futures.append(pool.submit(fn, *args))
+            futures[-1].add_done_callback(check)
+
+        def flush(source: str) -> None:
+            items = batches.pop(source, [])
+            pending_bytes.pop(source, None)
+            if items:
+                submit(_fetch_batch, plan, hp, source, items, clients, state, finish)
+
         for idx, dest in enumerate(hp.shards):
             if idx in linked:
                 continue
             nbytes = dest.nbytes
             with budget:
                 # One shard larger than the budget still runs, alone.
+                if in_flight[0] and in_flight[0] + nbytes > max_buffer_bytes:
+                    budget.release()  # the pieces held back for batches must be on their way before waiting
+                    try:
+                        for source in list(batches):
+                            flush(source)
+                    finally:
+                        budget.acquire()
                 while in_flight[0] and in_flight[0] + nbytes > max_buffer_bytes and not state.failed.is_set():
                     budget.wait(0.5)
                 if state.failed.is_set():
@@ -481,8 +511,22 @@ def _run(
             if not by_shard[idx]:  # an empty shard (0-size tensor): store it as is
                 finish(shard)
             for tr in by_shard[idx]:
-                futures.append(pool.submit(_piece, plan, hp, shard, tr, clients, state, finish))
-                futures[-1].add_done_callback(check)
+                source = tr.source
+                if (
+                    source is None or source == hp.host or tr.nbytes > batch_bytes
+                    or not callable(getattr(clients.get(source), "read_regions", None))
+                    or not shard.buf[tr.region.relative_to(dest.region).slices()].flags.c_contiguous
+                ):
+                    submit(_piece, plan, hp, shard, tr, clients, state, finish)
+                    continue
+                if pending_bytes.get(source, 0) + tr.nbytes > batch_bytes or len(batches.get(source, ())) >= _BATCH_PIECES:
+                    flush(source)
+                batches.setdefault(source, []).append((shard, tr))
+                pending_bytes[source] = pending_bytes.get(source, 0) + tr.nbytes
+        for source in list(batches):
+            if state.failed.is_set():
+                break
+            flush(source)
         if state.failed.is_set():
             for f in futures:
                 f.cancel()
@@ -563,7 +607,48 @@ def _piece(
         state.add("zero", tr.nbytes, request=False)
     else:
         _fetch(plan, hp, tr, view, clients, state)
-    last = False
+    _piece_done(shard, state, finish)
+
+
+def _fetch_batch(
+    plan: Plan,
+    hp: HostPlan,
+    source: str,
+    items: Sequence[tuple[_Shard, Transfer]],
+    clients: Mapping[str, StoreLike],
+    state: _State,
+    finish: Callable[[_Shard], None],
+) -> None:
+    """Pull contiguous pieces of one source with batch reads; any failure sends each piece its own way.
+
+    On a failure (the source dead, a checksum mismatch, a region it lacks)
+    every piece of the batch goes through :func:`_piece`, which retries and
+    moves to the other holders exactly as for a piece fetched alone.
+    """
+    from tenplex.store.client import RegionRead
+
+    if state.failed.is_set():
+        return
+    client = clients.get(source)
+    if client is not None and source not in state.dead:
+        reads = [RegionRead(tr.tensor, tr.region, shard.buf[tr.region.relative_to(shard.dest.region).slices()]) for shard, tr in items]
+        try:
+            client.read_regions(plan.job, plan.old_version, reads)  # type: ignore[attr-defined]
+        except StoreUnavailable as exc:
+            state.mark_dead(source, exc)
+        except TenplexError as exc:
+            log.info("batch read of %d pieces from %s failed (%s: %s); fetching them one by one", len(items), source, exc.code, exc.detail)
+        else:
+            kind = "checkpoint" if source == CHECKPOINT else "remote"
+            for i, (shard, tr) in enumerate(items):
+                state.add(kind, tr.nbytes, request=i == 0)
+                _piece_done(shard, state, finish)
+            return
+    for shard, tr in items:
+        _piece(plan, hp, shard, tr, clients, state, finish)
+
+
+def _piece_done(shard: _Shard, state: _State, finish: Callable[[_Shard], None]) -> None:
     with state.lock:
         shard.missing -= 1
         last = shard.missing == 0

@@ -40,9 +40,11 @@ def test_loss_of_a_host_sources_only_survivors(cluster, precision: str) -> None:
     check_new_state(cluster, new, state, "loss", NEW_V)
 
 
-def test_source_killed_mid_transfer_completes_from_the_other_replica(cluster) -> None:
+@pytest.mark.parametrize("batch_bytes", [0, 8 << 10], ids=["piece-requests", "batch-reads"])
+def test_source_killed_mid_transfer_completes_from_the_other_replica(cluster, batch_bytes: int) -> None:
     # Old: two full replicas (dp2) on h0 and h1; new: redeployed onto h2, so every piece is remote
-    # and balanced over h0 and h1. h0 is stopped once a third of the bytes are in.
+    # and balanced over h0 and h1. h0 is stopped once a third of the bytes are in, with the pieces
+    # fetched one per request and in batch reads (small ones here: the whole state is 184 KB).
     old = layout(ParallelConfig(dp=2, tp=2), 2, ["h0", "h1"], "bf16")
     new = layout(ParallelConfig(tp=2), 2, ["h2"], "bf16")
     state = random_state(old, seed=12)
@@ -64,10 +66,12 @@ def test_source_killed_mid_transfer_completes_from_the_other_replica(cluster) ->
     report = execute_host_plan(
         plan, "h2", target=cluster.clients["h2"],
         sources={h: cluster.clients[h] for h in ("h0", "h1")},
-        concurrency=2, progress=progress, metrics=metrics,
+        concurrency=2, progress=progress, metrics=metrics, batch_bytes=batch_bytes,
     )
     assert stopped.is_set()
     assert report.replanned_pieces > 0
+    pieces = len(plan.host("h2").transfers)
+    assert report.requests == pieces if batch_bytes == 0 else report.requests < pieces / 2
     assert report.bytes_remote == plan.network_bytes
     check_new_state(cluster, new, state, "kill", NEW_V)
     assert metrics.registry.get_sample_value("tenplex_transform_replanned_pieces_total") == report.replanned_pieces
