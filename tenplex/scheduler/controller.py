@@ -679,7 +679,8 @@ class JobController:
             st.history.append(Reconfiguration(reason="failure", started_at=time.time(), from_config=self._config_text(),
                                               from_gpus=st.gpus, from_hosts=list(st.hosts)))
         rec = st.history[-1]
-        rec.error = reason
+        # A failure during the recovery from another one joins its record: keep every cause, first first.
+        rec.error = f"{rec.error}; then {reason}" if rec.error else reason
         holders = self._holders()
         candidates = sorted({v for vs in holders.values() for v in vs}, key=lambda v: Version.parse(v), reverse=True)
         reached = max([st.step] + [w.step for w in st.workers if w.step is not None])

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import numpy as np
 import pytest
 
-from tenplex.errors import StateLost, TransformFailed
+from tenplex.errors import NotFound, StateLost, TransformFailed
 from tenplex.ptc import ParallelConfig
 from tenplex.store.client import StoreClient
 from tenplex.store.local import LocalStore
@@ -98,7 +99,9 @@ def test_every_holder_lost(cluster, tmp_path) -> None:
         execute_host_plan(plan, "h2", target=cluster.clients["h2"],
                           sources={h: cluster.clients[h] for h in ("h0", "h1")}, concurrency=2)
     assert "no source could deliver" in failed.value.detail and "h1" in failed.value.detail
-    assert all(str(v.version) != NEW_V for v in cluster.clients["h2"].versions("lost"))
+    # nothing of the new version at h2 (when h1's pieces failed first, not even the job)
+    with contextlib.suppress(NotFound):
+        assert all(str(v.version) != NEW_V for v in cluster.clients["h2"].versions("lost"))
     assert [str(v.version) for v in cluster.clients["h0"].versions("lost") if v.committed] == [OLD_V]
 
     # With a persistent checkpoint holding the old version (another layout: whole tensors), the
