@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -89,13 +90,56 @@ class Backend(ABC):
         return None
 
     def master_port(self, host: HostInfo) -> int:
-        """A free TCP port on ``host`` for torch.distributed's rendezvous."""
-        with socket.socket() as s:
-            s.bind((host.address, 0))
-            return s.getsockname()[1]
+        """A free TCP port on ``host`` for torch.distributed's rendezvous, below the ephemeral range.
+
+        Not port 0's answer: that is an ephemeral port, and until rank 0 binds
+        it (seconds later, after the workers start) any outgoing connection on
+        the machine may take it, which fails the rendezvous with EADDRINUSE.
+        A port below the kernel's ephemeral range is only ever taken by a bind;
+        the ones handed out recently are not handed out again for a while.
+        """
+        low = _ephemeral_low()
+        if low is None:  # no room below the ephemeral range: the kernel's choice, raced as it is
+            with socket.socket() as s:
+                s.bind((host.address, 0))
+                return s.getsockname()[1]
+        now = time.monotonic()
+        with _MASTER_PORTS_LOCK:
+            for key, when in list(_MASTER_PORTS.items()):
+                if now - when > _MASTER_PORT_HOLD_S:
+                    del _MASTER_PORTS[key]
+            start = random.randrange(_MASTER_PORT_FLOOR, low)
+            for i in range(low - _MASTER_PORT_FLOOR):
+                port = _MASTER_PORT_FLOOR + (start - _MASTER_PORT_FLOOR + i) % (low - _MASTER_PORT_FLOOR)
+                if (host.address, port) in _MASTER_PORTS:
+                    continue
+                with socket.socket() as s:
+                    try:
+                        s.bind((host.address, port))
+                    except OSError:
+                        continue
+                _MASTER_PORTS[(host.address, port)] = now
+                return port
+        raise InvalidConfig(f"no free rendezvous port on {host.address} in {_MASTER_PORT_FLOOR}-{low - 1}")
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release what the backend holds (not the workers: they outlive a scheduler restart)."""
+
+
+_MASTER_PORT_FLOOR = 20000
+_MASTER_PORT_HOLD_S = 120.0
+_MASTER_PORTS: dict[tuple[str, int], float] = {}  # (address, port) -> when it was handed out
+_MASTER_PORTS_LOCK = threading.Lock()
+
+
+def _ephemeral_low() -> int | None:
+    """The first port of the kernel's ephemeral range (32768 where it cannot be read); None when it
+    leaves fewer than 1000 ports above :data:`_MASTER_PORT_FLOOR` below it."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return low if low > _MASTER_PORT_FLOOR + 1000 else None
 
 
 # -- the local backend -------------------------------------------------------------

@@ -52,3 +52,20 @@ def test_worker_store_choice_follows_the_store_root(tmp_path: Path) -> None:
         remote = node_store(env, url, "tok")
         assert isinstance(remote, StoreClient) and remote.url == url
         remote.close()
+
+
+def test_rendezvous_ports_lie_below_the_ephemeral_range_and_are_not_handed_out_twice(tmp_path: Path) -> None:
+    import socket
+
+    from tenplex.scheduler.backend import Backend, HostInfo, _ephemeral_low
+
+    low = _ephemeral_low()
+    if low is None:
+        pytest.skip("this kernel's ephemeral range leaves no room below it")
+    host = HostInfo("h0", 1, "http://127.0.0.1:1", "127.0.0.1")
+    ports = [Backend.master_port(None, host) for _ in range(50)]  # type: ignore[arg-type]  # needs no backend state
+    assert len(set(ports)) == 50
+    assert all(20000 <= p < low for p in ports)
+    for p in ports:  # each was free when handed out
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
