@@ -10,10 +10,11 @@ stage, DTensor TP, FSDP2 or replicate DP) and its optimizer, then calls
    tensors whole) is exactly this device's part of the PTC; a mismatch is an
    :class:`~tenplex.errors.InvalidConfig` naming the first differing tensor
    and both layouts, raised before any byte is read;
-3. reads every local shard from the node-local store with ``read_into``
-   straight into the parameter / optimizer-state storage (no intermediate
-   copy on CPU; through a pinned buffer on an accelerator), checksums
-   verified by the store client;
+3. reads every local shard from the node-local store straight into the
+   parameter / optimizer-state storage (no intermediate copy on CPU; through
+   a pinned buffer on an accelerator), checksums verified by the store
+   client; over HTTP the CPU tensors go in batch reads (``read_regions``: a
+   model's hundreds of small biases and norms in a few requests);
 4. puts back or derives the trainer state (:mod:`tenplex.worker.trainer_state`).
 """
 
@@ -29,6 +30,7 @@ from torch import nn
 from tenplex.errors import Conflict, NotFound
 from tenplex.ptc import PTC, DatasetState, Region
 from tenplex.store import Manifest, Version
+from tenplex.store.client import RegionRead
 from tenplex.worker import trainer_state
 from tenplex.worker.state import check_layout, ensure_optimizer_state, live_pieces
 from tenplex.worker.stores import ShardStore
@@ -80,18 +82,24 @@ def restore(
     pieces = live_pieces(model, optimizer)
     check_layout(pieces, ptc, rank)
     nbytes = 0
+    read_regions = getattr(store, "read_regions", None)  # the HTTP client's batch reads
+    batch: list[RegionRead] = []
     with torch.no_grad():
         for piece in pieces:
             if piece.region.volume == 0:
                 continue  # an empty local shard: nothing stored, nothing to read
             out = piece.local.detach()
-            if out.device.type == "cpu" and out.is_contiguous():
+            if out.device.type == "cpu" and out.is_contiguous() and read_regions is not None:
+                batch.append(RegionRead(piece.name, piece.region, out))
+            elif out.device.type == "cpu" and out.is_contiguous():
                 store.read_into(job, v, piece.name, piece.region, out, verify=verify)
             else:
                 staging = torch.empty(out.shape, dtype=out.dtype, pin_memory=out.device.type == "cuda")
                 store.read_into(job, v, piece.name, piece.region, staging, verify=verify)
                 out.copy_(staging)
             nbytes += out.numel() * out.element_size()
+        if batch:
+            read_regions(job, v, batch, verify=verify)
     record = _read_record(store, job, v, manifest, rank, verify)
     state = trainer_state.apply(
         record,
