@@ -7,11 +7,12 @@ A piece that is contiguous in the destination (whole trailing rows) is read
 straight into the buffer; any other piece lands in a piece-sized temporary and
 is copied in: never whole-tensor staging. Contiguous remote pieces of one
 source are pulled in batch reads (one request for up to 16 MiB of them): a
-transform's hundreds of small shards would otherwise cost a request each. The client verifies each payload's
-checksum. A finished shard is uploaded into the target store's *new* version
-and its buffer goes back to a pool for the next shards; buffers in flight are
-bounded by what the fetchers and writers can use at once (and by
-``max_buffer_bytes``), so a transform touches little fresh memory.
+transform's hundreds of small shards would otherwise cost a request each.
+The client verifies each payload's checksum. A finished shard is uploaded
+into the target store's *new* version and its buffer goes back to a pool for
+the next shards; buffers in flight are bounded by what the fetchers and
+writers can use at once (and by ``max_buffer_bytes``), so a transform
+touches little fresh memory.
 When every shard is stored the new version is committed. A destination
 shard that is exactly a shard the target host already holds (a layout change
 that keeps it in place) is not copied when the target is the node's own store
