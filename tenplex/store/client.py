@@ -438,9 +438,8 @@ class StoreClient:
         v = check_version(version)
         check_job(job)
         with ExitStack() as stack:
-            batch: list[tuple[str, Region, np.ndarray]] = []
-            size = 0
-            for r in reads:
+            hosts = []
+            for r in reads:  # every read checked before the first request
                 host = stack.enter_context(self._host(r.out))
                 check_tensor(r.tensor)
                 if not isinstance(r.region, Region):
@@ -449,13 +448,17 @@ class StoreClient:
                     raise InvalidInput(
                         f"output buffer for {r.tensor!r} has shape {list(host.shape)}, region {r.region.format()!r} has {list(r.region.shape)}"
                     )
+                hosts.append((r.tensor, r.region, host))
+            batch: list[tuple[str, Region, np.ndarray]] = []
+            size = 0
+            for tensor, region, host in hosts:
                 if host.nbytes > self.max_request_bytes:
-                    self.read_into(job, v, r.tensor, r.region, host, verify=verify)
+                    self.read_into(job, v, tensor, region, host, verify=verify)
                     continue
                 if batch and (len(batch) >= MAX_BATCH_REGIONS or size + host.nbytes > self.max_request_bytes):
                     self._fetch_batch(job, v, batch, verify)
                     batch, size = [], 0
-                batch.append((r.tensor, r.region, host))
+                batch.append((tensor, region, host))
                 size += host.nbytes
             if batch:
                 self._fetch_batch(job, v, batch, verify)

@@ -568,7 +568,9 @@ class _PartsResponse(Response):
     """The body of a batch read: its parts in order, consecutive runs of chunk files sent by one ``sendfile`` hand-off.
 
     Chunk files are opened batch by batch (at most ``MAX_MAPS`` at once, see
-    :func:`~tenplex.store.rawchunks.run_batches`) right before they are sent.
+    :func:`~tenplex.store.rawchunks.run_batches`) right before they are sent;
+    one missing on disk (a damaged store) ends the body early and closes the
+    connection, which the client reports as a failed read of this store.
     """
 
     media_type = "application/octet-stream"
