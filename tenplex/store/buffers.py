@@ -95,7 +95,7 @@ def _cut(extent: int, fit: int, unit_bytes: int) -> int:
 
     ``unit_bytes`` is the size of one index's slice of a chunk. The count is
     rounded up to whole pages when that keeps it within ``fit`` and pads the
-    stored extent by at most 1/32 (trying a few more chunks for such a
+    stored extent by at most 1/32 (trying up to 64 more chunks for such a
     count); otherwise the even count stands and the chunk files are not whole
     pages (they are written through the page cache).
     """
@@ -103,7 +103,9 @@ def _cut(extent: int, fit: int, unit_bytes: int) -> int:
         return extent
     count = _ceil_div(extent, fit)
     step = _PAGE // math.gcd(unit_bytes, _PAGE)
-    for k in range(count, 2 * count + 1):
+    if step > fit:  # no whole-page count fits
+        return _ceil_div(extent, count)
+    for k in range(count, min(2 * count, count + 64) + 1):
         paged = _ceil_div(_ceil_div(extent, k), step) * step
         if paged <= fit and (_ceil_div(extent, paged) * paged - extent) * 32 <= extent:
             return paged
