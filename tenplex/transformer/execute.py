@@ -494,15 +494,13 @@ def _run(
             if idx in linked:
                 continue
             nbytes = dest.nbytes
+            if in_flight[0] + nbytes > max_buffer_bytes:
+                # About to wait for budget: the pieces held back for batches must be on their way first. (Only
+                # this thread adds to in_flight, so a shard that fits here still fits under the lock below.)
+                for source in list(batches):
+                    flush(source)
             with budget:
                 # One shard larger than the budget still runs, alone.
-                if in_flight[0] and in_flight[0] + nbytes > max_buffer_bytes:
-                    budget.release()  # the pieces held back for batches must be on their way before waiting
-                    try:
-                        for source in list(batches):
-                            flush(source)
-                    finally:
-                        budget.acquire()
                 while in_flight[0] and in_flight[0] + nbytes > max_buffer_bytes and not state.failed.is_set():
                     budget.wait(0.5)
                 if state.failed.is_set():

@@ -189,3 +189,18 @@ def test_survivor_links_the_shards_it_keeps(cluster) -> None:
     check_new_state(cluster, new, state, "keep", NEW_V)
     store.delete("keep", OLD_V)  # the new version's linked shards stay intact
     check_new_state(cluster, new, state, "keep", NEW_V)
+
+
+def test_batches_held_back_are_sent_before_waiting_for_buffer_budget(cluster) -> None:
+    # A buffer budget smaller than one batch: every shard waits for the one before it to be stored, and
+    # the pieces gathered for a batch must go out before each wait (else the transform would never end).
+    old = layout(ParallelConfig(dp=2, tp=2), 2, ["h0", "h1"], "bf16")
+    new = layout(ParallelConfig(tp=2), 2, ["h2"], "bf16")
+    state = random_state(old, seed=14)
+    populate(cluster, old, state, "budget", OLD_V)
+    plan = make_plan(old, new, job="budget", old_version=OLD_V, new_version=NEW_V)
+    report = execute_host_plan(plan, "h2", target=cluster.clients["h2"],
+                               sources={h: cluster.clients[h] for h in ("h0", "h1")},
+                               concurrency=2, max_buffer_bytes=4096, batch_bytes=1 << 20)
+    assert report.bytes_remote == plan.network_bytes
+    check_new_state(cluster, new, state, "budget", NEW_V)
