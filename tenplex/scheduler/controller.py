@@ -404,6 +404,13 @@ class JobController:
         unschedulable = {h.name for h in self.backend.hosts() if not h.schedulable}
         if st.pending_reason is None and unschedulable.intersection(st.hosts):
             st.pending_reason = "redeploy"
+        elif st.pending_reason not in (None, "scale") and not unschedulable.intersection(st.hosts):
+            # A cordon seen while the job was still on that host, applied after the move off it (or undone
+            # since): moving again would only cost a restart.
+            log.info("job %s: %s request dropped: none of %s is unschedulable now", self.spec.name,
+                     st.pending_reason, st.hosts)
+            st.pending_reason = None
+            self._save()
         if st.pending_reason == "scale" and st.requested_gpus == st.gpus:
             st.pending_reason = st.requested_gpus = None  # already there
             self._save()

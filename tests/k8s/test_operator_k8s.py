@@ -241,6 +241,21 @@ def test_a_drain_waits_while_the_scheduler_redeploys_off_the_node(cluster: ApiSe
     assert cluster.evict_node_pods("gpu-a") == ([f"{NS}/gpt-g0-r0"], [f"{NS}/gpt-g0-r1"])
 
 
+def test_a_redeploy_request_off_no_unschedulable_node_is_dropped(cluster: ApiServerEmulator,
+                                                                  sched: KubernetesScheduler) -> None:
+    """A cordon seen while the job ran on that node can reach the controller after it moved off (or after an
+    uncordon): acting on it would restart the job for nothing, so the controller drops it."""
+    cluster.create("elasticjobs", elasticjob("gpt", 2), NS)
+    running_pods(cluster, "gpt", 2)
+    ctl = sched.get("gpt")
+    eventually(lambda: ctl.status.phase == Phase.RUNNING, "Running")
+    ctl.request_redeploy("node-drain")  # late: no node of the job is cordoned
+    eventually(lambda: ctl.status.pending_reason is None, "the stale request dropped")
+    assert ctl.status.phase == Phase.RUNNING and ctl.status.history == []
+    cluster.cordon_node("gpu-a")  # a real one stays until acted on
+    eventually(lambda: ctl.status.pending_reason in ("node-drain", "redeploy"), "a redeployment off gpu-a")
+
+
 def test_expired_watches_do_not_lose_events(cluster: ApiServerEmulator, sched: KubernetesScheduler) -> None:
     cluster.create("elasticjobs", elasticjob("gpt", 2), NS)
     running_pods(cluster, "gpt", 2)
