@@ -62,7 +62,7 @@ import socket
 import threading
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -1140,6 +1140,17 @@ class ApiServerEmulator:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+    @contextlib.contextmanager
+    def outage(self) -> Iterator[None]:
+        """The API server is down inside the block (connections refused, watches ended), then back on the same
+        address with every object kept, as after an API server restart: for testing clients' retries."""
+        self.stop()
+        try:
+            yield
+        finally:
+            self._stopping.clear()
+            self.start()
 
     @property
     def url(self) -> str:

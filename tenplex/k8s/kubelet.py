@@ -40,9 +40,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import urllib3
 from kubernetes import client, watch
 
 LOG = logging.getLogger(__name__)
+STATUS_RETRY_SECONDS = 60.0
 
 _VAR_RE = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)|\$\$")
 
@@ -249,11 +251,35 @@ class LocalKubelet:
         LOG.info("kubelet %s: pod %s/%s deleted, process %d ended", self.node, running.namespace, running.name, process.pid)
 
     def _patch_status(self, running: _Running, status: dict[str, Any]) -> None:
-        try:
-            self._core.patch_namespaced_pod_status(running.name, running.namespace, {"status": status})
-        except client.ApiException as exc:
-            if exc.status != 404:  # a pod deleted meanwhile has no status to report
-                LOG.warning("kubelet %s: status of %s/%s not reported: %s", self.node, running.namespace, running.name, exc.reason)
+        """Report a pod's status; a dropped connection or a 5xx is retried (as a kubelet does) for a minute.
+
+        A lost report would leave a dead worker's pod Running for the
+        scheduler, so giving up after one failed request is not an option;
+        the retries end when the kubelet stops (the API server may be gone).
+        """
+        delay, deadline = 0.1, time.monotonic() + STATUS_RETRY_SECONDS
+        while True:
+            try:
+                self._core.patch_namespaced_pod_status(running.name, running.namespace, {"status": status})
+                return
+            except client.ApiException as exc:
+                if exc.status == 404:  # a pod deleted meanwhile has no status to report
+                    return
+                if exc.status < 500:
+                    LOG.warning("kubelet %s: status of %s/%s not reported: %s", self.node, running.namespace,
+                                running.name, exc.reason)
+                    return
+                problem = f"API error {exc.status} {exc.reason}"
+            except urllib3.exceptions.HTTPError as exc:  # connection refused or reset
+                problem = str(exc)
+            if self._stop.is_set() or time.monotonic() > deadline:
+                LOG.warning("kubelet %s: status of %s/%s not reported: %s", self.node, running.namespace,
+                         running.name, problem)
+                return
+            LOG.warning("kubelet %s: status of %s/%s not reported yet (%s), retrying", self.node, running.namespace,
+                        running.name, problem)
+            self._stop.wait(delay)
+            delay = min(2.0, delay * 2)
 
     def _report_failed_start(self, pod: client.V1Pod, message: str) -> None:
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import os
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,20 @@ def test_pod_runs_with_downward_api_secret_and_expansion(api: ApiServerEmulator,
     pod = k8s.core.read_namespaced_pod("w0", NS)
     assert pod.status.host_ip == "127.0.0.2"
     assert pod.status.container_statuses[0].state.terminated.exit_code == 0
+
+
+def test_an_exit_during_an_api_server_outage_is_reported_when_it_is_back(api: ApiServerEmulator, k8s: Clients,
+                                                                          kubelet: LocalKubelet, tmp_path: Path) -> None:
+    go = tmp_path / "go"
+    code = f"import os, sys, time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.02)\nsys.exit(4)"
+    k8s.core.create_namespaced_pod(NS, python_pod("w", code))
+    wait_for(lambda: phase(k8s, "w") == "Running", what="pod w Running")
+    with api.outage():
+        go.touch()
+        wait_for(lambda: kubelet.pid("w") is None, what="the process to exit")
+        time.sleep(0.5)  # the kubelet's first reports fail meanwhile
+    wait_for(lambda: phase(k8s, "w") == "Failed", timeout=30, what="pod w Failed once the API server is back")
+    assert k8s.core.read_namespaced_pod("w", NS).status.container_statuses[0].state.terminated.exit_code == 4
 
 
 def test_exit_code_and_crash_are_reported_failed(k8s: Clients, kubelet: LocalKubelet) -> None:
