@@ -118,6 +118,16 @@ class Cluster:
             eventually(lambda s=store: _healthy(s), f"the store daemon of {node}", timeout=60, interval=0.2)
 
 
+    def worker_logs(self, job: str, lines: int = 15) -> str:
+        """The last lines of every worker pod's log of ``job``, for a failing test's message."""
+        out = []
+        for node, kubelet in self.kubelets.items():
+            for path in sorted(kubelet.workdir.glob(f"*_{job}-g*.log")):
+                tail = path.read_text(errors="replace").splitlines()[-lines:]
+                out.append(f"\n--- {node} {path.name} ---\n" + "\n".join(tail))
+        return "".join(out)
+
+
 def _healthy(store: StoreClient) -> bool:
     try:
         store.health()
@@ -156,7 +166,9 @@ def scheduler(api: ApiServerEmulator, cluster: Cluster, tmp_path: Path) -> Itera
         sched.close()
 
 
-def wait_job(sched: KubernetesScheduler, name: str, pred: Any, what: str, timeout: float = 240.0) -> Any:
+def wait_job(sched: KubernetesScheduler, name: str, pred: Any, what: str, timeout: float = 240.0,
+             cluster: Cluster | None = None) -> Any:
+    """Wait for ``pred(status)``; on a timeout, say what the job went through (and its workers' last words)."""
     seen: list[str] = []  # the job's states on the way, for the message when it never gets there
 
     def check() -> Any:
@@ -175,7 +187,17 @@ def wait_job(sched: KubernetesScheduler, name: str, pred: Any, what: str, timeou
     try:
         return eventually(check, what, timeout=timeout, interval=0.2)
     except AssertionError as exc:
-        raise AssertionError(f"{exc}; the job's states meanwhile: " + " | ".join(seen[-12:])) from None
+        states = seen if len(seen) <= 16 else [*seen[:4], f"... {len(seen) - 16} more ...", *seen[-12:]]
+        raise AssertionError(f"{exc}; the job's states meanwhile: " + " | ".join(states)
+                             + _history(sched, name) + (cluster.worker_logs(name) if cluster else "")) from None
+
+
+def _history(sched: KubernetesScheduler, name: str) -> str:
+    ctl = sched.get(name)
+    with ctl.lock:
+        return "; its reconfigurations: " + " | ".join(
+            f"{r.reason} {r.from_gpus}->{r.to_gpus} {r.from_hosts}->{r.to_hosts} {r.version_from}->{r.version_to}"
+            f" error={r.error}" for r in ctl.status.history)
 
 
 def test_reference_job_scaled_through_the_scale_subresource_and_recovered_after_a_pod_failure(
@@ -190,7 +212,7 @@ def test_reference_job_scaled_through_the_scale_subresource_and_recovered_after_
         client.CustomObjectsApi(api_client).patch_namespaced_custom_object_scale(
             crd.GROUP, crd.VERSION, NS, crd.PLURAL, "gpt", {"spec": {"replicas": 2}})
     st = wait_job(scheduler, "gpt", lambda s: s.phase == Phase.RUNNING and s.generation == 1 and s.step >= 9,
-                  "training on 2 GPUs")
+                  "training on 2 GPUs", cluster=cluster)
     assert st.gpus == 2 and st.hosts == ["node-0", "node-1"]
     # The stopped generation-0 pods are removed when generation 1 is launched.
     pods = eventually(lambda: (p := worker_pods(api, "gpt")) and len(p) == 2 and p, "2 worker pods", timeout=90)
@@ -213,14 +235,14 @@ def test_reference_job_scaled_through_the_scale_subresource_and_recovered_after_
     evicted, blocked = api.evict_node_pods("node-1")
     assert evicted == [] and blocked == [f"{NS}/gpt-g1-r1"]
     st = wait_job(scheduler, "gpt", lambda s: s.phase == Phase.RUNNING and s.generation == 2 and s.step >= 15,
-                  "training off the drained node")
+                  "training off the drained node", cluster=cluster)
     assert st.gpus == 2 and sorted(st.hosts) == ["node-0", "node-2"]
     assert eventually(lambda: (r := api.evict_node_pods("node-1"))[1] == [] and r, "the drain to go through", timeout=90)
     assert not [p for p in worker_pods(api, "gpt") if p["spec"]["nodeName"] == "node-1"]
 
     victim = next(p["metadata"]["name"] for p in worker_pods(api, "gpt") if p["spec"]["nodeName"] == "node-2")
     cluster.kubelets["node-2"].kill(victim)  # the process dies: the kubelet reports the pod Failed
-    st = wait_job(scheduler, "gpt", lambda s: s.phase == Phase.SUCCEEDED, "recovering and finishing")
+    st = wait_job(scheduler, "gpt", lambda s: s.phase == Phase.SUCCEEDED, "recovering and finishing", cluster=cluster)
     assert st.step == STEPS
 
     assert len(st.history) == 3, "reconfigurations: " + "; ".join(
