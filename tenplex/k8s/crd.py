@@ -243,6 +243,8 @@ def _spec_schema() -> dict[str, Any]:
                     "snapshotEvery": _int(1, "Snapshot the state to the node-local stores every this many steps.",
                                           default=10),
                     "heartbeatTimeoutSeconds": _int(1, "A worker silent this long counts as failed.", default=60),
+                    "maxRestarts": _int(0, "Failure recoveries allowed in a row without a newer snapshot; the next "
+                                           "failure fails the job.", default=3),
                     "dataset": {
                         "type": "object",
                         "required": ["numSamples", "globalBatchSize"],
@@ -527,6 +529,7 @@ class TrainingSpec:
     steps: int = 100
     snapshot_every: int = 10
     heartbeat_timeout_seconds: int = 60
+    max_restarts: int = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -602,6 +605,7 @@ class ElasticJobSpec:
                 steps=training["steps"],
                 snapshot_every=training["snapshotEvery"],
                 heartbeat_timeout_seconds=training["heartbeatTimeoutSeconds"],
+                max_restarts=training["maxRestarts"],
             ) if training is not None else None,
         )
 

@@ -93,6 +93,7 @@ def job_spec_from_elasticjob(obj: Mapping[str, Any]) -> JobSpec:
         steps=t.steps,
         snapshot_every=t.snapshot_every,
         heartbeat_timeout=float(t.heartbeat_timeout_seconds),
+        max_restarts=t.max_restarts,
         image=spec.image,
         env=env,
     )

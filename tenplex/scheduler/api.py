@@ -74,6 +74,8 @@ class JobCreate(_Body):
     steps: int = Field(100, ge=1, le=1 << 40)
     snapshot_every: int = Field(10, ge=1, le=1 << 40)
     heartbeat_timeout: float = Field(60.0, gt=0, le=86400)
+    max_restarts: int = Field(3, ge=0, le=1_000_000, description=(
+        "Failure recoveries allowed in a row without a newer snapshot; the next failure fails the job."))
     env: dict[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")], Annotated[str, Field(max_length=65536)]] = Field(
         default_factory=dict)
 
@@ -164,6 +166,7 @@ def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
             steps=body.steps,
             snapshot_every=body.snapshot_every,
             heartbeat_timeout=body.heartbeat_timeout,
+            max_restarts=body.max_restarts,
             env=body.env,
         )
         ctl = scheduler.create(spec)

@@ -227,6 +227,7 @@ class JobController:
                 self.status.version_generation[req.version] = req.generation
                 if set(hosts) >= set(self.ptc(req.generation).hosts):
                     self.status.version = req.version
+                    self.status.failures_without_progress = 0  # training got past its restart point
                 self._save()
 
     def peer_failure(self, worker_id: str, req: PeerFailureReport) -> None:
@@ -688,6 +689,12 @@ class JobController:
         rec = st.history[-1]
         # A failure during the recovery from another one joins its record: keep every cause, first first.
         rec.error = f"{rec.error}; then {reason}" if rec.error else reason
+        st.failures_without_progress += 1
+        if st.failures_without_progress > self.spec.max_restarts:
+            n = st.failures_without_progress
+            self._fail(f"giving up after {n} failure{'s' if n > 1 else ''} in a row without a newer snapshot "
+                       f"(max_restarts {self.spec.max_restarts}): {rec.error}")
+            return
         holders = self._holders()
         candidates = sorted({v for vs in holders.values() for v in vs}, key=lambda v: Version.parse(v), reverse=True)
         reached = max([st.step] + [w.step for w in st.workers if w.step is not None])
@@ -707,7 +714,36 @@ class JobController:
             self._enter(Phase.RECONFIGURING, Stage.PLANNING,
                         f"{reason}; recovering from {version} held by {sorted(have)} ({rec.steps_lost} steps lost)")
             return
+        if st.version is None:
+            self._restart_from_beginning(reason, reached)
+            return
         self._fail(f"{reason}; no version of the state is fully held by the surviving hosts {sorted(holders)}")
+
+    def _restart_from_beginning(self, reason: str, reached: int) -> None:
+        """A failure before any version was committed everywhere: nothing to recover, so start again at step 0.
+
+        Only the steps since the start are lost; failing the job instead would
+        lose the same steps and need a person to resubmit it.
+        """
+        st = self.status
+        try:
+            decision = self._decide_feasible(st.requested_gpus or st.target_gpus or st.gpus, list(st.hosts),
+                                             self.spec.dataset.consumed_samples)
+        except TenplexError as exc:
+            self._fail(f"{reason}; no configuration to restart on: {exc.detail}")
+            return
+        gen = max([st.generation, *st.version_generation.values()]) + 1  # never reuse a generation's names
+        self._set_ptc(gen, decision.ptc)
+        rec = st.history[-1]
+        rec.steps_lost = reached
+        rec.to_config = decision.parallel.describe()
+        rec.to_gpus = decision.parallel.world_size
+        rec.to_hosts = list(decision.placement.hosts)
+        st.restore_version = None
+        st.restored_step = st.step = 0
+        self._launch(decision, generation=gen)
+        self._enter(Phase.RUNNING, None, f"{reason}; no snapshot yet: restarted from step 0 in "
+                                         f"{decision.parallel.describe()} ({reached} steps lost)")
 
     def _fail(self, reason: str) -> None:
         st = self.status

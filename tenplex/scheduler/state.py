@@ -71,6 +71,8 @@ class JobSpec:
     steps: int = 100
     snapshot_every: int = 10
     heartbeat_timeout: float = 60.0
+    max_restarts: int = 3
+    """Failure recoveries allowed in a row without a newer snapshot: the next failure fails the job (a crash loop ends)."""
     image: str | None = None
     env: Mapping[str, str] = field(default_factory=dict)
 
@@ -85,6 +87,8 @@ class JobSpec:
             raise InvalidConfig(f"snapshot_every must be >= 1, got {self.snapshot_every}")
         if self.heartbeat_timeout <= 0:
             raise InvalidConfig(f"heartbeat_timeout must be positive, got {self.heartbeat_timeout}")
+        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
+            raise InvalidConfig(f"max_restarts must be an integer >= 0, got {self.max_restarts!r}")
         if not self.command and not self.image:
             raise InvalidConfig("a job needs a worker command (local backend) or an image (kubernetes backend)")
 
@@ -105,6 +109,7 @@ class JobSpec:
             "steps": self.steps,
             "snapshot_every": self.snapshot_every,
             "heartbeat_timeout": self.heartbeat_timeout,
+            "max_restarts": self.max_restarts,
             "image": self.image,
             "env": dict(self.env),
         }
@@ -123,6 +128,7 @@ class JobSpec:
             steps=obj.get("steps", 100),
             snapshot_every=obj.get("snapshot_every", 10),
             heartbeat_timeout=obj.get("heartbeat_timeout", 60.0),
+            max_restarts=obj.get("max_restarts", 3),
             image=obj.get("image"),
             env=dict(obj.get("env", {})),
         )
@@ -229,6 +235,8 @@ class JobStatus:
     restored_step: int | None = None
     stop_at_step: int | None = None
     restore_version: str | None = None
+    failures_without_progress: int = 0
+    """Failures since the last newly committed version (compared with the spec's ``max_restarts``)."""
     workers: list[WorkerRecord] = field(default_factory=list)
     history: list[Reconfiguration] = field(default_factory=list)
     message: str = ""

@@ -42,7 +42,7 @@ def elasticjob(name: str, gpus: int, *, namespace: str = NS, provider: str = "me
                model: dict[str, Any] | None = None, command: list[str] | None = None, steps: int = 1000,
                snapshot_every: int = 10, env: list[dict[str, Any]] | None = None, max_gpus: int = 4,
                table: list[dict[str, int]] | None = None, training: bool = True,
-               gpus_per_pod: int | None = None) -> dict[str, Any]:
+               gpus_per_pod: int | None = None, max_restarts: int | None = None) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "image": "tenplex:test",
         "command": command or ["python", "-m", "examples.gpt.train"],
@@ -57,6 +57,8 @@ def elasticjob(name: str, gpus: int, *, namespace: str = NS, provider: str = "me
     if training:
         spec["training"] = {"steps": steps, "snapshotEvery": snapshot_every, "heartbeatTimeoutSeconds": 120,
                             "dataset": {"numSamples": 4096, "globalBatchSize": 8}}
+        if max_restarts is not None:
+            spec["training"]["maxRestarts"] = max_restarts
     if table:
         spec["policy"] = {"type": "table", "table": table}
     return {"apiVersion": crd.API_VERSION, "kind": crd.KIND, "metadata": {"name": name, "namespace": namespace},

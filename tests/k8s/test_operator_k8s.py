@@ -144,8 +144,36 @@ def test_scale_subresource_becomes_a_scale_request_once(cluster: ApiServerEmulat
     assert [w.generation for w in ctl.status.workers] == [0, 0]
 
 
+def test_a_failed_worker_pod_before_any_snapshot_restarts_the_job_until_max_restarts(
+        cluster: ApiServerEmulator, sched: KubernetesScheduler) -> None:
+    cluster.create("elasticjobs", elasticjob("gpt", 2, max_restarts=1), NS)
+    for pod in running_pods(cluster, "gpt", 2):
+        cluster.set_pod_running(pod["metadata"]["name"], NS)
+    ctl = sched.get("gpt")
+    eventually(lambda: ctl.status.phase == Phase.RUNNING, "Running")
+    # No version is committed anywhere yet: nothing to recover from, so the job starts again at step 0.
+    cluster.fail_pod("gpt-g0-r1", NS, exit_code=139, reason="Error")
+    pods = eventually(lambda: (p := worker_pods(cluster, "gpt")) and all("-g1-" in x["metadata"]["name"] for x in p)
+                      and len(p) == 2 and p, "the generation-1 pods")
+    assert [p["metadata"]["name"] for p in pods] == ["gpt-g1-r0", "gpt-g1-r1"]
+    assert ctl.status.phase == Phase.RUNNING and ctl.status.generation == 1 and ctl.status.step == 0
+    assert "no snapshot yet: restarted from step 0" in ctl.status.message
+    (rec,) = ctl.status.history
+    assert rec.reason == "failure" and rec.error == "worker gpt-g0-r1 exited with code 139"
+    assert ctl.status.failures_without_progress == 1
+    # A second failure with still no newer snapshot is over maxRestarts (1): the crash loop ends in Failed.
+    for pod in pods:
+        cluster.set_pod_running(pod["metadata"]["name"], NS)
+    cluster.fail_pod("gpt-g1-r0", NS, exit_code=1, reason="Error")
+    eventually(lambda: ctl.status.phase == Phase.FAILED, "Failed", timeout=30)
+    assert ctl.status.message.startswith("giving up after 2 failures in a row without a newer snapshot "
+                                         "(max_restarts 1)"), ctl.status.message
+    assert "worker gpt-g1-r0 exited with code 1" in ctl.status.message
+    assert worker_pods(cluster, "gpt") == []
+
+
 def test_a_failed_worker_pod_triggers_failure_handling(cluster: ApiServerEmulator, sched: KubernetesScheduler) -> None:
-    cluster.create("elasticjobs", elasticjob("gpt", 2), NS)
+    cluster.create("elasticjobs", elasticjob("gpt", 2, max_restarts=0), NS)
     for pod in running_pods(cluster, "gpt", 2):
         cluster.set_pod_running(pod["metadata"]["name"], NS)
     ctl = sched.get("gpt")
@@ -166,13 +194,13 @@ def test_a_failed_worker_pod_triggers_failure_handling(cluster: ApiServerEmulato
     events = eventually(job_events, "both events", timeout=10)
     assert [(kind, reason) for kind, reason, _ in events] == [("Normal", "Running"), ("Warning", "Failed")]
     assert events[0][2].startswith("started in dp1 x tp2 x pp1")
-    assert events[1][2].startswith("worker gpt-g0-r1 exited with code 139")
+    assert "worker gpt-g0-r1 exited with code 139" in events[1][2]
 
 
 def test_multi_gpu_pods_and_a_failed_pod_fails_all_its_ranks(cluster: ApiServerEmulator,
                                                              sched: KubernetesScheduler) -> None:
-    cluster.create("elasticjobs", elasticjob("gpt", 4, gpus_per_pod=2, table=[{"gpus": 4, "dp": 2, "tp": 2, "pp": 1}]),
-                   NS)
+    cluster.create("elasticjobs", elasticjob("gpt", 4, gpus_per_pod=2, table=[{"gpus": 4, "dp": 2, "tp": 2, "pp": 1}],
+                                             max_restarts=0), NS)
     pods = running_pods(cluster, "gpt", 2)
     assert [(p["metadata"]["name"], p["spec"]["nodeName"], p["metadata"]["labels"][LABEL_RANKS],
              p["metadata"]["annotations"][ANNOTATION_WORKERS]) for p in pods] == [
@@ -257,7 +285,7 @@ def test_a_redeploy_request_off_no_unschedulable_node_is_dropped(cluster: ApiSer
 
 
 def test_expired_watches_do_not_lose_events(cluster: ApiServerEmulator, sched: KubernetesScheduler) -> None:
-    cluster.create("elasticjobs", elasticjob("gpt", 2), NS)
+    cluster.create("elasticjobs", elasticjob("gpt", 2, max_restarts=0), NS)
     running_pods(cluster, "gpt", 2)
     ctl = sched.get("gpt")
     eventually(lambda: cluster.open_watches() >= 3, "the operator's watches")
@@ -287,7 +315,10 @@ def test_a_restarted_scheduler_resumes_the_job_from_the_api_server(cluster: ApiS
         assert ctl.ptc(0).hosts == ("gpu-a",)
         assert [p["metadata"]["uid"] for p in worker_pods(cluster, "gpt")] == uids  # adopted, not relaunched
         cluster.fail_pod("gpt-g0-r0", NS)
-        eventually(lambda: ctl.status.phase == Phase.FAILED, "the resumed controller acting")
+        # Acting: nothing was snapshotted yet, so the job starts again at step 0 as generation 1.
+        eventually(lambda: [p["metadata"]["name"] for p in worker_pods(cluster, "gpt")] == ["gpt-g1-r0", "gpt-g1-r1"],
+                   "the resumed controller acting")
+        assert ctl.status.history[-1].reason == "failure" and "gpt-g0-r0" in (ctl.status.history[-1].error or "")
     finally:
         second.close()
 

@@ -188,3 +188,30 @@ def test_a_lost_host_is_survived_from_the_remaining_replica(tmp_path: Path) -> N
     assert 0 <= failure["steps_lost"] <= 2 * SNAPSHOT_EVERY, failure
     # The survivor held a whole replica: nothing had to cross the network.
     assert failure["bytes_remote"] == failure["lower_bound_bytes"] == 0 and failure["bytes_local"] > 0, failure
+
+
+def test_a_failure_before_the_first_snapshot_restarts_at_step_0_and_a_crash_loop_ends(tmp_path: Path) -> None:
+    with LocalScheduler(tmp_path, hosts=1, gpus_per_host=1, heartbeat_interval=0.3) as sched:
+        client = SchedulerClient(sched.url)
+        early = {**job("early", gpus=1, steps=8), "snapshot_every": 100}  # no snapshot before the kill
+        client.create(early)
+        st = wait_for(client, "early", running(0, 2), "training, no snapshot yet")
+        assert st["version"] is None
+        victim = st["workers"][0]["worker_id"]
+        sched.scheduler.backend.kill_worker("early", victim, signal.SIGKILL)
+        st = wait_for(client, "early", lambda s: s["phase"] == "Succeeded", "restarting at step 0 and finishing")
+        assert st["step"] == 8 and st["generation"] == 1
+        [failure] = st["history"]
+        assert failure["reason"] == "failure" and victim in failure["error"], failure
+        assert failure["version_from"] is None and failure["steps_lost"] >= 2 and failure["to_gpus"] == 1, failure
+
+        # A worker that can never start: each restart fails at once, and max_restarts ends the loop.
+        crash = {**job("crash", gpus=1, steps=8), "command": [sys.executable, "-c", "import sys; sys.exit(3)"],
+                 "max_restarts": 2}
+        client.create(crash)
+        deadline = time.monotonic() + 120
+        while (st := client.job("crash")["status"])["phase"] != "Failed":
+            assert time.monotonic() < deadline, f"the crash loop did not end: {st}"
+            time.sleep(0.2)
+    assert st["message"].startswith("giving up after 3 failures in a row without a newer snapshot (max_restarts 2)")
+    assert "crash-g2-r0 exited with code 3" in st["message"] and st["generation"] == 2
