@@ -3,8 +3,9 @@
 The scheduler runs for real (job controllers, policy, layouts, state in
 ConfigMaps and the ElasticJob status); no kubelet runs the pods, so the tests
 play the kubelet's and node controller's part with the emulator's hooks.
-Without store daemons, a failure cannot be recovered: the job ends Failed,
-which is how these tests see that the failure was handled.
+Without store daemons nothing is ever committed, so a failure restarts the job
+at step 0 as a new generation; tests that look at the Failed path set
+``maxRestarts: 0``, so that the first failure ends the job.
 """
 
 from __future__ import annotations
