@@ -94,6 +94,7 @@ def job_spec_from_elasticjob(obj: Mapping[str, Any]) -> JobSpec:
         snapshot_every=t.snapshot_every,
         heartbeat_timeout=float(t.heartbeat_timeout_seconds),
         max_restarts=t.max_restarts,
+        gpus_per_pod=spec.gpus_per_pod,
         image=spec.image,
         env=env,
     )

@@ -300,12 +300,20 @@ class JobController:
     def _usable_hosts(self) -> list[HostInfo]:
         return [h for h in self.backend.hosts() if h.ready and h.schedulable]
 
+    def _slots(self, host: HostInfo) -> int:
+        """The GPUs of ``host`` the job can use: whole groups of ``gpus_per_pod`` (a pod's ranks share a host)."""
+        g = self.spec.gpus_per_pod
+        return host.gpus // g * g
+
     def _decide(self, gpus: int, prefer: list[str], dataset_consumed: int) -> policy_mod.Decision:
-        hosts = self._usable_hosts()
+        g = self.spec.gpus_per_pod
+        if gpus % g:
+            raise InvalidConfig(f"{gpus} GPUs is not a multiple of gpus_per_pod {g}")
+        hosts = [h for h in self._usable_hosts() if self._slots(h)]
         if not hosts:
-            raise InvalidConfig("no ready, schedulable hosts")
+            raise InvalidConfig("no ready, schedulable hosts" + (f" with {g} GPUs for a pod" if g > 1 else ""))
         order = sorted(hosts, key=lambda h: (h.name not in prefer, prefer.index(h.name) if h.name in prefer else 0, h.name))
-        gpus_per_node = min(h.gpus for h in order)
+        gpus_per_node = min(self._slots(h) for h in order)
         dataset = self.spec.dataset.__class__(
             self.spec.dataset.num_samples, self.spec.dataset.seed, self.spec.dataset.global_batch_size, dataset_consumed
         )
@@ -580,10 +588,12 @@ class JobController:
                     f"plan {version} -> {new_version}: {plan.network_bytes} B over the network (lower bound {plan.lower_bound_bytes} B), {plan.local_bytes} B local")
 
     def _decide_feasible(self, gpus: int, prefer: list[str], consumed: int) -> policy_mod.Decision:
-        """The wanted GPU count if it fits on what is usable, else the largest count >= min_gpus that does."""
-        capacity = sum(h.gpus for h in self._usable_hosts())
+        """The wanted GPU count if it fits on what is usable, else the largest count >= min_gpus that does
+        (counts in whole pods: multiples of ``gpus_per_pod``)."""
+        capacity = sum(self._slots(h) for h in self._usable_hosts())
+        g = self.spec.gpus_per_pod
         errors = []
-        for n in range(min(gpus, capacity), self.spec.min_gpus - 1, -1):
+        for n in range(min(gpus, capacity) // g * g, self.spec.min_gpus - 1, -g):
             try:
                 return self._decide(n, prefer, consumed)
             except InvalidConfig as exc:

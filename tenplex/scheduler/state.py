@@ -73,11 +73,16 @@ class JobSpec:
     heartbeat_timeout: float = 60.0
     max_restarts: int = 3
     """Failure recoveries allowed in a row without a newer snapshot: the next failure fails the job (a crash loop ends)."""
+    gpus_per_pod: int = 1
+    """Ranks start in groups of this many on one host (a Kubernetes worker pod's GPUs): the job's GPU counts and
+    the ranks placed on each host are multiples of it."""
     image: str | None = None
     env: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_job_name(self.name)
+        if isinstance(self.gpus_per_pod, bool) or not isinstance(self.gpus_per_pod, int) or self.gpus_per_pod < 1:
+            raise InvalidConfig(f"gpus_per_pod must be an integer >= 1, got {self.gpus_per_pod!r}")
         if not 1 <= self.min_gpus <= self.max_gpus:
             raise InvalidConfig(f"need 1 <= min_gpus <= max_gpus, got min {self.min_gpus}, max {self.max_gpus}")
         self.check_gpus(self.gpus)
@@ -95,6 +100,9 @@ class JobSpec:
     def check_gpus(self, gpus: int) -> None:
         if isinstance(gpus, bool) or not isinstance(gpus, int) or not self.min_gpus <= gpus <= self.max_gpus:
             raise InvalidConfig(f"gpus must be an integer in [{self.min_gpus}, {self.max_gpus}] for job {self.name!r}, got {gpus!r}")
+        if gpus % self.gpus_per_pod:
+            raise InvalidConfig(f"gpus must be a multiple of gpus_per_pod {self.gpus_per_pod} for job {self.name!r}, "
+                                f"got {gpus}")
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -110,6 +118,7 @@ class JobSpec:
             "snapshot_every": self.snapshot_every,
             "heartbeat_timeout": self.heartbeat_timeout,
             "max_restarts": self.max_restarts,
+            "gpus_per_pod": self.gpus_per_pod,
             "image": self.image,
             "env": dict(self.env),
         }
@@ -129,6 +138,7 @@ class JobSpec:
             snapshot_every=obj.get("snapshot_every", 10),
             heartbeat_timeout=obj.get("heartbeat_timeout", 60.0),
             max_restarts=obj.get("max_restarts", 3),
+            gpus_per_pod=obj.get("gpus_per_pod", 1),
             image=obj.get("image"),
             env=dict(obj.get("env", {})),
         )

@@ -154,11 +154,11 @@ def test_a_failed_worker_pod_before_any_snapshot_restarts_the_job_until_max_rest
     eventually(lambda: ctl.status.phase == Phase.RUNNING, "Running")
     # No version is committed anywhere yet: nothing to recover from, so the job starts again at step 0.
     cluster.fail_pod("gpt-g0-r1", NS, exit_code=139, reason="Error")
+    eventually(lambda: "no snapshot yet: restarted from step 0" in ctl.status.message, "the restart")  # after the pods
     pods = eventually(lambda: (p := worker_pods(cluster, "gpt")) and all("-g1-" in x["metadata"]["name"] for x in p)
-                      and len(p) == 2 and p, "the generation-1 pods")
+                      and len(p) == 2 and p, "the generation-1 pods alone")
     assert [p["metadata"]["name"] for p in pods] == ["gpt-g1-r0", "gpt-g1-r1"]
     assert ctl.status.phase == Phase.RUNNING and ctl.status.generation == 1 and ctl.status.step == 0
-    assert "no snapshot yet: restarted from step 0" in ctl.status.message
     (rec,) = ctl.status.history
     assert rec.reason == "failure" and rec.error == "worker gpt-g0-r1 exited with code 139"
     assert ctl.status.failures_without_progress == 1
@@ -464,3 +464,24 @@ def test_the_chart_names_the_service_like_the_deployment() -> None:
     # The chart says it outright, too: the Service's name and port, which is what the workers reach.
     env = {e["name"]: e.get("value") for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["TENPLEX_ADVERTISE_URL"] == f"http://{service['metadata']['name']}.tenplex.svc:{port}"
+
+
+def test_pods_of_two_gpus_on_nodes_of_three_use_two_gpus_of_each(api: ApiServerEmulator, tmp_path: Path) -> None:
+    """A node's GPUs count in whole pods: 3 GPUs hold one 2-GPU pod, so 4 GPUs take two nodes, 2 ranks each."""
+    add_gpu_node(api, "gpu-a", "127.0.0.2", gpus=3)
+    add_gpu_node(api, "gpu-b", "127.0.0.3", gpus=3)
+    sched = make_scheduler(api, tmp_path / "a")
+    sched.recover()
+    try:
+        api.create("elasticjobs", elasticjob("gpt", 4, gpus_per_pod=2, max_gpus=6,
+                                             table=[{"gpus": 4, "dp": 2, "tp": 2, "pp": 1}]), NS)
+        pods = running_pods(api, "gpt", 2)
+        assert [(p["metadata"]["name"], p["spec"]["nodeName"], p["metadata"]["labels"][LABEL_RANKS]) for p in pods] == [
+            ("gpt-g0-r0", "gpu-a", "0-1"), ("gpt-g0-r2", "gpu-b", "2-3")]
+        ctl = sched.get("gpt")
+        assert ctl.status.gpus_per_node == 2 and ctl.spec.gpus_per_pod == 2
+        # A count that is not whole pods is refused with the reason.
+        with pytest.raises(InvalidConfig, match="multiple of gpus_per_pod 2"):
+            ctl.request_scale(5)
+    finally:
+        sched.close()

@@ -101,14 +101,20 @@ def test_job_spec_validation_messages():
         spec(min_gpus=4, max_gpus=2)
     with pytest.raises(InvalidConfig, match="worker command"):
         spec(command=())
+    with pytest.raises(InvalidConfig, match="gpus must be a multiple of gpus_per_pod 4 for job 'gpt', got 6"):
+        spec(gpus=6, gpus_per_pod=4)
+    with pytest.raises(InvalidConfig, match="gpus_per_pod must be an integer >= 1, got 0"):
+        spec(gpus_per_pod=0)
+    with pytest.raises(InvalidConfig, match="max_restarts must be an integer >= 0, got -1"):
+        spec(max_restarts=-1)
 
 
 def test_state_round_trips_and_writes_atomically(tmp_path):
     state = StateDir(tmp_path)
-    s = spec()
+    s = spec(gpus_per_pod=2, max_restarts=5)
     status = JobStatus(phase=Phase.RECONFIGURING, stage=Stage.TRANSFERRING, generation=2, gpus=4,
                        parallel=ParallelConfig(dp=2, tp=2).to_json(), hosts=["host-0", "host-1"], step=17,
-                       version="s17-g2", committed={"s17-g2": ["host-0"]},
+                       version="s17-g2", committed={"s17-g2": ["host-0"]}, failures_without_progress=2,
                        workers=[WorkerRecord("gpt-g2-r0", 0, "host-0", 0, 2, pid=123)],
                        history=[Reconfiguration(reason="scale", started_at=1.0, from_config="dp1 x tp1 x pp1")])
     state.save(s, status)
