@@ -64,6 +64,7 @@ class Phase(enum.StrEnum):
     PENDING = "Pending"
     RUNNING = "Running"
     RECONFIGURING = "Reconfiguring"
+    SUSPENDED = "Suspended"
     FAILED = "Failed"
     SUCCEEDED = "Succeeded"
 

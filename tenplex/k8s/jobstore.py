@@ -403,6 +403,7 @@ _PHASE_EVENTS = {
     Phase.PENDING: ("Normal", "Pending"),
     Phase.RUNNING: ("Normal", "Running"),
     Phase.RECONFIGURING: ("Normal", "Reconfiguring"),
+    Phase.SUSPENDED: ("Normal", "Suspended"),
     Phase.FAILED: ("Warning", "Failed"),
     Phase.SUCCEEDED: ("Normal", "Succeeded"),
 }

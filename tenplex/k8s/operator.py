@@ -391,11 +391,14 @@ class ElasticJobOperator:
         desired = int(obj["spec"]["gpus"])
         with ctl.lock:
             st = ctl.status
-            current = st.requested_gpus or (st.target_gpus if st.phase == Phase.RECONFIGURING else None) or st.gpus
+            if st.requested_gpus is not None:
+                current = st.requested_gpus
+            elif st.phase == Phase.RECONFIGURING and st.target_gpus is not None:
+                current = st.target_gpus
+            else:
+                current = st.gpus  # 0 when suspended
         store = self.scheduler.jobstore
         try:
-            if desired == 0:
-                raise InvalidConfig(f"spec.gpus 0 (suspend) is not supported; job {name} keeps {current} GPUs")
             if desired != current:
                 ctl.request_scale(desired)
                 log.info("job %s: scale to %d GPUs requested through the ElasticJob (generation %d)", name, desired,

@@ -81,7 +81,8 @@ class JobCreate(_Body):
 
 
 class ScaleBody(_Body):
-    gpus: int = Field(ge=1, le=1 << 20, description="The new GPU count.")
+    gpus: int = Field(ge=0, le=1 << 20, description=(
+        "The new GPU count; 0 suspends the job (state kept on the node stores), a later count resumes it."))
 
 
 class EventBody(_Body):

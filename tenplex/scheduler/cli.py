@@ -51,7 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     get.add_argument("name")
     get.add_argument("--json", action="store_true", help="print the raw JSON")
     get.set_defaults(func=_get)
-    scale = jcmds.add_parser("scale", help="change a job's GPU count")
+    scale = jcmds.add_parser("scale", help="change a job's GPU count (0 suspends it, keeping its state)")
     scale.add_argument("name")
     scale.add_argument("--gpus", type=int, required=True)
     scale.set_defaults(func=_scale)

@@ -151,12 +151,19 @@ class JobController:
     # -- requests from the REST API -----------------------------------------
 
     def request_scale(self, gpus: int) -> None:
-        self.spec.check_gpus(gpus)
+        """Scale to ``gpus``. 0 suspends the job: the workers stop after a snapshot and give their GPUs back, the
+        state stays on the node stores, and a later scale to N resumes from it on N GPUs."""
+        if gpus != 0 or isinstance(gpus, bool):
+            self.spec.check_gpus(gpus)
         with self.lock:
-            if self.status.phase in (Phase.FAILED, Phase.SUCCEEDED):
-                raise Conflict(f"job {self.spec.name!r} is {self.status.phase.value}; it cannot be scaled")
-            self.status.requested_gpus = gpus
-            self.status.pending_reason = "scale"
+            st = self.status
+            if st.phase in (Phase.FAILED, Phase.SUCCEEDED):
+                raise Conflict(f"job {self.spec.name!r} is {st.phase.value}; it cannot be scaled")
+            if st.phase == Phase.SUSPENDED and gpus == 0:
+                st.requested_gpus = st.pending_reason = None  # already there (withdraws a resume not begun)
+            else:
+                st.requested_gpus = gpus
+                st.pending_reason = "scale"
             self._save()
         self._wake.set()
 
@@ -294,6 +301,8 @@ class JobController:
             self._check_running()
         elif st.phase == Phase.RECONFIGURING:
             self._advance_reconfiguration()
+        elif st.phase == Phase.SUSPENDED:
+            self._check_suspended()
 
     # -- starting -------------------------------------------------------------
 
@@ -324,6 +333,10 @@ class JobController:
         return policy_mod.choose(gpus, self.spec.policy, build, [h.name for h in order], gpus_per_node)
 
     def _start_fresh(self) -> None:
+        if self.status.requested_gpus == 0:  # suspended before it ever started
+            self.status.requested_gpus = self.status.pending_reason = None
+            self._suspend()
+            return
         try:
             decision = self._decide(self.status.requested_gpus or self.spec.gpus, [], self.spec.dataset.consumed_samples)
         except TenplexError as exc:
@@ -459,8 +472,8 @@ class JobController:
             self._finish_downtime()
         newest = max([w.step for w in st.workers if w.step is not None] + [st.step])
         st.stop_at_step = newest + STOP_MARGIN_STEPS
-        st.target_gpus = st.requested_gpus or st.gpus
-        reason = st.pending_reason or "scale"
+        st.target_gpus = st.requested_gpus if st.requested_gpus is not None else st.gpus
+        reason = "suspend" if st.target_gpus == 0 else st.pending_reason or "scale"
         st.pending_reason = st.requested_gpus = None
         st.history.append(
             Reconfiguration(reason=reason, started_at=time.time(),
@@ -550,13 +563,16 @@ class JobController:
         from tenplex.transformer.plan import make_plan
 
         st = self.status
+        if st.target_gpus == 0:
+            self._suspend()
+            return
         version = Version.parse(st.version or "")
         old_gen = st.version_generation.get(str(version), version.generation)
         old_ptc = self.ptc(old_gen)
         consumed = self.spec.dataset.consumed_samples + version.step * self.spec.dataset.global_batch_size
         gpus = st.target_gpus or st.gpus
         try:
-            decision = self._decide_feasible(gpus, list(st.hosts), consumed)
+            decision = self._decide_feasible(gpus, self._preferred_hosts(), consumed)
         except TenplexError as exc:
             self._fail(f"no configuration for the new allocation: {exc.detail}")
             return
@@ -586,6 +602,55 @@ class JobController:
         st.target_gpus = decision.parallel.world_size
         self._enter(Phase.RECONFIGURING, Stage.TRANSFERRING,
                     f"plan {version} -> {new_version}: {plan.network_bytes} B over the network (lower bound {plan.lower_bound_bytes} B), {plan.local_bytes} B local")
+
+    def _preferred_hosts(self) -> list[str]:
+        """Where the workers run, or for a suspended job, where its state is: the plan moves less from there."""
+        return list(self.status.hosts) or sorted(self.status.committed.get(self.status.version or "", []))
+
+    # -- suspend and resume -----------------------------------------------------
+
+    def _suspend(self) -> None:
+        """Scaled to 0: the workers have stopped after the snapshot ``status.version`` (None: nothing ran yet)."""
+        st = self.status
+        self.backend.stop(self.spec.name, [w.worker_id for w in st.workers], grace=2.0)
+        version = st.version
+        held = sorted(st.committed.get(version, [])) if version else []
+        if st.history and st.history[-1].finished_at is None:
+            rec = st.history[-1]
+            rec.to_gpus, rec.to_hosts, rec.version_from = 0, [], version
+            rec.finished_at = time.time()
+            if self.metrics is not None:
+                self.metrics.reconfigurations.labels(self.spec.name, rec.reason).inc()
+        st.workers, st.hosts, st.gpus = [], [], 0
+        st.target_gpus = st.stop_at_step = st.downtime_started_at = st.restored_step = None
+        st.restore_version = version
+        if version is None:
+            self._enter(Phase.SUSPENDED, None, "suspended before its first snapshot: a scale up starts it at step 0")
+        else:
+            self._enter(Phase.SUSPENDED, None, f"suspended: state {version} kept on {held}; a scale up resumes from it")
+
+    def _check_suspended(self) -> None:
+        st = self.status
+        gpus = st.requested_gpus
+        if not gpus:
+            return
+        if st.version is None:  # suspended before it ever ran: start as a new job would
+            st.pending_reason = None
+            self._enter(Phase.PENDING, None, f"resuming on {gpus} GPUs from step 0")
+            return
+        version = Version.parse(st.version)
+        consumed = self.spec.dataset.consumed_samples + version.step * self.spec.dataset.global_batch_size
+        try:
+            self._decide_feasible(gpus, self._preferred_hosts(), consumed)
+        except TenplexError as exc:
+            st.message = f"suspended; resume on {gpus} GPUs waiting: {exc.detail}"
+            return
+        st.requested_gpus = st.pending_reason = None
+        st.history.append(Reconfiguration(reason="resume", started_at=time.time(), from_config=self._config_text(),
+                                          from_gpus=0, from_hosts=[]))
+        st.target_gpus = gpus
+        st.downtime_started_at = time.time()
+        self._enter(Phase.RECONFIGURING, Stage.PLANNING, f"resuming from {st.version} on {gpus} GPUs")
 
     def _decide_feasible(self, gpus: int, prefer: list[str], consumed: int) -> policy_mod.Decision:
         """The wanted GPU count if it fits on what is usable, else the largest count >= min_gpus that does
@@ -686,6 +751,7 @@ class JobController:
         """Stop everything now, then recover from the newest version the survivors hold."""
         st = self.status
         log.warning("job %s: failure: %s", self.spec.name, reason)
+        suspending = st.phase == Phase.RECONFIGURING and st.target_gpus == 0
         ids = [w.worker_id for w in st.workers]
         self.backend.stop(self.spec.name, ids, grace=2.0)
         self._peer_failure = None
@@ -719,13 +785,19 @@ class JobController:
                 continue
             st.version = version
             rec.steps_lost = max(0, reached - Version.parse(version).step)
+            if suspending:  # the state is held: suspended from there, nothing to restart
+                self._suspend()
+                return
             st.target_gpus = st.requested_gpus or st.target_gpus or st.gpus
             st.stop_at_step = None
             self._enter(Phase.RECONFIGURING, Stage.PLANNING,
                         f"{reason}; recovering from {version} held by {sorted(have)} ({rec.steps_lost} steps lost)")
             return
         if st.version is None:
-            self._restart_from_beginning(reason, reached)
+            if suspending:
+                self._suspend()
+            else:
+                self._restart_from_beginning(reason, reached)
             return
         self._fail(f"{reason}; no version of the state is fully held by the surviving hosts {sorted(holders)}")
 

@@ -34,6 +34,8 @@ class Phase(StrEnum):
     PENDING = "Pending"
     RUNNING = "Running"
     RECONFIGURING = "Reconfiguring"
+    SUSPENDED = "Suspended"
+    """Scaled to 0 GPUs: no workers; the state stays on the node stores until a scale up resumes from it."""
     FAILED = "Failed"
     SUCCEEDED = "Succeeded"
 

@@ -135,13 +135,14 @@ def test_scale_subresource_becomes_a_scale_request_once(cluster: ApiServerEmulat
             custom.patch_namespaced_custom_object_scale(crd.GROUP, crd.VERSION, NS, crd.PLURAL, "gpt",
                                                         {"spec": {"replicas": 8}})
         assert refused.value.status == 422
-        # A count the policy cannot place is refused by the scheduler, visibly.
+        # 0 replicas: a suspend request (carried out once the workers train: they never do here).
         custom.patch_namespaced_custom_object_scale(crd.GROUP, crd.VERSION, NS, crd.PLURAL, "gpt",
                                                     {"spec": {"replicas": 0}})
+        eventually(lambda: ctl.status.requested_gpus == 0 and ctl.status.pending_reason == "scale", "suspend request")
         cond = eventually(lambda: next((c for c in ej_status(cluster, "gpt").get("conditions", [])
-                                        if c["type"] == "ScaleRejected" and c["status"] == "True"), None),
-                          "ScaleRejected")
-        assert "suspend" in cond["message"] and cond["observedGeneration"] == 4
+                                        if c["type"] == "ScaleRejected" and c.get("observedGeneration") == 4), None),
+                          "the scale request's condition")
+        assert (cond["status"], cond["reason"], cond["message"]) == ("False", "Accepted", "spec.gpus 0")
     assert [w.generation for w in ctl.status.workers] == [0, 0]
 
 
@@ -483,5 +484,32 @@ def test_pods_of_two_gpus_on_nodes_of_three_use_two_gpus_of_each(api: ApiServerE
         # A count that is not whole pods is refused with the reason.
         with pytest.raises(InvalidConfig, match="multiple of gpus_per_pod 2"):
             ctl.request_scale(5)
+    finally:
+        sched.close()
+
+
+def test_a_job_suspended_before_it_started_starts_at_step_0_when_scaled_up(api: ApiServerEmulator,
+                                                                          tmp_path: Path) -> None:
+    sched = make_scheduler(api, tmp_path / "a")
+    sched.recover()
+    try:
+        api.create("elasticjobs", elasticjob("gpt", 2), NS)  # no GPU node yet: Pending
+        ctl = eventually(lambda: sched.list() and sched.get("gpt"), "the job")
+        eventually(lambda: ctl.status.phase == Phase.PENDING and "waiting" in ctl.status.message, "waiting for GPUs")
+        with api.api_client() as api_client:
+            custom = client.CustomObjectsApi(api_client)
+            custom.patch_namespaced_custom_object_scale(crd.GROUP, crd.VERSION, NS, crd.PLURAL, "gpt",
+                                                        {"spec": {"replicas": 0}})
+            eventually(lambda: ctl.status.phase == Phase.SUSPENDED, "Suspended")
+            assert ctl.status.message == "suspended before its first snapshot: a scale up starts it at step 0"
+            status = eventually(lambda: (s := ej_status(api, "gpt")).get("phase") == "Suspended" and s, "status")
+            assert status["gpus"] == 0 and condition(status, "Ready")["reason"] == "Suspended"
+            add_gpu_node(api, "gpu-a", "127.0.0.2")
+            assert ctl.status.phase == Phase.SUSPENDED and worker_pods(api, "gpt") == []
+            custom.patch_namespaced_custom_object_scale(crd.GROUP, crd.VERSION, NS, crd.PLURAL, "gpt",
+                                                        {"spec": {"replicas": 2}})
+            pods = running_pods(api, "gpt", 2)
+        assert [p["metadata"]["name"] for p in pods] == ["gpt-g0-r0", "gpt-g0-r1"]
+        eventually(lambda: ctl.status.phase == Phase.RUNNING and ctl.status.gpus == 2, "Running on 2 GPUs")
     finally:
         sched.close()

@@ -215,3 +215,30 @@ def test_a_failure_before_the_first_snapshot_restarts_at_step_0_and_a_crash_loop
             time.sleep(0.2)
     assert st["message"].startswith("giving up after 3 failures in a row without a newer snapshot (max_restarts 2)")
     assert "crash-g2-r0 exited with code 3" in st["message"] and st["generation"] == 2
+
+
+def test_scale_to_zero_suspends_and_a_scale_up_resumes_from_the_kept_state(tmp_path: Path) -> None:
+    with LocalScheduler(tmp_path, hosts=2, gpus_per_host=2, heartbeat_interval=0.3) as sched:
+        client = SchedulerClient(sched.url)
+        client.create(job("nap", gpus=2, steps=18))
+        ids = [w["worker_id"] for w in wait_for(client, "nap", running(0, 3), "training on 2 GPUs")["workers"]]
+        client.scale("nap", 0)
+        st = wait_for(client, "nap", lambda s: s["phase"] == "Suspended", "suspending")
+        assert st["gpus"] == 0 and st["workers"] == [] and st["hosts"] == [] and st["version"] is not None
+        assert f"state {st['version']} kept on" in st["message"]
+        kept, step = st["version"], st["step"]
+        assert sorted(sched.scheduler.backend.exited("nap", ids)) == sorted(ids)  # no worker left
+        time.sleep(1.0)  # suspended stays suspended
+        assert client.job("nap")["status"]["phase"] == "Suspended"
+        client.scale("nap", 0)  # again: nothing to do
+
+        client.scale("nap", 4)
+        st = wait_for(client, "nap", lambda s: s["phase"] == "Succeeded", "resuming on 4 GPUs and finishing")
+    assert st["step"] == 18 and st["gpus"] == 4
+    suspend, resume = st["history"]
+    assert (suspend["reason"], suspend["from_gpus"], suspend["to_gpus"], suspend["steps_lost"]) == ("suspend", 2, 0, 0)
+    assert suspend["version_from"] == kept and suspend["error"] is None
+    assert (resume["reason"], resume["from_gpus"], resume["to_gpus"]) == ("resume", 0, 4)
+    assert resume["version_from"] == kept and resume["steps_lost"] == 0 and resume["error"] is None
+    assert resume["bytes_remote"] == resume["lower_bound_bytes"] > 0  # host-1's new ranks pulled their shards once
+    assert int(kept.split("-")[0][1:]) == step  # the suspend snapshot is the step it stopped at
