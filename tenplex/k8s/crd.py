@@ -289,7 +289,7 @@ def _status_schema() -> dict[str, Any]:
     reconfiguration = {
         "type": "object",
         "properties": {
-            "reason": _str("scale, failure, node-drain, ..."),
+            "reason": _str("scale, suspend, resume, failure, node-drain or redeploy"),
             "from": _SIDE,
             "to": _SIDE,
             "downtimeSeconds": {"type": "number", "minimum": 0},

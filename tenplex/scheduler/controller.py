@@ -646,8 +646,8 @@ class JobController:
             st.message = f"suspended; resume on {gpus} GPUs waiting: {exc.detail}"
             return
         st.requested_gpus = st.pending_reason = None
-        st.history.append(Reconfiguration(reason="resume", started_at=time.time(), from_config=self._config_text(),
-                                          from_gpus=0, from_hosts=[]))
+        st.history.append(Reconfiguration(reason="resume", started_at=time.time(), from_config=None, from_gpus=0,
+                                          from_hosts=[]))
         st.target_gpus = gpus
         st.downtime_started_at = time.time()
         self._enter(Phase.RECONFIGURING, Stage.PLANNING, f"resuming from {st.version} on {gpus} GPUs")
