@@ -273,9 +273,9 @@ def test_reference_job_scaled_through_the_scale_subresource_and_recovered_after_
 
 
 @pytest.mark.parametrize("cluster", [2], indirect=True)
-def test_multi_gpu_pods_train_scale_and_complete(api: ApiServerEmulator, cluster: Cluster,
-                                                 scheduler: KubernetesScheduler) -> None:
-    steps = 12
+def test_multi_gpu_pods_train_scale_suspend_resume_and_complete(api: ApiServerEmulator, cluster: Cluster,
+                                                                scheduler: KubernetesScheduler) -> None:
+    steps = 18
     job = elasticjob("gpt", 2, provider="example-gpt", model=MODEL, command=WORKER, steps=steps,
                      snapshot_every=SNAPSHOT_EVERY, max_gpus=4, gpus_per_pod=2,
                      table=[{"gpus": 2, "dp": 2, "tp": 1, "pp": 1}, {"gpus": 4, "dp": 4, "tp": 1, "pp": 1}],
@@ -298,11 +298,28 @@ def test_multi_gpu_pods_train_scale_and_complete(api: ApiServerEmulator, cluster
     assert [(p["metadata"]["name"], p["spec"]["nodeName"], p["metadata"]["labels"][LABEL_RANKS]) for p in pods] == [
         ("gpt-g1-r0", "node-0", "0-1"), ("gpt-g1-r2", "node-1", "2-3")]
 
-    st = wait_job(scheduler, "gpt", lambda s: s.phase == Phase.SUCCEEDED, "finishing on 4 GPUs")
+    # kubectl scale --replicas=0: a snapshot, then no pods and no GPUs; the state stays on the node stores.
+    scale_to = lambda n: client.CustomObjectsApi(api_client).patch_namespaced_custom_object_scale(  # noqa: E731
+        crd.GROUP, crd.VERSION, NS, crd.PLURAL, "gpt", {"spec": {"replicas": n}})
+    with api.api_client() as api_client:
+        scale_to(0)
+        st = wait_job(scheduler, "gpt", lambda s: s.phase == Phase.SUSPENDED, "suspending", cluster=cluster)
+        kept = st.version
+        assert st.gpus == 0 and st.workers == [] and kept is not None and st.step < steps
+        eventually(lambda: worker_pods(api, "gpt") == [], "no worker pods while suspended", timeout=90)
+        ej = eventually(lambda: (s := api.get("elasticjobs", "gpt", NS)["status"])["phase"] == "Suspended" and s,
+                        "the ElasticJob status Suspended", timeout=90)
+        assert ej["gpus"] == 0 and ej["version"] == kept and ej["lastReconfiguration"]["reason"] == "suspend"
+        scale_to(4)
+    st = wait_job(scheduler, "gpt", lambda s: s.phase == Phase.SUCCEEDED, "resuming and finishing on 4 GPUs",
+                  cluster=cluster)
     assert st.step == steps
-    (scale,) = st.history
+    scale, suspend, resume = st.history
     assert (scale.reason, scale.from_gpus, scale.to_gpus, scale.steps_lost) == ("scale", 2, 4, 0)
     assert scale.bytes_remote == scale.lower_bound_bytes > 0  # node-1's ranks got their state over the network
+    assert (suspend.reason, suspend.from_gpus, suspend.to_gpus, suspend.steps_lost) == ("suspend", 4, 0, 0)
+    assert (resume.reason, resume.from_gpus, resume.to_gpus, resume.version_from) == ("resume", 0, 4, kept)
+    assert resume.steps_lost == 0 and resume.bytes_remote == resume.lower_bound_bytes
     # Every rank exited 0, so did each pod's launcher.
     phases = eventually(lambda: (ph := [p["status"]["phase"] for p in worker_pods(api, "gpt")]) == ["Succeeded"] * 2
                         and ph, "both pods Succeeded", timeout=90)
