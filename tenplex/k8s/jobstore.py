@@ -214,6 +214,9 @@ class KubeJobStore:
         for h in finished[done:]:
             if h.error is not None and status.phase == Phase.FAILED:
                 continue  # the Failed event says it
+            if h.error is not None and h.reason != "failure":  # a planned change a failure cut short
+                self._event(job_obj, "Warning", "ReconfigurationInterrupted", f"{h.reason}: {h.error}")
+                continue
             self._event(job_obj, "Normal", "Reconfigured",
                         f"{h.reason}: {h.from_config or '-'} ({h.from_gpus} GPUs) -> {h.to_config or '-'} "
                         f"({h.to_gpus} GPUs); downtime {h.downtime_seconds or 0:.1f} s; "

@@ -513,3 +513,34 @@ def test_a_job_suspended_before_it_started_starts_at_step_0_when_scaled_up(api: 
         eventually(lambda: ctl.status.phase == Phase.RUNNING and ctl.status.gpus == 2, "Running on 2 GPUs")
     finally:
         sched.close()
+
+
+def test_a_failure_while_suspending_still_ends_suspended(cluster: ApiServerEmulator, sched: KubernetesScheduler) -> None:
+    from tenplex.scheduler.protocol import HeartbeatRequest, RegisterRequest
+
+    cluster.create("elasticjobs", elasticjob("gpt", 2), NS)
+    for pod in running_pods(cluster, "gpt", 2):
+        cluster.set_pod_running(pod["metadata"]["name"], NS)
+    ctl = sched.get("gpt")
+    eventually(lambda: ctl.status.phase == Phase.RUNNING, "Running")
+    for wid in ("gpt-g0-r0", "gpt-g0-r1"):  # what the workers' REST calls do: they train
+        ctl.register(RegisterRequest(worker_id=wid))
+        ctl.heartbeat(wid, HeartbeatRequest(generation=0, step=5))
+    ctl.request_scale(0)
+    eventually(lambda: ctl.status.phase == Phase.RECONFIGURING and ctl.status.stage is not None
+               and ctl.status.stage.value == "stopping", "stopping for the suspend")
+    assert ctl.status.history[-1].reason == "suspend" and ctl.status.stop_at_step is not None
+    cluster.fail_pod("gpt-g0-r1", NS, exit_code=139, reason="Error")  # dies before its stop snapshot
+    # Nothing was ever committed (no stores here): nothing to restart from or to keep, and no restart wanted.
+    eventually(lambda: ctl.status.phase == Phase.SUSPENDED, "Suspended despite the failure", timeout=30)
+    assert ctl.status.gpus == 0 and ctl.status.workers == [] and ctl.status.version is None
+    eventually(lambda: worker_pods(cluster, "gpt") == [], "no worker pods")
+    suspend, failure = ctl.status.history
+    assert suspend.reason == "suspend" and failure.reason == "failure" and failure.to_gpus == 0
+    # The suspend record is closed, saying what ended it.
+    assert suspend.finished_at is not None and suspend.error.startswith("interrupted by a failure: workers exited")
+    assert "gpt-g0-r1" in suspend.error
+    wanted = {("Warning", "ReconfigurationInterrupted"), ("Normal", "Suspended")}
+    eventually(lambda: wanted <= {(e["type"], e["reason"]) for e in cluster.list("events", NS)
+                                  if e["involvedObject"]["name"] == "gpt"}, "the interruption and the suspend as Events")
+    assert "gpt-g0-r1" in (failure.error or "")
