@@ -274,7 +274,7 @@ class LocalKubelet:
                 problem = str(exc)
             if self._stop.is_set() or time.monotonic() > deadline:
                 LOG.warning("kubelet %s: status of %s/%s not reported: %s", self.node, running.namespace,
-                         running.name, problem)
+                            running.name, problem)
                 return
             LOG.warning("kubelet %s: status of %s/%s not reported yet (%s), retrying", self.node, running.namespace,
                         running.name, problem)
