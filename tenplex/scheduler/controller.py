@@ -756,13 +756,14 @@ class JobController:
         self.backend.stop(self.spec.name, ids, grace=2.0)
         self._peer_failure = None
         if st.history and st.history[-1].finished_at is None and st.history[-1].reason != "failure":
-            # The change in progress ends here, unfinished; its downtime so far is its own.
-            interrupted = st.history[-1]
-            interrupted.error = interrupted.error or f"interrupted by a failure: {reason}"
+            # The change in progress ends here; its downtime so far is its own. Before its new workers were
+            # launched it did not happen: say so.
+            if st.phase == Phase.RECONFIGURING:
+                st.history[-1].error = st.history[-1].error or f"interrupted by a failure: {reason}"
             if st.downtime_started_at is not None:
                 self._finish_downtime()
             else:  # still stopping the workers: no downtime yet
-                interrupted.finished_at = time.time()
+                st.history[-1].finished_at = time.time()
         st.downtime_started_at = st.downtime_started_at or time.time()
         if not st.history or st.history[-1].finished_at is not None or st.history[-1].reason != "failure":
             st.history.append(Reconfiguration(reason="failure", started_at=time.time(), from_config=self._config_text(),
