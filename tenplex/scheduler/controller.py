@@ -569,7 +569,7 @@ class JobController:
         version = Version.parse(st.version or "")
         old_gen = st.version_generation.get(str(version), version.generation)
         old_ptc = self.ptc(old_gen)
-        consumed = self.spec.dataset.consumed_samples + version.step * self.spec.dataset.global_batch_size
+        consumed = self._consumed_at(version)
         gpus = st.target_gpus or st.gpus
         try:
             decision = self._decide_feasible(gpus, self._preferred_hosts(), consumed)
@@ -602,6 +602,10 @@ class JobController:
         st.target_gpus = decision.parallel.world_size
         self._enter(Phase.RECONFIGURING, Stage.TRANSFERRING,
                     f"plan {version} -> {new_version}: {plan.network_bytes} B over the network (lower bound {plan.lower_bound_bytes} B), {plan.local_bytes} B local")
+
+    def _consumed_at(self, version: Version) -> int:
+        """The dataset position after ``version``'s step: where the next generation's sample order resumes."""
+        return self.spec.dataset.consumed_samples + version.step * self.spec.dataset.global_batch_size
 
     def _preferred_hosts(self) -> list[str]:
         """Where the workers run, or for a suspended job, where its state is: the plan moves less from there."""
@@ -639,7 +643,7 @@ class JobController:
             self._enter(Phase.PENDING, None, f"resuming on {gpus} GPUs from step 0")
             return
         version = Version.parse(st.version)
-        consumed = self.spec.dataset.consumed_samples + version.step * self.spec.dataset.global_batch_size
+        consumed = self._consumed_at(version)
         try:
             self._decide_feasible(gpus, self._preferred_hosts(), consumed)
         except TenplexError as exc:
