@@ -101,6 +101,13 @@ class TransformFailed(TenplexError):
     http_status = 500
 
 
+class TransformCancelled(TransformFailed):
+    """A state transformation was cancelled before it committed; nothing of it is kept."""
+
+    code = "transform_cancelled"
+    http_status = 409
+
+
 def error_class(code: str) -> type[TenplexError] | None:
     """The :class:`TenplexError` subclass whose ``code`` is ``code``, for clients rebuilding a server's error.
 

@@ -22,7 +22,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 from tenplex.errors import InvalidConfig, NotFound, StoreUnavailable
 from tenplex.scheduler.protocol import ENV_STORE_ROOT
@@ -82,12 +81,6 @@ class Backend(ABC):
 
     def adopt(self, job: str, pids: Mapping[str, int]) -> None:  # noqa: B027 - optional hook
         """Take over workers started by a previous scheduler process (after a restart)."""
-
-    def transform_target(self, host: HostInfo) -> Any | None:
-        """The host's store as a transform writes into it, when this process can reach its disk (a
-        :class:`~tenplex.transformer.execute.LocalTarget`: shards the host keeps are linked, nothing is
-        uploaded); None: through its daemon's HTTP API."""
-        return None
 
     def master_port(self, host: HostInfo) -> int:
         """A free TCP port on ``host`` for torch.distributed's rendezvous, below the ephemeral range.
@@ -283,23 +276,10 @@ class LocalBackend(Backend):
         self.cwd = cwd
         self._procs: dict[tuple[str, str], subprocess.Popen] = {}
         self._adopted: dict[tuple[str, str], int] = {}
-        self._targets: dict[str, Any] = {}
         self._lock = threading.Lock()
 
     def hosts(self) -> list[HostInfo]:
         return self.cluster.hosts()
-
-    def transform_target(self, host: HostInfo) -> Any | None:
-        """Emulated hosts keep their stores on this machine: transforms work on them directly."""
-        from tenplex.store.local import LocalStore
-        from tenplex.transformer.execute import LocalTarget
-
-        with self._lock:
-            target = self._targets.get(host.name)
-            if target is None:
-                target = LocalTarget(LocalStore(self.cluster.store_root(host.name)))
-                self._targets[host.name] = target
-            return target
 
     def launch(self, job: str, command: Sequence[str], workers: Sequence[WorkerLaunch], log_dir: Path) -> dict[str, int | None]:
         if not command:

@@ -19,11 +19,11 @@ the steps since that version are reported as lost.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,8 +33,8 @@ from tenplex.errors import (
     InvalidConfig,
     NotFound,
     StateLost,
+    StoreUnavailable,
     TenplexError,
-    TransformFailed,
 )
 from tenplex.ptc import PTC, ParallelConfig, Placement
 from tenplex.scheduler import policy as policy_mod
@@ -66,6 +66,9 @@ from tenplex.scheduler.state import (
     WorkerRecord,
 )
 from tenplex.store.version import Version
+from tenplex.transformer.plan import Plan, make_plan
+from tenplex.transformer.remote import PlanRun, TransformStatus
+from tenplex.units import human_bytes
 
 log = logging.getLogger(__name__)
 
@@ -279,8 +282,11 @@ class JobController:
             if self._closing.is_set():
                 break
             try:
-                with self.lock:
-                    self._tick()
+                if self.status.phase == Phase.RECONFIGURING and self.status.stage == Stage.TRANSFERRING:
+                    self._transfer()  # long: takes the lock only for its status updates
+                else:
+                    with self.lock:
+                        self._tick()
             except Exception as exc:  # the loop must survive anything and say what happened
                 log.exception("job %s: controller error", self.spec.name)
                 with self.lock:
@@ -493,8 +499,6 @@ class JobController:
             self._await_snapshot()
         elif st.stage == Stage.PLANNING:
             self._plan()
-        elif st.stage == Stage.TRANSFERRING:
-            self._transfer()
         elif st.stage == Stage.RESTARTING:
             self._restart()
 
@@ -560,8 +564,6 @@ class JobController:
         return out
 
     def _plan(self) -> None:
-        from tenplex.transformer.plan import make_plan
-
         st = self.status
         if st.target_gpus == 0:
             self._suspend()
@@ -670,50 +672,67 @@ class JobController:
         raise InvalidConfig("; ".join(errors[:3]) or f"only {capacity} GPUs usable, the job needs at least {self.spec.min_gpus}")
 
     def _transfer(self) -> None:
-        from tenplex.transformer.execute import execute_host_plan
-        from tenplex.transformer.plan import Plan
+        """The target hosts' daemons build the new version; this thread sends them their sub-plans and follows.
 
-        st = self.status
-        assert st.last_plan is not None
-        plan = Plan.from_json(st.last_plan["plan"])
-        hosts = {h.name: h for h in self.backend.hosts()}
-        sources = {name: self._client_for(h.store_url) for name, h in hosts.items() if h.ready}
-        new_version = str(plan.new_version)
-
-        def run(host: str) -> Any:
-            target = self.backend.transform_target(hosts[host]) or self._client_for(hosts[host].store_url)
-            existing = {str(v.version): v.committed for v in _versions_or_empty(target, self.spec.name)}
-            if existing.get(new_version):
-                return None  # done before a scheduler restart
-            if new_version in existing:
-                target.delete(self.spec.name, new_version)  # a torn attempt: redo it
-            return execute_host_plan(plan, host, target=target, sources=sources,
-                                     concurrency=self.settings.transfer_concurrency)
-
-        reports = []
+        Runs without the job's lock (status, plan and scale requests answer
+        meanwhile) except for the moments it reads or changes the status. Not a
+        byte of state passes through the scheduler: each daemon pulls its pieces
+        from the source daemons itself. Submissions are idempotent, so a
+        scheduler restarted here submits again and attaches to what runs.
+        """
+        with self.lock:
+            st = self.status
+            assert st.last_plan is not None
+            plan = Plan.from_json(st.last_plan["plan"])
+        stores = {h.name: h.store_url for h in self.backend.hosts() if h.ready}
+        run: PlanRun | None = None
         try:
-            with ThreadPoolExecutor(max_workers=max(1, len(plan.hosts))) as pool:
-                for report in pool.map(run, list(plan.hosts)):
-                    if report is not None:
-                        reports.append(report)
-        except (TransformFailed, StateLost) as exc:
-            self._fail(f"transfer failed: {exc.detail}")
+            run = PlanRun(plan, stores, token=self.settings.token, client_for=self._client_for)
+            statuses = run.submit()
+            while not all(s.finished for s in statuses.values()) and run.failure(statuses) is None:
+                lost = [h.name for h in self.backend.hosts() if h.name in plan.hosts and not h.ready]
+                if lost:
+                    run.cancel()
+                    with self.lock:
+                        self._begin_failure(f"host {', '.join(lost)} lost during the transfer to {plan.new_version}")
+                    return
+                with self.lock:
+                    st.message = _transfer_progress(plan, statuses)
+                if self._closing.wait(self.settings.poll_interval):
+                    return  # the daemons carry on; a restarted scheduler attaches to them
+                statuses = run.poll()
+        except TenplexError as exc:  # a daemon unreachable (after retries): as for a lost host
+            if run is not None:
+                with contextlib.suppress(TenplexError):
+                    run.cancel()
+            with self.lock:
+                self._begin_failure(f"transfer interrupted: {exc.detail}")
             return
-        except TenplexError as exc:
-            self._begin_failure(f"transfer interrupted: {exc.detail}")
+        failed = run.failure(statuses)
+        if failed is not None:
+            run.cancel()
+            detail = "; ".join(f"{h}: {s.state}: {s.error}" for h, s in statuses.items() if s.finished and s.state != "committed")
+            with self.lock:
+                if failed.error_code in ("interrupted", StoreUnavailable.code):
+                    self._begin_failure(f"transfer interrupted: {detail}")
+                else:
+                    self._fail(f"transfer failed: {detail}")
             return
-        rec = st.history[-1]
-        rec.bytes_local += sum(r.bytes_local for r in reports)
-        rec.bytes_remote += sum(r.bytes_remote for r in reports)
-        rec.bytes_zero += sum(r.bytes_zero for r in reports)
-        if self.metrics is not None:
-            self.metrics.bytes_moved.labels(self.spec.name, "remote").inc(sum(r.bytes_remote for r in reports))
-            self.metrics.bytes_moved.labels(self.spec.name, "local").inc(sum(r.bytes_local for r in reports))
-        st.committed[new_version] = sorted(plan.hosts)
-        st.version_generation[new_version] = plan.new_version.generation
-        st.version = new_version
-        st.restore_version = new_version
-        self._enter(Phase.RECONFIGURING, Stage.RESTARTING, f"state {new_version} in place on {len(plan.hosts)} hosts")
+        reports = [s.transform_report() for s in statuses.values()]
+        new_version = str(plan.new_version)
+        with self.lock:
+            rec = st.history[-1]
+            rec.bytes_local += sum(r.bytes_local for r in reports)
+            rec.bytes_remote += sum(r.bytes_remote for r in reports)
+            rec.bytes_zero += sum(r.bytes_zero for r in reports)
+            if self.metrics is not None:
+                self.metrics.bytes_moved.labels(self.spec.name, "remote").inc(sum(r.bytes_remote for r in reports))
+                self.metrics.bytes_moved.labels(self.spec.name, "local").inc(sum(r.bytes_local for r in reports))
+            st.committed[new_version] = sorted(plan.hosts)
+            st.version_generation[new_version] = plan.new_version.generation
+            st.version = new_version
+            st.restore_version = new_version
+            self._enter(Phase.RECONFIGURING, Stage.RESTARTING, f"state {new_version} in place on {len(plan.hosts)} hosts")
 
     def _restart(self) -> None:
         st = self.status
@@ -852,11 +871,13 @@ class JobController:
         self.state.delete(self.spec.name)
 
 
-def _versions_or_empty(client: Any, job: str) -> list[Any]:
-    try:
-        return list(client.versions(job))
-    except NotFound:
-        return []
+def _transfer_progress(plan: Plan, statuses: Mapping[str, TransformStatus]) -> str:
+    done = sum(s.bytes_done for s in statuses.values())
+    total = sum(s.bytes_total for s in statuses.values()) or 1
+    running = sum(1 for s in statuses.values() if not s.finished)
+    rate = sum(s.rate for s in statuses.values() if not s.finished)
+    return (f"transfer to {plan.new_version}: {100 * done / total:.0f}% of {human_bytes(total)}, "
+            f"{running} of {len(statuses)} hosts still at work, {human_bytes(rate)}/s")
 
 
 def _covers(ptc: PTC, hosts: set[str]) -> bool:

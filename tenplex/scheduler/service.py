@@ -58,7 +58,9 @@ class Scheduler:
     def _default_client(self, url: str) -> Any:
         from tenplex.store.client import StoreClient
 
-        return StoreClient(url, self.settings.token, retries=2, timeout=60.0)
+        # Control messages only (versions, transform submissions and records): a node that does not answer
+        # within seconds counts as unreachable.
+        return StoreClient(url, self.settings.token, retries=2, timeout=10.0)
 
     def client(self, url: str) -> Any:
         with self._lock:

@@ -15,6 +15,7 @@ from tenplex.errors import InvalidInput, NotFound
 from tenplex.ptc.dtypes import storage_dtype
 from tenplex.ptc.region import Region
 from tenplex.store.buffers import DEFAULT_CHUNK_BYTES
+from tenplex.units import parse_bytes
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +34,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     serve.add_argument(
         "--workers", type=int, default=1, help="server processes sharing the port (default 1; about one per core for parallel pulls)"
     )
+    serve.add_argument("--transform-concurrency", type=int, default=8, metavar="N",
+                       help="piece reads in flight per transform this node runs (default 8)")
+    serve.add_argument("--transform-memory", type=_size, default=1 << 30, metavar="SIZE",
+                       help="destination buffers of all running transforms together, e.g. 2Gi (default 1Gi)")
+    serve.add_argument("--transform-max-running", type=int, default=2, metavar="N",
+                       help="transforms running at once; more wait in state queued (default 2)")
     serve.set_defaults(func=_serve)
 
     ls = cmds.add_parser("ls", help="list the jobs of a store daemon, or the versions of one job")
@@ -65,9 +72,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     gc.set_defaults(func=_gc)
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from tenplex.store.server import serve
+def _size(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
+
+def _serve(args: argparse.Namespace) -> int:
+    from tenplex.node import serve
+    from tenplex.transformer.service import TransformSettings
+
+    transforms = TransformSettings(
+        concurrency=args.transform_concurrency, memory_bytes=args.transform_memory,
+        max_running=args.transform_max_running,
+    )
     serve(
         args.root,
         host=args.host,
@@ -76,6 +95,7 @@ def _serve(args: argparse.Namespace) -> int:
         port_file=args.port_file,
         chunk_bytes=args.chunk_bytes,
         workers=args.workers,
+        transforms=transforms,
         log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
     )
     return 0

@@ -272,6 +272,16 @@ class StoreClient:
     def _json(self, method: str, path: str) -> Any:
         return self._call(method, path, lambda resp: json.loads(resp.read()))
 
+    def request_json(self, method: str, path: str, body: Any = None) -> Any:
+        """A JSON request to another route of the daemon (``path`` from ``/v1/...``), with the client's auth,
+        retries and error mapping; ``body`` (if not None) is sent as JSON. For control messages only: bulk
+        bytes never go through JSON."""
+        if body is None:
+            return self._json(method, path)
+        data = json.dumps(body, separators=(",", ":")).encode()
+        return self._call(method, path, lambda resp: json.loads(resp.read()), body=data,
+                          headers={"Content-Type": "application/json"})
+
     @staticmethod
     def _path(job: str, version: Version | str | None = None, tensor: str | None = None) -> str:
         path = f"/v1/jobs/{urllib.parse.quote(check_job(job), safe='')}/versions"

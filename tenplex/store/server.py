@@ -62,18 +62,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import hmac
 import json
 import logging
 import os
-import shutil
-import socket
-import sys
-import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -101,11 +96,6 @@ from tenplex.serving import (
     SENDFILE_EXTENSION,
     SENDFILE_MESSAGE,
     BackgroundServer,
-    bind_socket,
-    serve_forever,
-    url_for,
-    uvicorn_config,
-    write_port_file,
 )
 from tenplex.store.buffers import byte_view, crc_of, slabs
 from tenplex.store.local import MIN_RUN_BYTES, LocalStore, ShardWriter, TensorReader
@@ -132,10 +122,7 @@ SENDFILE_MIN_BYTES = INLINE_BYTES + 1  # smaller bodies: a map on the loop beats
 PIECE_BYTES = 32 << 20
 MAX_BATCH_REGIONS = 256
 """Regions per batch read: keeps ``X-Tenplex-Parts`` well under a client's 64 KiB header line."""
-TOKEN_ENV = "TENPLEX_TOKEN"
-_ROOT_ENV = "TENPLEX_STORE_ROOT"
-_OPTIONS_ENV = "TENPLEX_STORE_OPTIONS"
-_MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's own switch to multiprocess mode
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's own switch to multiprocess mode
 
 
 def format_shape(shape: tuple[int, ...] | list[int]) -> str:
@@ -158,8 +145,8 @@ def parse_shape(text: str, *, what: str) -> tuple[int, ...]:
 class _Metrics:
     """The daemon's Prometheus metrics, in a registry of its own (several servers share a test process)."""
 
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry(auto_describe=True)
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self.bytes_out = Counter("tenplex_store_bytes_out", "Tensor bytes served", registry=self.registry)
         self.bytes_in = Counter("tenplex_store_bytes_in", "Tensor bytes stored from uploads", registry=self.registry)
         self.latency = Histogram(
@@ -231,8 +218,14 @@ def create_app(
     piece_bytes: int = PIECE_BYTES,
     min_run_bytes: int = MIN_RUN_BYTES,
     sendfile_min_bytes: int = SENDFILE_MIN_BYTES,
+    routers: Sequence[APIRouter] = (),
+    registry: CollectorRegistry | None = None,
 ) -> FastAPI:
     """The FastAPI application serving ``store``; ``token`` (if not None) is required on everything but /healthz.
+
+    ``routers`` are more routes of the same daemon behind the same token (the node daemon adds its
+    transforms, :mod:`tenplex.node`); ``registry`` is the Prometheus registry ``/metrics`` shows, shared
+    with them (a new one by default).
 
     ``single_pass_bytes`` and ``piece_bytes`` bound the server memory per request (see the module doc);
     bodies whose chunk-file runs average at least ``min_run_bytes`` are sent from the page cache, those
@@ -243,7 +236,7 @@ def create_app(
             "single_pass_bytes, piece_bytes, min_run_bytes and sendfile_min_bytes must be positive, got "
             f"{single_pass_bytes}, {piece_bytes}, {min_run_bytes}, {sendfile_min_bytes}"
         )
-    metrics = _Metrics()
+    metrics = _Metrics(registry)
     preloading: set[tuple[str, Version]] = set()  # versions whose readers were opened ahead (see LocalStore.preload)
     app = FastAPI(title="tenplex store", version="1", docs_url=None, redoc_url=None)
     app.state.store = store
@@ -286,7 +279,7 @@ def create_app(
 
     @api.get("/metrics")
     async def prometheus() -> Response:
-        if os.environ.get(_MULTIPROC_ENV):  # several worker processes: sum their metric files
+        if os.environ.get(MULTIPROC_ENV):  # several worker processes: sum their metric files
             registry = CollectorRegistry()
             MultiProcessCollector(registry)
             return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
@@ -450,6 +443,8 @@ def create_app(
         return {"stored": info.to_json()}
 
     app.include_router(api)
+    for router in routers:
+        app.include_router(router, dependencies=[Depends(require_token)])
     # outermost, so it sees the final status of everything, errors included
     app.add_middleware(_MetricsMiddleware, metrics=metrics)
     return app
@@ -811,120 +806,6 @@ async def _receive_shard(request: Request, writer: ShardWriter, expected: int) -
     while index < len(pieces):  # zero-byte pieces (empty regions)
         await flush(index, np.empty(pieces[index].shape, st))
         index += 1
-
-
-def serve(
-    root: str | Path,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    token: str | None = None,
-    *,
-    port_file: str | Path | None = None,
-    chunk_bytes: int | None = None,
-    log_level: str = "info",
-    tune_malloc: bool = True,
-    map_chunks: bool = True,
-    workers: int = 1,
-) -> None:
-    """Run the node daemon until interrupted (blocking). ``port=0`` picks a free port.
-
-    The bound URL is logged, and with ``port_file`` the port is written there
-    (atomically) once the socket listens, so a parent process can find it.
-    ``token`` defaults to the ``TENPLEX_TOKEN`` environment variable.
-    """
-    token = token if token is not None else os.environ.get(TOKEN_ENV) or None
-    if workers < 1:
-        raise InvalidInput(f"workers must be >= 1, got {workers}")
-    options: dict[str, Any] = {"map_chunks": map_chunks}
-    if chunk_bytes is not None:
-        options["chunk_bytes"] = chunk_bytes
-    store = LocalStore(root, **options)
-    sock = bind_socket(host, port)
-    bound = sock.getsockname()[1]
-    if port_file is not None:
-        write_port_file(port_file, bound)
-    log.info(
-        "tenplex store serving %s at %s (auth %s, %d worker process%s)",
-        store.root, url_for(host, bound), "on" if token else "off", workers, "" if workers == 1 else "es",
-    )
-    if workers > 1:
-        _serve_workers(sock, store, token, workers, log_level, tune_malloc=tune_malloc)
-        log.info("tenplex store at %s stopped", url_for(host, bound))
-        return
-    if tune_malloc:
-        _keep_freed_memory()
-    try:
-        serve_forever(create_app(store, token=token), sock, log_level=log_level)
-    finally:
-        store.close()
-    log.info("tenplex store at %s stopped", url_for(host, bound))
-
-
-def _serve_workers(sock: socket.socket, store: LocalStore, token: str | None, workers: int, log_level: str, *, tune_malloc: bool) -> None:
-    """Several uvicorn worker processes on one listening socket (uvicorn's supervisor restarts dead ones).
-
-    One event loop sends every response body from one thread, so on a node
-    with several cores one process cannot keep several parallel transfers
-    busy. Workers share the root safely (the store's structural changes take
-    a file lock); their Prometheus metrics are summed through a shared
-    multiprocess directory.
-    """
-    from uvicorn.supervisors import Multiprocess
-
-    metrics_dir = tempfile.mkdtemp(prefix="tenplex-store-metrics-")
-    env = {
-        _ROOT_ENV: str(store.root),
-        _OPTIONS_ENV: json.dumps({"chunk_bytes": store.chunk_bytes, "map_chunks": store.map_chunks, "tune_malloc": tune_malloc}),
-        _MULTIPROC_ENV: metrics_dir,
-        TOKEN_ENV: token or "",
-    }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # the spawned workers read their configuration from the environment
-    try:
-        config = uvicorn_config("tenplex.store.server:app_from_env", log_level, factory=True, workers=workers)
-        with contextlib.suppress(KeyboardInterrupt):
-            Multiprocess(config, sockets=[sock]).run()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        shutil.rmtree(metrics_dir, ignore_errors=True)
-
-
-def app_from_env() -> FastAPI:
-    """The app of one worker process of :func:`serve` with ``workers > 1`` (configured by the parent's environment)."""
-    root = os.environ.get(_ROOT_ENV)
-    if not root:
-        raise InvalidInput(f"{_ROOT_ENV} is not set: app_from_env is only for worker processes started by serve()")
-    options = json.loads(os.environ.get(_OPTIONS_ENV, "{}"))
-    if options.pop("tune_malloc", False):
-        _keep_freed_memory()
-    return create_app(LocalStore(root, **options), token=os.environ.get(TOKEN_ENV) or None)
-
-
-def _keep_freed_memory() -> None:
-    """Make glibc reuse freed region buffers instead of returning them to the kernel.
-
-    Every region read allocates a buffer of up to ``single_pass_bytes``; by
-    default glibc serves such sizes with a fresh ``mmap`` and unmaps them on
-    free, so every request pays page faults on all of its bytes (measured: a
-    fresh 64 MiB buffer fills 3-10x slower than a reused one on a loaded VM).
-    With ``mmap`` off and a high trim threshold the daemon's heap keeps the
-    freed buffers (bounded by the peak of concurrent requests) and reuses them.
-    Only the daemon process does this; embedding processes keep their settings.
-    """
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        log.debug("not glibc: malloc left as it is")
-        return
-    m_trim_threshold, m_mmap_max = -1, -4
-    ok = libc.mallopt(m_mmap_max, 0) == 1 and libc.mallopt(m_trim_threshold, 1 << 30) == 1
-    log.debug("malloc tuned for buffer reuse: %s", ok)
 
 
 class StoreServer(BackgroundServer):

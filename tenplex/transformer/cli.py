@@ -5,11 +5,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from contextlib import ExitStack
+from typing import TYPE_CHECKING
 
 from tenplex.errors import InvalidInput
 from tenplex.ptc.model import PTC
 from tenplex.store.version import Version
+
+if TYPE_CHECKING:
+    from tenplex.transformer.execute import TransformReport
+    from tenplex.transformer.plan import Plan
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -41,15 +47,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     tr.add_argument("--plan", required=True, metavar="PLAN.json", help="plan written by 'tenplex plan --json'")
     tr.add_argument("--host", required=True, help="the target host whose part to run")
     where = tr.add_mutually_exclusive_group(required=True)
-    where.add_argument("--store", metavar="URL", help="the target host's store daemon")
+    where.add_argument("--store", metavar="URL", help="the target host's store daemon: it runs the part itself, pulling from the sources")
     where.add_argument(
         "--store-root", metavar="DIR",
         help="the target host's store directory, used in-process (run on the node itself; saves the loopback copies)",
     )
     tr.add_argument("--source", action="append", default=[], metavar="HOST=URL", help="store daemon of a source host (repeatable)")
     tr.add_argument("--token", help="bearer token of the store daemons (default: $TENPLEX_TOKEN)")
-    tr.add_argument("--concurrency", type=int, default=8, help="parallel piece reads (default 8)")
-    tr.add_argument("--metrics-port", type=int, help="serve Prometheus metrics of the transform on this port")
+    tr.add_argument("--concurrency", type=int, default=8,
+                    help="parallel piece reads with --store-root (default 8; a daemon uses its own setting)")
+    tr.add_argument("--metrics-port", type=int,
+                    help="with --store-root: serve Prometheus metrics of the transform on this port (a daemon has /metrics)")
     tr.add_argument("--no-progress", action="store_true", help="no progress bar")
     tr.set_defaults(func=_transform)
 
@@ -120,14 +128,6 @@ def _transform(args: argparse.Namespace) -> int:
         TransferSpeedColumn,
     )
 
-    from tenplex.store.client import StoreClient
-    from tenplex.store.local import LocalStore
-    from tenplex.transformer.execute import (
-        LocalTarget,
-        StoreLike,
-        TransformMetrics,
-        execute_host_plan,
-    )
     from tenplex.transformer.plan import CHECKPOINT, Plan
 
     if args.concurrency < 1:
@@ -140,6 +140,49 @@ def _transform(args: argparse.Namespace) -> int:
     if missing:
         # Not fatal: those pieces move to other holders (or fail with a clear message if none is left).
         print(f"tenplex: warning: no --source URL for {', '.join(missing)}; their pieces count as unavailable", file=sys.stderr)
+    columns = (
+        TextColumn(f"{args.host} -> {plan.new_version}"), BarColumn(), DownloadColumn(),
+        TransferSpeedColumn(), TimeRemainingColumn(),
+    )
+    with ExitStack() as stack:
+        bar = None if args.no_progress else stack.enter_context(Progress(*columns, transient=False))
+        task = bar.add_task("transform", total=hp.bytes_total) if bar is not None else None
+        if args.store is not None:
+            report = _transform_on_daemon(args, plan, urls, lambda done: bar.update(task, completed=done) if bar else None)
+        else:
+            report = _transform_here(args, plan, urls, lambda done: bar.update(task, completed=done) if bar else None)
+    print(json.dumps(report.to_json()))
+    return 0
+
+
+def _transform_on_daemon(args: argparse.Namespace, plan: Plan, urls: dict[str, str], progress: Callable[[int], None]) -> TransformReport:
+    """``--store URL``: the host's daemon runs its part (pulling from the sources itself); this follows it."""
+    from tenplex.store.client import StoreClient
+    from tenplex.transformer.remote import PlanRun
+
+    clients: dict[str, StoreClient] = {}
+
+    def client_for(url: str) -> StoreClient:
+        if url not in clients:
+            clients[url] = StoreClient(url, args.token, timeout=30.0)
+        return clients[url]
+
+    run = PlanRun(plan.for_host(args.host), {**urls, args.host: args.store}, token=args.token, client_for=client_for)
+    try:
+        reports = run.wait(progress=lambda statuses: progress(statuses[args.host].bytes_done))
+    finally:
+        for c in clients.values():
+            c.close()
+    return reports[args.host]
+
+
+def _transform_here(args: argparse.Namespace, plan: Plan, urls: dict[str, str], progress: Callable[[int], None]) -> TransformReport:
+    """``--store-root DIR``: run the host's part in this process, on the node's store directory."""
+    from tenplex.store.client import StoreClient
+    from tenplex.store.local import LocalStore
+    from tenplex.transformer.execute import LocalTarget, TransformMetrics, execute_host_plan
+    from tenplex.transformer.plan import CHECKPOINT
+
     if plan.checkpoint is not None:
         urls.setdefault(CHECKPOINT, plan.checkpoint)
     metrics = TransformMetrics()
@@ -148,25 +191,10 @@ def _transform(args: argparse.Namespace) -> int:
 
         start_http_server(args.metrics_port, registry=metrics.registry)
     with ExitStack() as stack:
-        if args.store is not None:
-            target: StoreLike = stack.enter_context(StoreClient(args.store, args.token, max_connections=max(8, args.concurrency)))
-        else:
-            target = LocalTarget(LocalStore(args.store_root))
         sources = {
             h: stack.enter_context(StoreClient(u, args.token, max_connections=max(8, args.concurrency))) for h, u in urls.items()
         }
-        if args.no_progress:
-            report = execute_host_plan(plan, args.host, target=target, sources=sources, concurrency=args.concurrency, metrics=metrics)
-        else:
-            columns = (
-                TextColumn(f"{args.host} -> {plan.new_version}"), BarColumn(), DownloadColumn(),
-                TransferSpeedColumn(), TimeRemainingColumn(),
-            )
-            with Progress(*columns, transient=False) as bar:
-                task = bar.add_task("transform", total=hp.bytes_total)
-                report = execute_host_plan(
-                    plan, args.host, target=target, sources=sources, concurrency=args.concurrency, metrics=metrics,
-                    progress=lambda done, total: bar.update(task, completed=done),
-                )
-    print(json.dumps(report.to_json()))
-    return 0
+        return execute_host_plan(
+            plan, args.host, target=LocalTarget(LocalStore(args.store_root)), sources=sources,
+            concurrency=args.concurrency, metrics=metrics, progress=lambda done, _total: progress(done),
+        )

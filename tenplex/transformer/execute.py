@@ -47,6 +47,7 @@ from tenplex.errors import (
     InvalidInput,
     StoreUnavailable,
     TenplexError,
+    TransformCancelled,
     TransformFailed,
 )
 from tenplex.ptc.dtypes import storage_dtype
@@ -211,9 +212,11 @@ class _State:
     """What all worker threads of one transform share: dead sources, counters, progress."""
 
     def __init__(
-        self, total: int, progress: Callable[[int, int], None] | None, metrics: TransformMetrics | None
+        self, total: int, progress: Callable[[int, int], None] | None, metrics: TransformMetrics | None,
+        cancel: threading.Event | None = None,
     ) -> None:
         self.lock = threading.Lock()
+        self.cancel = cancel
         self.dead: set[str] = set()
         self.total = total
         self.done = 0
@@ -224,6 +227,13 @@ class _State:
         self.requests = 0
         self.replanned = 0
         self.failed = threading.Event()
+
+    def cancelled(self) -> bool:
+        """Whether the caller asked to stop; the first time it is seen, every thread is told to stop too."""
+        if self.cancel is None or not self.cancel.is_set():
+            return False
+        self.failed.set()
+        return True
 
     def add(self, kind: str, nbytes: int, *, request: bool) -> None:
         with self.lock:
@@ -330,6 +340,7 @@ def execute_host_plan(
     metrics: TransformMetrics | None = None,
     max_buffer_bytes: int = DEFAULT_MAX_BUFFER_BYTES,
     batch_bytes: int = DEFAULT_BATCH_BYTES,
+    cancel: threading.Event | None = None,
 ) -> TransformReport:
     """Fill and commit ``host``'s shards of ``plan.new_version`` in its store (``target``).
 
@@ -338,7 +349,8 @@ def execute_host_plan(
     plan names but ``sources`` lacks counts as failed. ``progress`` is called
     with (bytes done, bytes total) from worker threads. Remote pieces of one
     source are pulled in batch reads of up to ``batch_bytes`` (0: each piece
-    its own request).
+    its own request). Setting ``cancel`` stops the transform at the next piece: nothing is
+    committed, the partial version is deleted and :class:`TransformCancelled` is raised.
     """
     if concurrency < 1:
         raise InvalidInput(f"concurrency must be >= 1, got {concurrency}")
@@ -348,7 +360,7 @@ def execute_host_plan(
         raise InvalidInput(f"max_buffer_bytes must be >= 1, got {max_buffer_bytes}")
     hp = plan.host(host)
     start = time.perf_counter()
-    state = _State(hp.bytes_total, progress, metrics)
+    state = _State(hp.bytes_total, progress, metrics, cancel)
     clients: dict[str, StoreLike] = dict(sources)
     clients[host] = target
     try:
@@ -361,12 +373,17 @@ def execute_host_plan(
         raise TransformFailed(f"host {host}: cannot prepare {target.url} for {plan.new_version}: {exc.detail}") from exc
     try:
         _run(plan, hp, clients, state, concurrency, max_buffer_bytes, batch_bytes)
+        if state.cancelled():
+            raise TransformCancelled(
+                f"transform of host {host} to {plan.new_version} was cancelled; nothing was committed, "
+                f"{plan.old_version} is intact"
+            )
         target.commit(plan.job, plan.new_version)
     except BaseException as exc:
         state.failed.set()
         _discard(plan, target)
         if metrics is not None:
-            metrics.transforms.labels("failed").inc()
+            metrics.transforms.labels("cancelled" if isinstance(exc, TransformCancelled) else "failed").inc()
         if isinstance(exc, TransformFailed):
             raise
         if isinstance(exc, TenplexError):
@@ -493,6 +510,8 @@ def _run(
         for idx, dest in enumerate(hp.shards):
             if idx in linked:
                 continue
+            if state.cancelled():
+                break
             nbytes = dest.nbytes
             if in_flight[0] + nbytes > max_buffer_bytes:
                 # About to wait for budget: the pieces held back for batches must be on their way first. (Only
@@ -503,6 +522,7 @@ def _run(
                 # One shard larger than the budget still runs, alone.
                 while in_flight[0] and in_flight[0] + nbytes > max_buffer_bytes and not state.failed.is_set():
                     budget.wait(0.5)
+                    state.cancelled()
                 if state.failed.is_set():
                     break
                 in_flight[0] += nbytes
@@ -526,21 +546,25 @@ def _run(
             if state.failed.is_set():
                 break
             flush(source)
-        if state.failed.is_set():
-            for f in futures:
-                f.cancel()
-        wait(futures)
+        _wait_all(futures, state)
         # Every fetch has finished, so no more writes are being added.
         with state.lock:
             pending_writes = list(writes)
-        if state.failed.is_set():
-            for f in pending_writes:
-                f.cancel()
-        wait(pending_writes)
+        _wait_all(pending_writes, state)
     if errors:
         # A TransformFailed names the piece; prefer it over secondary errors.
         first = next((e for e in errors if isinstance(e, TransformFailed)), errors[0])
         raise first
+
+
+def _wait_all(futures: Sequence[Future[None]], state: _State) -> None:
+    """Wait for ``futures``; once the transform has failed or is cancelled, those not started are dropped."""
+    pending = set(futures)
+    while pending:
+        if state.failed.is_set() or state.cancelled():
+            for f in pending:
+                f.cancel()
+        _done, pending = wait(pending, timeout=0.2)
 
 
 def _link_kept_shards(
@@ -739,60 +763,3 @@ def _store(
             shard.pool.put(shard.buf)  # stored (synchronously): the next shard of this shape may reuse it
         shard.buf = None  # type: ignore[assignment]
         stored(dest.nbytes)
-
-
-def execute_plan(
-    plan: Plan,
-    stores: Mapping[str, str],
-    *,
-    token: str | None = None,
-    concurrency: int = 8,
-    metrics: TransformMetrics | None = None,
-    progress: Callable[[str, int, int], None] | None = None,
-) -> dict[str, TransformReport]:
-    """Run every target host's part of ``plan`` at once (one thread each), as the nodes would.
-
-    ``stores`` maps host names (and :data:`CHECKPOINT` when the plan has no
-    checkpoint URL of its own) to store URLs; hosts missing from it count as
-    failed sources. Every host either commits or leaves nothing; when any
-    fails, :class:`TransformFailed` lists every failed host after all finished.
-    """
-    from tenplex.store.client import StoreClient
-
-    missing = [h for h in plan.hosts if h not in stores]
-    if missing:
-        raise InvalidInput(f"no store URL for target hosts {missing}; known: {sorted(stores)}")
-    urls = dict(stores)
-    if plan.checkpoint is not None:
-        urls.setdefault(CHECKPOINT, plan.checkpoint)
-    clients = {h: StoreClient(u, token, max_connections=max(8, concurrency)) for h, u in urls.items()}
-    reports: dict[str, TransformReport] = {}
-    failures: dict[str, BaseException] = {}
-
-    def one(host: str) -> None:
-        try:
-            sources = {h: c for h, c in clients.items() if h != host}
-            cb = None if progress is None else (lambda done, total: progress(host, done, total))
-            reports[host] = execute_host_plan(
-                plan, host, target=clients[host], sources=sources, concurrency=concurrency, progress=cb, metrics=metrics
-            )
-        except BaseException as exc:  # collected and reported together below
-            failures[host] = exc
-
-    threads = [threading.Thread(target=one, args=(h,), name=f"tenplex-transform-{h}") for h in plan.hosts]
-    try:
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-    finally:
-        for c in clients.values():
-            c.close()
-    if failures:
-        detail = "; ".join(
-            f"{h}: {exc.detail if isinstance(exc, TenplexError) else repr(exc)}" for h, exc in failures.items()
-        )
-        raise TransformFailed(
-            f"{len(failures)} of {len(plan.hosts)} hosts failed to transform to {plan.new_version}: {detail}"
-        ) from next(iter(failures.values()))
-    return reports

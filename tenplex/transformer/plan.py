@@ -244,6 +244,20 @@ class Plan:
         except KeyError:
             raise InvalidInput(f"host {name!r} has no part in this plan; hosts: {', '.join(self.hosts)}") from None
 
+    def for_host(self, name: str) -> Plan:
+        """The plan as one target host's daemon receives it: only ``name``'s part (the totals stay the plan's)."""
+        return replace(self, hosts={name: self.host(name)})
+
+    def sources_of(self, name: str) -> set[str]:
+        """Every host ``name``'s part may read from (planned sources and their alternatives), itself excluded."""
+        out: set[str] = set()
+        for t in self.host(name).transfers:
+            if t.source is not None:
+                out.add(t.source)
+            out.update(t.alternatives)
+        out.discard(name)
+        return out
+
     def send_bytes(self) -> dict[str, int]:
         """Bytes each source sends to other hosts (the checkpoint included under its name)."""
         out: dict[str, int] = defaultdict(int)

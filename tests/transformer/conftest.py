@@ -1,9 +1,12 @@
-"""Emulated hosts for transformer tests: one real store daemon per host on 127.0.0.2..5.
+"""Emulated hosts for transformer tests: one real node daemon per host on 127.0.0.2..5.
 
-Each host is a :class:`StoreServer` (uvicorn in a thread) bound to its own
-loopback address on an ephemeral port, over a LocalStore in a temporary
-directory. Old states are cut from random full tensors and written into each
-host's store per the old PTC, then committed.
+Each host is a :class:`~tenplex.node.NodeDaemon` (store and transforms,
+uvicorn in a thread) bound to its own loopback address on an ephemeral port,
+over a LocalStore in a temporary directory. Old states are cut from random
+full tensors and written into each host's store per the old PTC, then
+committed. :func:`transform_all` runs the executor in the test process (its
+unit tests); :func:`transform_on_daemons` has the daemons do it, as the
+scheduler does.
 """
 
 from __future__ import annotations
@@ -15,11 +18,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tenplex.node import NodeDaemon
 from tenplex.ptc import PTC
 from tenplex.ptc.dtypes import storage_dtype
 from tenplex.store.client import StoreClient
 from tenplex.store.local import LocalStore
-from tenplex.store.server import StoreServer
 from tenplex.transformer.execute import TransformReport, execute_host_plan
 from tenplex.transformer.plan import CHECKPOINT, Plan
 
@@ -31,12 +34,12 @@ class Cluster:
     """Host name -> running store daemon, with clients."""
 
     root: Path
-    servers: dict[str, StoreServer] = field(default_factory=dict)
+    servers: dict[str, NodeDaemon] = field(default_factory=dict)
     clients: dict[str, StoreClient] = field(default_factory=dict)
 
     def start(self, host: str) -> None:
         root = self.root / host
-        server = StoreServer(root, host=HOST_ADDRESSES[host], store=LocalStore(root, durable=False)).start()
+        server = NodeDaemon(root, host=HOST_ADDRESSES[host], store=LocalStore(root, durable=False)).start()
         self.servers[host] = server
         # Few retries with short backoff: a stopped server should be given up on quickly in tests.
         self.clients[host] = StoreClient(server.url, retries=1, backoff=0.05, timeout=10)
@@ -99,6 +102,16 @@ def transform_all(
             plan, host, target=cluster.clients[host], sources=sources, concurrency=concurrency
         )
     return reports
+
+
+def transform_on_daemons(cluster: Cluster, plan: Plan, *, hosts: list[str] | None = None) -> dict[str, TransformReport]:
+    """Every target host's daemon runs its part (pulling from the others), as the scheduler has them do."""
+    from tenplex.transformer.remote import PlanRun
+
+    alive = hosts if hosts is not None else list(cluster.servers)
+    run = PlanRun(plan, {h: cluster.servers[h].url for h in alive}, token=None,
+                  client_for=lambda url: next(c for c in cluster.clients.values() if c.url == url))
+    return run.wait(poll_interval=0.05, timeout=120)
 
 
 def expected_slice(state: dict[str, np.ndarray], name: str, region, shape) -> np.ndarray:

@@ -75,8 +75,10 @@ def test_transition_bit_exact(cluster, name: str, precision: str) -> None:
         assert any(v.committed and str(v.version) == "s5-g0" for v in cluster.clients[h].versions(job))
 
 
-def test_execute_plan_runs_all_hosts_in_parallel(cluster) -> None:
-    from tenplex.transformer.execute import TransformMetrics, execute_plan
+def test_the_daemons_run_every_hosts_part_in_parallel(cluster) -> None:
+    """The target hosts' daemons pull their own pieces: the reports add up to the plan, kept shards are
+    linked, and each daemon's /metrics counts its transform."""
+    from tenplex.transformer.remote import PlanRun
 
     (ocfg, ogpn, ohosts), (ncfg, ngpn, nhosts) = TRANSITIONS["dp4-to-tp2pp2"]
     old = layout(ocfg, ogpn, ohosts, "fp32")
@@ -85,14 +87,21 @@ def test_execute_plan_runs_all_hosts_in_parallel(cluster) -> None:
     populate(cluster, old, state, "par", "s1-g0")
     plan = make_plan(old, new, job="par", old_version="s1-g0", new_version="s1-g1")
     seen: dict[str, int] = {}
-    metrics = TransformMetrics()
-    reports = execute_plan(
-        plan, {h: s.url for h, s in cluster.servers.items()}, concurrency=2, metrics=metrics,
-        progress=lambda host, done, total: seen.__setitem__(host, max(done, seen.get(host, 0))),
-    )
+
+    def progress(statuses) -> None:
+        for h, st in statuses.items():
+            seen[h] = max(st.bytes_done, seen.get(h, 0))
+
+    run = PlanRun(plan, {h: s.url for h, s in cluster.servers.items()}, token=None,
+                  client_for=lambda url: next(c for c in cluster.clients.values() if c.url == url))
+    reports = run.wait(poll_interval=0.05, timeout=120, progress=progress)
     assert set(reports) == set(plan.hosts) == set(seen)
     assert all(seen[h] == plan.hosts[h].bytes_total for h in plan.hosts)
-    assert metrics.registry.get_sample_value("tenplex_transforms_total", {"outcome": "ok"}) == len(plan.hosts)
+    assert sum(r.bytes_remote for r in reports.values()) == plan.network_bytes
+    assert sum(r.bytes_local for r in reports.values()) == plan.local_bytes
+    for host in plan.hosts:
+        text = cluster.clients[host].metrics()
+        assert 'tenplex_transforms_total{outcome="ok"} 1.0' in text, text
     check_new_state(cluster, new, state, "par", "s1-g1")
 
 

@@ -1,0 +1,217 @@
+"""The node daemon: one process per node that serves its tensor store and runs its transforms.
+
+It is what ``tenplex store serve`` starts (the chart's DaemonSet, the local
+backend's emulated hosts): the store's routes (:mod:`tenplex.store.server`)
+and the transform routes (:mod:`tenplex.transformer.service`) on one port,
+behind one bearer token, with one Prometheus registry. During a
+reconfiguration this process pulls its host's new shards from the other
+nodes' daemons and writes them into its own store; the scheduler only sends
+it the plan.
+
+Serving: uvicorn with uvloop and httptools on a socket bound before it
+starts (``port=0`` gives a real port at once, written to ``port_file`` for a
+parent), optionally several worker processes on that socket.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import socket
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
+
+from tenplex.errors import InvalidInput
+from tenplex.serving import (
+    BackgroundServer,
+    bind_socket,
+    serve_forever,
+    url_for,
+    uvicorn_config,
+    write_port_file,
+)
+from tenplex.store.client import TOKEN_ENV
+from tenplex.store.local import LocalStore
+from tenplex.store.server import MULTIPROC_ENV, create_app
+from tenplex.transformer.service import TransformService, TransformSettings, transform_router
+
+log = logging.getLogger(__name__)
+
+_ROOT_ENV = "TENPLEX_STORE_ROOT"
+_OPTIONS_ENV = "TENPLEX_STORE_OPTIONS"
+
+
+def create_node_app(store: LocalStore, *, token: str | None, transforms: TransformSettings | None = None,
+                    **store_options: Any) -> tuple[FastAPI, TransformService]:
+    """The daemon's app over ``store`` and the transform service behind its transform routes.
+
+    ``store_options`` go to :func:`tenplex.store.server.create_app` (request size bounds).
+    """
+    registry = CollectorRegistry(auto_describe=True)
+    service = TransformService(store, token=token, settings=transforms, registry=registry)
+    app = create_app(store, token=token, routers=[transform_router(service)], registry=registry, **store_options)
+    app.state.transforms = service
+    return app, service
+
+
+def serve(
+    root: str | Path,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    token: str | None = None,
+    *,
+    port_file: str | Path | None = None,
+    chunk_bytes: int | None = None,
+    log_level: str = "info",
+    tune_malloc: bool = True,
+    map_chunks: bool = True,
+    workers: int = 1,
+    transforms: TransformSettings | None = None,
+) -> None:
+    """Run the node daemon until interrupted (blocking). ``port=0`` picks a free port.
+
+    The bound URL is logged, and with ``port_file`` the port is written there
+    (atomically) once the socket listens, so a parent process can find it.
+    ``token`` defaults to the ``TENPLEX_TOKEN`` environment variable. A
+    transform still running when the daemon stops is recorded as
+    ``interrupted`` (nothing of it committed); its scheduler submits it again.
+    """
+    token = token if token is not None else os.environ.get(TOKEN_ENV) or None
+    if workers < 1:
+        raise InvalidInput(f"workers must be >= 1, got {workers}")
+    transforms = transforms or TransformSettings()
+    options: dict[str, Any] = {"map_chunks": map_chunks}
+    if chunk_bytes is not None:
+        options["chunk_bytes"] = chunk_bytes
+    store = LocalStore(root, **options)
+    sock = bind_socket(host, port)
+    bound = sock.getsockname()[1]
+    if port_file is not None:
+        write_port_file(port_file, bound)
+    log.info(
+        "tenplex node daemon serving %s at %s (auth %s, %d worker process%s; transforms: %d at once, %d reads each, "
+        "%d MiB of buffers)",
+        store.root, url_for(host, bound), "on" if token else "off", workers, "" if workers == 1 else "es",
+        transforms.max_running, transforms.concurrency, transforms.memory_bytes >> 20,
+    )
+    if workers > 1:
+        _serve_workers(sock, store, token, workers, log_level, tune_malloc=tune_malloc, transforms=transforms)
+        log.info("tenplex node daemon at %s stopped", url_for(host, bound))
+        return
+    if tune_malloc:
+        _keep_freed_memory()
+    app, service = create_node_app(store, token=token, transforms=transforms)
+    try:
+        serve_forever(app, sock, log_level=log_level)
+    finally:
+        service.close()
+        store.close()
+    log.info("tenplex node daemon at %s stopped", url_for(host, bound))
+
+
+def _serve_workers(sock: socket.socket, store: LocalStore, token: str | None, workers: int, log_level: str, *,
+                   tune_malloc: bool, transforms: TransformSettings) -> None:
+    """Several uvicorn worker processes on one listening socket (uvicorn's supervisor restarts dead ones).
+
+    One event loop sends every response body from one thread, so on a node
+    with several cores one process cannot keep several parallel transfers
+    busy. Workers share the root safely (the store's structural changes take
+    a file lock; a transform is run by the process that took its submission,
+    the others read its record, see :mod:`tenplex.transformer.service`);
+    their Prometheus metrics are summed through a shared multiprocess
+    directory. Each process may run ``transforms.max_running`` transforms.
+    """
+    from uvicorn.supervisors import Multiprocess
+
+    metrics_dir = tempfile.mkdtemp(prefix="tenplex-store-metrics-")
+    env = {
+        _ROOT_ENV: str(store.root),
+        _OPTIONS_ENV: json.dumps({"chunk_bytes": store.chunk_bytes, "map_chunks": store.map_chunks,
+                                  "tune_malloc": tune_malloc, "transforms": dataclasses.asdict(transforms)}),
+        MULTIPROC_ENV: metrics_dir,
+        TOKEN_ENV: token or "",
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # the spawned workers read their configuration from the environment
+    try:
+        config = uvicorn_config("tenplex.node:app_from_env", log_level, factory=True, workers=workers)
+        with contextlib.suppress(KeyboardInterrupt):
+            Multiprocess(config, sockets=[sock]).run()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def app_from_env() -> FastAPI:
+    """The app of one worker process of :func:`serve` with ``workers > 1`` (configured by the parent's environment)."""
+    root = os.environ.get(_ROOT_ENV)
+    if not root:
+        raise InvalidInput(f"{_ROOT_ENV} is not set: app_from_env is only for worker processes started by serve()")
+    options = json.loads(os.environ.get(_OPTIONS_ENV, "{}"))
+    if options.pop("tune_malloc", False):
+        _keep_freed_memory()
+    transforms = TransformSettings(**options.pop("transforms", {}))
+    app, _service = create_node_app(LocalStore(root, **options), token=os.environ.get(TOKEN_ENV) or None,
+                                    transforms=transforms)
+    return app
+
+
+def _keep_freed_memory() -> None:
+    """Make glibc reuse freed region buffers instead of returning them to the kernel.
+
+    Every region read allocates a buffer of up to ``single_pass_bytes``; by
+    default glibc serves such sizes with a fresh ``mmap`` and unmaps them on
+    free, so every request pays page faults on all of its bytes (measured: a
+    fresh 64 MiB buffer fills 3-10x slower than a reused one on a loaded VM).
+    With ``mmap`` off and a high trim threshold the daemon's heap keeps the
+    freed buffers (bounded by the peak of concurrent requests) and reuses them.
+    Only the daemon process does this; embedding processes keep their settings.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        log.debug("not glibc: malloc left as it is")
+        return
+    m_trim_threshold, m_mmap_max = -1, -4
+    ok = libc.mallopt(m_mmap_max, 0) == 1 and libc.mallopt(m_trim_threshold, 1 << 30) == 1
+    log.debug("malloc tuned for buffer reuse: %s", ok)
+
+
+class NodeDaemon(BackgroundServer):
+    """A node daemon (store and transforms) in a background thread, for tests and embedding.
+
+    ``with NodeDaemon(root, token=...) as d: d.url``; stopping it interrupts its running transforms.
+    """
+
+    def __init__(self, root: str | Path, host: str = "127.0.0.1", port: int = 0, token: str | None = None, *,
+                 store: LocalStore | None = None, transforms: TransformSettings | None = None,
+                 log_level: str = "warning", **store_options: Any) -> None:
+        self.store = store if store is not None else LocalStore(root)
+        self.token = token
+        app, self.transforms = create_node_app(self.store, token=token, transforms=transforms, **store_options)
+        super().__init__(app, host, port, log_level=log_level)
+
+    def start(self, timeout: float = 30.0) -> NodeDaemon:
+        super().start(timeout)
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        super().stop(timeout)
+        self.transforms.close()
+        self.store.close()

@@ -1,0 +1,271 @@
+"""Transforms on the nodes, seen from the control plane: the wire format and :class:`PlanRun`.
+
+A reconfiguration's bytes are moved by the target hosts' store daemons
+(:mod:`tenplex.transformer.service`); the scheduler sends each its sub-plan
+(:class:`TransformRequest`), reads back their records
+(:class:`TransformStatus`) and cancels what is left when one fails. This
+module is that conversation, free of the daemon's own dependencies (no zarr,
+no FastAPI): what a control plane imports.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote, urlsplit
+
+from tenplex.errors import InvalidInput, NotFound, StoreUnavailable, TenplexError, TransformFailed
+from tenplex.store.names import check_job, check_version
+from tenplex.store.version import Version
+from tenplex.transformer.execute import TransformReport
+from tenplex.transformer.plan import Plan
+
+if TYPE_CHECKING:
+    from tenplex.store.client import StoreClient
+
+log = logging.getLogger(__name__)
+
+QUEUED, RUNNING, COMMITTED, FAILED, CANCELLED, INTERRUPTED = (
+    "queued", "running", "committed", "failed", "cancelled", "interrupted",
+)
+FINAL_STATES = frozenset({COMMITTED, FAILED, CANCELLED, INTERRUPTED})
+
+
+@dataclass(frozen=True)
+class TransformRequest:
+    """What the control plane sends a target host's daemon: its sub-plan and where the sources are."""
+
+    host: str
+    plan: Plan
+    """Only ``host``'s part (:meth:`Plan.for_host`); a whole plan is cut down to it on receipt."""
+    sources: Mapping[str, str]
+    """Host name (and :data:`~tenplex.transformer.plan.CHECKPOINT`) -> store URL."""
+    token: str | None = None
+    """Bearer token of the source daemons; None: the daemon's own (one token per cluster)."""
+
+    @property
+    def version(self) -> Version:
+        return self.plan.new_version
+
+    @property
+    def digest(self) -> str:
+        """Identifies the sub-plan: a resubmission with the same digest is the same transform."""
+        text = json.dumps(self.plan.host(self.host).to_json(), sort_keys=True, separators=(",", ":"))
+        head = f"{self.plan.job}|{self.plan.old_version}|{self.plan.new_version}|{self.plan.checkpoint}|"
+        return hashlib.sha256((head + text).encode()).hexdigest()[:20]
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"host": self.host, "plan": self.plan.to_json(), "sources": dict(self.sources)}
+        if self.token is not None:
+            out["token"] = self.token
+        return out
+
+    @classmethod
+    def from_json(cls, obj: Any) -> TransformRequest:
+        if not isinstance(obj, dict):
+            raise InvalidInput(f"a transform request is a JSON object, got {type(obj).__name__}")
+        unknown = sorted(set(obj) - {"host", "plan", "sources", "token"})
+        if unknown:
+            raise InvalidInput(f"unknown fields in the transform request: {', '.join(unknown)}")
+        host, sources, token = obj.get("host"), obj.get("sources", {}), obj.get("token")
+        if not isinstance(host, str) or not host:
+            raise InvalidInput("the transform request needs 'host': the target host whose part to run")
+        if "plan" not in obj:
+            raise InvalidInput("the transform request needs 'plan': the host's part of a plan (tenplex.plan/v1)")
+        if not isinstance(sources, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in sources.items()):
+            raise InvalidInput("'sources' must map host names to store URLs")
+        for name, url in sources.items():
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise InvalidInput(f"source {name!r}: store URL {url!r} must look like http://HOST:PORT")
+        if token is not None and not isinstance(token, str):
+            raise InvalidInput("'token' must be a string")
+        plan = Plan.from_json(obj["plan"])
+        if host not in plan.hosts:
+            raise InvalidInput(f"the plan has no part for host {host!r}; it has {', '.join(plan.hosts) or 'none'}")
+        return cls(host=host, plan=plan.for_host(host), sources=dict(sources), token=token)
+
+
+@dataclass(frozen=True)
+class TransformStatus:
+    """The record of one transform on one node, as stored and as answered."""
+
+    job: str
+    version: str
+    host: str
+    old_version: str
+    digest: str
+    state: str
+    bytes_total: int
+    bytes_done: int = 0
+    submitted_at: float = 0.0
+    started_at: float | None = None
+    finished_at: float | None = None
+    error: str | None = None
+    error_code: str | None = None
+    report: Mapping[str, Any] | None = None
+    """The executor's :class:`TransformReport` once committed: bytes local/remote/linked/zero, requests."""
+
+    @property
+    def finished(self) -> bool:
+        return self.state in FINAL_STATES
+
+    @property
+    def seconds(self) -> float:
+        if self.started_at is None:
+            return 0.0
+        return max(0.0, (self.finished_at or time.time()) - self.started_at)
+
+    @property
+    def rate(self) -> float:
+        """Bytes placed per second since the transform started."""
+        s = self.seconds
+        return self.bytes_done / s if s > 0 else 0.0
+
+    def transform_report(self) -> TransformReport:
+        if self.report is None:
+            raise NotFound(f"transform of {self.host} to {self.version} has no report ({self.state})")
+        r = self.report
+        return TransformReport(
+            host=str(r["host"]), bytes_local=int(r["bytes_local"]), bytes_remote=int(r["bytes_remote"]),
+            bytes_zero=int(r["bytes_zero"]), seconds=float(r["seconds"]), requests=int(r["requests"]),
+            replanned_pieces=int(r["replanned_pieces"]), shards=int(r.get("shards", 0)),
+            bytes_checkpoint=int(r.get("bytes_checkpoint", 0)), bytes_linked=int(r.get("bytes_linked", 0)),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "job": self.job, "version": self.version, "host": self.host, "old_version": self.old_version,
+            "digest": self.digest, "state": self.state, "bytes_total": self.bytes_total,
+            "bytes_done": self.bytes_done, "submitted_at": self.submitted_at, "started_at": self.started_at,
+            "finished_at": self.finished_at, "seconds": round(self.seconds, 6), "rate_bytes_per_s": round(self.rate, 1),
+            "error": self.error, "error_code": self.error_code,
+            "report": dict(self.report) if self.report is not None else None,
+        }
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> TransformStatus:
+        try:
+            return cls(
+                job=str(obj["job"]), version=str(obj["version"]), host=str(obj["host"]),
+                old_version=str(obj["old_version"]), digest=str(obj["digest"]), state=str(obj["state"]),
+                bytes_total=int(obj["bytes_total"]), bytes_done=int(obj.get("bytes_done", 0)),
+                submitted_at=float(obj.get("submitted_at", 0.0)), started_at=obj.get("started_at"),
+                finished_at=obj.get("finished_at"), error=obj.get("error"), error_code=obj.get("error_code"),
+                report=obj.get("report"),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidInput(f"malformed transform record: {type(exc).__name__}: {exc}") from None
+
+
+def transforms_path(job: str, version: Version | str | None = None) -> str:
+    path = f"/v1/jobs/{quote(check_job(job), safe='')}/transforms"
+    return path if version is None else f"{path}/{check_version(version)}"
+
+
+class PlanRun:
+    """A plan carried out by its target hosts' daemons, as the control plane follows it.
+
+    Holds no tensor byte: :meth:`submit` sends every target host its sub-plan
+    (all at once), :meth:`poll` reads their records, :meth:`cancel` stops what
+    still runs. ``stores`` maps the hosts that are alive to their daemons' URLs
+    (sources a sub-plan names but ``stores`` lacks count as failed at the
+    node, which moves to other holders); ``client_for`` gives a
+    :class:`~tenplex.store.client.StoreClient` for a URL (the caller's pool).
+    """
+
+    def __init__(self, plan: Plan, stores: Mapping[str, str], *, token: str | None,
+                 client_for: Callable[[str], StoreClient]) -> None:
+        missing = sorted(h for h in plan.hosts if h not in stores)
+        if missing:
+            raise StoreUnavailable(f"no alive store daemon for target hosts {missing} of {plan.new_version}")
+        self.plan = plan
+        self.stores = dict(stores)
+        self.token = token
+        self._client_for = client_for
+        self.statuses: dict[str, TransformStatus] = {}
+
+    def request(self, host: str) -> TransformRequest:
+        sources = {h: self.stores[h] for h in sorted(self.plan.sources_of(host)) if h in self.stores}
+        return TransformRequest(host=host, plan=self.plan.for_host(host), sources=sources, token=self.token)
+
+    def _each(self, fn: Callable[[str], TransformStatus]) -> dict[str, TransformStatus]:
+        hosts = list(self.plan.hosts)
+        with ThreadPoolExecutor(max_workers=min(32, max(1, len(hosts))), thread_name_prefix="tenplex-planrun") as pool:
+            results = dict(zip(hosts, pool.map(fn, hosts), strict=True))
+        self.statuses.update(results)
+        return results
+
+    def submit(self) -> dict[str, TransformStatus]:
+        """Send every target its sub-plan (idempotent: after a restart this attaches to what runs)."""
+        job = self.plan.job
+
+        def one(host: str) -> TransformStatus:
+            body = self.request(host).to_json()
+            return TransformStatus.from_json(
+                self._client_for(self.stores[host]).request_json("POST", transforms_path(job), body)
+            )
+
+        return self._each(one)
+
+    def poll(self) -> dict[str, TransformStatus]:
+        job, version = self.plan.job, self.plan.new_version
+
+        def one(host: str) -> TransformStatus:
+            known = self.statuses.get(host)
+            if known is not None and known.finished:
+                return known
+            return TransformStatus.from_json(
+                self._client_for(self.stores[host]).request_json("GET", transforms_path(job, version))
+            )
+
+        return self._each(one)
+
+    def cancel(self, hosts: list[str] | None = None) -> None:
+        """Cancel the transforms still running (best effort: a daemon that does not answer is skipped)."""
+        job, version = self.plan.job, self.plan.new_version
+        for host in hosts if hosts is not None else list(self.plan.hosts):
+            known = self.statuses.get(host)
+            if known is not None and known.finished:
+                continue
+            try:
+                self._client_for(self.stores[host]).request_json("DELETE", transforms_path(job, version))
+            except TenplexError as exc:
+                log.warning("could not cancel the transform of %s to %s: %s", host, version, exc.detail)
+
+    @staticmethod
+    def failure(statuses: Mapping[str, TransformStatus]) -> TransformStatus | None:
+        """The first target whose transform ended without committing, if any."""
+        return next((s for s in statuses.values() if s.finished and s.state != COMMITTED), None)
+
+    def wait(self, *, poll_interval: float = 0.2, timeout: float | None = None,
+             progress: Callable[[Mapping[str, TransformStatus]], None] | None = None) -> dict[str, TransformReport]:
+        """Submit, follow to the end and answer each host's report; a failure cancels the others and raises
+        :class:`TransformFailed` naming every host that did not commit."""
+        statuses = self.submit()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not all(s.finished for s in statuses.values()):
+            if self.failure(statuses) is not None:
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                self.cancel()
+                raise TransformFailed(f"the transform to {self.plan.new_version} did not finish within {timeout} s")
+            if progress is not None:
+                progress(statuses)
+            time.sleep(poll_interval)
+            statuses = self.poll()
+        if progress is not None:
+            progress(statuses)
+        bad = {h: s for h, s in statuses.items() if s.finished and s.state != COMMITTED}
+        if bad:
+            self.cancel()
+            detail = "; ".join(f"{h}: {s.state}: {s.error}" for h, s in bad.items())
+            raise TransformFailed(f"{len(bad)} of {len(statuses)} hosts did not commit {self.plan.new_version}: {detail}")
+        return {h: s.transform_report() for h, s in statuses.items()}
+
