@@ -20,10 +20,12 @@ backoff; every payload is checked against its crc32c header.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import logging
 import os
+import socket
 import threading
 import time
 import urllib.parse
@@ -161,6 +163,7 @@ class StoreClient:
         self.read_concurrency = read_concurrency
         self._slots = threading.BoundedSemaphore(max_connections)
         self._idle: list[tuple[http.client.HTTPConnection, float]] = []  # (connection, when it went idle)
+        self._busy: set[http.client.HTTPConnection] = set()  # connections a request is using now
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
@@ -193,11 +196,15 @@ class StoreClient:
                 reused = False
             else:
                 reused = True
+            with self._lock:
+                self._busy.add(conn)
             ok = False
             try:
                 yield conn, reused
                 ok = True
             finally:
+                with self._lock:
+                    self._busy.discard(conn)
                 if ok and conn.sock is not None and not self._closed:
                     with self._lock:
                         self._idle.append((conn, time.monotonic()))
@@ -580,6 +587,20 @@ class StoreClient:
             return False
         finally:
             conn.close()
+
+    def abort(self) -> None:
+        """Close the client and cut the connections requests are using: a request waiting on a source that
+        does not answer fails at once (with :class:`StoreUnavailable` or ``InvalidInput`` 'closed') instead of
+        at its timeout. For a caller that gives up (a cancelled transform)."""
+        self._closed = True
+        with self._lock:
+            busy = list(self._busy)
+        for conn in busy:
+            sock = conn.sock
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+        self.close()
 
     def close(self) -> None:
         self._closed = True

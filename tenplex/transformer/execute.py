@@ -382,8 +382,15 @@ def execute_host_plan(
     except BaseException as exc:
         state.failed.set()
         _discard(plan, target)
+        cancelled = isinstance(exc, TransformCancelled) or (cancel is not None and cancel.is_set())
         if metrics is not None:
-            metrics.transforms.labels("cancelled" if isinstance(exc, TransformCancelled) else "failed").inc()
+            metrics.transforms.labels("cancelled" if cancelled else "failed").inc()
+        if cancelled and not isinstance(exc, TransformCancelled):
+            # Reads cut short by the cancel fail in their own ways: what happened is the cancel.
+            raise TransformCancelled(
+                f"transform of host {host} to {plan.new_version} was cancelled; nothing was committed, "
+                f"{plan.old_version} is intact"
+            ) from exc
         if isinstance(exc, TransformFailed):
             raise
         if isinstance(exc, TenplexError):

@@ -49,6 +49,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -394,14 +395,25 @@ class TransformService:
         run.written_at = now
         self._update(run, bytes_done=done)
         self._write_record(run.status)
-        if self._cancel_path(run.status.job, run.status.version).exists():
-            run.cancel.set()
+
+    def _watch(self, run: _Run, clients: Mapping[str, StoreClient], done: threading.Event) -> None:
+        """Until ``done``: a cancel (here, or by another daemon process's cancel file) cuts the source
+        connections, so that reads waiting on a source that does not answer end now, not at their timeout."""
+        cancel_file = self._cancel_path(run.status.job, run.status.version)
+        while not done.wait(0.1):
+            if not run.cancel.is_set() and cancel_file.exists():
+                run.cancel.set()
+            if run.cancel.is_set():
+                for c in clients.values():
+                    c.abort()
+                return
 
     def _execute(self, run: _Run) -> None:
         req = run.request
         plan = req.plan
         job, version = plan.job, str(plan.new_version)
-        clients: dict[str, StoreLike] = {}
+        clients: dict[str, StoreClient] = {}
+        done = threading.Event()
         try:
             with self._slots:
                 if self._cancel_path(job, version).exists():
@@ -417,8 +429,11 @@ class TransformService:
                 for name, url in urls.items():
                     clients[name] = StoreClient(url, token, timeout=self.settings.source_timeout_s,
                                                 max_connections=max(8, self.settings.concurrency))
+                threading.Thread(target=self._watch, args=(run, clients, done), daemon=True,
+                                 name=f"tenplex-transform-watch-{job}-{version}").start()
+                sources: dict[str, StoreLike] = dict(clients)
                 report = execute_host_plan(
-                    plan, req.host, target=self._target, sources=clients, concurrency=self.settings.concurrency,
+                    plan, req.host, target=self._target, sources=sources, concurrency=self.settings.concurrency,
                     progress=lambda done, total: self._progress(run, done, total), metrics=self.metrics,
                     max_buffer_bytes=self.settings.buffer_bytes, batch_bytes=self.settings.batch_bytes,
                     cancel=run.cancel,
@@ -438,10 +453,9 @@ class TransformService:
             self._update(run, state=FAILED, finished_at=time.time(), error=f"{type(exc).__name__}: {exc}",
                          error_code="internal_error")
         finally:
+            done.set()
             for c in clients.values():
-                close = getattr(c, "close", None)
-                if close is not None:
-                    close()
+                c.close()
             with self._lock:
                 final = run.status
                 try:

@@ -152,7 +152,9 @@ def scheduler(api: ApiServerEmulator, cluster: Cluster, tmp_path: Path) -> Itera
     base = free_port_block(21)
     sched = KubernetesScheduler(api.api_client(), settings,
                                 SchedulerSettings(url=url, token=TOKEN, heartbeat_interval=0.3), tmp_path / "sched",
-                                master_ports=(base, base + 20), watch_timeout=10)
+                                master_ports=(base, base + 20), watch_timeout=10,
+                                store_client=lambda url: RecordingStoreClient(url, TOKEN, retries=2, timeout=10))
+    RecordingStoreClient.calls = []
     server = BackgroundServer(create_app(sched, token=TOKEN), sock=sock).start()
     sched.recover()
     assert sched.operator.leading.wait(30), "the scheduler never took the Lease"
@@ -270,6 +272,37 @@ def test_reference_job_scaled_through_the_scale_subresource_and_recovered_after_
     assert crd.elasticjob_errors(api.get("elasticjobs", "gpt", NS)) == []
     reasons = [e["reason"] for e in api.list("events", NS) if e["involvedObject"]["name"] == "gpt"]
     assert reasons.count("Reconfigured") == 3 and reasons.count("Succeeded") == 1, reasons
+    _assert_the_daemons_moved_the_state(api, st.history, RecordingStoreClient.calls)
+
+
+def _assert_the_daemons_moved_the_state(api: ApiServerEmulator, history: list[Any], calls: list[tuple[str, str]]) -> None:
+    """Every reconfiguration's new version was built by the target nodes' store daemons (their transform
+    records add up to the scheduler's record), and the scheduler only listed versions and sent plans."""
+    records: dict[str, list[dict[str, Any]]] = {}
+    for node, ip in NODES.items():
+        port = api.get("pods", f"store-{node}", NS)["spec"]["containers"][0]["ports"][0]["hostPort"]
+        with StoreClient(f"http://{ip}:{port}", TOKEN, timeout=10) as store:
+            for t in store.request_json("GET", "/v1/jobs/gpt/transforms")["transforms"]:
+                records.setdefault(t["version"], []).append(t)
+    for rec in history:
+        got = records.get(rec.version_to, [])
+        assert sorted(t["host"] for t in got) == sorted(rec.to_hosts), (rec.version_to, got)
+        assert all(t["state"] == "committed" for t in got)
+        assert sum(t["report"]["bytes_remote"] for t in got) == rec.bytes_remote
+        assert sum(t["report"]["bytes_local"] for t in got) == rec.bytes_local
+    kinds = {(method, path.split("/")[4] if path.count("/") >= 4 else path) for method, path in calls}
+    assert kinds <= {("GET", "versions"), ("POST", "transforms"), ("GET", "transforms"), ("DELETE", "transforms")}, kinds
+    assert ("POST", "transforms") in kinds
+
+
+class RecordingStoreClient(StoreClient):
+    """The scheduler's store client, remembering every request it makes (method, path)."""
+
+    calls: list[tuple[str, str]] = []
+
+    def _call(self, method: str, path: str, handle: Any, **kwargs: Any) -> Any:
+        RecordingStoreClient.calls.append((method, path))
+        return super()._call(method, path, handle, **kwargs)
 
 
 @pytest.mark.parametrize("cluster", [2], indirect=True)

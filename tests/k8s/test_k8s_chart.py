@@ -146,7 +146,13 @@ def test_store_daemonset_contract() -> None:
     spec = pod["spec"]
     (container,) = spec["containers"]
     assert container["args"] == ["store", "serve", "--root", crd.DEFAULT_STORE_ROOT, "--host", "0.0.0.0",
-                                 "--port", str(crd.STORE_PORT)]
+                                 "--port", str(crd.STORE_PORT), "--transform-concurrency", "8",
+                                 "--transform-memory", "2Gi", "--transform-max-running", "2"]
+    # The daemon's own parser takes what the chart passes.
+    from tenplex.cli import build_parser
+
+    args = build_parser().parse_args(container["args"])
+    assert (args.transform_concurrency, args.transform_memory, args.transform_max_running) == (8, 2 << 30, 2)
     (port,) = container["ports"]
     assert port["containerPort"] == port["hostPort"] == crd.STORE_PORT
     volumes = {v["name"]: v for v in spec["volumes"]}
@@ -223,6 +229,8 @@ def test_auth_secret_value_or_existing() -> None:
         (["--set", "scheduler.replica=2"], "replica"),
         (["--set", "scheduler.replicas=two"], "replicas"),
         (["--set", "store.root=relative/path"], "root"),
+        (["--set", "store.transforms.memory=lots"], "memory"),
+        (["--set", "store.transforms.maxRunning=0"], "maxRunning"),
         (["--set", "image.pullPolicy=Sometimes"], "pullPolicy"),
         (["--set", "metrics.serviceMonitor.interval=often"], "interval"),
         (["--set", "scheduler.replicas=3", "--set", "scheduler.leaderElection.enabled=false"], "leaderElection.enabled is false"),
