@@ -9,6 +9,8 @@ address, workers as OS processes with torchrun's environment) and
 from __future__ import annotations
 
 import contextlib
+import errno
+import http.client
 import logging
 import os
 import random
@@ -20,6 +22,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -109,8 +112,11 @@ class Backend(ABC):
                 with socket.socket() as s:
                     try:
                         s.bind((host.address, port))
-                    except OSError:
-                        continue
+                    except OSError as exc:
+                        # Not an address of this machine (a host elsewhere, or in another network namespace):
+                        # its ports cannot be probed from here; the ones handed out recently are still avoided.
+                        if exc.errno != errno.EADDRNOTAVAIL:
+                            continue
                 _MASTER_PORTS[(host.address, port)] = now
                 return port
         raise InvalidConfig(f"no free rendezvous port on {host.address} in {_MASTER_PORT_FLOOR}-{low - 1}")
@@ -144,14 +150,33 @@ class _LocalHost:
     root: Path
     process: subprocess.Popen | None = None
     pid: int | None = None
+    store_root: Path | None = None
+    """The store's directory as workers on the host see it (None: they use the daemon's URL)."""
+    launch_prefix: tuple[str, ...] = ()
+    """argv prefix that runs a command on the host (e.g. ``ip netns exec NS``, ``ssh HOST``); empty: here."""
+    env: Mapping[str, str] = field(default_factory=dict)
+    """Environment for the host's workers (e.g. ``GLOO_SOCKET_IFNAME`` of its interface)."""
+    managed: bool = True
+    """Whether this cluster started the daemon (and stops it); hosts from a hosts file are not."""
+    unanswered_since: float | None = None
+    """When its daemon's /healthz first went unanswered (the health watch), None while it answers."""
 
 
 @dataclass
 class LocalCluster:
-    """Emulated hosts on one machine: a store daemon per host, each on its own loopback address.
+    """The local backend's hosts: a store daemon per host, on this machine or reachable from it.
 
-    The daemons are separate ``tenplex store serve`` processes in their own
-    session, so they survive the scheduler being killed, as real nodes would.
+    Started here (:meth:`start`, the demo and the embedded default): each
+    host's daemon is a separate ``tenplex store serve`` process in its own
+    session on its own loopback address, so it survives the scheduler being
+    killed, as a real node would. Described (:meth:`attach`, a hosts file):
+    daemons started by someone else, each maybe with an argv prefix that runs a
+    command on its host (``ip netns exec NS``, ``ssh HOST``), environment for
+    its workers, and the directory of its store as its workers see it.
+
+    :meth:`watch` keeps every host's ``ready`` flag true to life: a host whose
+    daemon process is gone, or whose daemon has not answered ``/healthz`` for
+    ``lost_after`` seconds, is lost (and ready again once it answers).
     """
 
     root: Path
@@ -159,6 +184,8 @@ class LocalCluster:
     gpus_per_host: int = 2
     _hosts: dict[str, _LocalHost] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _watch_stop: threading.Event = field(default_factory=threading.Event)
+    _watcher: threading.Thread | None = None
 
     def start_host(self, name: str, address: str, *, timeout: float = 60.0) -> HostInfo:
         """Start a store daemon for host ``name`` bound to ``address`` and wait until it answers."""
@@ -185,7 +212,7 @@ class LocalCluster:
         port = int(port_file.read_text().strip())
         info = HostInfo(name=name, gpus=self.gpus_per_host, store_url=f"http://{address}:{port}", address=address)
         with self._lock:
-            self._hosts[name] = _LocalHost(info, root, proc, proc.pid)
+            self._hosts[name] = _LocalHost(info, root, proc, proc.pid, store_root=root / "store")
         log.info("host %s: store daemon pid %d at %s", name, proc.pid, info.store_url)
         return info
 
@@ -199,20 +226,29 @@ class LocalCluster:
         with self._lock:
             return [h.info for h in self._hosts.values()]
 
-    def store_root(self, name: str) -> Path:
-        """The root directory of ``name``'s store (its daemon's ``--root``), which its workers share."""
+    def _host(self, name: str) -> _LocalHost:
         with self._lock:
             h = self._hosts.get(name)
         if h is None:
             raise NotFound(f"host {name!r} is not part of this local cluster")
-        return h.root / "store"
+        return h
+
+    def store_root(self, name: str) -> Path | None:
+        """The directory of ``name``'s store as its workers see it (its daemon's ``--root``); None when the
+        workers reach their store only through the daemon."""
+        return self._host(name).store_root
+
+    def launch_prefix(self, name: str) -> tuple[str, ...]:
+        """The argv prefix that runs a command on host ``name`` (empty: on this machine, as it is)."""
+        return self._host(name).launch_prefix
+
+    def host_env(self, name: str) -> Mapping[str, str]:
+        return self._host(name).env
 
     def kill_host(self, name: str) -> None:
         """Lose a host: its store daemon dies (its workers are killed by the caller or the test)."""
+        h = self._host(name)
         with self._lock:
-            h = self._hosts.get(name)
-            if h is None:
-                raise NotFound(f"no local host {name!r}")
             h.info = replace(h.info, ready=False)
             pid = h.pid
         if pid is not None:
@@ -222,38 +258,108 @@ class LocalCluster:
 
     def set_schedulable(self, name: str, schedulable: bool) -> None:
         """Cordon (False) or uncordon (True) a host."""
+        h = self._host(name)
         with self._lock:
-            h = self._hosts.get(name)
-            if h is None:
-                raise NotFound(f"no local host {name!r}")
             h.info = replace(h.info, schedulable=schedulable)
 
-    def describe(self) -> list[dict[str, object]]:
-        """What a restarted scheduler needs to reattach: name, address, URL, pid."""
+    # -- health -------------------------------------------------------------------
+
+    def watch(self, *, interval: float = 1.0, lost_after: float = 5.0) -> None:
+        """Probe every host's daemon every ``interval`` seconds in a background thread (see the class doc)."""
+        if interval <= 0 or lost_after <= 0:
+            raise InvalidConfig(f"health watch: interval {interval} and lost_after {lost_after} must be > 0")
+        if self._watcher is not None:
+            return
+        self._watch_stop.clear()
+
+        def loop() -> None:
+            while not self._watch_stop.wait(interval):
+                try:
+                    self.check_health(lost_after=lost_after)
+                except Exception:  # the watch must outlive anything one round meets
+                    log.exception("host health check failed")
+
+        self._watcher = threading.Thread(target=loop, name="tenplex-host-health", daemon=True)
+        self._watcher.start()
+
+    def check_health(self, *, lost_after: float = 5.0, probe_timeout: float = 1.0) -> list[str]:
+        """One round of the health watch; answers the hosts whose ``ready`` changed."""
         with self._lock:
-            return [
-                {"name": h.info.name, "address": h.info.address, "store_url": h.info.store_url, "gpus": h.info.gpus,
-                 "pid": h.pid, "ready": h.info.ready, "schedulable": h.info.schedulable}
-                for h in self._hosts.values()
-            ]
+            hosts = list(self._hosts.values())
+        if not hosts:
+            return []
+        with ThreadPoolExecutor(max_workers=min(32, len(hosts)), thread_name_prefix="tenplex-health") as pool:
+            answers = list(pool.map(lambda h: _answers(h.info.store_url, probe_timeout), hosts))
+        changed = []
+        now = time.monotonic()
+        for h, answered in zip(hosts, answers, strict=True):
+            gone = h.pid is not None and not _running(h.pid, h.process)
+            with self._lock:
+                if answered and not gone:
+                    h.unanswered_since = None
+                    ready = True
+                else:
+                    if h.unanswered_since is None:
+                        h.unanswered_since = now
+                    ready = h.info.ready and not gone and now - h.unanswered_since < lost_after
+                if ready == h.info.ready:
+                    continue
+                h.info = replace(h.info, ready=ready)
+            changed.append(h.info.name)
+            if ready:
+                log.warning("host %s: its store daemon answers again; the host is usable", h.info.name)
+            else:
+                log.warning("host %s lost: its store daemon %s", h.info.name,
+                            "process is gone" if gone else f"did not answer for {lost_after:.0f} s")
+        return changed
+
+    # -- description ------------------------------------------------------------------
+
+    def describe(self) -> list[dict[str, object]]:
+        """What a restarted scheduler needs to reattach (the hosts file format, see :meth:`attach`)."""
+        with self._lock:
+            out = []
+            for h in self._hosts.values():
+                d: dict[str, object] = {
+                    "name": h.info.name, "address": h.info.address, "store_url": h.info.store_url, "gpus": h.info.gpus,
+                    "pid": h.pid, "ready": h.info.ready, "schedulable": h.info.schedulable, "managed": h.managed,
+                }
+                if h.store_root is not None:
+                    d["store_root"] = str(h.store_root)
+                if h.launch_prefix:
+                    d["launch_prefix"] = list(h.launch_prefix)
+                if h.env:
+                    d["env"] = dict(h.env)
+                out.append(d)
+            return out
 
     @classmethod
     def attach(cls, root: Path, hosts: Sequence[Mapping[str, object]], token: str | None = None) -> LocalCluster:
-        """Re-attach to running store daemons described by :meth:`describe`."""
+        """Hosts whose daemons already run: described by :meth:`describe` (a restarted scheduler) or by a
+        hosts file (JSON list; per host ``name``, ``address``, ``store_url``, ``gpus``, and optionally
+        ``store_root``, ``launch_prefix`` (argv list), ``env`` (object), ``pid``, ``schedulable``)."""
         cluster = cls(root=root, token=token)
-        for h in hosts:
-            info = HostInfo(
-                name=str(h["name"]), gpus=int(h["gpus"]), store_url=str(h["store_url"]), address=str(h["address"]),  # type: ignore[call-overload]
-                ready=bool(h.get("ready", True)), schedulable=bool(h.get("schedulable", True)),
-            )
-            pid = h.get("pid")
-            cluster._hosts[info.name] = _LocalHost(info, Path(root) / info.name, None, int(pid) if pid else None)  # type: ignore[call-overload]
+        for i, h in enumerate(hosts):
+            cluster._hosts_add(_parse_host(h, i, Path(root)))
         return cluster
 
+    def _hosts_add(self, host: _LocalHost) -> None:
+        if host.info.name in self._hosts:
+            raise InvalidConfig(f"host {host.info.name!r} is described twice")
+        self._hosts[host.info.name] = host
+
+    def unwatch(self) -> None:
+        """Stop the health watch (the hosts keep running)."""
+        self._watch_stop.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=10)
+            self._watcher = None
+
     def stop(self) -> None:
-        """Stop every store daemon (end of a demo or test)."""
+        """Stop the watch and every store daemon this cluster started (end of a demo or test)."""
+        self.unwatch()
         with self._lock:
-            hosts = list(self._hosts.values())
+            hosts = [h for h in self._hosts.values() if h.managed]
         for h in hosts:
             if h.pid is not None and h.info.ready:
                 _kill_group(h.pid, signal.SIGTERM)
@@ -266,17 +372,76 @@ class LocalCluster:
                     h.process.wait(timeout=10)
 
 
+def _parse_host(h: Mapping[str, object], index: int, root: Path) -> _LocalHost:
+    """One host of a hosts file / :meth:`LocalCluster.describe`, checked."""
+    where = f"host {index} ({h.get('name', '?')!r})" if isinstance(h, Mapping) else f"host {index}"
+    if not isinstance(h, Mapping):
+        raise InvalidConfig(f"{where}: a host is a JSON object, got {type(h).__name__}")
+    unknown = sorted(set(h) - {"name", "address", "store_url", "gpus", "pid", "ready", "schedulable", "managed",
+                               "store_root", "launch_prefix", "env"})
+    if unknown:
+        raise InvalidConfig(f"{where}: unknown fields {', '.join(unknown)}")
+    missing = [k for k in ("name", "address", "store_url", "gpus") if k not in h]
+    if missing:
+        raise InvalidConfig(f"{where}: missing {', '.join(missing)}")
+    name, address, url, gpus = h["name"], h["address"], h["store_url"], h["gpus"]
+    if not isinstance(name, str) or not name or not isinstance(address, str) or not isinstance(url, str):
+        raise InvalidConfig(f"{where}: name, address and store_url must be strings")
+    if not url.startswith(("http://", "https://")):
+        raise InvalidConfig(f"{where}: store_url {url!r} must look like http://HOST:PORT")
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise InvalidConfig(f"{where}: gpus must be a positive integer, got {gpus!r}")
+    prefix = h.get("launch_prefix", [])
+    if not isinstance(prefix, list) or not all(isinstance(a, str) for a in prefix):
+        raise InvalidConfig(f"{where}: launch_prefix must be a list of strings")
+    env = h.get("env", {})
+    if not isinstance(env, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        raise InvalidConfig(f"{where}: env must map names to strings")
+    pid = h.get("pid")
+    if pid is not None and (isinstance(pid, bool) or not isinstance(pid, int)):
+        raise InvalidConfig(f"{where}: pid must be an integer")
+    store_root = h.get("store_root")
+    if store_root is not None and not isinstance(store_root, str):
+        raise InvalidConfig(f"{where}: store_root must be a path")
+    info = HostInfo(name=name, gpus=gpus, store_url=url, address=address, ready=bool(h.get("ready", True)),
+                    schedulable=bool(h.get("schedulable", True)))
+    return _LocalHost(info, root / name, None, pid, store_root=Path(store_root) if store_root else None,
+                      launch_prefix=tuple(prefix), env=dict(env), managed=bool(h.get("managed", False)))
+
+
+def _answers(url: str, timeout: float) -> bool:
+    """Whether the daemon at ``url`` answers ``GET /healthz`` with 200 within ``timeout``."""
+    parts = url.split("://", 1)[-1].split("/", 1)[0]
+    host, _, port = parts.rpartition(":")
+    conn = http.client.HTTPConnection(host.strip("[]"), int(port), timeout=timeout)
+    try:
+        conn.request("GET", "/healthz")
+        resp = conn.getresponse()
+        resp.read()
+        return resp.status == 200
+    except (OSError, http.client.HTTPException, ValueError):
+        return False
+    finally:
+        conn.close()
+
+
 class LocalBackend(Backend):
     """Workers as local processes (each in its own session) on emulated hosts."""
 
     name = "local"
 
-    def __init__(self, cluster: LocalCluster, *, cwd: Path | None = None) -> None:
+    def __init__(self, cluster: LocalCluster, *, cwd: Path | None = None, host_timeout: float | None = 5.0) -> None:
+        """``host_timeout``: a host whose daemon does not answer for this long is lost (None: not watched)."""
         self.cluster = cluster
         self.cwd = cwd
         self._procs: dict[tuple[str, str], subprocess.Popen] = {}
         self._adopted: dict[tuple[str, str], int] = {}
         self._lock = threading.Lock()
+        if host_timeout is not None:
+            cluster.watch(interval=min(1.0, host_timeout / 3), lost_after=host_timeout)
+
+    def close(self) -> None:
+        self.cluster.unwatch()
 
     def hosts(self) -> list[HostInfo]:
         return self.cluster.hosts()
@@ -287,12 +452,17 @@ class LocalBackend(Backend):
         log_dir.mkdir(parents=True, exist_ok=True)
         pids: dict[str, int | None] = {}
         for w in workers:
-            # All emulated hosts share this machine's loopback: gloo must bind there (the job's env may override).
-            # Workers write their snapshots into their host's store directly (same machine, shared root).
-            env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", ENV_STORE_ROOT: str(self.cluster.store_root(w.host)), **w.env}
+            # Emulated hosts share this machine's loopback: gloo binds there unless the host's or the job's
+            # environment says otherwise. Workers write their snapshots into their host's store directly when
+            # they see its directory; a host may run them elsewhere through its launch prefix.
+            env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", **self.cluster.host_env(w.host), **w.env}
+            root = self.cluster.store_root(w.host)
+            if root is not None:
+                env[ENV_STORE_ROOT] = str(root)
+            argv = [*self.cluster.launch_prefix(w.host), *command]
             logf = open(log_dir / f"{w.worker_id}.log", "ab")  # noqa: SIM115 - handed to the child process
             try:
-                proc = subprocess.Popen(list(command), env=env, stdout=logf, stderr=subprocess.STDOUT,
+                proc = subprocess.Popen(argv, env=env, stdout=logf, stderr=subprocess.STDOUT,
                                         cwd=self.cwd, start_new_session=True)
             finally:
                 logf.close()

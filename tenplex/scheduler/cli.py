@@ -35,6 +35,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--token", help="bearer token (default: $TENPLEX_TOKEN; none disables auth)")
     serve.add_argument("--hosts", type=int, default=3, help="local backend: emulated hosts to start (default 3)")
     serve.add_argument("--gpus-per-host", type=int, default=2, help="local backend: GPUs per emulated host (default 2)")
+    serve.add_argument("--hosts-file", type=Path,
+                       help="local backend: hosts whose store daemons already run, instead of starting --hosts: a JSON "
+                            "list of {name, address, store_url, gpus[, store_root, launch_prefix, env]} (README)")
+    serve.add_argument("--host-timeout", type=float, default=5.0,
+                       help="local backend: a host whose daemon does not answer for this many seconds is lost (default 5)")
     serve.set_defaults(func=_serve)
 
     job = sub.add_parser("job", help="create, inspect, scale and delete jobs through the scheduler's REST API")
@@ -67,7 +72,8 @@ def _serve(args: argparse.Namespace) -> int:
     from tenplex.scheduler.server import serve, token_from
 
     serve(args.backend, args.state_dir, args.host, args.port, token_from(args.token), hosts=args.hosts,
-          gpus_per_host=args.gpus_per_host, port_file=args.port_file)
+          gpus_per_host=args.gpus_per_host, port_file=args.port_file, hosts_file=args.hosts_file,
+          host_timeout=args.host_timeout)
     return 0
 
 

@@ -23,12 +23,25 @@ from tenplex.serving import BackgroundServer, bind_socket, serve_forever, url_fo
 log = logging.getLogger(__name__)
 
 
-def local_cluster(state_dir: Path, hosts: int, gpus_per_host: int, token: str | None) -> LocalCluster:
-    """Start the emulated hosts, or re-attach to them after a scheduler restart."""
+def local_cluster(state_dir: Path, hosts: int, gpus_per_host: int, token: str | None,
+                  hosts_file: Path | None = None) -> LocalCluster:
+    """Start the emulated hosts, or re-attach to them after a scheduler restart, or take the hosts a hosts
+    file describes (their daemons run already; see :meth:`LocalCluster.attach`)."""
     described = state_dir / "cluster.json"
     if described.exists():
         cluster = LocalCluster.attach(state_dir / "cluster", json.loads(described.read_text()), token=token)
         log.info("re-attached to %d local hosts", len(cluster.hosts()))
+        return cluster
+    if hosts_file is not None:
+        try:
+            listed = json.loads(Path(hosts_file).read_text())
+        except (OSError, ValueError) as exc:
+            raise InvalidConfig(f"cannot read the hosts file {str(hosts_file)!r}: {exc}") from None
+        if not isinstance(listed, list) or not listed:
+            raise InvalidConfig(f"the hosts file {str(hosts_file)!r} must hold a non-empty JSON list of hosts")
+        cluster = LocalCluster.attach(state_dir / "cluster", listed, token=token)
+        save_cluster(state_dir, cluster)
+        log.info("%d hosts from %s", len(listed), hosts_file)
         return cluster
     cluster = LocalCluster(root=state_dir / "cluster", token=token, gpus_per_host=gpus_per_host)
     cluster.start(hosts)
@@ -41,11 +54,13 @@ def save_cluster(state_dir: Path, cluster: LocalCluster) -> None:
 
 
 def build_scheduler(backend_name: str, state_dir: Path, url: str, token: str | None, *, hosts: int = 2,
-                    gpus_per_host: int = 2, heartbeat_interval: float = 1.0) -> Scheduler:
+                    gpus_per_host: int = 2, heartbeat_interval: float = 1.0, hosts_file: Path | None = None,
+                    host_timeout: float = 5.0) -> Scheduler:
     state_dir.mkdir(parents=True, exist_ok=True)
     settings = SchedulerSettings(url=url, token=token, heartbeat_interval=heartbeat_interval)
     if backend_name == "local":
-        backend = LocalBackend(local_cluster(state_dir, hosts, gpus_per_host, token), cwd=Path.cwd())
+        backend = LocalBackend(local_cluster(state_dir, hosts, gpus_per_host, token, hosts_file), cwd=Path.cwd(),
+                               host_timeout=host_timeout)
     elif backend_name == "kubernetes":  # jobs are ElasticJobs; state lives in the API server (tenplex.k8s)
         from urllib.parse import urlsplit
 
@@ -59,10 +74,12 @@ def build_scheduler(backend_name: str, state_dir: Path, url: str, token: str | N
 
 
 def serve(backend_name: str, state_dir: Path, host: str, port: int, token: str | None, *, hosts: int,
-          gpus_per_host: int, port_file: Path | None = None) -> None:
+          gpus_per_host: int, port_file: Path | None = None, hosts_file: Path | None = None,
+          host_timeout: float = 5.0) -> None:
     sock = bind_socket(host, port)
     url = url_for(host, sock.getsockname()[1])
-    scheduler = build_scheduler(backend_name, state_dir, url, token, hosts=hosts, gpus_per_host=gpus_per_host)
+    scheduler = build_scheduler(backend_name, state_dir, url, token, hosts=hosts, gpus_per_host=gpus_per_host,
+                                hosts_file=hosts_file, host_timeout=host_timeout)
     recovered = scheduler.recover()
     if recovered:
         log.info("resumed jobs: %s", ", ".join(recovered))

@@ -69,3 +69,92 @@ def test_rendezvous_ports_lie_below_the_ephemeral_range_and_are_not_handed_out_t
     for p in ports:  # each was free when handed out
         with socket.socket() as s:
             s.bind(("127.0.0.1", p))
+    # A host whose address is not on this machine (another node, another network namespace): its ports
+    # cannot be probed from here, but one is still handed out, never one handed out recently.
+    remote = HostInfo("far", 1, "http://198.18.255.254:1", "198.18.255.254")
+    far = [Backend.master_port(None, remote) for _ in range(20)]  # type: ignore[arg-type]
+    assert len(set(far)) == 20 and all(20000 <= p < low for p in far)
+
+
+def test_hosts_from_a_hosts_file_run_their_workers_through_their_launch_prefix(tmp_path: Path) -> None:
+    """A described host: its workers start through its prefix, with its environment, and see its store root
+    only where the file gives one; the scheduler neither stops its daemon nor invents a root."""
+    from tenplex.node import NodeDaemon
+
+    with NodeDaemon(tmp_path / "remote-store") as daemon:
+        cluster = LocalCluster.attach(tmp_path / "cluster", [
+            {"name": "a", "address": "127.0.0.1", "store_url": daemon.url, "gpus": 2,
+             "launch_prefix": ["env", "VIA_PREFIX=yes"], "env": {"GLOO_SOCKET_IFNAME": "eth7"},
+             "store_root": str(tmp_path / "remote-store")},
+            {"name": "b", "address": "127.0.0.1", "store_url": daemon.url, "gpus": 1},
+        ])
+        backend = LocalBackend(cluster, host_timeout=None)
+        probe = ("import os; print('|'.join(os.environ.get(k, '-') for k in "
+                 "('VIA_PREFIX', 'GLOO_SOCKET_IFNAME', 'TENPLEX_STORE_ROOT')))")
+        backend.launch("j", [sys.executable, "-c", probe],
+                       [WorkerLaunch("j-g0-r0", 0, "a", 0, {}), WorkerLaunch("j-g0-r1", 1, "b", 0, {})], tmp_path / "logs")
+        deadline = time.monotonic() + 60
+        while len(backend.exited("j", ["j-g0-r0", "j-g0-r1"])) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert backend.exited("j", ["j-g0-r0", "j-g0-r1"]) == {"j-g0-r0": 0, "j-g0-r1": 0}
+        assert (tmp_path / "logs" / "j-g0-r0.log").read_text().strip() == f"yes|eth7|{tmp_path / 'remote-store'}"
+        assert (tmp_path / "logs" / "j-g0-r1.log").read_text().strip() == "-|lo|-"
+        described = {h["name"]: h for h in cluster.describe()}
+        assert described["a"]["launch_prefix"] == ["env", "VIA_PREFIX=yes"] and described["a"]["managed"] is False
+        again = LocalCluster.attach(tmp_path / "cluster", cluster.describe())  # what a restarted scheduler reads
+        assert again.launch_prefix("a") == ("env", "VIA_PREFIX=yes") and again.store_root("b") is None
+        cluster.stop()  # not ours to stop
+        assert daemon.url and LocalCluster.attach(tmp_path / "c", []).hosts() == []
+        from tenplex.store.client import StoreClient
+
+        with StoreClient(daemon.url) as client:
+            assert client.health()
+
+
+@pytest.mark.parametrize(("host", "message"), [
+    ({"name": "a", "address": "x", "store_url": "http://x:1"}, "missing gpus"),
+    ({"name": "a", "address": "x", "store_url": "ftp://x", "gpus": 1}, "must look like http"),
+    ({"name": "a", "address": "x", "store_url": "http://x:1", "gpus": 0}, "positive integer"),
+    ({"name": "a", "address": "x", "store_url": "http://x:1", "gpus": 1, "launch_prefix": "ssh a"}, "list of strings"),
+    ({"name": "a", "address": "x", "store_url": "http://x:1", "gpus": 1, "colour": "red"}, "unknown fields colour"),
+    ({"name": "a", "address": "x", "store_url": "http://x:1", "gpus": 1, "env": {"A": 1}}, "env must map"),
+])
+def test_a_bad_hosts_file_is_refused_naming_the_host(tmp_path: Path, host: dict, message: str) -> None:
+    from tenplex.errors import InvalidConfig
+
+    with pytest.raises(InvalidConfig, match=message):
+        LocalCluster.attach(tmp_path, [host])
+    with pytest.raises(InvalidConfig, match="described twice"):
+        LocalCluster.attach(tmp_path, [{"name": "a", "address": "x", "store_url": "http://x:1", "gpus": 1}] * 2)
+
+
+def test_the_health_watch_loses_a_host_whose_daemon_is_gone_or_silent(tmp_path: Path) -> None:
+    import os
+    import signal
+    import socket
+
+    cluster = LocalCluster(root=tmp_path / "cluster")
+    try:
+        cluster.start_host("host-0", "127.0.0.2")
+        cluster.start_host("host-1", "127.0.0.3")
+        assert cluster.check_health(lost_after=0.5) == []
+        pid = next(h["pid"] for h in cluster.describe() if h["name"] == "host-0")
+        os.killpg(pid, signal.SIGKILL)  # from outside, as a crash would
+        deadline = time.monotonic() + 10
+        while cluster.check_health(lost_after=0.5) != ["host-0"]:
+            assert time.monotonic() < deadline
+        assert [h.ready for h in cluster.hosts()] == [False, True]
+        # A daemon that answers nothing (a listening socket that never replies) is lost after lost_after.
+        silent = socket.create_server(("127.0.0.4", 0))
+        described = [*cluster.describe(), {"name": "host-2", "address": "127.0.0.4", "gpus": 2,
+                                           "store_url": f"http://127.0.0.4:{silent.getsockname()[1]}"}]
+        other = LocalCluster.attach(tmp_path / "cluster", described)
+        start = time.monotonic()
+        lost: list[str] = []
+        while "host-2" not in lost:
+            lost += other.check_health(lost_after=1.0, probe_timeout=0.2)
+            assert time.monotonic() - start < 10
+        assert time.monotonic() - start >= 1.0  # not before its timeout
+        silent.close()
+    finally:
+        cluster.stop()
