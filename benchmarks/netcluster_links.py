@@ -45,24 +45,24 @@ def cpu_ticks(pid: int) -> int:
     return int(fields[11]) + int(fields[12])  # utime + stime
 
 
-def machine_busy() -> tuple[int, int]:
-    """(busy, total) jiffies over all cores."""
+def machine_busy() -> tuple[int, int, int]:
+    """(busy, softirq, total) jiffies over all cores."""
     values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
     idle = values[3] + values[4]
-    return sum(values) - idle, sum(values)
+    return sum(values) - idle, values[6], sum(values)
 
 
 def transfer(cluster: NetCluster, server_pid: int, nbytes: int) -> dict[str, float]:
     server, client = cluster.hosts[1], cluster.hosts[0]
     before = cluster.snapshot()
-    busy0, total0 = machine_busy()
+    busy0, soft0, total0 = machine_busy()
     server_cpu0 = cpu_ticks(server_pid)
     proc = cluster.python(client, ["-m", "tenplex.testing.bulkhttp", "fetch", f"{server.url(PORT)}/bytes/{nbytes}"],
                           stdout=subprocess.PIPE, text=True, cwd=ROOT)
     assert proc.stdout is not None
     out = proc.stdout.read()
     proc.wait()
-    busy1, total1 = machine_busy()
+    busy1, soft1, total1 = machine_busy()
     delta = cluster.snapshot() - before
     if proc.returncode != 0:
         raise RuntimeError(f"fetch failed ({proc.returncode}): {out}")
@@ -81,6 +81,7 @@ def transfer(cluster: NetCluster, server_pid: int, nbytes: int) -> dict[str, flo
         "server_cpu_s_per_gb": (cpu_ticks(server_pid) - server_cpu0) / tick / (nbytes / 1e9),
         "client_cpu_s_per_gb": result["cpu_s"] / (nbytes / 1e9),
         "machine_cores_busy": (busy1 - busy0) / (total1 - total0) * ncpu,
+        "softirq_cores": (soft1 - soft0) / (total1 - total0) * ncpu,
     }
 
 
@@ -116,7 +117,7 @@ def main() -> int:
     print(f"{args.mb} MB per transfer, {args.repeats} repeats, load average {os.getloadavg()[0]:.1f}, "
           f"{os.cpu_count()} cores, kernel {os.uname().release}")
     header = ("rate", "mtu", "Mbit/s", "/rate", "wire ovh %", "iface ovh %", "port %", "drops",
-              "srv cpu s/GB", "cli cpu s/GB", "cores busy")
+              "srv cpu s/GB", "cli cpu s/GB", "cores busy", "softirq cores")
     print(" | ".join(header))
     for rate, mtu in CASES:
         s = run_case(rate, mtu, nbytes, args.repeats)
@@ -126,7 +127,7 @@ def main() -> int:
             f"{s['goodput_over_rate']:.3f}" if "goodput_over_rate" in s else "-",
             f"{s['wire_overhead_pct']:.2f}", f"{s['iface_overhead_pct']:.2f}", f"{s['port_counted_pct']:.2f}",
             f"{s['rx_dropped']:.0f}", f"{s['server_cpu_s_per_gb']:.2f}", f"{s['client_cpu_s_per_gb']:.2f}",
-            f"{s['machine_cores_busy']:.2f}",
+            f"{s['machine_cores_busy']:.2f}", f"{s['softirq_cores']:.3f}",
         ]), flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

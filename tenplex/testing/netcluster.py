@@ -29,25 +29,31 @@ Topology (names for a cluster called ``tpxab3-0`` with two hosts)::
   route and the bridge has no address and no link to the root namespace, so
   nothing is routed off the machine and the root namespace's interfaces, routes
   and firewall are never touched. IPv6 address generation is off on every link,
-  so the counters see only the traffic that the test makes (plus a few ARP
-  frames).
+  so the counters see only the traffic that the test makes, plus ARP and the
+  bridge's own IGMP/MLD reports when it comes up (a few hundred bytes).
 - Processes: :meth:`NetCluster.popen` / :meth:`NetCluster.run` start a command
   inside a node's namespace (``ip netns exec``) with this process's environment;
   :meth:`NetCluster.python` does so with this interpreter (``sys.executable``),
   so the venv carries over. :meth:`NetCluster.call` runs a Python callable in a
   thread that has entered the node's namespace (``setns``), so the test process
   itself can talk to servers inside the cluster (a REST call "from the
-  scheduler") without a subprocess. Each node also gets its own directory
-  (:attr:`EmuNode.root`) for its store.
+  scheduler") without a subprocess; threads started there inherit the
+  namespace, and :func:`enter_netns` moves a thread of your own (an in-process
+  server). The test process's own namespace has no route to the cluster's
+  addresses: it reaches the nodes only these ways. Each node also gets its own
+  directory (:attr:`EmuNode.root`) for its store.
 - Shaping: every link is shaped in both directions, like a full-duplex NIC
   port: HTB on the egress of the node's ``eth0`` (inside its namespace) limits
   what the node sends, HTB on the egress of the switch port toward the node
   limits what it receives. So each node sends at most ``rate`` and receives at
   most ``rate`` at the same time, and several senders into one receiver queue
   at the receiver's switch port, as on a real switch. The burst is 2 ms of the
-  rate (at least two 64 KiB TSO segments), the queue of each class holds 20 ms
-  of the rate (at least 512 KiB). ``rate=None`` leaves the links unshaped: HTB
-  is still installed at 100 Gbit/s, far above what one machine forwards, so the
+  rate (at least two 64 KiB TSO segments). Each queue holds ``queue_ms``
+  (default 50 ms, 6.25 MB at 1 Gbit/s) of the rate, at least 512 KiB; a full
+  queue drops, and TCP's retransmissions then count again on the sender's link
+  (7 senders into one 1 Gbit/s receiver: no drops with 50 ms, 5-7% extra sent
+  bytes with 20 ms). ``rate=None`` leaves the links unshaped: HTB is still
+  installed at 100 Gbit/s, far above what one machine forwards, so the
   counters work the same way.
 - Latency: ``delay_ms`` is added with netem on each direction of every link
   (so a packet between two nodes crosses two links: node-to-node one-way
@@ -193,7 +199,7 @@ class EmuNode:
     address: str  #: its IPv4 address on :attr:`iface`
     iface: str  #: its link's interface inside :attr:`netns`
     switch_port: str  #: the other end of its link, a bridge port in the switch namespace
-    root: Path  #: a directory of its own (for its store root, logs, ...)
+    root: Path  #: a directory of its own (for its store root, logs, ...); made by ``start()``
 
     def url(self, port: int, scheme: str = "http") -> str:
         """``http://<address>:<port>``: how the other nodes reach a server this node runs on ``port``."""
@@ -366,8 +372,16 @@ def _kill_all(pids: Sequence[int], sig: int) -> None:
             os.kill(pid, sig)
 
 
-def _enter_netns(netns: str) -> None:
-    """Move the calling thread (only it) into ``netns``; its sockets are then created there."""
+def enter_netns(netns: str) -> None:
+    """Move the calling thread (only it) into the namespace ``netns``, for good.
+
+    Sockets the thread makes afterwards live in that namespace, and threads it
+    starts inherit it. Call it first thing in a thread of your own to run a
+    long-lived in-process server inside a node (``NetCluster.call`` covers short
+    work). Never call it on the main thread.
+    """
+    if threading.current_thread() is threading.main_thread():
+        raise NetClusterError("enter_netns() on the main thread would move the whole test process's sockets; use a thread")
     libc = ctypes.CDLL(None, use_errno=True)
     fd = os.open(NETNS_DIR / netns, os.O_RDONLY | os.O_CLOEXEC)
     try:
@@ -627,6 +641,10 @@ class NetCluster:
         count_ports: TCP ports whose bytes each link counts separately (e.g. the store daemon's port).
         root_dir: parent of the nodes' directories; default a temporary directory removed on close.
         kill_grace_s: how long processes get after SIGTERM on close before SIGKILL.
+        queue_ms: each shaping queue holds this many milliseconds of the rate (at least 512 KiB);
+            beyond it packets drop, as at a switch port whose buffer is full (several senders into
+            one receiver), and TCP retransmits them: the senders' ``tx_bytes`` then exceed what the
+            receiver's ``rx_bytes`` shows.
     """
 
     def __init__(
@@ -641,6 +659,7 @@ class NetCluster:
         count_ports: Sequence[int] = (),
         root_dir: str | os.PathLike[str] | None = None,
         kill_grace_s: float = 5.0,
+        queue_ms: float = 50.0,
     ) -> None:
         global _counter
         if isinstance(hosts, bool) or not isinstance(hosts, int) or hosts < 1:
@@ -678,6 +697,9 @@ class NetCluster:
         if not math.isfinite(kill_grace_s) or kill_grace_s < 0:
             raise InvalidInput(f"kill_grace_s: expected a finite number >= 0, got {kill_grace_s!r}")
         self.kill_grace_s = float(kill_grace_s)
+        if isinstance(queue_ms, bool) or not isinstance(queue_ms, int | float) or not math.isfinite(queue_ms) or queue_ms <= 0:
+            raise InvalidInput(f"queue_ms: expected a finite number > 0, got {queue_ms!r}")
+        self.queue_ms = float(queue_ms)
 
         self._own_root = root_dir is None
         self._root_dir = None if root_dir is None else Path(root_dir)
@@ -823,7 +845,7 @@ class NetCluster:
         byte_rate = rate / 8
         frame = self.mtu + 14
         burst = max(int(byte_rate * 0.002), 2 * (65536 + 14))
-        queue = max(int(byte_rate * 0.020), 512 * 1024)
+        queue = max(int(byte_rate * self.queue_ms / 1000), 512 * 1024)
         quantum = min(200_000, max(2 * frame, 65536 + 14))
         leaves = [_DEFAULT_MINOR] + [m for i in range(len(self.count_ports)) for m in self._port_minors(i)]
         leaf_rate = max(rate // len(leaves), 8000)
@@ -954,8 +976,10 @@ class NetCluster:
 
         Sockets made inside ``fn`` live in that namespace: the test process can reach
         the cluster's servers "from" a node (e.g. the REST API from the scheduler's
-        namespace, over its loopback) without starting a process. Each node has a small
-        pool of such threads, shut down on close.
+        namespace, over its loopback) without starting a process. Threads that ``fn``
+        starts inherit the namespace, so ``cluster.call(node, server.start)`` runs an
+        in-process server (one that serves from its own thread) inside the node. Each
+        node has a small pool of such threads, shut down on close.
         """
         return self.executor(node).submit(fn, *args, **kwargs).result()
 
@@ -967,7 +991,7 @@ class NetCluster:
             ex = self._executors.get(n.name)
             if ex is None:
                 ex = ThreadPoolExecutor(max_workers=8, thread_name_prefix=f"{self.name}-{n.name}",
-                                        initializer=_enter_netns, initargs=(n.netns,))
+                                        initializer=enter_netns, initargs=(n.netns,))
                 self._executors[n.name] = ex
             return ex
 

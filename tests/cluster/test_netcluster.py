@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -185,6 +186,15 @@ def test_topology_addresses_and_isolation(make_cluster: Callable[..., NetCluster
             return got, own.getsockname()[0]
 
     assert cluster.call(cluster.hosts[0], loopback_and_own_address) == (b"lo works", cluster.hosts[0].address)
+
+    def in_a_thread_started_there() -> str:  # threads inherit the namespace: in-process servers work
+        out: list[str] = []
+        t = threading.Thread(target=lambda: out.append(loopback_and_own_address()[1]))
+        t.start()
+        t.join()
+        return out[0]
+
+    assert cluster.call(cluster.hosts[0], in_a_thread_started_there) == cluster.hosts[0].address
     with pytest.raises(OSError):  # the test process's own namespace does not have the address
         socket.create_server((cluster.hosts[0].address, 0)).close()
 
