@@ -567,6 +567,8 @@ _live_lock = threading.RLock()
 _prev_handlers: dict[int, Any] = {}
 _hooks_installed = False
 _counter = 0
+_busy = 0  # start()/close() calls in progress on the main thread
+_pending: list[tuple[int, Any]] = []  # signals that arrived meanwhile
 
 
 def _close_all() -> None:
@@ -581,6 +583,9 @@ def _close_all() -> None:
 
 
 def _on_signal(signum: int, frame: Any) -> None:
+    if _busy:
+        _pending.append((signum, frame))
+        return
     _close_all()
     prev = _prev_handlers.get(signum)
     if callable(prev):
@@ -611,15 +616,27 @@ def _install_hooks() -> None:
 
 @contextlib.contextmanager
 def _signals_deferred() -> Iterator[None]:
-    """Hold SIGINT/SIGTERM/SIGHUP while building or tearing down, so a handler never sees half a cluster."""
+    """Hold our signal handler while the main thread builds or tears down a cluster.
+
+    Python runs signal handlers in the main thread between bytecodes, whichever
+    thread the kernel delivered the signal to; a handler that tore down (and raised
+    KeyboardInterrupt) in the middle of a start() or close() would leave half a
+    cluster. It runs right after instead. Other threads need nothing: the handler's
+    close() waits for their start()/close() on the cluster's lock.
+    """
+    global _busy
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
+    _busy += 1
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        _busy -= 1
+        if _busy == 0 and _pending:
+            signum, frame = _pending[0]
+            _pending.clear()
+            _on_signal(signum, frame)
 
 
 # ----------------------------------------------------------------------------- the cluster

@@ -341,6 +341,33 @@ def test_a_signalled_owner_tears_down(netns_available: None, sig: signal.Signals
     assert wait_for(lambda: gone(info["sleeper"]), 5)
 
 
+SLOW_CLOSE = """
+import json, sys
+from tenplex.testing.netcluster import NetCluster
+c = NetCluster(1, rate=None, delay_ms=0, kill_grace_s=2).start()
+stubborn = c.python(c.hosts[0], ["-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                                       "print('ready', flush=True); time.sleep(600)"], stdout=-1, text=True)
+stubborn.stdout.readline()
+print(json.dumps({"name": c.name, "namespaces": c.namespaces}), flush=True)
+c.close()
+print("closed", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_signal_during_close_waits_for_the_teardown(netns_available: None) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_CLOSE], stdout=subprocess.PIPE, text=True, cwd=REPO,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert proc.stdout is not None
+    info = json.loads(proc.stdout.readline())
+    time.sleep(0.5)  # inside close(), waiting out the process that ignores SIGTERM
+    proc.send_signal(signal.SIGINT)
+    rest = proc.stdout.read()
+    assert proc.wait(30) == -signal.SIGINT and "closed" not in rest  # interrupted right after the teardown
+    assert not set(info["namespaces"]) & netns_names()
+    assert not (MARKER_DIR / f"{info['name']}.json").exists()
+
+
 @pytest.mark.slow
 def test_a_killed_owners_namespaces_are_swept_by_the_next_start(make_cluster: Callable[..., NetCluster]) -> None:
     bystander = make_cluster(1, rate=None, delay_ms=0)  # a live cluster of a live process: never swept
