@@ -18,7 +18,7 @@ on host-0, for each case (link rate, MTU). Reports per case (medians over
   shared machine inflates it) as cores busy during the transfer.
 
 Needs root (network namespaces). Usage:
-    .venv/bin/python benchmarks/netcluster_links.py [--mb 200] [--repeats 3] [--json OUT]
+    .venv/bin/python benchmarks/netcluster_links.py [--mb 200] [--repeats 3] [--pairs 4 8] [--incast 4 7] [--json OUT]
 """
 
 from __future__ import annotations
@@ -29,12 +29,13 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tenplex.testing.netcluster import NetCluster, netns_unavailable_reason, parse_rate  # noqa: E402
+from tenplex.testing.netcluster import EmuNode, NetCluster, netns_unavailable_reason, parse_rate  # noqa: E402
 
 PORT = 8900
 CASES = [("1gbit", 9000), ("1gbit", 1500), (None, 9000), (None, 1500)]
@@ -102,10 +103,61 @@ def run_case(rate: str | None, mtu: int, nbytes: int, repeats: int) -> dict[str,
     return summary
 
 
+def start_servers(cluster: NetCluster, nodes: list[EmuNode]) -> None:
+    for node in nodes:
+        server = cluster.python(node, ["-m", "tenplex.testing.bulkhttp", "serve", "--host", node.address, "--port", str(PORT)],
+                                stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        assert server.stdout is not None
+        if server.stdout.readline().strip() != "ready":
+            raise RuntimeError("bulkhttp server did not start")
+
+
+def fetch_all(cluster: NetCluster, flows: list[tuple[str, str]], nbytes: int) -> tuple[float, list[float]]:
+    """Start every (client, server) fetch at once; wall seconds until the last ends, and each flow's Mbit/s."""
+    t = time.perf_counter()
+    procs = [cluster.python(client, ["-m", "tenplex.testing.bulkhttp", "fetch",
+                                     f"{cluster.node(server).url(PORT)}/bytes/{nbytes}"],
+                            stdout=subprocess.PIPE, text=True, cwd=ROOT) for client, server in flows]
+    outs = [p.communicate()[0] for p in procs]
+    wall = time.perf_counter() - t
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"a fetch failed: {outs}")
+    return wall, [json.loads(o)["mbit_s"] for o in outs]
+
+
+def concurrent_case(kind: str, n: int, nbytes: int) -> dict[str, object]:
+    """``pairs``: n disjoint client/server pairs at once; ``incast``: n servers into one client."""
+    hosts = 2 * n if kind == "pairs" else n + 1
+    with NetCluster(hosts, rate="1gbit", count_ports=(PORT,), delay_ms=0) as cluster:
+        if kind == "pairs":
+            flows = [(f"host-{i}", f"host-{n + i}") for i in range(n)]
+        else:
+            flows = [("host-0", f"host-{i + 1}") for i in range(n)]
+        start_servers(cluster, [cluster.node(s) for _, s in flows])
+        fetch_all(cluster, flows, 1 << 20)  # warm up: ARP, imports
+        before = cluster.snapshot()
+        wall, rates = fetch_all(cluster, flows, nbytes)
+        delta = cluster.snapshot() - before
+    clients = sorted({c for c, _ in flows})
+    servers = sorted({s for _, s in flows})
+    payload = n * nbytes
+    return {
+        "kind": kind, "flows": n, "wall_s": wall, "aggregate_gbit_s": payload * 8 / wall / 1e9,
+        "flow_mbit_s": [round(r) for r in rates],
+        "rx_overhead_pct": (delta.total("rx_bytes", clients) - payload) / payload * 100,
+        "tx_overhead_pct": (delta.total("tx_bytes", servers) - payload) / payload * 100,
+        "drops": delta.total("rx_dropped") + delta.total("tx_dropped"),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mb", type=int, default=200, help="payload per transfer, MB (10^6 bytes)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--pairs", type=int, nargs="*", default=[4, 8],
+                        help="also: this many disjoint 1 Gbit/s client/server pairs at once")
+    parser.add_argument("--incast", type=int, nargs="*", default=[4, 7],
+                        help="also: this many 1 Gbit/s servers into one client at once")
     parser.add_argument("--json", type=Path, help="write the results here too")
     args = parser.parse_args()
     reason = netns_unavailable_reason()
@@ -129,6 +181,14 @@ def main() -> int:
             f"{s['rx_dropped']:.0f}", f"{s['server_cpu_s_per_gb']:.2f}", f"{s['client_cpu_s_per_gb']:.2f}",
             f"{s['machine_cores_busy']:.2f}", f"{s['softirq_cores']:.3f}",
         ]), flush=True)
+    print("concurrent flows at 1gbit, MTU 9000 (wall includes starting the fetch processes)")
+    print("kind | flows | wall s | aggregate Gbit/s | per flow Mbit/s | rx ovh % | tx ovh % | drops")
+    for kind, counts in (("pairs", args.pairs), ("incast", args.incast)):
+        for n in counts:
+            c = concurrent_case(kind, n, nbytes if kind == "pairs" else nbytes // n)
+            results.append(c)
+            print(f"{kind} | {n} | {c['wall_s']:.2f} | {c['aggregate_gbit_s']:.2f} | {c['flow_mbit_s']} | "
+                  f"{c['rx_overhead_pct']:.2f} | {c['tx_overhead_pct']:.2f} | {c['drops']}", flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0
