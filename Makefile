@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.stamp-install
 TOOLS  := .tools/bin
 
-.PHONY: install tools demo test lint bench clean
+.PHONY: install tools netns-tools demo test lint bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -29,10 +29,24 @@ $(TOOLS)/helm: deploy/install_tools.py | $(PY)
 
 tools: $(TOOLS)/helm
 
+# `ip` and `tc` (Debian package iproute2) for the multi-host emulation in network namespaces
+# (tenplex/testing/netcluster.py, tests/cluster). Installed only when missing, and only as root
+# with apt-get (CI); elsewhere the tests that need namespaces skip and say why.
+netns-tools:
+	@PATH="$$PATH:/usr/sbin:/sbin"; \
+	if command -v ip >/dev/null 2>&1 && command -v tc >/dev/null 2>&1; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing iproute2 (ip, tc) for tests/cluster"; \
+		DEBIAN_FRONTEND=noninteractive apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends iproute2; \
+	else \
+		echo "note: ip/tc (iproute2) are missing and cannot be installed here: tests/cluster will skip"; \
+	fi
+
 demo: install
 	$(VENV)/bin/tenplex --log-level WARNING demo
 
-test: install tools
+test: install tools netns-tools
 	$(VENV)/bin/ruff check tenplex tests benchmarks examples
 	$(PY) -m pytest -q -n 2 --dist loadgroup tests
 

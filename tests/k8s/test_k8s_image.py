@@ -119,6 +119,7 @@ def test_build_context_has_what_copy_needs_and_nothing_heavy() -> None:
     patterns = [p.strip() for p in (REPO / ".dockerignore").read_text().splitlines() if p.strip() and not p.startswith("#")]
     for heavy in (".venv", ".git", ".tools", "tests", "benchmarks"):
         assert _ignored(heavy, patterns), f".dockerignore lets {heavy} into the build context"
+    assert _ignored("tenplex/testing", patterns), "test machinery must stay out of the image"
     copies = [r for w, r in instructions() if w == "COPY" and not r.startswith("--from")]
     sources = [s for r in copies for s in r.split()[:-1]]
     assert sorted(sources) == ["README.md", "examples", "pyproject.toml", "tenplex"]
@@ -144,6 +145,7 @@ def test_the_package_builds_as_pip_install_dot_does(tmp_path: Path) -> None:
         names = set(zf.namelist())
         entry_points = zf.read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
     assert {"tenplex/cli.py", "tenplex/k8s/crd.py", "examples/gpt/train.py"} <= names
+    assert not [n for n in names if n.startswith("tenplex/testing/")], "test machinery must stay out of the wheel"
     assert "tenplex = tenplex.cli:main" in entry_points
 
 

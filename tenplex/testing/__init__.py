@@ -1,0 +1,12 @@
+"""Test machinery for Tenplex's own tests and benchmarks; product code never imports it.
+
+It is left out of the wheel (``[tool.setuptools.packages.find] exclude`` in
+pyproject.toml) and out of the container image's build context
+(``.dockerignore``), so nothing here can become a dependency of a deployed
+component. ``tests/cluster/test_netcluster.py`` checks that no module outside
+this package imports it.
+
+- :mod:`tenplex.testing.netcluster`: a multi-host cluster emulated on one Linux
+  machine with network namespaces, veth links into a bridge, ``tc`` shaping and
+  per-link byte counters (needs root).
+"""
