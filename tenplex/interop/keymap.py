@@ -34,14 +34,18 @@ Built-in maps (:data:`KEY_MAPS`), chosen by name; any other
     keys ``state.<param fqn>.<state>`` (param names as in
     ``named_parameters()``, so the fused ``wqkv`` stays fused there), i.e. DCP
     keys ``optimizer.state.<fqn>.exp_avg``; and ``lr_scheduler.last_epoch``
-    (the step) plus ``train_state.step``/``ntokens_seen`` when the option
-    ``seq_len`` is given. Options: ``n_heads`` or ``head_dim`` (needed to
-    split a fused QKV; also read from the PTC config keys of the same names,
-    top level or under ``model``), ``seq_len``. Not written: torchtitan's
-    ``dataloader`` state and the optimizer's ``param_groups`` (hyper-
-    parameters; torchtitan loads them from the checkpoint, so resume it with
-    ``checkpoint.exclude_from_loading``) - Tenplex's own dataset position
-    travels in the ``tenplex`` entry.
+    (the step), ``train_state.step``/``ntokens_seen`` when the option
+    ``seq_len`` is given, and the optimizer's hyper-parameters as
+    ``optimizer.param_groups.<fqn>.<key>`` (which torchtitan's loader
+    requires) from the snapshot's trainer-state records: per parameter where
+    the recorded groups name their parameters (torchtitan builds its
+    optimizers with ``param_names``), for every parameter when there is one
+    unnamed group. Options: ``n_heads`` or ``head_dim`` (needed to split a
+    fused QKV; also read from the PTC config keys of the same names, top
+    level or under ``model``), ``seq_len``. Not written: torchtitan's
+    ``dataloader`` state (resume torchtitan with
+    ``checkpoint.exclude_from_loading=["dataloader"]``); Tenplex's own
+    dataset position travels in the ``tenplex`` entry.
 
 This module is pure (no torch import).
 """
@@ -62,8 +66,21 @@ from tenplex.ptc.region import Region, subtract
 
 OPTIM_PREFIX = "optim/"
 
-Extras = Callable[[int, DatasetState | None], dict[tuple[str, ...], Any]]
-"""Non-tensor entries a map adds on export: ``(step, dataset) -> {path: value}``."""
+
+
+@dataclass(frozen=True, slots=True)
+class ExportContext:
+    """What an export knows besides the tensors, for a map's non-tensor entries."""
+
+    step: int
+    dataset: DatasetState | None
+    param_groups: tuple[Mapping[str, Any], ...] = ()
+    """The optimizer parameter groups of the snapshot's trainer-state records (every rank's, without ``params``;
+    with ``param_names`` where the optimizer was built from named parameters)."""
+
+
+Extras = Callable[[ExportContext], dict[tuple[str, ...], Any]]
+"""Non-tensor entries a map adds on export: ``context -> {path: value}``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,14 +210,33 @@ def torchtitan(ptc: PTC, options: Mapping[str, str]) -> KeyMap:
             continue
         entries += _split_qkv(ptc, t.name, m.group("prefix"), m.group("param"), options)
 
-    def extras(step: int, dataset: DatasetState | None) -> dict[tuple[str, ...], Any]:
-        out: dict[tuple[str, ...], Any] = {("lr_scheduler", "last_epoch"): step}
-        if seq_len is not None and dataset is not None:
-            out[("train_state", "step")] = step
-            out[("train_state", "ntokens_seen")] = dataset.consumed_samples * seq_len
+    params = sorted({_split_optim(t.name)[0] for t in ptc.tensors if t.kind == TensorKind.OPTIMIZER or t.name.startswith(OPTIM_PREFIX)})
+
+    def extras(ctx: ExportContext) -> dict[tuple[str, ...], Any]:
+        out: dict[tuple[str, ...], Any] = {("lr_scheduler", "last_epoch"): ctx.step}
+        if seq_len is not None and ctx.dataset is not None:
+            out[("train_state", "step")] = ctx.step
+            out[("train_state", "ntokens_seen")] = ctx.dataset.consumed_samples * seq_len
+        for fqn, group in _groups_by_param(ctx.param_groups, params).items():
+            for key, value in group.items():
+                out[("optimizer", f"param_groups.{fqn}.{key}")] = value
         return out
 
     return KeyMap("torchtitan", tuple(entries), extras)
+
+
+def _groups_by_param(groups: Sequence[Mapping[str, Any]], params: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """param fqn -> its group's hyper-parameters, as torchtitan's flat optimizer state dict keys them."""
+    out: dict[str, dict[str, Any]] = {}
+    unnamed = [g for g in groups if not g.get("param_names")]
+    for g in groups:
+        values = {k: v for k, v in g.items() if k not in ("params", "param_names")}
+        for fqn in g.get("param_names") or ():
+            out.setdefault(fqn, values)
+    if not out and len(unnamed) == 1:
+        values = {k: v for k, v in unnamed[0].items() if k not in ("params", "param_names")}
+        out = dict.fromkeys(params, values)
+    return {fqn: v for fqn, v in out.items() if fqn in set(params)}
 
 
 def _split_optim(name: str) -> tuple[str, str]:

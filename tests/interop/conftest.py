@@ -10,7 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-from tenplex.ptc import PTC, DatasetState, Device, Region, TensorKind, build_tensor, flat_range_boxes
+from tenplex.ptc import (
+    PTC,
+    DatasetState,
+    Device,
+    Region,
+    TensorKind,
+    build_tensor,
+    flat_range_boxes,
+)
 from tenplex.ptc.dtypes import torch_dtype
 from tenplex.store.client import StoreClient
 from tenplex.store.local import LocalStore
