@@ -167,3 +167,31 @@ def test_import_a_checkpoint_saved_by_torchtitans_structure(tmp_path: Path) -> N
         assert_bits_equal(p.detach(), state[names[id(p)]], names[id(p)])
         for key, value in adamw.state[p].items():
             assert_bits_equal(value, state[f"optim/{names[id(p)]}/{key}"], f"{names[id(p)]} {key}")
+
+
+def test_gqa_split_equals_torchtitans_own_save_hook() -> None:
+    """torchtitan's FusedQKVLinear with grouped-query attention (2 kv heads, 3 query heads each) and a bias."""
+    from torchtitan.models.common.attention import FusedQKVLinear
+    from torchtitan.models.common.linear import Linear
+
+    n_kv, hpk, hd, dim = 2, 3, 4, 8
+    qkv = FusedQKVLinear.Config(head_dim=hd, n_heads=n_kv * hpk, n_kv_heads=n_kv,
+                                wqkv=Linear.Config(in_features=dim, out_features=n_kv * (hpk + 2) * hd, bias=True)).build()
+    with torch.no_grad():
+        for p in qkv.parameters():
+            p.copy_(torch.randn_like(p))
+    saved = qkv.state_dict()  # the save hook's wq/wk/wv copies
+    params = dict(qkv.named_parameters())
+    pre = "layers.0.attention.qkv_linear."
+    state = {pre + n: p.detach() for n, p in params.items()}
+    state["layers.0.attention.wo.weight"] = torch.zeros(dim, n_kv * hpk * hd)
+    ptc = _ptc(state, tp=1)
+    kmap = build("torchtitan", ptc, {"n_heads": str(n_kv * hpk)})
+    entries = kmap.by_fqn()
+    assert {k for k in entries if k.startswith(pre)} == {pre + k for k in saved}
+    for key, want in saved.items():
+        e = entries[pre + key]
+        got = torch.empty(e.shape)
+        for p in e.pieces:
+            got[p.target.slices()] = state[p.tensor][p.source.slices()]
+        assert_bits_equal(got, want, key)
