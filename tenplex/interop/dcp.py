@@ -13,7 +13,8 @@ tensor is ever assembled whole and each region is read once. ``bfloat16``
 small non-tensor entry ``tenplex`` (JSON text) records the job, version,
 step, key map and the dataset state (sample order and consumed samples), so
 that an import can recover them; a key map may add its library's own
-entries (torchtitan: ``lr_scheduler``, ``train_state``).
+entries (torchtitan: the optimizer's ``param_groups`` from the snapshot's
+records, ``lr_scheduler``, ``train_state``).
 
 The dataset state of a version is its snapshot's record when it has one (a
 rank's ``extra/rank<r>/state``, written at snapshot time, the exact

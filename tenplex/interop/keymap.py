@@ -236,7 +236,8 @@ def _groups_by_param(groups: Sequence[Mapping[str, Any]], params: Sequence[str])
     if not out and len(unnamed) == 1:
         values = {k: v for k, v in unnamed[0].items() if k not in ("params", "param_names")}
         out = dict.fromkeys(params, values)
-    return {fqn: v for fqn, v in out.items() if fqn in set(params)}
+    wanted = set(params)
+    return {fqn: v for fqn, v in out.items() if fqn in wanted}
 
 
 def _split_optim(name: str) -> tuple[str, str]:
