@@ -4,7 +4,8 @@ A state of ``--mb`` MiB (bf16 and fp32 matrices, tp2 x dp2 on two hosts' local s
 both hosts) is written as a version; then, each ``--runs`` times (medians reported):
 
 - baseline save: ``dcp.save`` of the whole tensors from memory (DCP's writer alone, nothing to read);
-- export: ``export_dcp`` from the stores (each shard read once from one holder, saved as a chunk);
+- export: ``export_dcp`` from the stores (each shard read once from one holder, saved as a chunk; 2 writer
+  threads, the CLI default);
 - baseline load: ``dcp.load`` of the export into whole plain tensors;
 - import: ``import_dcp`` into another layout (columns instead of rows, 3 hosts), written and committed.
 
@@ -15,6 +16,7 @@ the numbers say what an export or import costs next to DCP itself.
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import tempfile
@@ -64,19 +66,23 @@ def main() -> None:
         times: dict[str, list[float]] = {k: [] for k in ("baseline save", "export", "baseline load", "import")}
         for run in range(args.runs):
             base, out = tmp / f"base{run}", tmp / f"out{run}"
+            os.sync()  # each phase starts without the previous one's dirty pages being written back under it
             t0 = time.perf_counter()
             dcp.save(state, checkpoint_id=base, no_dist=True)
             times["baseline save"].append(time.perf_counter() - t0)
+            os.sync()
             t0 = time.perf_counter()
-            export_dcp("j", "s1-g0", src, stores, out)
+            export_dcp("j", "s1-g0", src, stores, out, threads=2)  # the CLI default
             times["export"].append(time.perf_counter() - t0)
             back = {k: torch.empty_like(v) for k, v in state.items()}
+            os.sync()
             t0 = time.perf_counter()
             dcp.load(back, checkpoint_id=out, no_dist=True)
             times["baseline load"].append(time.perf_counter() - t0)
             assert all(torch.equal(back[k].view(torch.int16 if v.element_size() == 2 else torch.int32),
                                    v.view(torch.int16 if v.element_size() == 2 else torch.int32)) for k, v in state.items())
             targets = {h: DirectStore(LocalStore(tmp / f"dst{run}" / h)) for h in dst.hosts}
+            os.sync()
             t0 = time.perf_counter()
             import_dcp(out, dst, "j", "s1-g0", targets)
             times["import"].append(time.perf_counter() - t0)
