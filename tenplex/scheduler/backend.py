@@ -430,7 +430,7 @@ class LocalBackend(Backend):
 
     name = "local"
 
-    def __init__(self, cluster: LocalCluster, *, cwd: Path | None = None, host_timeout: float | None = 5.0) -> None:
+    def __init__(self, cluster: LocalCluster, *, cwd: Path | None = None, host_timeout: float | None = 10.0) -> None:
         """``host_timeout``: a host whose daemon does not answer for this long is lost (None: not watched)."""
         self.cluster = cluster
         self.cwd = cwd

@@ -38,8 +38,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--hosts-file", type=Path,
                        help="local backend: hosts whose store daemons already run, instead of starting --hosts: a JSON "
                             "list of {name, address, store_url, gpus[, store_root, launch_prefix, env]} (README)")
-    serve.add_argument("--host-timeout", type=float, default=5.0,
-                       help="local backend: a host whose daemon does not answer for this many seconds is lost (default 5)")
+    serve.add_argument("--host-timeout", type=float, default=10.0,
+                       help="local backend: a host whose daemon does not answer for this many seconds is lost (default 10)")
     serve.set_defaults(func=_serve)
 
     job = sub.add_parser("job", help="create, inspect, scale and delete jobs through the scheduler's REST API")

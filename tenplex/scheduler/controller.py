@@ -35,6 +35,7 @@ from tenplex.errors import (
     StateLost,
     StoreUnavailable,
     TenplexError,
+    TransformCancelled,
 )
 from tenplex.ptc import PTC, ParallelConfig, Placement
 from tenplex.scheduler import policy as policy_mod
@@ -579,7 +580,7 @@ class JobController:
             self._fail(f"no configuration for the new allocation: {exc.detail}")
             return
         # Never reuse a generation: a failed attempt may have committed its version name on some hosts.
-        new_gen = max([st.generation, *st.version_generation.values()]) + 1
+        new_gen = self._next_generation()
         new_version = Version(version.step, new_gen)
         holders = self._holders()
         alive = [h for h in holders]
@@ -604,6 +605,16 @@ class JobController:
         st.target_gpus = decision.parallel.world_size
         self._enter(Phase.RECONFIGURING, Stage.TRANSFERRING,
                     f"plan {version} -> {new_version}: {plan.network_bytes} B over the network (lower bound {plan.lower_bound_bytes} B), {plan.local_bytes} B local")
+
+    def _next_generation(self) -> int:
+        """A generation no earlier attempt used: a failed or cancelled transfer may have left its version's name
+        (committed on some hosts, or as a transform record on the daemons, which would attach a new submission
+        of that name to the old attempt), so the last plan's target counts as used too."""
+        st = self.status
+        used = [st.generation, *st.version_generation.values()]
+        if st.last_plan is not None:
+            used.append(Version.parse(st.last_plan["plan"]["new_version"]).generation)
+        return max(used) + 1
 
     def _consumed_at(self, version: Version) -> int:
         """The dataset position after ``version``'s step: where the next generation's sample order resumes."""
@@ -713,7 +724,7 @@ class JobController:
             run.cancel()
             detail = "; ".join(f"{h}: {s.state}: {s.error}" for h, s in statuses.items() if s.finished and s.state != "committed")
             with self.lock:
-                if failed.error_code in ("interrupted", StoreUnavailable.code):
+                if failed.error_code in ("interrupted", TransformCancelled.code, StoreUnavailable.code):
                     self._begin_failure(f"transfer interrupted: {detail}")
                 else:
                     self._fail(f"transfer failed: {detail}")
@@ -843,7 +854,7 @@ class JobController:
         except TenplexError as exc:
             self._fail(f"{reason}; no configuration to restart on: {exc.detail}")
             return
-        gen = max([st.generation, *st.version_generation.values()]) + 1  # never reuse a generation's names
+        gen = self._next_generation()
         self._set_ptc(gen, decision.ptc)
         rec = st.history[-1]
         rec.steps_lost = reached

@@ -55,7 +55,7 @@ def save_cluster(state_dir: Path, cluster: LocalCluster) -> None:
 
 def build_scheduler(backend_name: str, state_dir: Path, url: str, token: str | None, *, hosts: int = 2,
                     gpus_per_host: int = 2, heartbeat_interval: float = 1.0, hosts_file: Path | None = None,
-                    host_timeout: float = 5.0) -> Scheduler:
+                    host_timeout: float = 10.0) -> Scheduler:
     state_dir.mkdir(parents=True, exist_ok=True)
     settings = SchedulerSettings(url=url, token=token, heartbeat_interval=heartbeat_interval)
     if backend_name == "local":
@@ -75,7 +75,7 @@ def build_scheduler(backend_name: str, state_dir: Path, url: str, token: str | N
 
 def serve(backend_name: str, state_dir: Path, host: str, port: int, token: str | None, *, hosts: int,
           gpus_per_host: int, port_file: Path | None = None, hosts_file: Path | None = None,
-          host_timeout: float = 5.0) -> None:
+          host_timeout: float = 10.0) -> None:
     sock = bind_socket(host, port)
     url = url_for(host, sock.getsockname()[1])
     scheduler = build_scheduler(backend_name, state_dir, url, token, hosts=hosts, gpus_per_host=gpus_per_host,

@@ -47,7 +47,7 @@ class EmulatedTenplex:
     """Node daemons (and optionally the scheduler) started inside a started :class:`NetCluster`."""
 
     def __init__(self, net: NetCluster, *, token: str = "emulated", gpus_per_host: int = 2, scheduler: bool = True,
-                 heartbeat_interval: float = 1.0, host_timeout: float = 5.0,
+                 heartbeat_interval: float = 1.0, host_timeout: float = 20.0,
                  daemon_args: tuple[str, ...] = (), log_level: str = "WARNING") -> None:
         if STORE_PORT not in net.count_ports:
             raise NetClusterError(f"the cluster must count the store port {STORE_PORT} (count_ports)")

@@ -228,16 +228,21 @@ class PlanRun:
         return self._each(one)
 
     def cancel(self, hosts: list[str] | None = None) -> None:
-        """Cancel the transforms still running (best effort: a daemon that does not answer is skipped)."""
+        """Cancel the transforms still running, all at once (best effort: a daemon that does not answer is
+        skipped; nothing of a cancelled transform is committed)."""
         job, version = self.plan.job, self.plan.new_version
-        for host in hosts if hosts is not None else list(self.plan.hosts):
-            known = self.statuses.get(host)
-            if known is not None and known.finished:
-                continue
+        todo = [h for h in (hosts if hosts is not None else list(self.plan.hosts))
+                if not ((known := self.statuses.get(h)) is not None and known.finished)]
+
+        def one(host: str) -> None:
             try:
                 self._client_for(self.stores[host]).request_json("DELETE", transforms_path(job, version))
             except TenplexError as exc:
                 log.warning("could not cancel the transform of %s to %s: %s", host, version, exc.detail)
+
+        if todo:
+            with ThreadPoolExecutor(max_workers=min(32, len(todo)), thread_name_prefix="tenplex-planrun") as pool:
+                list(pool.map(one, todo))
 
     @staticmethod
     def failure(statuses: Mapping[str, TransformStatus]) -> TransformStatus | None:

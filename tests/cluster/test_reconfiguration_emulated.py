@@ -134,11 +134,19 @@ def test_every_reconfiguration_moves_its_bytes_peer_to_peer(emulated: EmulatedTe
     _check_links(t, delta, rec, plan)
 
 
-def test_the_scheduler_answers_while_a_slow_transfer_runs(make_cluster: Callable[..., NetCluster]) -> None:
-    """A transfer over 50 Mbit/s links takes seconds; GET /v1/jobs/{job} answers meanwhile in milliseconds."""
+def test_the_scheduler_answers_during_a_slow_transfer_and_a_cancelled_transform_is_retried(
+        make_cluster: Callable[..., NetCluster]) -> None:
+    """Over 50 Mbit/s links a transfer takes seconds; GET /v1/jobs/{job} answers meanwhile in milliseconds
+    (the job's lock is not held). A transform cancelled on its daemon from outside is a failure of the
+    change: it is planned again under a new generation (a resubmission of the old name would attach to the
+    cancelled record) and the job carries on."""
     net = make_cluster(2, rate="50mbit", count_ports=(STORE_PORT,))
+    small = ["--dim", "256", "--vocab", "2048"]
+    spec = job("slow", gpus=2, steps=1000, policy={"table": {"2": {"dp": 2}, "4": {"dp": 4}}},
+               layout={"provider": "example-gpt", "model": {**MODEL, "dim": 256, "vocab": 2048}},
+               command=[*WORKER, *small])
     with EmulatedTenplex(net, heartbeat_interval=1.0) as t:
-        t.api("create", job("slow", gpus=2, steps=1000, policy={"table": {"2": {"dp": 2}, "4": {"dp": 4}}}))
+        t.api("create", spec)
         t.wait_job("slow", lambda s: s["phase"] == "Running" and s["step"] >= 2, "training on 2 GPUs", timeout=400)
         samples: list[tuple[str | None, float]] = []
         stop = threading.Event()
@@ -156,8 +164,14 @@ def test_the_scheduler_answers_while_a_slow_transfer_runs(make_cluster: Callable
         poller = net.executor(net.scheduler).submit(poll)
         try:
             t.api("scale", "slow", 4)
-            t.wait_job("slow", lambda s: s["generation"] >= 1 and s["phase"] == "Running", "scaling to 4 GPUs",
-                       timeout=400)
+            st = t.wait_job("slow", lambda s: s["stage"] == "transferring", "the transfer to start", timeout=400)
+            time.sleep(1.0)
+            first = t.api("plan", "slow")["plan"]["new_version"]
+            cancelled = t.store("host-1", "request_json", "DELETE", f"/v1/jobs/slow/transforms/{first}")
+            assert cancelled["state"] == "cancelled", cancelled
+            st = t.wait_job("slow", lambda s: s["phase"] == "Running" and s["generation"] >= 1
+                            and s["history"][-1]["downtime_seconds"] is not None, "retrying and scaling to 4 GPUs",
+                            timeout=600)
         finally:
             stop.set()
             poller.result(timeout=60)
@@ -167,3 +181,8 @@ def test_the_scheduler_answers_while_a_slow_transfer_runs(make_cluster: Callable
     assert len(during) >= 5, f"too few status reads during the transfer to judge: {samples}"
     assert max(during) < 1.0, f"status reads during the transfer took up to {max(during):.2f} s"
     assert sorted(during)[len(during) // 2] < 0.25
+    scale, retry = st["history"]
+    assert scale["error"] and "cancelled" in scale["error"], scale
+    assert retry["reason"] == "failure" and retry["to_gpus"] == 4 and retry["steps_lost"] == 0, retry
+    assert retry["version_to"] != first and int(retry["version_to"].split("-g")[1]) > int(first.split("-g")[1]), retry
+    assert retry["bytes_remote"] == retry["lower_bound_bytes"] > 0
