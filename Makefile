@@ -7,8 +7,9 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.stamp-install
 TOOLS  := .tools/bin
+MCORE  := .tools/megatron-core
 
-.PHONY: install tools demo test lint bench clean
+.PHONY: install tools megatron-core demo test lint bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -29,10 +30,22 @@ $(TOOLS)/helm: deploy/install_tools.py | $(PY)
 
 tools: $(TOOLS)/helm
 
+# megatron-core 0.19.2, unpacked outside the venv for the Megatron layout comparison
+# (tests/ptc/test_ptc_megatron_core.py puts it on sys.path); why and how: deploy/megatron-core.txt.
+$(MCORE)/.stamp: deploy/megatron-core.txt | $(PY)
+	rm -rf $(MCORE) $(MCORE).download
+	$(PIP) download --quiet --no-deps --python-version 3.12 --only-binary=:all: --require-hashes \
+		-r deploy/megatron-core.txt -d $(MCORE).download
+	$(PY) -m zipfile -e $(MCORE).download/megatron_core-0.19.2-*.whl $(MCORE)
+	rm -rf $(MCORE).download
+	touch $@
+
+megatron-core: $(MCORE)/.stamp
+
 demo: install
 	$(VENV)/bin/tenplex --log-level WARNING demo
 
-test: install tools
+test: install tools megatron-core
 	$(VENV)/bin/ruff check tenplex tests benchmarks examples
 	$(PY) -m pytest -q -n 2 --dist loadgroup tests
 
