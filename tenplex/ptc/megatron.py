@@ -441,6 +441,11 @@ def buffer_layout(
     ``bucket_size`` elements, a shared embedding in a bucket of its own, bucket
     ends padded to ``lcm(dp, BUCKET_ALIGN)``.
     """
+    _check_int("dp", dp, minimum=1)
+    if bucket_size is not None:
+        _check_int("bucket_size", bucket_size, minimum=1)
+    if len(numels) != len(shared_embedding):
+        raise InvalidConfig(f"{len(numels)} parameter sizes but {len(shared_embedding)} shared-embedding flags")
     multiple = math.lcm(dp, BUCKET_ALIGN)
     placed: dict[int, tuple[int, int]] = {}
     buckets: list[tuple[int, int]] = []

@@ -564,3 +564,7 @@ def test_ddp_buckets() -> None:
     placed, buckets = buffer_layout([64, 10, 20], [True, False, False], 2, None)
     assert placed == [(128, 1), (64, 0), (0, 0)]
     assert buckets == [(0, 128), (128, 256)]
+    with pytest.raises(InvalidConfig, match="dp must be an integer >= 1, got 0"):
+        buffer_layout([1], [False], 0, None)
+    with pytest.raises(InvalidConfig, match="2 parameter sizes but 1 shared-embedding flags"):
+        buffer_layout([1, 2], [False], 1, None)
