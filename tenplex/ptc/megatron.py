@@ -13,9 +13,12 @@ distributed optimizer's ``_build_gbuf_range_map``), which
   for the optimizer state. Two conventions (:attr:`GPTSpec.naming`):
 
   - ``"megatron-core"``: ``GPTModel.named_parameters()`` with the local layer
-    spec (what Megatron-LM's ``pretrain_gpt.py`` trains too):
-    ``embedding.word_embeddings.weight``, ``decoder.layers.17.mlp.linear_fc1.weight``,
-    ``decoder.final_layernorm.weight``, ``output_layer.weight``;
+    spec: ``embedding.word_embeddings.weight``,
+    ``decoder.layers.17.mlp.linear_fc1.weight``, ``decoder.final_layernorm.weight``,
+    ``output_layer.weight``. (With the Transformer-Engine spec, Megatron-LM's
+    default, the two layer norms of a layer are fused into ``linear_qkv`` and
+    ``linear_fc1`` and named like their checkpoint keys below; the layout is
+    the same);
   - ``"megatron-lm"`` (the default, Tenplex's original short form): the same
     without the ``decoder.`` prefix (``layers.17...``, ``final_layernorm.weight``).
 
