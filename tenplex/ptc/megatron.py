@@ -17,8 +17,10 @@ distributed optimizer's ``_build_gbuf_range_map``), which
     ``decoder.layers.17.mlp.linear_fc1.weight``, ``decoder.final_layernorm.weight``,
     ``output_layer.weight``. (With the Transformer-Engine spec, Megatron-LM's
     default, the two layer norms of a layer are fused into ``linear_qkv`` and
-    ``linear_fc1`` and named like their checkpoint keys below; the layout is
-    the same);
+    ``linear_fc1`` and named like their checkpoint keys below. The parameter
+    layout is the same, but the fused norms move in the registration order and
+    so in the distributed optimizer's buffer: this provider models the local
+    spec, the one megatron-core runs on a CPU, where it is checked);
   - ``"megatron-lm"`` (the default, Tenplex's original short form): the same
     without the ``decoder.`` prefix (``layers.17...``, ``final_layernorm.weight``).
 
