@@ -7,8 +7,9 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.stamp-install
 TOOLS  := .tools/bin
+MCORE  := .tools/megatron-core
 
-.PHONY: install install-torchtitan tools netns-tools demo test lint bench clean
+.PHONY: install install-torchtitan tools netns-tools megatron-core demo test lint bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -52,10 +53,22 @@ netns-tools:
 		echo "note: ip/tc (iproute2) are missing and cannot be installed here: tests/cluster will skip"; \
 	fi
 
+# megatron-core 0.19.2, unpacked outside the venv for the Megatron layout comparison
+# (tests/ptc/test_ptc_megatron_core.py puts it on sys.path); why and how: deploy/megatron-core.txt.
+$(MCORE)/.stamp: deploy/megatron-core.txt | $(PY)
+	rm -rf $(MCORE) $(MCORE).download
+	$(PIP) download --quiet --no-deps --python-version 3.12 --only-binary=:all: --require-hashes \
+		-r deploy/megatron-core.txt -d $(MCORE).download
+	$(PY) -m zipfile -e $(MCORE).download/megatron_core-0.19.2-*.whl $(MCORE)
+	rm -rf $(MCORE).download
+	touch $@
+
+megatron-core: $(MCORE)/.stamp
+
 demo: install
 	$(VENV)/bin/tenplex --log-level WARNING demo
 
-test: install tools netns-tools install-torchtitan
+test: install tools netns-tools install-torchtitan megatron-core
 	$(VENV)/bin/ruff check tenplex tests benchmarks examples
 	$(PY) -m pytest -q -n 2 --dist loadgroup tests
 

@@ -194,7 +194,8 @@ def _spec_schema() -> dict[str, Any]:
                     "provider": _str(enum=list(LAYOUT_PROVIDERS)),
                     "model": {
                         "type": "object",
-                        "description": "Model dimensions as the provider expects them (layers, hidden size, ...).",
+                        "description": "The model as the provider expects it: dimensions (layers, hidden size, ...) and, "
+                                       "for megatron-gpt, its conventions (naming, pad_vocab, normalization, ...).",
                         "x-kubernetes-preserve-unknown-fields": True,
                     },
                     "precision": _str("Training precision of parameters and gradients.", enum=list(PRECISIONS), default="fp32"),

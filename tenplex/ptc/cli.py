@@ -16,6 +16,9 @@ from tenplex.ptc.model import PTC
 from tenplex.ptc.parallel import ParallelConfig
 from tenplex.units import human_bytes
 
+_NAMINGS = {"megatron-lm": "megatron-lm", "lm": "megatron-lm", "megatron-core": "megatron-core", "core": "megatron-core"}
+"""--naming values (with their short forms) -> GPTSpec.naming."""
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     ptc = sub.add_parser("ptc", help="build, show and validate parallelizable tensor collections")
@@ -32,9 +35,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     gpt = cmds.add_parser(
         "megatron-gpt",
-        help="write the PTC of a Megatron-LM style GPT job",
-        description="Compute the layout of a Megatron-LM GPT training job (parameters and optimizer state) "
-        "for a parallel configuration and write it as PTC JSON.",
+        help="write the PTC of a Megatron (megatron-core GPTModel) GPT job",
+        description="Compute the layout of a Megatron GPT training job (parameters and optimizer state, as "
+        "megatron-core 0.19 lays them out) for a parallel configuration and write it as PTC JSON.",
     )
     model = gpt.add_argument_group("model")
     model.add_argument("--layers", type=int, required=True, help="transformer layers")
@@ -47,6 +50,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     model.add_argument("--gated", action="store_true", help="gated (SwiGLU) MLP: fc1 holds gate and up")
     model.add_argument("--seq-len", type=int, default=2048, help="learned position embeddings (0: none, rotary)")
     model.add_argument("--no-bias", action="store_true", help="linear layers without biases")
+    model.add_argument("--norm", default="LayerNorm", choices=["LayerNorm", "RMSNorm"],
+                       help="normalization: LayerNorm (weight and bias, default) or RMSNorm (weight)")
+    conv = gpt.add_argument_group("conventions")
+    conv.add_argument("--naming", default="megatron-lm", choices=list(_NAMINGS),
+                      help="tensor names: megatron-lm (layers.N..., default) or megatron-core/core "
+                      "(decoder.layers.N..., GPTModel's own names)")
+    conv.add_argument("--pad-vocab", action=argparse.BooleanOptionalAction, default=None,
+                      help="pad the vocabulary to a multiple of --vocab-divisible-by x tp like Megatron-LM's script "
+                      "(default: pad for megatron-lm naming, not for megatron-core)")
+    conv.add_argument("--vocab-divisible-by", type=int, default=128,
+                      help="Megatron-LM's --make-vocab-size-divisible-by (default 128)")
+    conv.add_argument("--overlap-grad-reduce", action="store_true",
+                      help="megatron-core DDP overlaps the gradient reduction: the first stage's "
+                      "distributed-optimizer buffer is cut into buckets")
+    conv.add_argument("--ddp-bucket-size", type=int,
+                      help="elements per DDP bucket with --overlap-grad-reduce (default max(40M, 1M x dp))")
     par = gpt.add_argument_group("parallelism and placement")
     par.add_argument("--dp", type=int, required=True, help="data-parallel degree")
     par.add_argument("--tp", type=int, required=True, help="tensor-parallel degree")
@@ -86,6 +105,12 @@ def _megatron_gpt(args: argparse.Namespace) -> int:
         gated_mlp=args.gated,
         seq_len=args.seq_len,
         bias=not args.no_bias,
+        normalization=args.norm,
+        naming=_NAMINGS[args.naming],
+        pad_vocab=args.pad_vocab,
+        make_vocab_size_divisible_by=args.vocab_divisible_by,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        ddp_bucket_size=args.ddp_bucket_size,
     )
     parallel = ParallelConfig(
         dp=args.dp,
@@ -114,7 +139,8 @@ def _megatron_gpt(args: argparse.Namespace) -> int:
         raise InvalidInput(f"cannot write {args.output!r}: {exc.strerror}") from None
     per_device = ptc.bytes_per_device().values()
     print(
-        f"{args.output}: megatron-gpt {parallel.describe()} {args.precision}, {len(ptc.tensors)} tensors, "
+        f"{args.output}: megatron-gpt {parallel.describe()} {args.precision} {spec.naming} names, "
+        f"vocab {ptc.config['padded_vocab']}, {len(ptc.tensors)} tensors, "
         f"{sum(len(t.shards) for t in ptc.tensors)} shards, {len(ptc.devices)} devices on {len(ptc.hosts)} hosts, "
         f"{human_bytes(ptc.total_bytes)} state, {human_bytes(max(per_device))} max per device "
         f"(built in {elapsed:.2f} s)"

@@ -46,6 +46,25 @@ def test_megatron_gpt_writes_a_valid_layout(
     assert "host store bytes" in shown
 
 
+def test_megatron_gpt_core_conventions(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--naming core: GPTModel's names and no vocabulary padding (--pad-vocab brings Megatron-LM's back)."""
+    out = tmp_path / "core.json"
+    argv = [*GPT, "--naming", "core", "--norm", "RMSNorm", "--no-bias", "--seq-len", "0", "--dp", "2", "--tp", "2",
+            "--pp", "1", "--zero", "1", "--overlap-grad-reduce", "--ddp-bucket-size", "500", "-o", str(out)]
+    assert main(argv) == 0
+    assert "megatron-core names, vocab 100," in capsys.readouterr().out
+    ptc = PTC.load(out)
+    assert ptc.tensor("embedding.word_embeddings.weight").shape == (100, 16)
+    assert ptc.has_tensor("decoder.layers.3.mlp.linear_fc1.weight")
+    assert ptc.has_tensor("decoder.final_layernorm.weight") and not ptc.has_tensor("decoder.final_layernorm.bias")
+    assert ptc.config["model"]["ddp_bucket_size"] == 500 and ptc.config["model"]["overlap_grad_reduce"]
+    assert main([*argv[:-2], "--pad-vocab", "--vocab-divisible-by", "8", "-o", str(out)]) == 0
+    assert "vocab 112," in capsys.readouterr().out
+    assert PTC.load(out).tensor("output_layer.weight").shape == (112, 16)
+    assert main([*GPT, "--naming", "core", "--dp", "1", "--tp", "8", "--pp", "1", "--heads", "8", "-o", str(out)]) == 1
+    assert "vocab 100 % tp 8 = 4 (not padded)" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [

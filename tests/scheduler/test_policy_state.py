@@ -7,7 +7,7 @@ import json
 import pytest
 
 from tenplex.errors import InvalidConfig
-from tenplex.ptc import DatasetState, ParallelConfig
+from tenplex.ptc import DatasetState, ParallelConfig, Placement
 from tenplex.scheduler.layouts import LayoutSpec
 from tenplex.scheduler.policy import Policy, choose
 from tenplex.scheduler.state import (
@@ -84,6 +84,18 @@ def test_layout_spec_rejects_bad_models_at_creation():
         LayoutSpec("megatron-gpt", {**MODEL, "bogus": 1})
     with pytest.raises(InvalidConfig, match="precision"):
         LayoutSpec("megatron-gpt", MODEL, "fp8")
+
+
+def test_layout_spec_passes_megatron_conventions():
+    """The megatron-gpt model object carries the naming, padding and bucket conventions to the PTC."""
+    layout = LayoutSpec.from_json({"provider": "megatron-gpt", "precision": "bf16", "model": {
+        **MODEL, "naming": "megatron-core", "normalization": "RMSNorm", "overlap_grad_reduce": True}})
+    ptc = layout.build(ParallelConfig(tp=2, zero=1), Placement.uniform(2, 2), DATA)
+    assert ptc.tensor("embedding.word_embeddings.weight").shape == (500, 64)  # megatron-core does not pad
+    assert ptc.has_tensor("decoder.layers.7.input_layernorm.weight")
+    assert LayoutSpec.from_json(layout.to_json()) == layout
+    with pytest.raises(InvalidConfig, match="naming must be one of megatron-lm, megatron-core, got 'hf'"):
+        LayoutSpec("megatron-gpt", {**MODEL, "naming": "hf"})
 
 
 def spec(**kw):
