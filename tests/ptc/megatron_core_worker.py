@@ -18,10 +18,8 @@ flat range of each parameter its dp rank owns.
 Two CPU-only accommodations, both inert for what is measured:
 
 * megatron-core imports ``triton`` without a fallback in one module on its
-  import path (the MoE paged-stash kernels, GPU-only); everywhere else it
-  falls back when triton is missing. Where triton is not installed (a 200 MB
-  wheel whose kernels cannot run on a CPU) that one module is loaded with a
-  placeholder triton whose kernels raise if launched; no other module sees it.
+  import path (the MoE paged-stash kernels, GPU-only): triton is installed
+  (the torchtitan extra needs it too); its kernels are never launched here.
 * ``_ParamAndGradBuffer`` allocates its buffers on ``torch.cuda.current_device()``
   and GPTModel moves the tied embedding's last-stage copy to the GPU with
   ``.cuda()`` before all-reducing it; the worker points both at the CPU. The
@@ -31,14 +29,12 @@ Two CPU-only accommodations, both inert for what is measured:
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import multiprocessing
 import os
 import socket
 import sys
 import traceback
-import types
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -47,51 +43,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-_TRITON_ONLY = "megatron.core.transformer.moe.ops.paged_stash"
-"""The one module on megatron-core's import path that imports triton without a fallback."""
-
-
-def _triton_placeholder() -> tuple[types.ModuleType, types.ModuleType]:
-    """Stand-ins for ``triton`` and ``triton.language``: kernels defined with them raise when launched."""
-
-    class _Kernel:
-        def __init__(self, fn: Any) -> None:
-            self.fn = fn
-
-        def __getitem__(self, grid: Any) -> Any:
-            raise RuntimeError(f"triton kernel {self.fn.__name__} launched without triton (CPU test placeholder)")
-
-        def __call__(self, *args: Any, **kwargs: Any) -> Any:
-            raise RuntimeError(f"triton kernel {self.fn.__name__} called without triton (CPU test placeholder)")
-
-    triton = types.ModuleType("triton")
-    language = types.ModuleType("triton.language")
-    triton.jit = _Kernel  # type: ignore[attr-defined]
-    triton.language = language  # type: ignore[attr-defined]
-    language.constexpr = type("constexpr", (), {})  # type: ignore[attr-defined]
-    return triton, language
-
 
 def _import_megatron() -> None:
-    """Import megatron-core from the unpacked wheel on a machine without triton.
+    """Import megatron-core from the unpacked wheel (``make megatron-core``).
 
-    Where triton is missing, :data:`_TRITON_ONLY` is loaded first from its file
-    with the placeholder visible to it alone; every other megatron module then
-    finds no triton and takes its own fallback (megatron's CPU path).
+    Its MoE paged-stash module imports triton unconditionally; triton is installed with the
+    torchtitan extra (``make install-torchtitan``), whose models import it too. On a CPU its kernels
+    are never launched here.
     """
     root = Path(os.environ["TENPLEX_MEGATRON_CORE"])
     sys.path.insert(0, str(root))
-    if importlib.util.find_spec("triton") is None:
-        path = root.joinpath(*_TRITON_ONLY.split(".")).with_suffix(".py")
-        spec = importlib.util.spec_from_file_location(_TRITON_ONLY, path)
-        assert spec is not None and spec.loader is not None, path
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["triton"], sys.modules["triton.language"] = _triton_placeholder()
-        try:
-            spec.loader.exec_module(module)
-        finally:
-            del sys.modules["triton"], sys.modules["triton.language"]
-        sys.modules[_TRITON_ONLY] = module
     import megatron.core  # noqa: F401
 
     # megatron's CUDA placement stays on the CPU: the DDP buffers, and the tied embedding's last-stage copy

@@ -28,6 +28,7 @@ several DDP buckets, and Megatron-LM's padded vocabulary with core names.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -59,6 +60,8 @@ pytestmark = [
         not (MEGATRON_CORE / "megatron" / "core" / "__init__.py").is_file(),
         reason=f"megatron-core is not unpacked in {MEGATRON_CORE} (make megatron-core)",
     ),
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                       reason="triton, which megatron-core imports, is not installed (make install-torchtitan)"),
 ]
 
 # Tiny models whose parameters are mostly not multiples of 64 elements, so the
