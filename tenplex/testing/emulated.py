@@ -82,8 +82,7 @@ class EmulatedTenplex:
         for host in self.net.hosts:
             self.start_daemon(host)
         for host in self.net.hosts:
-            self._wait(lambda h=host: self.call(lambda: StoreClient(self.store_url(h), timeout=2).health()),
-                       f"the daemon of {host.name}")
+            self.wait_daemon(host)
         if self.with_scheduler:
             self._start_scheduler()
         return self
@@ -101,6 +100,16 @@ class EmulatedTenplex:
             logf.close()
         self.daemons[node.name] = proc
         return proc
+
+    def wait_daemon(self, host: str | EmuNode, timeout: float = 60.0) -> None:
+        """Until ``host``'s daemon answers /healthz (from the scheduler's node)."""
+        url = self.store_url(host)
+
+        def healthy() -> bool:
+            with StoreClient(url, timeout=2) as client:
+                return client.health()
+
+        self._wait(lambda: self.call(healthy), f"the daemon of {self.net.node(host).name}", timeout)
 
     def hosts_file(self) -> list[dict[str, Any]]:
         """The scheduler's hosts file: each host's daemon, its launch prefix, gloo's interface, its store root."""

@@ -1,0 +1,289 @@
+"""Reconfigurations of a ~1 GB GPT state on an emulated cluster: peer to peer vs through one central store.
+
+Issue 13, item 5. Every host is a network namespace with a 1 Gbit/s link (each
+direction) into a switch (:mod:`tenplex.testing.netcluster`), running a node
+daemon (``tenplex store serve``) on its own store directory. The state is a
+Megatron GPT in fp32 with Adam moments (param, exp_avg, exp_avg_sq), written
+into the old hosts' stores as the workers' snapshot would have (before the
+clock). For N worker hosts (2 GPUs each) plus one spare and one central store
+host, four reconfigurations:
+
+- ``dp``:       tp2 x pp2 x dp(N/4) on the first N/2 hosts -> dp(N/2) on all N (a scale up);
+- ``tp-pp``:    tp2 x pp2 x dp(N/2) on all N -> tp2 x pp4 x dp(N/4) (pipeline re-split);
+- ``loss``:     tp2 x pp2 x dp(N/2) on all N, the last host dies -> same layout, the spare replaces it;
+- ``redeploy``: tp2 x pp2 x dp(N/2) on all N -> host 0 drained, the spare takes its place.
+
+Tenplex: the plan is computed, each target host's daemon is sent its sub-plan
+(from the scheduler's namespace, as the control plane does) and pulls its
+pieces from the daemons that hold them; timed from the submission until every
+target has committed. Bound: the largest number of bytes one host sends or
+receives, over the link rate (a host cannot do better on its own link).
+
+Central store (the comparison of the Tenplex paper, section 6): the same
+change through one store host with the same link: every old region goes to it
+once (its daemon pulls them, as an upload), then every new host reads all its
+new shards from it; timed end to end. Both phases run through the same daemons
+and executor, so the difference is the data path alone.
+
+Reported per scenario: Tenplex time, bound, their ratio (target <= 1.25), the
+central time and the speed-up (target >= 3x at 4 hosts, growing with hosts),
+the bytes each side moved, and the hosts' link counters against the plan. A
+sample of the new shards is checked bit for bit after every transform.
+
+Run (root: it builds network namespaces):
+  .venv/bin/python benchmarks/cluster_reshard.py [--hosts 4 8] [--scenarios dp tp-pp loss redeploy]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import sys
+import tempfile
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tenplex.ptc import PTC, Device, ParallelConfig, Region, Shard, Tensor
+from tenplex.ptc.megatron import GPTSpec, megatron_gpt_ptc
+from tenplex.store.client import StoreClient
+from tenplex.store.local import LocalStore
+from tenplex.testing.emulated import STORE_PORT, EmulatedTenplex
+from tenplex.testing.netcluster import NetCluster, netns_unavailable_reason, parse_rate
+from tenplex.transformer.plan import Plan, make_plan
+from tenplex.transformer.remote import PlanRun
+from tenplex.units import human_bytes
+
+log = logging.getLogger("cluster_reshard")
+
+OLD_V = "s100-g0"
+
+
+# -- data: each old shard's values follow from (tensor, region), cheap to make and to check ---------------
+
+
+def _seed(name: str, region: Region) -> float:
+    return float(zlib.crc32(f"{name}@{region.format()}".encode()) % 997)
+
+
+def shard_data(name: str, region: Region) -> np.ndarray:
+    """A shard's values: its seed plus the element index, so any misplaced piece shows."""
+    return (np.arange(region.volume, dtype=np.float32) + _seed(name, region)).reshape(region.shape)
+
+
+def expected(old: PTC, name: str, region: Region) -> np.ndarray:
+    out = np.empty(region.shape, np.float32)
+    for owner in old.owners(name, region):
+        src = shard_data(name, owner.shard.region)
+        out[owner.piece.relative_to(region).slices()] = src[owner.piece.relative_to(owner.shard.region).slices()]
+    return out
+
+
+# -- layouts ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Scenario:
+    name: str
+    old: PTC
+    new: PTC
+    alive: list[str]
+    dead: list[str] = field(default_factory=list)
+
+
+def layout(spec: GPTSpec, cfg: ParallelConfig, hosts: list[str]) -> PTC:
+    return megatron_gpt_ptc(spec, cfg, gpus_per_node=2, hosts=hosts, precision="fp32")
+
+
+def scenarios(spec: GPTSpec, n: int) -> dict[str, Scenario]:
+    hosts = [f"host-{i}" for i in range(n)]
+    spare = f"host-{n}"
+    full = ParallelConfig(dp=n // 2, tp=2, pp=2)
+    return {
+        "dp": Scenario("dp", layout(spec, ParallelConfig(dp=n // 4, tp=2, pp=2), hosts[: n // 2]),
+                       layout(spec, full, hosts), hosts),
+        "tp-pp": Scenario("tp-pp", layout(spec, full, hosts), layout(spec, ParallelConfig(dp=n // 4, tp=2, pp=4), hosts),
+                          hosts),
+        "loss": Scenario("loss", layout(spec, full, hosts), layout(spec, full, [*hosts[:-1], spare]),
+                         [*hosts[:-1], spare], dead=[hosts[-1]]),
+        "redeploy": Scenario("redeploy", layout(spec, full, hosts), layout(spec, full, [*hosts[1:], spare]),
+                             [*hosts, spare]),
+    }
+
+
+def central_ptc(old: PTC, central: str) -> PTC:
+    """Every distinct old region, held once by one device on the central store host."""
+    tensors = []
+    for t in old.tensors:
+        regions = sorted({s.region for s in t.shards}, key=lambda r: r.bounds)
+        tensors.append(Tensor(t.name, t.shape, t.dtype, t.kind, tuple(Shard(r, (0,)) for r in regions)))
+    return PTC(dict(old.config), (Device(0, central),), tuple(tensors), old.dataset)
+
+
+# -- running ------------------------------------------------------------------------------------------------
+
+
+def populate(t: EmulatedTenplex, old: PTC, job: str) -> None:
+    """The old hosts' stores as their workers' snapshot leaves them (written here, on the shared disk)."""
+
+    def one(host: str) -> None:
+        store = LocalStore(t.store_root(host))
+        for tensor, shard in old.shards_on_host(host):
+            store.write_shard(job, OLD_V, tensor.name, shard.region, shard_data(tensor.name, shard.region),
+                              dtype=tensor.dtype, global_shape=tensor.shape)
+        store.commit(job, OLD_V)
+        store.close()
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(one, old.hosts))
+
+
+def run_plan(t: EmulatedTenplex, plan: Plan, alive: list[str]) -> float:
+    """Submit every target's sub-plan from the scheduler's node and wait for all commits; seconds."""
+    stores = {h: t.store_url(h) for h in alive}
+    clients: dict[str, StoreClient] = {}
+
+    def client_for(url: str) -> StoreClient:
+        if url not in clients:
+            clients[url] = StoreClient(url, t.token, timeout=60)
+        return clients[url]
+
+    def go() -> float:
+        start = time.perf_counter()
+        PlanRun(plan, stores, token=t.token, client_for=client_for).wait(poll_interval=0.05, timeout=3600)
+        return time.perf_counter() - start
+
+    try:
+        return t.call(go)
+    finally:
+        for c in clients.values():
+            c.close()
+
+
+def check_sample(t: EmulatedTenplex, truth: PTC, new: PTC, job: str, version: str, count: int = 12) -> int:
+    """Read back ``count`` random new shards over HTTP (from the scheduler's node) and compare bit for bit."""
+    rng = random.Random(version)
+    picks = rng.sample([(h, tensor, s) for h in new.hosts for tensor, s in new.shards_on_host(h)], count)
+    for host, tensor, shard in picks:
+        got = t.store(host, "read", job, version, tensor.name, shard.region, tensor.dtype)
+        want = expected(truth, tensor.name, shard.region)
+        assert got.tobytes() == want.tobytes(), f"{host}: {tensor.name} {shard.region} differs after {version}"
+    return len(picks)
+
+
+def bound_seconds(plan: Plan, rate_bps: int) -> tuple[float, int]:
+    sends, receives = plan.send_bytes(), plan.receive_bytes()
+    worst = max([*sends.values(), *receives.values(), 0])
+    return worst * 8 / rate_bps, worst
+
+
+def clean(t: EmulatedTenplex, hosts: list[str], job: str) -> None:
+    for h in hosts:
+        store = LocalStore(t.store_root(h))
+        for v in store.versions(job) if job in store.jobs() else []:
+            store.delete(job, v.version)
+        store.close()
+
+
+def describe(ptc: PTC) -> str:
+    c = ptc.config
+    return f"dp{c['dp']} x tp{c['tp']} x pp{c['pp']} on {len(ptc.hosts)} hosts"
+
+
+def run_scenario(t: EmulatedTenplex, sc: Scenario, rate_bps: int, central_host: str) -> dict[str, Any]:
+    job = f"bench-{sc.name}"
+    all_hosts = [h.name for h in t.net.hosts]
+    clean(t, all_hosts, job)
+    populate(t, sc.old, job)
+    for h in sc.dead:  # the host dies: its daemon is gone, its store is not reachable
+        t.daemons[h].kill()
+        t.daemons[h].wait()
+    state = sum(tensor.nbytes for tensor in sc.old.tensors)
+
+    # Tenplex: peer to peer.
+    plan = make_plan(sc.old, sc.new, job=job, old_version=OLD_V, new_version="s100-g1", alive=set(sc.alive))
+    assert plan.network_bytes == plan.lower_bound_bytes
+    bound, worst = bound_seconds(plan, rate_bps)
+    before = t.net.snapshot()
+    seconds = run_plan(t, plan, sc.alive)
+    delta = t.net.snapshot() - before
+    checked = check_sample(t, sc.old, sc.new, job, "s100-g1")
+    links = {h: {"plan_bytes": plan.host(h).bytes_remote, "link_bytes": delta[h].ports[STORE_PORT].rx_from_port}
+             for h in plan.hosts}
+    sched = delta["scheduler"].rx_bytes + delta["scheduler"].tx_bytes
+
+    # Central store: every old region to it once, then every new shard from it.
+    central = central_ptc(sc.old, central_host)
+    up = make_plan(sc.old, central, job=job, old_version=OLD_V, new_version="s100-g2",
+                   alive={*sc.alive, central_host})
+    down = make_plan(central, sc.new, job=job, old_version="s100-g2", new_version="s100-g3", alive={central_host})
+    upload = run_plan(t, up, [*sc.alive, central_host])
+    download = run_plan(t, down, [central_host, *sc.new.hosts])
+    check_sample(t, sc.old, sc.new, job, "s100-g3")
+    central_s = upload + download
+    for h in sc.dead:  # back for the next scenario
+        t.start_daemon(h)
+        t.wait_daemon(h)
+    clean(t, all_hosts, job)
+    return {
+        "scenario": sc.name, "hosts": len(sc.old.hosts), "state_bytes": state,
+        "from": describe(sc.old), "to": describe(sc.new),
+        "network_bytes": plan.network_bytes, "local_bytes": plan.local_bytes, "worst_host_bytes": worst,
+        "tenplex_s": round(seconds, 3), "bound_s": round(bound, 3), "ratio": round(seconds / bound, 3) if bound else None,
+        "central_upload_s": round(upload, 3), "central_download_s": round(download, 3), "central_s": round(central_s, 3),
+        "central_bytes": up.network_bytes + down.network_bytes,
+        "speedup": round(central_s / seconds, 2) if seconds else None,
+        "scheduler_link_bytes": sched, "links": links, "shards_checked": checked,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hosts", type=int, nargs="+", default=[4, 8], help="worker host counts (multiples of 4)")
+    ap.add_argument("--scenarios", nargs="+", default=["dp", "tp-pp", "loss", "redeploy"])
+    ap.add_argument("--rate", default="1gbit", help="link rate per direction (tc units)")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--hidden", type=int, default=1280)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--json", type=Path, help="write the results here too")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    reason = netns_unavailable_reason()
+    if reason is not None:
+        print(f"cannot build the emulated cluster here: {reason}", file=sys.stderr)
+        return 2
+    if any(n % 4 for n in args.hosts):
+        ap.error("--hosts must be multiples of 4")
+    spec = GPTSpec(num_layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab, seq_len=2048)
+    rate_bps = parse_rate(args.rate)
+    results = []
+    for n in args.hosts:
+        table = scenarios(spec, n)
+        # host-n is the spare, host-(n+1) the central store
+        with tempfile.TemporaryDirectory(prefix="cluster-reshard-") as tmp, \
+                NetCluster(n + 2, rate=args.rate, count_ports=(STORE_PORT,), root_dir=tmp) as net, \
+                EmulatedTenplex(net, scheduler=False, gpus_per_host=2) as t:
+            for name in args.scenarios:
+                r = run_scenario(t, table[name], rate_bps, f"host-{n + 1}")
+                results.append(r)
+                print(f"{n} hosts {name:9s} state {human_bytes(r['state_bytes'])}: tenplex {r['tenplex_s']:.2f} s "
+                      f"(bound {r['bound_s']:.2f} s, ratio {r['ratio']}), central {r['central_s']:.2f} s "
+                      f"(up {r['central_upload_s']:.2f} + down {r['central_download_s']:.2f}), speed-up "
+                      f"{r['speedup']}x; network {human_bytes(r['network_bytes'])} vs central "
+                      f"{human_bytes(r['central_bytes'])}; scheduler link {r['scheduler_link_bytes']} B", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
