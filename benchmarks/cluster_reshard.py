@@ -9,7 +9,7 @@ clock). For N worker hosts (2 GPUs each) plus one spare and one central store
 host, four reconfigurations:
 
 - ``dp``:       tp2 x pp2 x dp(N/4) on the first N/2 hosts -> dp(N/2) on all N (a scale up);
-- ``tp-pp``:    tp2 x pp2 x dp(N/2) on all N -> tp2 x pp4 x dp(N/4) (pipeline re-split);
+- ``tp-pp``:    tp2 x ppN on all N (one stage a host) -> tp2 x pp(N/2) x dp2 (stages merged, replicated);
 - ``loss``:     tp2 x pp2 x dp(N/2) on all N, the last host dies -> same layout, the spare replaces it;
 - ``redeploy``: tp2 x pp2 x dp(N/2) on all N -> host 0 drained, the spare takes its place.
 
@@ -109,8 +109,8 @@ def scenarios(spec: GPTSpec, n: int) -> dict[str, Scenario]:
     return {
         "dp": Scenario("dp", layout(spec, ParallelConfig(dp=n // 4, tp=2, pp=2), hosts[: n // 2]),
                        layout(spec, full, hosts), hosts),
-        "tp-pp": Scenario("tp-pp", layout(spec, full, hosts), layout(spec, ParallelConfig(dp=n // 4, tp=2, pp=4), hosts),
-                          hosts),
+        "tp-pp": Scenario("tp-pp", layout(spec, ParallelConfig(tp=2, pp=n), hosts),
+                          layout(spec, ParallelConfig(dp=2, tp=2, pp=n // 2), hosts), hosts),
         "loss": Scenario("loss", layout(spec, full, hosts), layout(spec, full, [*hosts[:-1], spare]),
                          [*hosts[:-1], spare], dead=[hosts[-1]]),
         "redeploy": Scenario("redeploy", layout(spec, full, hosts), layout(spec, full, [*hosts[1:], spare]),
@@ -249,8 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hosts", type=int, nargs="+", default=[4, 8], help="worker host counts (multiples of 4)")
     ap.add_argument("--scenarios", nargs="+", default=["dp", "tp-pp", "loss", "redeploy"])
     ap.add_argument("--rate", default="1gbit", help="link rate per direction (tc units)")
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--hidden", type=int, default=1280)
+    ap.add_argument("--layers", type=int, default=8, help="a multiple of the largest --hosts (one stage a host)")
+    ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--json", type=Path, help="write the results here too")
