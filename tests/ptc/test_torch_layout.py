@@ -69,10 +69,14 @@ def test_regions_equal_dtensor_local_shape_and_offset(parallel: ParallelConfig) 
     for stage, stage_layouts in enumerate(layouts):
         for lay in stage_layouts:
             mesh_shape = [sizes[d] for d in lay.mesh_dims]
+            assert list(lay.mesh_shape) == mesh_shape
             for dp in range(parallel.dp):
                 for tp in range(parallel.tp):
-                    coords = parallel.coords(parallel.rank(dp, tp, stage))
-                    regions = local_regions(lay.shape, lay.mesh_dims, lay.placements, coords, parallel)
+                    rank = parallel.rank(dp, tp, stage)
+                    coords = parallel.coords(rank)
+                    if lay.mesh_dims:  # the coordinates read off the DTensor's mesh are Tenplex's
+                        assert lay.rank_coords[rank] == tuple(coords[d] for d in lay.mesh_dims)
+                    regions = local_regions(lay.shape, lay.mesh_shape, lay.placements, lay.rank_coords.get(rank, ()))
                     if not lay.mesh_dims:
                         assert regions == [Region.full(lay.shape)]
                         continue
