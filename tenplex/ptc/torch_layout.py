@@ -63,6 +63,12 @@ pipeline stage, mesh included (torchtitan's ``ParallelDims`` and
 ``pipeline_llm``, transformers' ``DistributedConfig``), and returns the
 stage's module or modules.
 
+Derive before, not inside, a process that then trains: after a derivation,
+torchtitan's FSDP2 parameters built in the same process on a real process
+group were seen at the fake group's rank-0 mesh coordinates (a mesh object
+cached inside torch.distributed, equal to the new one except for its rank).
+The example jobs derive in a subprocess when they need a PTC themselves.
+
 The fake process group is the default group only while a stage is derived and
 is destroyed afterwards, so the provider can be called repeatedly. When a
 real process group is already initialized in the calling process (inside a
