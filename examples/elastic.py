@@ -182,7 +182,7 @@ class Results:
 
     The state is written beside the JSON file with ``torch.save``, one file per
     occasion (``<file>.restored.pt``, ``<file>.s<step>.pt`` for each snapshot):
-    ``{tensor name: {"region": [[start, stop], ...], "tensor": local tensor}}``.
+    ``{tensor name: {"region": [[start, stop], ...], "global_shape": [...], "tensor": local tensor}}``.
     """
 
     def __init__(self, path: str) -> None:
@@ -193,6 +193,7 @@ class Results:
         pieces = {
             piece.name: {
                 "region": [list(b) for b in piece.region.bounds],
+                "global_shape": list(piece.global_shape),
                 "tensor": piece.local.detach().cpu().clone(),
             }
             for piece in live_pieces(module, optimizer)
