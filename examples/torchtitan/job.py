@@ -72,9 +72,10 @@ PTC tensor (named_parameters)                 torchtitan DCP checkpoint key (mod
 tok_embeddings.weight                         tok_embeddings.weight
 layers.<i>.attention.qkv_linear.wqkv.weight   layers.<i>.attention.qkv_linear.wq.weight, .wk.weight, .wv.weight
                                               (rows regrouped, see below)
-every other parameter <name>                  <name> (same key)
-optim/<name>/exp_avg|exp_avg_sq|step          optimizer.state.<name>.exp_avg|exp_avg_sq|step (torch's
-                                              flattened optimizer state dict; wqkv state split like wqkv)
+every other parameter <name>                  <name> (same key; the model's keys are at the top level)
+optim/<name>/exp_avg|exp_avg_sq|step          optimizer.state.<name>.exp_avg|exp_avg_sq|step, <name> as in
+                                              named_parameters(): wqkv's optimizer state stays fused
+                                              (torchtitan's get_flat_optim_state_dict keys it by FQN)
 
 wqkv (shape [n_kv * (h + 2) * d, dim], h = n_heads // n_kv_heads, d = head_dim) holds, for every KV group
 g in 0..n_kv-1, h query heads, then one key head, then one value head, d rows each. Row
