@@ -66,15 +66,21 @@ def run_ranks(module: str, job_args: list[str], parallel: ParallelConfig, ptc: P
         log = open(out / f"r{rank}.log", "wb")  # noqa: SIM115 (closed below)
         procs.append((subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT), log))
     failed = []
-    for rank, (proc, log) in enumerate(procs):
-        try:
-            code = proc.wait(timeout=240)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            code = "timeout"
-        log.close()
-        if code != 0:
-            failed.append(rank)
+    try:
+        for rank, (proc, _) in enumerate(procs):
+            try:
+                code = proc.wait(timeout=240)
+            except subprocess.TimeoutExpired:
+                code = "timeout"
+            if code != 0:
+                failed.append(rank)
+                break
+    finally:
+        for proc, log in procs:  # a failed or hung rank leaves its peers waiting in a collective: end them
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            log.close()
     if failed:
         logs = "\n".join(f"--- rank {r} ---\n" + (out / f"r{r}.log").read_text()[-3000:] for r in failed)
         pytest.fail(f"ranks {failed} of {parallel.describe()} failed:\n{logs}")
