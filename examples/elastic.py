@@ -144,6 +144,7 @@ def elastic_main(args: argparse.Namespace, build_job: BuildJob, build_ptc: Build
             results.data.update(parallel=parallel.to_json(), generation=generation, restored_step=start)
             if worker.restored is not None:
                 results.dump_state("restored", job.module, job.optimizer)
+            results.write()
         data = SyntheticTokens(dataset.num_samples, seq_len, vocab, seed=dataset.seed)
         for step, ids in worker.batches(job.dp_rank):
             t0 = time.perf_counter()
@@ -161,6 +162,7 @@ def elastic_main(args: argparse.Namespace, build_job: BuildJob, build_ptc: Build
                 results.data["losses"][step] = loss
                 results.data["samples"][step] = ids.tolist()
                 results.data["seconds"][step] = seconds
+                results.write()  # every step: a process killed later leaves its record
             taken = len(worker.snapshots)
             if step in args.snapshot_at:
                 worker.snapshot(step, job.module, job.optimizer)
@@ -203,6 +205,9 @@ class Results:
         self.data["states"].append(key)
 
     def write(self) -> None:
+        """Replace the JSON file atomically (a reader never sees half of it)."""
         Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "w") as f:
+        tmp = f"{self.path}.tmp"
+        with open(tmp, "w") as f:
             json.dump(self.data, f)
+        os.replace(tmp, self.path)

@@ -74,8 +74,7 @@ def test_scaled_and_failed_under_the_local_scheduler(tmp_path: Path) -> None:
         "steps": 14,
         "snapshot_every": 2,
         "heartbeat_timeout": 120,
-        "policy": {"table": [{"gpus": 2, "dp": 2, "tp": 1, "pp": 1, "zero": 3},
-                             {"gpus": 4, "dp": 2, "tp": 2, "pp": 1, "zero": 3}]},
+        "policy": {"table": {"2": {"dp": 2, "zero": 3}, "4": {"dp": 2, "tp": 2, "zero": 3}}},
         "env": {"OMP_NUM_THREADS": "1"},
     }
     with LocalScheduler(tmp_path / "sched", hosts=2, gpus_per_host=2, heartbeat_interval=0.3) as sched:
@@ -119,15 +118,26 @@ def test_scaled_and_failed_under_the_local_scheduler(tmp_path: Path) -> None:
     # The sample order: the last run of every step consumed exactly the order; a step run again
     # after the rollback took the same samples as before.
     final: dict[int, list[int]] = {}
+    losses: dict[int, float] = {}
+    rerun: list[dict] = []
     for g in sorted(layouts):
         res, par = ranks(g), layouts[g]
         firsts = [res[par.rank(dp, 0, 0)]["samples"] for dp in range(par.dp)]
         steps = set.intersection(*(set(f) for f in firsts))
         for s in sorted(steps, key=int):
             ids = sum((f[s] for f in firsts), [])
+            loss = res[0]["losses"][s]
             if int(s) in final:
                 assert final[int(s)] == ids, s
+                rerun.append({"step": int(s), "first": losses[int(s)], "again": loss,
+                              "rel_diff": abs(loss - losses[int(s)]) / abs(losses[int(s)])})
+                assert rerun[-1]["rel_diff"] <= 1e-3, rerun[-1]
             final[int(s)] = ids
+            losses[int(s)] = loss
     order = DATASET.samples(0, 14 * DATASET.global_batch_size).tolist()
     assert sorted(final) == list(range(1, 15))
     assert sum((final[s] for s in sorted(final)), []) == order
+    summary = [{k: rec[k] for k in ("reason", "from_config", "to_config", "downtime_seconds", "bytes_local",
+                                     "bytes_remote", "lower_bound_bytes", "steps_lost") if k in rec}
+               for rec in st["history"]]
+    print(json.dumps({"history": summary, "steps_run_again": rerun}, indent=1), file=sys.stderr)
