@@ -84,6 +84,20 @@ r == h, and row g * d + j of wv for r == h + 1 (FusedQKVLinear._split_qkv_on_sav
 """How the PTC's names relate to torchtitan's checkpoint keys (for a DCP export or import)."""
 
 
+def split_wqkv(wqkv: torch.Tensor, n_heads: int, n_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """torchtitan's checkpoint tensors ``wq``, ``wk``, ``wv`` of a fused ``wqkv`` (:data:`DCP_KEY_MAPPING`)."""
+    h = n_heads // n_kv_heads
+    rows = wqkv.shape[0]
+    d = rows // (n_kv_heads * (h + 2))
+    w = wqkv.reshape(n_kv_heads, h + 2, d, *wqkv.shape[1:])
+    tail = tuple(wqkv.shape[1:])
+    return (
+        w[:, :h].reshape(n_kv_heads * h * d, *tail),
+        w[:, h].reshape(n_kv_heads * d, *tail),
+        w[:, h + 1].reshape(n_kv_heads * d, *tail),
+    )
+
+
 @dataclass(frozen=True)
 class TitanConfig:
     """Which llama3 and how the job feeds it."""
