@@ -21,19 +21,24 @@ transformers' pipeline parallelism is not used: ``pp`` must be 1.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-import torch
-import torch.distributed as dist
-from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
-from transformers.distributed import DistributedConfig
+# The model is built from a config in code: nothing is needed from the Hugging Face Hub. Without this,
+# transformers' tensor-parallel path tries to reach the Hub and, with no network, waits for minutes.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from tenplex.errors import InvalidConfig
-from tenplex.ptc import PTC, DatasetState, ParallelConfig, Placement
-from tenplex.ptc.torch_layout import TRANSFORMERS_MESH_ROLES, derive_ptc_from_stages
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers.distributed import DistributedConfig  # noqa: E402
+
+from tenplex.errors import InvalidConfig  # noqa: E402
+from tenplex.ptc import PTC, DatasetState, ParallelConfig, Placement  # noqa: E402
+from tenplex.ptc.torch_layout import TRANSFORMERS_MESH_ROLES, derive_ptc_from_stages  # noqa: E402
 
 MESH_ROLES = {name: role.value for name, role in TRANSFORMERS_MESH_ROLES.items()}
 """transformers 5.x's mesh names (``pp, dp_replicate, fsdp, tp``; ``efsdp``/``ep`` refused)."""

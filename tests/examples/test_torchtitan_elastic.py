@@ -82,8 +82,10 @@ def test_scaled_and_failed_under_the_local_scheduler(tmp_path: Path) -> None:
         client.create(spec)
         wait_for(client, "titan", lambda s: s["phase"] == "Running" and s["step"] >= 3, "training on 2 GPUs", 300)
         client.scale("titan", 4)
-        st = wait_for(client, "titan", lambda s: s["generation"] >= 1 and s["phase"] == "Running" and s["step"] >= 7,
-                      "training on 4 GPUs", 300)
+        st = wait_for(client, "titan", lambda s: s["phase"] == "Running" and s["history"]
+                      and s["history"][0]["downtime_seconds"] is not None, "training again on 4 GPUs", 300)
+        back_at = st["step"]  # then two more steps, so that generation 1 has snapshotted something of its own
+        st = wait_for(client, "titan", lambda s: s["step"] >= back_at + 2, "training two steps on 4 GPUs", 300)
         victim = st["workers"][-1]["worker_id"]
         sched.scheduler.backend.kill_worker("titan", victim, signal.SIGKILL)
         wait_for(client, "titan", lambda s: s["generation"] >= 2 and s["phase"] == "Running", "recovering", 300)
@@ -95,8 +97,8 @@ def test_scaled_and_failed_under_the_local_scheduler(tmp_path: Path) -> None:
     assert failure["reason"] == "failure" and failure["to_gpus"] == 4, failure
     assert (down["reason"], down["from_gpus"], down["to_gpus"], down["steps_lost"]) == ("scale", 4, 2, 0), down
 
-    # Every generation's files: g<gen>-r<rank>.json (not for the SIGKILLed rank) and its state dumps
-    # g<gen>-r<rank>.json.s<step>.pt (written at the snapshot, so the killed rank's are there too).
+    # Every generation's files: g<gen>-r<rank>.json (rewritten after every step, so the SIGKILLed rank's too)
+    # and its state dumps g<gen>-r<rank>.json.s<step>.pt, written at each snapshot.
     layouts = {0: ParallelConfig(dp=2, zero=3), 1: ParallelConfig(dp=2, tp=2, zero=3),
                2: ParallelConfig(dp=2, tp=2, zero=3), 3: ParallelConfig(dp=2, zero=3)}
     assert sorted({int(f.name.split("-")[0][1:]) for f in results.glob("g*-r*.json")}) == sorted(layouts)
