@@ -15,10 +15,14 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip setuptools wheel
 
-# Reinstall only when the dependency list changes.
-$(STAMP): pyproject.toml | $(PY)
+TORCHTITAN := torchtitan==0.3.0
+
+# Reinstall only when the dependency list changes. torchtitan without its declared dependencies
+# (see the `clients` extra in pyproject.toml for what it really imports).
+$(STAMP): pyproject.toml Makefile | $(PY)
 	$(PIP) install --quiet "torch==2.13.0"
-	$(PIP) install --quiet -e ".[test]"
+	$(PIP) install --quiet -e ".[test,clients]"
+	$(PIP) install --quiet --no-deps "$(TORCHTITAN)"
 	touch $(STAMP)
 
 install: $(STAMP)

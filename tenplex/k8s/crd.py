@@ -55,7 +55,7 @@ ENV_STORE_URL = "TENPLEX_STORE_URL"
 ENV_TOKEN = "TENPLEX_TOKEN"
 GPU_RESOURCE = "nvidia.com/gpu"
 LEADER_LEASE = "tenplex-scheduler"
-LAYOUT_PROVIDERS = ("megatron-gpt", "example-gpt")
+LAYOUT_PROVIDERS = ("megatron-gpt", "example-gpt", "example-torchtitan", "example-hf")
 POLICY_TYPES = ("builtin", "table")
 PRECISIONS = ("fp32", "bf16", "fp16")
 

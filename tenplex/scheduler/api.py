@@ -41,8 +41,8 @@ class _Body(BaseModel):
 
 
 class LayoutBody(_Body):
-    provider: Literal["megatron-gpt", "example-gpt"]
-    model: dict[str, Any] = Field(description="The provider's model fields (GPTSpec or GPTConfig).")
+    provider: Literal["megatron-gpt", "example-gpt", "example-torchtitan", "example-hf"]
+    model: dict[str, Any] = Field(description="The provider's model fields (GPTSpec, GPTConfig, TitanConfig or HFConfig).")
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
 
 

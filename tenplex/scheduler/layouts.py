@@ -6,6 +6,8 @@ spec names a provider and its model parameters:
 
 ``{"provider": "megatron-gpt", "model": {"num_layers": 24, ...}, "precision": "bf16"}``
 ``{"provider": "example-gpt", "model": {"vocab": 64, "dim": 32, ...}}``
+``{"provider": "example-torchtitan", "model": {"flavor": "debugmodel", "n_layers": 2, "seq_len": 32}}``
+``{"provider": "example-hf", "model": {"vocab_size": 128, "hidden_size": 64, ...}}``
 
 The providers are imported lazily: the example provider builds the model on
 the meta device and so imports torch, which the rest of the scheduler does
@@ -21,7 +23,7 @@ from typing import Any
 from tenplex.errors import InvalidConfig
 from tenplex.ptc import PTC, DatasetState, ParallelConfig, Placement
 
-PROVIDERS = ("megatron-gpt", "example-gpt")
+PROVIDERS = ("megatron-gpt", "example-gpt", "example-torchtitan", "example-hf")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +48,14 @@ class LayoutSpec:
             from tenplex.ptc.megatron import GPTSpec
 
             return _construct(GPTSpec, self.model, "megatron-gpt model")
+        if self.provider == "example-torchtitan":
+            from examples.torchtitan.job import TitanConfig
+
+            return _construct(TitanConfig, self.model, "example-torchtitan model")
+        if self.provider == "example-hf":
+            from examples.hf.job import HFConfig
+
+            return _construct(HFConfig, self.model, "example-hf model")
         from examples.gpt.model import GPTConfig
 
         return _construct(GPTConfig, self.model, "example-gpt model")
@@ -66,6 +76,14 @@ class LayoutSpec:
                 precision=self.precision,
                 dataset=dataset,
             )
+        if self.provider == "example-torchtitan":
+            from examples.torchtitan.job import titan_ptc
+
+            return titan_ptc(model, parallel, placement, dataset=dataset)
+        if self.provider == "example-hf":
+            from examples.hf.job import hf_ptc
+
+            return hf_ptc(model, parallel, placement, dataset=dataset)
         from examples.gpt.layout import gpt_ptc
 
         return gpt_ptc(model, parallel, placement, dataset=dataset)  # derive_ptc serializes its own fake group

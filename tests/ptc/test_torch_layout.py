@@ -69,10 +69,14 @@ def test_regions_equal_dtensor_local_shape_and_offset(parallel: ParallelConfig) 
     for stage, stage_layouts in enumerate(layouts):
         for lay in stage_layouts:
             mesh_shape = [sizes[d] for d in lay.mesh_dims]
+            assert list(lay.mesh_shape) == mesh_shape
             for dp in range(parallel.dp):
                 for tp in range(parallel.tp):
-                    coords = parallel.coords(parallel.rank(dp, tp, stage))
-                    regions = local_regions(lay.shape, lay.mesh_dims, lay.placements, coords, parallel)
+                    rank = parallel.rank(dp, tp, stage)
+                    coords = parallel.coords(rank)
+                    if lay.mesh_dims:  # the coordinates read off the DTensor's mesh are Tenplex's
+                        assert lay.rank_coords[rank] == tuple(coords[d] for d in lay.mesh_dims)
+                    regions = local_regions(lay.shape, lay.mesh_shape, lay.placements, lay.rank_coords.get(rank, ()))
                     if not lay.mesh_dims:
                         assert regions == [Region.full(lay.shape)]
                         continue
@@ -304,3 +308,83 @@ def test_dtensors_on_foreign_mesh_dimensions_are_refused() -> None:
     with pytest.raises(InvalidConfig, match=r"'weight' is a DTensor on mesh dimensions \['shard'\]"):
         derive_ptc(lambda s, n: nn.Linear(4, 6, bias=False), other_mesh, ParallelConfig(dp=2), Placement.uniform(2, 2))
     assert not dist.is_initialized()
+
+
+# -- mesh dimensions of any name ---------------------------------------------------------
+
+
+def _linear_on(mesh_shape: tuple[int, ...], names: tuple[str, ...], placements_of) -> object:
+    """A stage builder: an 8x4 linear distributed on a mesh of the job's own names."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    def build(stage: int, parallel: ParallelConfig) -> nn.Module:
+        module = nn.Linear(4, 8, bias=False)
+        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+        module.weight = nn.Parameter(distribute_tensor(module.weight, mesh, placements_of()))
+        return module
+
+    return build
+
+
+def test_hsdp_on_the_jobs_own_dimension_names() -> None:
+    from torch.distributed.tensor import Replicate, Shard
+
+    from tenplex.ptc.torch_layout import derive_ptc_from_stages
+
+    parallel = ParallelConfig(dp=4, zero=3)
+    build = _linear_on((2, 2), ("replica", "shard"), lambda: [Replicate(), Shard(0)])
+    ptc = derive_ptc_from_stages(build, parallel, Placement.uniform(4, 4),
+                                 mesh_roles={"replica": "dp_replicate", "shard": "fsdp"})
+    w = ptc.tensor("weight")
+    assert [(str(s.region), s.devices) for s in w.shards] == [("[0:4, 0:4]", (0, 2)), ("[4:8, 0:4]", (1, 3))]
+    assert ptc.config["mesh_roles"] == {"replica": "dp_replicate", "shard": "dp_shard"}
+    with pytest.raises(InvalidConfig, match=r"dimension 'replica' \(size 2\) has no Tenplex role"):
+        derive_ptc_from_stages(build, parallel, Placement.uniform(4, 4))
+    assert not dist.is_initialized()
+
+
+def test_torchtitan_and_transformers_names_are_known() -> None:
+    from torch.distributed.tensor import Replicate, Shard
+
+    from tenplex.ptc.torch_layout import derive_ptc_from_stages
+
+    for names in (("dp_replicate", "fsdp"), ("dp_replicate", "dp_shard")):
+        build = _linear_on((2, 2), names, lambda: [Replicate(), Shard(0)])
+        ptc = derive_ptc_from_stages(build, ParallelConfig(dp=4, zero=3), Placement.uniform(4, 4))
+        assert [s.devices for s in ptc.tensor("weight").shards] == [(0, 2), (1, 3)]
+
+
+def test_mesh_roles_are_checked() -> None:
+    from torch.distributed.tensor import Replicate, Shard
+
+    from tenplex.ptc.torch_layout import MeshRole, derive_ptc_from_stages, resolve_mesh_roles
+
+    assert resolve_mesh_roles({"x": "fsdp", "y": "context"}, defaults=False) == {"x": MeshRole.DP_SHARD, "y": MeshRole.CP}
+    with pytest.raises(InvalidConfig, match="unknown role 'shards'"):
+        resolve_mesh_roles({"x": "shards"})
+    placement = Placement.uniform(4, 4)
+    cases = [
+        # context parallelism is refused while it is more than one rank
+        (_linear_on((2, 2), ("fsdp", "cp"), lambda: [Shard(0), Replicate()]), ParallelConfig(dp=4, zero=3),
+         r"mesh dimension 'cp' of size 2 \(context parallelism\); Tenplex does not support context parallelism yet"),
+        (_linear_on((2, 2), ("fsdp", "ep"), lambda: [Shard(0), Replicate()]), ParallelConfig(dp=4, zero=3),
+         "expert parallelism"),
+        # a replicate dimension that shards is a wrong mapping
+        (_linear_on((2, 2), ("dp_replicate", "fsdp"), lambda: [Shard(0), Shard(1)]), ParallelConfig(dp=4, zero=3),
+         "whose role is dp_replicate"),
+        # sizes must be the configuration's
+        (_linear_on((2, 2), ("fsdp", "tp"), lambda: [Shard(0), Shard(1)]), ParallelConfig(dp=1, tp=4),
+         r"mesh dimensions \['tp'\] \(tp\) have size 2, dp1 x tp4 x pp1 says tp=4"),
+        # ranks in another order than Tenplex's (tp fastest): the dp/tp placement on nodes would be wrong
+        (_linear_on((2, 2), ("tp", "dp"), lambda: [Shard(0), Shard(1)]), ParallelConfig(dp=2, tp=2, zero=3),
+         "build the mesh in that order"),
+    ]
+    for build, parallel, message in cases:
+        with pytest.raises(InvalidConfig, match=message):
+            derive_ptc_from_stages(build, parallel, placement)
+        assert not dist.is_initialized()
+    # a size-1 dimension of any name changes nothing
+    ptc = derive_ptc_from_stages(_linear_on((2, 1), ("dp", "cp"), lambda: [Shard(0), Replicate()]),
+                                 ParallelConfig(dp=2, zero=3), Placement.uniform(2, 2))
+    assert [s.devices for s in ptc.tensor("weight").shards] == [(0,), (1,)]
