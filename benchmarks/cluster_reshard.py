@@ -30,6 +30,13 @@ central time and the speed-up (target >= 3x at 4 hosts, growing with hosts),
 the bytes each side moved, and the hosts' link counters against the plan. A
 sample of the new shards is checked bit for bit after every transform.
 
+What the emulation cannot give every host: its own disk and cores. All hosts
+write their new versions to this machine's one disk, and their daemons share
+its cores. So each scenario also reports the bytes all targets wrote (new
+shards, not the linked ones), the time this disk alone takes to write them
+(``O_DIRECT``, measured at the start of the run: the shared-disk floor), and
+how busy the machine's cores were during the transform.
+
 Run (root: it builds network namespaces):
   .venv/bin/python benchmarks/cluster_reshard.py [--hosts 4 8] [--scenarios dp tp-pp loss redeploy]
 """
@@ -145,8 +152,9 @@ def populate(t: EmulatedTenplex, old: PTC, job: str) -> None:
         list(pool.map(one, old.hosts))
 
 
-def run_plan(t: EmulatedTenplex, plan: Plan, alive: list[str]) -> float:
-    """Submit every target's sub-plan from the scheduler's node and wait for all commits; seconds."""
+def run_plan(t: EmulatedTenplex, plan: Plan, alive: list[str]) -> tuple[float, int]:
+    """Submit every target's sub-plan from the scheduler's node and wait for all commits; seconds, and the
+    bytes the targets wrote (their new shards but the linked ones)."""
     stores = {h: t.store_url(h) for h in alive}
     clients: dict[str, StoreClient] = {}
 
@@ -155,10 +163,10 @@ def run_plan(t: EmulatedTenplex, plan: Plan, alive: list[str]) -> float:
             clients[url] = StoreClient(url, t.token, timeout=60)
         return clients[url]
 
-    def go() -> float:
+    def go() -> tuple[float, int]:
         start = time.perf_counter()
-        PlanRun(plan, stores, token=t.token, client_for=client_for).wait(poll_interval=0.05, timeout=3600)
-        return time.perf_counter() - start
+        reports = PlanRun(plan, stores, token=t.token, client_for=client_for).wait(poll_interval=0.05, timeout=3600)
+        return time.perf_counter() - start, sum(r.bytes_total - r.bytes_linked for r in reports.values())
 
     try:
         return t.call(go)
@@ -176,6 +184,39 @@ def check_sample(t: EmulatedTenplex, truth: PTC, new: PTC, job: str, version: st
         want = expected(truth, tensor.name, shard.region)
         assert got.tobytes() == want.tobytes(), f"{host}: {tensor.name} {shard.region} differs after {version}"
     return len(picks)
+
+
+def disk_write_rate(work: Path, total: int = 1 << 30, file_bytes: int = 4 << 20) -> float:
+    """Bytes per second this machine's disk writes with O_DIRECT from 4 threads (as the stores write chunks)."""
+    import mmap
+    import os
+
+    root = work / "disk-rate"
+    root.mkdir(exist_ok=True)
+    block = mmap.mmap(-1, file_bytes)  # page-aligned, as O_DIRECT needs
+    block.write(np.random.default_rng(0).bytes(file_bytes))
+    direct = getattr(os, "O_DIRECT", 0)
+
+    def write_one(i: int) -> None:
+        fd = os.open(root / f"f{i}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | direct, 0o644)
+        os.pwrite(fd, block, 0)
+        os.close(fd)
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(write_one, range(total // file_bytes)))
+    os.sync()
+    seconds = time.perf_counter() - start
+    for f in root.iterdir():
+        f.unlink()
+    return total / seconds
+
+
+def cpu_busy() -> tuple[int, int]:
+    """(busy, total) jiffies of all cores, from /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields) - idle, sum(fields)
 
 
 def bound_seconds(plan: Plan, rate_bps: int) -> tuple[float, int]:
@@ -197,7 +238,8 @@ def describe(ptc: PTC) -> str:
     return f"dp{c['dp']} x tp{c['tp']} x pp{c['pp']} on {len(ptc.hosts)} hosts"
 
 
-def run_scenario(t: EmulatedTenplex, sc: Scenario, rate_bps: int, central_host: str) -> dict[str, Any]:
+def run_scenario(t: EmulatedTenplex, sc: Scenario, rate_bps: int, central_host: str, disk_bps: float,
+                 workers: int) -> dict[str, Any]:
     job = f"bench-{sc.name}"
     all_hosts = [h.name for h in t.net.hosts]
     clean(t, all_hosts, job)
@@ -211,9 +253,10 @@ def run_scenario(t: EmulatedTenplex, sc: Scenario, rate_bps: int, central_host: 
     plan = make_plan(sc.old, sc.new, job=job, old_version=OLD_V, new_version="s100-g1", alive=set(sc.alive))
     assert plan.network_bytes == plan.lower_bound_bytes
     bound, worst = bound_seconds(plan, rate_bps)
-    before = t.net.snapshot()
-    seconds = run_plan(t, plan, sc.alive)
-    delta = t.net.snapshot() - before
+    before, cpu0 = t.net.snapshot(), cpu_busy()
+    seconds, written = run_plan(t, plan, sc.alive)
+    delta, cpu1 = t.net.snapshot() - before, cpu_busy()
+    busy = (cpu1[0] - cpu0[0]) / max(1, cpu1[1] - cpu0[1])
     checked = check_sample(t, sc.old, sc.new, job, "s100-g1")
     links = {h: {"plan_bytes": plan.host(h).bytes_remote, "link_bytes": delta[h].ports[STORE_PORT].rx_from_port}
              for h in plan.hosts}
@@ -224,8 +267,8 @@ def run_scenario(t: EmulatedTenplex, sc: Scenario, rate_bps: int, central_host: 
     up = make_plan(sc.old, central, job=job, old_version=OLD_V, new_version="s100-g2",
                    alive={*sc.alive, central_host})
     down = make_plan(central, sc.new, job=job, old_version="s100-g2", new_version="s100-g3", alive={central_host})
-    upload = run_plan(t, up, [*sc.alive, central_host])
-    download = run_plan(t, down, [central_host, *sc.new.hosts])
+    upload, _ = run_plan(t, up, [*sc.alive, central_host])
+    download, _ = run_plan(t, down, [central_host, *sc.new.hosts])
     check_sample(t, sc.old, sc.new, job, "s100-g3")
     central_s = upload + download
     for h in sc.dead:  # back for the next scenario
@@ -233,10 +276,11 @@ def run_scenario(t: EmulatedTenplex, sc: Scenario, rate_bps: int, central_host: 
         t.wait_daemon(h)
     clean(t, all_hosts, job)
     return {
-        "scenario": sc.name, "hosts": len(sc.old.hosts), "state_bytes": state,
+        "scenario": sc.name, "hosts": workers, "state_bytes": state,
         "from": describe(sc.old), "to": describe(sc.new),
         "network_bytes": plan.network_bytes, "local_bytes": plan.local_bytes, "worst_host_bytes": worst,
         "tenplex_s": round(seconds, 3), "bound_s": round(bound, 3), "ratio": round(seconds / bound, 3) if bound else None,
+        "written_bytes": written, "disk_floor_s": round(written / disk_bps, 3), "cpu_busy": round(busy, 3),
         "central_upload_s": round(upload, 3), "central_download_s": round(download, 3), "central_s": round(central_s, 3),
         "central_bytes": up.network_bytes + down.network_bytes,
         "speedup": round(central_s / seconds, 2) if seconds else None,
@@ -264,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--hosts must be multiples of 4")
     spec = GPTSpec(num_layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab, seq_len=2048)
     rate_bps = parse_rate(args.rate)
+    with tempfile.TemporaryDirectory(prefix="cluster-reshard-disk-") as tmp:
+        disk_bps = disk_write_rate(Path(tmp))
+    print(f"this machine's disk writes {disk_bps / 1e9:.2f} GB/s (O_DIRECT, 4 threads)", flush=True)
     results = []
     for n in args.hosts:
         table = scenarios(spec, n)
@@ -272,15 +319,17 @@ def main(argv: list[str] | None = None) -> int:
                 NetCluster(n + 2, rate=args.rate, count_ports=(STORE_PORT,), root_dir=tmp) as net, \
                 EmulatedTenplex(net, scheduler=False, gpus_per_host=2) as t:
             for name in args.scenarios:
-                r = run_scenario(t, table[name], rate_bps, f"host-{n + 1}")
+                r = run_scenario(t, table[name], rate_bps, f"host-{n + 1}", disk_bps, n)
                 results.append(r)
                 print(f"{n} hosts {name:9s} state {human_bytes(r['state_bytes'])}: tenplex {r['tenplex_s']:.2f} s "
                       f"(bound {r['bound_s']:.2f} s, ratio {r['ratio']}), central {r['central_s']:.2f} s "
                       f"(up {r['central_upload_s']:.2f} + down {r['central_download_s']:.2f}), speed-up "
                       f"{r['speedup']}x; network {human_bytes(r['network_bytes'])} vs central "
-                      f"{human_bytes(r['central_bytes'])}; scheduler link {r['scheduler_link_bytes']} B", flush=True)
+                      f"{human_bytes(r['central_bytes'])}; scheduler link {r['scheduler_link_bytes']} B; written "
+                      f"{human_bytes(r['written_bytes'])} (disk floor {r['disk_floor_s']:.2f} s), cpu {r['cpu_busy']:.0%}",
+                      flush=True)
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+        args.json.write_text(json.dumps({"disk_write_bytes_per_s": disk_bps, "results": results}, indent=1))
     print(json.dumps(results))
     return 0
 

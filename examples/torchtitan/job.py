@@ -51,7 +51,7 @@ from tenplex.errors import InvalidConfig
 from tenplex.ptc import PTC, DatasetState, ParallelConfig, Placement
 from tenplex.ptc.torch_layout import derive_ptc_from_stages
 
-cpu.apply()  # before torchtitan's model package is imported (triton), harmless on GPU machines
+cpu.apply()  # before torchtitan builds anything; changes nothing on GPU machines
 
 from torchtitan.components.loss import CrossEntropyLoss  # noqa: E402
 from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig  # noqa: E402

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-# the `torchtitan` extra, installed by `make install-torchtitan` (part of `make test`)
+# torchtitan and the `clients` extra, installed by `make install` (part of `make test`)
 from torchtitan.components.checkpointer.base import ModelWrapper
 from torchtitan.components.optimizer import default_adamw
 from torchtitan.models.llama3 import model_registry

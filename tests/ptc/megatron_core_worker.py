@@ -48,7 +48,7 @@ def _import_megatron() -> None:
     """Import megatron-core from the unpacked wheel (``make megatron-core``).
 
     Its MoE paged-stash module imports triton unconditionally; triton is installed with the
-    torchtitan extra (``make install-torchtitan``), whose models import it too. On a CPU its kernels
+    ``clients`` extra (``make install``), whose torchtitan imports it too. On a CPU its kernels
     are never launched here.
     """
     root = Path(os.environ["TENPLEX_MEGATRON_CORE"])

@@ -61,7 +61,7 @@ pytestmark = [
         reason=f"megatron-core is not unpacked in {MEGATRON_CORE} (make megatron-core)",
     ),
     pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                       reason="triton, which megatron-core imports, is not installed (make install-torchtitan)"),
+                       reason="triton, which megatron-core imports, is not installed (the `clients` extra: make install)"),
 ]
 
 # Tiny models whose parameters are mostly not multiples of 64 elements, so the
