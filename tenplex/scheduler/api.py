@@ -28,6 +28,7 @@ from tenplex.scheduler.controller import JobController, job_view
 from tenplex.scheduler.layouts import LayoutSpec
 from tenplex.scheduler.service import Scheduler
 from tenplex.scheduler.state import JobSpec, policy_from_json
+from tenplex.transformer.plan import Plan
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"description": text, "content": {"application/json": {"example": {"error": "code", "detail": "message"}}}}
@@ -218,7 +219,8 @@ def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
             plan = ctl.status.last_plan
         if plan is None:
             raise NotFound(f"job {job!r} has not been reconfigured yet")
-        return {"explain": plan["explain"], "plan": plan["plan"]}
+        # Rendered when asked for, not kept in the record: the record is saved at every transition.
+        return {"explain": Plan.from_json(plan["plan"]).explain(), "plan": plan["plan"]}
 
     @app.get("/v1/jobs/{job}/ptc", tags=["jobs"], summary="The PTC of a generation (default: current)",
              dependencies=[Auth])
@@ -242,7 +244,7 @@ def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
     def assignment(job: P.JobName, worker_id: P.WorkerId) -> P.Assignment:
         ctl = scheduler.get(job)
         with ctl.lock:
-            return ctl.assignment(ctl._worker(worker_id))
+            return ctl.assignment_of(worker_id)
 
     @app.post(P.HEARTBEAT_PATH, tags=["workers"], summary="Heartbeat with the last completed step",
               dependencies=[Auth])

@@ -91,7 +91,7 @@ class Scheduler:
                 raise Conflict(f"job {spec.name!r} already exists")
             ctl = self._controller(spec, JobStatus(requested_gpus=spec.gpus))
             self._jobs[spec.name] = ctl
-        ctl._save()
+        ctl.save()
         ctl.start()
         return ctl
 

@@ -1,0 +1,128 @@
+"""What the units of one job share: its spec and record, the cluster, the persistence, the clients.
+
+A :class:`JobContext` is owned by the job's controller; the launcher and the
+reconfiguration orchestrator work on it. Every mutation of the record happens
+under :attr:`JobContext.lock` (the controller takes it), and every transition
+is persisted before it takes effect elsewhere (:meth:`JobContext.enter`).
+Frequent small changes (a worker registered, a snapshot reported) are saved
+soon rather than at once (:meth:`JobContext.touch`): with a thousand workers a
+save per report would write the record a thousand times per snapshot, and the
+stores, not the record, are the truth about which versions are committed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tenplex.ptc import PTC
+from tenplex.scheduler.backend import Backend
+from tenplex.scheduler.protocol import ExitReport
+from tenplex.scheduler.state import JobSpec, JobStatus, Phase, Stage, StateDir
+from tenplex.store.version import Version
+
+log = logging.getLogger(__name__)
+
+SAVE_DELAY_S = 1.0
+"""A :meth:`JobContext.touch` is persisted within this long."""
+
+
+@dataclass(frozen=True)
+class SchedulerSettings:
+    url: str
+    """The scheduler's base URL as the workers reach it."""
+    token: str | None = None
+    poll_interval: float = 0.2
+    stop_timeout: float = 120.0
+    """How long workers may take to reach the stop step and snapshot it."""
+    start_timeout: float = 300.0
+    """How long new workers may take to register and report their first heartbeat."""
+    heartbeat_interval: float = 1.0
+    ptc_inline_limit: int = 256 << 10
+    """PTCs larger than this JSON size are fetched by the workers from ``/ptc`` instead of inlined."""
+
+
+@dataclass
+class JobContext:
+    spec: JobSpec
+    status: JobStatus
+    backend: Backend
+    state: StateDir
+    settings: SchedulerSettings
+    client_for: Callable[[str], Any]
+    """A store daemon's client by URL (the scheduler's pool; control messages only)."""
+    metrics: Any = None
+    lock: threading.RLock = field(default_factory=threading.RLock)
+    exit_reports: dict[str, ExitReport] = field(default_factory=dict)
+    peer_failure: str | None = None
+    stage_started: float = field(default_factory=time.monotonic)
+    _ptcs: dict[int, PTC] = field(default_factory=dict)
+    _dirty_since: float | None = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    # -- persistence --------------------------------------------------------------------------------
+
+    def save(self) -> None:
+        self.state.save(self.spec, self.status)
+        self._dirty_since = None
+
+    def touch(self) -> None:
+        """The record changed in a way that may be persisted a little later (see the module doc)."""
+        if self._dirty_since is None:
+            self._dirty_since = time.monotonic()
+
+    def save_if_due(self) -> None:
+        if self._dirty_since is not None and time.monotonic() - self._dirty_since >= SAVE_DELAY_S:
+            self.save()
+
+    def enter(self, phase: Phase, stage: Stage | None, message: str) -> None:
+        st = self.status
+        st.phase, st.stage, st.message = phase, stage, message
+        self.stage_started = time.monotonic()
+        self.save()
+        log.info("job %s: %s%s - %s", self.name, phase.value, f"/{stage.value}" if stage else "", message)
+
+    @property
+    def stage_age(self) -> float:
+        return time.monotonic() - self.stage_started
+
+    # -- layouts -----------------------------------------------------------------------------------
+
+    def ptc(self, generation: int) -> PTC:
+        if generation not in self._ptcs:
+            self._ptcs[generation] = self.state.load_ptc(self.name, generation)
+        return self._ptcs[generation]
+
+    def set_ptc(self, generation: int, ptc: PTC) -> None:
+        self.state.save_ptc(self.name, generation, ptc)
+        self._ptcs[generation] = ptc
+
+    # -- small facts ----------------------------------------------------------------------------------
+
+    def consumed_at(self, version: Version) -> int:
+        """The dataset position after ``version``'s step: where the next generation's sample order resumes."""
+        return self.spec.dataset.consumed_samples + version.step * self.spec.dataset.global_batch_size
+
+    def config_text(self) -> str | None:
+        cfg = self.status.parallel_config
+        return cfg.describe() if cfg else None
+
+    def next_generation(self) -> int:
+        """A generation no earlier attempt used: a failed or cancelled transfer may have left its version's
+        name (committed on some hosts, or as a transform record on the daemons, which would attach a new
+        submission of that name to the old attempt), so the last plan's target counts as used too."""
+        st = self.status
+        used = [st.generation, *st.version_generation.values()]
+        if st.last_plan is not None:
+            used.append(Version.parse(st.last_plan["plan"]["new_version"]).generation)
+        return max(used) + 1
+
+    def worker_ids(self) -> list[str]:
+        return [w.worker_id for w in self.status.workers]

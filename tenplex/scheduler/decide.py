@@ -1,0 +1,230 @@
+"""The job state machine's decisions: pure functions of the job's record and of what was observed.
+
+Each tick the controller gathers :class:`Observations` (the cluster's hosts,
+which workers have exited and what they reported, a peer's failure report,
+how long the current stage has lasted) and asks these functions what follows;
+they read the :class:`~tenplex.scheduler.state.JobStatus` and never change it
+or do I/O. So every transition can be driven by a test without a process, a
+store or a clock. What an outcome does (launch workers, plan, move state) is
+the job of :mod:`tenplex.scheduler.launcher` and
+:mod:`tenplex.scheduler.reconfigure`; the controller applies the outcome.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from tenplex.ptc import PTC
+from tenplex.scheduler.backend import HostInfo
+from tenplex.scheduler.protocol import ExitReport
+from tenplex.scheduler.state import JobSpec, JobStatus
+from tenplex.store.version import Version
+
+
+@dataclass(frozen=True)
+class Observations:
+    """What the controller saw of the job's world at one moment."""
+
+    now: float
+    """Wall clock (heartbeats are stamped with it)."""
+    stage_age: float
+    """Seconds since the job entered its current phase or stage."""
+    hosts: Sequence[HostInfo]
+    exits: Mapping[str, int | None]
+    """Workers of the current generation that are no longer running -> exit code (None: unknown)."""
+    exit_reports: Mapping[str, ExitReport] = field(default_factory=dict)
+    """What exited workers said about their exit (completed, stopped, failed)."""
+    peer_failure: str | None = None
+    """A worker's (or an operator's) report of a failure not seen otherwise."""
+
+    def lost(self, names: Sequence[str]) -> list[str]:
+        """Which of ``names`` are hosts that are not ready (gone, NotReady, daemon silent)."""
+        return [h.name for h in self.hosts if not h.ready and h.name in names]
+
+    def unschedulable(self) -> set[str]:
+        return {h.name for h in self.hosts if not h.schedulable}
+
+
+# -- running ------------------------------------------------------------------------------------------------
+
+
+def detect_failure(spec: JobSpec, status: JobStatus, obs: Observations, *, start_timeout: float) -> str | None:
+    """Why the running job has failed, or None.
+
+    A worker that exits after completing or after a requested stop has not
+    failed; one silent for longer than the spec's heartbeat timeout has, and so
+    has a generation whose workers did not all register within
+    ``start_timeout`` of their launch.
+    """
+    if obs.peer_failure is not None:
+        return obs.peer_failure
+    lost = obs.lost(status.hosts)
+    if lost:
+        return f"host {', '.join(lost)} lost"
+    for wid, code in obs.exits.items():
+        report = obs.exit_reports.get(wid)
+        if report is not None and report.status == "completed" and code in (0, None):
+            continue
+        if report is not None and report.status == "stopped" and status.stop_at_step is not None:
+            continue
+        return f"worker {wid} exited with code {code}" + (f" ({report.detail})" if report and report.detail else "")
+    for w in status.workers:
+        if (w.last_heartbeat is not None and obs.now - w.last_heartbeat > spec.heartbeat_timeout
+                and w.worker_id not in obs.exits):
+            return f"worker {w.worker_id} missed heartbeats for {obs.now - w.last_heartbeat:.0f}s"
+    if obs.stage_age > start_timeout and any(not w.registered for w in status.workers):
+        missing = [w.worker_id for w in status.workers if not w.registered]
+        return f"workers {', '.join(missing[:4])} did not register within {start_timeout:.0f}s"
+    return None
+
+
+_KEEP = "keep"
+
+
+@dataclass(frozen=True)
+class RunningOutcome:
+    """What follows for a running job; fields are applied in this order."""
+
+    failure: str | None = None
+    """Recover from the newest version the survivors hold (nothing else applies)."""
+    succeeded: bool = False
+    """Every worker completed the last step."""
+    training_resumed: bool = False
+    """The first step past the restored one: the change that restarted the job is over (its downtime ends)."""
+    pending: str | None = _KEEP
+    """The new pending request (None clears it; :data:`_KEEP` leaves it)."""
+    dropped: str | None = None
+    """Why a pending request was dropped, for the log."""
+    clear_request: bool = False
+    """The requested GPU count is the current one: the request is done."""
+    begin_planned: bool = False
+    """Ask the workers to stop at a step boundary for the pending request."""
+
+    @property
+    def changes_pending(self) -> bool:
+        return self.pending != _KEEP
+
+
+def decide_running(spec: JobSpec, status: JobStatus, obs: Observations, *, start_timeout: float) -> RunningOutcome:
+    failure = detect_failure(spec, status, obs, start_timeout=start_timeout)
+    if failure is not None:
+        return RunningOutcome(failure=failure)
+    ids = [w.worker_id for w in status.workers]
+    if ids and len(obs.exits) == len(ids) and all(
+        (r := obs.exit_reports.get(wid)) is not None and r.status == "completed" for wid in ids
+    ):
+        return RunningOutcome(succeeded=True)
+    # A step past the restored one means every rank took part in it (its collectives): training is back.
+    resumed = status.downtime_started_at is not None and any(
+        w.step is not None and w.step > (status.restored_step or 0) for w in status.workers
+    )
+    unschedulable = obs.unschedulable()
+    pending: str | None = status.pending_reason
+    changed, dropped = False, None
+    if pending is None and unschedulable.intersection(status.hosts):
+        pending, changed = "redeploy", True
+    elif pending not in (None, "scale") and not unschedulable.intersection(status.hosts):
+        # A cordon seen while the job was still on that host, applied after the move off it (or undone
+        # since): moving again would only cost a restart.
+        dropped = f"{pending} request dropped: none of {status.hosts} is unschedulable now"
+        pending, changed = None, True
+    begin = clear = False
+    if pending == "scale" and status.requested_gpus == status.gpus:
+        pending, changed, clear = None, True, True  # already there
+    elif pending is not None and not any(w.step is None for w in status.workers):
+        begin = True
+    return RunningOutcome(training_resumed=resumed, pending=pending if changed else _KEEP, dropped=dropped,
+                          clear_request=clear, begin_planned=begin)
+
+
+# -- stopping for a planned change ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StopOutcome:
+    failure: str | None = None
+    stopped: bool = False
+    """Every worker has exited at the stop step: look for its snapshot on the stores."""
+
+
+def decide_stopping(status: JobStatus, obs: Observations, *, stop_timeout: float) -> StopOutcome:
+    lost = obs.lost(status.hosts)
+    # An unknown exit code (a worker adopted after a scheduler restart) is not a failure by itself:
+    # the snapshot stage asks the stores whether the stop step was committed.
+    bad = {wid: c for wid, c in obs.exits.items() if c not in (0, None)}
+    if obs.peer_failure or lost or bad:
+        reason = obs.peer_failure or (f"host {', '.join(lost)} lost" if lost
+                                      else f"workers exited abnormally while stopping: {bad}")
+        return StopOutcome(failure=reason)
+    if len(obs.exits) == len(status.workers):
+        return StopOutcome(stopped=True)
+    if obs.stage_age > stop_timeout:
+        return StopOutcome(failure=f"workers did not stop at step {status.stop_at_step} within {stop_timeout:.0f}s")
+    return StopOutcome()
+
+
+@dataclass(frozen=True)
+class SnapshotOutcome:
+    version: str | None = None
+    """The stop version, committed on every host of the generation."""
+    holders: tuple[str, ...] = ()
+    failure: str | None = None
+
+
+def find_stop_version(status: JobStatus, holders: Mapping[str, Sequence[str]], need: set[str], *,
+                      stage_age: float, stop_timeout: float) -> SnapshotOutcome:
+    """The stop version on the stores: the requested step, or a later one when the request came late."""
+    assert status.stop_at_step is not None
+    candidates: dict[str, set[str]] = {}
+    for host, versions in holders.items():
+        for v in versions:
+            parsed = Version.parse(v)
+            if parsed.generation == status.generation and parsed.step >= status.stop_at_step:
+                candidates.setdefault(v, set()).add(host)
+    complete = [v for v, have in candidates.items() if need <= have]
+    if complete:
+        version = max(complete, key=Version.parse)
+        return SnapshotOutcome(version=version, holders=tuple(sorted(candidates[version])))
+    if stage_age > stop_timeout:
+        partial = {v: sorted(need - have) for v, have in candidates.items()}
+        return SnapshotOutcome(failure=f"no version at or after step {status.stop_at_step} is committed on every "
+                                       f"host {sorted(need)} (missing: {partial or 'all'})")
+    return SnapshotOutcome()
+
+
+# -- recovery -------------------------------------------------------------------------------------------------
+
+
+def covers(ptc: PTC, hosts: set[str]) -> bool:
+    """Whether devices on ``hosts`` hold at least one replica of every shard of ``ptc``."""
+    held = {d.id for d in ptc.devices if d.host in hosts}
+    return all(held.intersection(s.devices) for t in ptc.tensors for s in t.shards)
+
+
+@dataclass(frozen=True)
+class Recovery:
+    version: str
+    holders: tuple[str, ...]
+    steps_lost: int
+
+
+def choose_recovery(status: JobStatus, holders: Mapping[str, Sequence[str]],
+                    ptc_of: Callable[[int], PTC | None]) -> Recovery | None:
+    """The newest version whose every shard some surviving host holds (``holders``: host -> committed
+    versions, the survivors only), with the steps lost since; None when there is none."""
+    reached = steps_reached(status)
+    candidates = sorted({v for vs in holders.values() for v in vs}, key=Version.parse, reverse=True)
+    for version in candidates:
+        ptc = ptc_of(status.version_generation.get(version, Version.parse(version).generation))
+        if ptc is None:
+            continue
+        have = {h for h, vs in holders.items() if version in vs}
+        if covers(ptc, have):
+            return Recovery(version, tuple(sorted(have)), max(0, reached - Version.parse(version).step))
+    return None
+
+
+def steps_reached(status: JobStatus) -> int:
+    """The newest step any worker of the generation reported."""
+    return max([status.step] + [w.step for w in status.workers if w.step is not None])

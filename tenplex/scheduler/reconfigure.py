@@ -1,0 +1,478 @@
+"""The reconfiguration orchestration: from a decision to change to the new workers training.
+
+Planned (a scale request, a redeploy off cordoned hosts)::
+
+    Running -> stopping (workers stop after step N) -> snapshot (step N committed everywhere)
+            -> planning (new configuration, placement, PTC, plan) -> transferring (the target nodes'
+               daemons build the new version) -> restarting (new workers launched) -> Running
+
+On a failure the workers are stopped at once and the newest version the
+survivors hold (:func:`~tenplex.scheduler.decide.choose_recovery`) is the
+old version of the plan; the steps since are reported as lost. Scaling to 0
+suspends (state kept on the stores); a later scale resumes from it. Every
+stage is idempotent, so a scheduler restarted in any stage carries on:
+workers are re-adopted, the stores say what is committed, the daemons'
+transforms are attached to again, never run twice.
+
+Not a byte of state passes through this module: it decides, plans and sends
+plans; the node daemons move the bytes (:mod:`tenplex.transformer.service`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+
+from tenplex.errors import (
+    InvalidConfig,
+    NotFound,
+    StateLost,
+    StoreUnavailable,
+    TenplexError,
+    TransformCancelled,
+)
+from tenplex.ptc import PTC, ParallelConfig, Placement
+from tenplex.scheduler import policy as policy_mod
+from tenplex.scheduler.backend import HostInfo
+from tenplex.scheduler.context import JobContext
+from tenplex.scheduler.decide import choose_recovery, find_stop_version, steps_reached
+from tenplex.scheduler.launcher import WorkerLauncher
+from tenplex.scheduler.state import Phase, Reconfiguration, Stage
+from tenplex.store.version import Version
+from tenplex.transformer.plan import Plan, make_plan
+from tenplex.transformer.remote import COMMITTED, INTERRUPTED, PlanRun, TransformStatus
+from tenplex.units import human_bytes
+
+log = logging.getLogger(__name__)
+
+STOP_MARGIN_STEPS = 2
+"""Ranks of a job are within one step of each other; asking them to stop two steps
+ahead of the newest reported step guarantees every rank learns it at a step
+boundary before it passes that step."""
+
+
+class Orchestrator:
+    """One job's reconfigurations (see the module doc); every method runs with the job's lock held,
+    except :meth:`transfer`, which takes it only to read and change the record."""
+
+    def __init__(self, ctx: JobContext, launcher: WorkerLauncher) -> None:
+        self.ctx = ctx
+        self.launcher = launcher
+
+    # -- placement --------------------------------------------------------------------------------------
+
+    def _usable_hosts(self, reachable: set[str] | None = None) -> list[HostInfo]:
+        """Ready, schedulable hosts (and, given ``reachable``, only those whose store answered just now: a
+        host whose daemon has died is not placed on before the backend notices it is lost)."""
+        return [h for h in self.ctx.backend.hosts()
+                if h.ready and h.schedulable and (reachable is None or h.name in reachable)]
+
+    def _slots(self, host: HostInfo) -> int:
+        """The GPUs of ``host`` the job can use: whole groups of ``gpus_per_pod`` (a pod's ranks share a host)."""
+        g = self.ctx.spec.gpus_per_pod
+        return host.gpus // g * g
+
+    def decide(self, gpus: int, prefer: list[str], dataset_consumed: int,
+               reachable: set[str] | None = None) -> policy_mod.Decision:
+        spec = self.ctx.spec
+        g = spec.gpus_per_pod
+        if gpus % g:
+            raise InvalidConfig(f"{gpus} GPUs is not a multiple of gpus_per_pod {g}")
+        hosts = [h for h in self._usable_hosts(reachable) if self._slots(h)]
+        if not hosts:
+            raise InvalidConfig("no ready, schedulable hosts" + (f" with {g} GPUs for a pod" if g > 1 else ""))
+        order = sorted(hosts, key=lambda h: (h.name not in prefer, prefer.index(h.name) if h.name in prefer else 0, h.name))
+        gpus_per_node = min(self._slots(h) for h in order)
+        dataset = spec.dataset.__class__(
+            spec.dataset.num_samples, spec.dataset.seed, spec.dataset.global_batch_size, dataset_consumed
+        )
+
+        def build(cfg: ParallelConfig, placement: Placement) -> PTC:
+            return spec.layout.build(cfg, placement, dataset)
+
+        return policy_mod.choose(gpus, spec.policy, build, [h.name for h in order], gpus_per_node)
+
+    def decide_feasible(self, gpus: int, prefer: list[str], consumed: int,
+                        reachable: set[str] | None = None) -> policy_mod.Decision:
+        """The wanted GPU count if it fits on what is usable, else the largest count >= min_gpus that does
+        (counts in whole pods: multiples of ``gpus_per_pod``)."""
+        capacity = sum(self._slots(h) for h in self._usable_hosts(reachable))
+        g = self.ctx.spec.gpus_per_pod
+        errors = []
+        for n in range(min(gpus, capacity) // g * g, self.ctx.spec.min_gpus - 1, -g):
+            try:
+                return self.decide(n, prefer, consumed, reachable)
+            except InvalidConfig as exc:
+                errors.append(f"{n} GPUs: {exc.detail}")
+        raise InvalidConfig("; ".join(errors[:3]) or f"only {capacity} GPUs usable, the job needs at least {self.ctx.spec.min_gpus}")
+
+    def preferred_hosts(self) -> list[str]:
+        """Where the workers run, or for a suspended job, where its state is: the plan moves less from there."""
+        st = self.ctx.status
+        return list(st.hosts) or sorted(st.committed.get(st.version or "", []))
+
+    def holders(self) -> dict[str, list[str]]:
+        """Committed versions of this job on every ready host's store (the ground truth), asked in parallel;
+        an unreachable store is left out."""
+        ctx = self.ctx
+        hosts = [h for h in ctx.backend.hosts() if h.ready]
+
+        def one(h: HostInfo) -> tuple[str, list[str] | None]:
+            try:
+                infos = ctx.client_for(h.store_url).versions(ctx.name)
+            except NotFound:
+                return h.name, []
+            except TenplexError as exc:
+                log.warning("job %s: store of %s unreachable: %s", ctx.name, h.name, exc.detail)
+                return h.name, None
+            return h.name, [str(v.version) for v in infos if v.committed]
+
+        if not hosts:
+            return {}
+        with ThreadPoolExecutor(max_workers=min(32, len(hosts)), thread_name_prefix="tenplex-holders") as pool:
+            answers = list(pool.map(one, hosts))
+        return {name: versions for name, versions in answers if versions is not None}
+
+    # -- starting ---------------------------------------------------------------------------------------
+
+    def start_fresh(self) -> None:
+        ctx, st = self.ctx, self.ctx.status
+        if st.requested_gpus == 0:  # suspended before it ever started
+            st.requested_gpus = st.pending_reason = None
+            self.suspend()
+            return
+        try:
+            decision = self.decide(st.requested_gpus or ctx.spec.gpus, [], ctx.spec.dataset.consumed_samples)
+        except TenplexError as exc:
+            st.message = f"waiting: {exc.detail}"
+            return
+        ctx.set_ptc(0, decision.ptc)
+        st.generation = 0
+        st.restore_version = None
+        st.requested_gpus = None
+        st.pending_reason = None
+        self.launcher.launch(decision, generation=0)
+        ctx.enter(Phase.RUNNING, None,
+                  f"started in {decision.parallel.describe()} on {len(decision.placement.hosts)} hosts ({decision.reason})")
+
+    # -- planned --------------------------------------------------------------------------------------------
+
+    def begin_planned(self) -> None:
+        ctx, st = self.ctx, self.ctx.status
+        if st.downtime_started_at is not None:  # the previous change's workers are training: close its record
+            self.finish_downtime()
+        newest = max([w.step for w in st.workers if w.step is not None] + [st.step])
+        st.stop_at_step = newest + STOP_MARGIN_STEPS
+        st.target_gpus = st.requested_gpus if st.requested_gpus is not None else st.gpus
+        reason = "suspend" if st.target_gpus == 0 else st.pending_reason or "scale"
+        st.pending_reason = st.requested_gpus = None
+        st.history.append(Reconfiguration(reason=reason, started_at=time.time(), from_config=ctx.config_text(),
+                                          from_gpus=st.gpus, from_hosts=list(st.hosts)))
+        ctx.enter(Phase.RECONFIGURING, Stage.STOPPING, f"asked the workers to stop after step {st.stop_at_step}")
+
+    def workers_stopped(self) -> None:
+        self.ctx.status.downtime_started_at = time.time()
+        self.ctx.enter(Phase.RECONFIGURING, Stage.SNAPSHOT, f"workers stopped after step {self.ctx.status.stop_at_step}")
+
+    def await_snapshot(self) -> None:
+        ctx, st = self.ctx, self.ctx.status
+        need = set(ctx.ptc(st.generation).hosts)
+        outcome = find_stop_version(st, self.holders(), need, stage_age=ctx.stage_age,
+                                    stop_timeout=ctx.settings.stop_timeout)
+        if outcome.failure is not None:
+            self.begin_failure(outcome.failure)
+        elif outcome.version is not None:
+            st.committed[outcome.version] = list(outcome.holders)
+            st.version_generation[outcome.version] = st.generation
+            st.version = outcome.version
+            ctx.enter(Phase.RECONFIGURING, Stage.PLANNING, f"version {outcome.version} committed on {len(need)} hosts")
+
+    def plan(self) -> None:
+        ctx, st = self.ctx, self.ctx.status
+        if st.target_gpus == 0:
+            self.suspend()
+            return
+        version = Version.parse(st.version or "")
+        old_ptc = ctx.ptc(st.version_generation.get(str(version), version.generation))
+        gpus = st.target_gpus or st.gpus
+        # Placement and planning see the same hosts alive: those whose stores answer now.
+        holders = self.holders()
+        try:
+            decision = self.decide_feasible(gpus, self.preferred_hosts(), ctx.consumed_at(version), set(holders))
+        except TenplexError as exc:
+            self.fail(f"no configuration for the new allocation: {exc.detail}")
+            return
+        new_gen = ctx.next_generation()
+        new_version = Version(version.step, new_gen)
+        try:
+            plan = make_plan(
+                old_ptc, decision.ptc, job=ctx.name, old_version=version, new_version=new_version,
+                holders={h: version for h, vs in holders.items() if str(version) in vs}, alive=list(holders),
+            )
+        except StateLost as exc:
+            self.fail(f"state lost: {exc.detail}")
+            return
+        ctx.set_ptc(new_gen, decision.ptc)
+        rec = st.history[-1]
+        rec.to_config = decision.parallel.describe()
+        rec.to_gpus = decision.parallel.world_size
+        rec.to_hosts = list(decision.placement.hosts)
+        rec.version_from = str(version)
+        rec.version_to = str(new_version)
+        rec.lower_bound_bytes = plan.lower_bound_bytes
+        st.last_plan = {"plan": plan.to_json(), "parallel": decision.parallel.to_json(),
+                        "hosts": list(decision.placement.hosts), "gpus_per_node": decision.placement.gpus_per_node}
+        st.target_gpus = decision.parallel.world_size
+        ctx.enter(Phase.RECONFIGURING, Stage.TRANSFERRING,
+                  f"plan {version} -> {new_version}: {plan.network_bytes} B over the network "
+                  f"(lower bound {plan.lower_bound_bytes} B), {plan.local_bytes} B local")
+
+    def transfer(self, closing: Callable[[float], bool]) -> None:
+        """The target hosts' daemons build the new version; this thread sends them their sub-plans and follows.
+
+        Runs without the job's lock (status, plan and scale requests answer
+        meanwhile) except for the moments it reads or changes the record.
+        Submissions are idempotent, so a scheduler restarted here submits again
+        and attaches to what runs. ``closing(seconds)`` waits between polls and
+        says whether the scheduler is shutting down (the daemons carry on).
+        """
+        ctx = self.ctx
+        with ctx.lock:
+            st = ctx.status
+            assert st.last_plan is not None
+            plan = Plan.from_json(st.last_plan["plan"])
+        stores = {h.name: h.store_url for h in ctx.backend.hosts() if h.ready}
+        run: PlanRun | None = None
+        try:
+            run = PlanRun(plan, stores, token=ctx.settings.token, client_for=ctx.client_for)
+            statuses = run.submit()
+            while not all(s.finished for s in statuses.values()) and run.failure(statuses) is None:
+                lost = [h.name for h in ctx.backend.hosts() if h.name in plan.hosts and not h.ready]
+                if lost:
+                    run.cancel()
+                    with ctx.lock:
+                        self.begin_failure(f"host {', '.join(lost)} lost during the transfer to {plan.new_version}")
+                    return
+                with ctx.lock:
+                    st.message = _transfer_progress(plan, statuses)
+                if closing(ctx.settings.poll_interval):
+                    return
+                statuses = run.poll()
+        except TenplexError as exc:  # a daemon unreachable (after retries): as for a lost host
+            if run is not None:
+                with contextlib.suppress(TenplexError):
+                    run.cancel()
+            with ctx.lock:
+                self.begin_failure(f"transfer interrupted: {exc.detail}")
+            return
+        failed = run.failure(statuses)
+        if failed is not None:
+            run.cancel()
+            detail = "; ".join(f"{h}: {s.state}: {s.error}" for h, s in statuses.items()
+                               if s.finished and s.state != COMMITTED)
+            with ctx.lock:
+                # Interrupted (a daemon restarted), cancelled (by an operator) or a daemon unreachable: the
+                # change failed, not the job; anything else (no source left for a piece) is the state lost.
+                if failed.error_code in (INTERRUPTED, TransformCancelled.code, StoreUnavailable.code):
+                    self.begin_failure(f"transfer interrupted: {detail}")
+                else:
+                    self.fail(f"transfer failed: {detail}")
+            return
+        reports = [s.transform_report() for s in statuses.values()]
+        new_version = str(plan.new_version)
+        with ctx.lock:
+            rec = st.history[-1]
+            rec.bytes_local += sum(r.bytes_local for r in reports)
+            rec.bytes_remote += sum(r.bytes_remote for r in reports)
+            rec.bytes_zero += sum(r.bytes_zero for r in reports)
+            if ctx.metrics is not None:
+                ctx.metrics.bytes_moved.labels(ctx.name, "remote").inc(sum(r.bytes_remote for r in reports))
+                ctx.metrics.bytes_moved.labels(ctx.name, "local").inc(sum(r.bytes_local for r in reports))
+            st.committed[new_version] = sorted(plan.hosts)
+            st.version_generation[new_version] = plan.new_version.generation
+            st.version = new_version
+            st.restore_version = new_version
+            ctx.enter(Phase.RECONFIGURING, Stage.RESTARTING, f"state {new_version} in place on {len(plan.hosts)} hosts")
+
+    def restart(self) -> None:
+        ctx, st = self.ctx, self.ctx.status
+        assert st.last_plan is not None and st.restore_version is not None
+        gen = Version.parse(st.restore_version).generation
+        cfg = ParallelConfig.from_json(st.last_plan["parallel"])
+        if st.workers and all(w.generation == gen and w.pid for w in st.workers):
+            # Launched just before a scheduler restart: they are adopted; wait for them as for new workers.
+            ctx.enter(Phase.RUNNING, None, f"restarted in {cfg.describe()} from {st.restore_version}")
+            return
+        if st.workers and any(w.generation == gen for w in st.workers):
+            ctx.backend.stop(ctx.name, ctx.worker_ids(), grace=2.0)  # a half-done launch
+        placement = Placement(st.last_plan["gpus_per_node"], tuple(st.last_plan["hosts"]))
+        decision = policy_mod.Decision(cfg, placement, ctx.ptc(gen), "planned")
+        st.restored_step = Version.parse(st.restore_version).step
+        st.step = st.restored_step  # a rollback after a failure goes back to the version's step
+        if st.downtime_started_at is None:
+            st.downtime_started_at = time.time()
+        self.launcher.launch(decision, generation=gen)
+        ctx.enter(Phase.RUNNING, None, f"restarted in {cfg.describe()} from {st.restore_version}")
+
+    def finish_downtime(self) -> None:
+        ctx, st = self.ctx, self.ctx.status
+        assert st.downtime_started_at is not None
+        rec = st.history[-1] if st.history else None
+        if rec is not None and rec.finished_at is None:
+            rec.finished_at = time.time()
+            rec.downtime_seconds = round(rec.finished_at - st.downtime_started_at, 3)
+            if ctx.metrics is not None:
+                ctx.metrics.reconfigurations.labels(ctx.name, rec.reason).inc()
+                ctx.metrics.downtime.labels(ctx.name).observe(rec.downtime_seconds)
+        st.downtime_started_at = None
+        st.restored_step = None
+        ctx.save()
+
+    # -- suspend and resume ----------------------------------------------------------------------------
+
+    def suspend(self) -> None:
+        """Scaled to 0: the workers have stopped after the snapshot ``status.version`` (None: nothing ran yet)."""
+        ctx, st = self.ctx, self.ctx.status
+        ctx.backend.stop(ctx.name, ctx.worker_ids(), grace=2.0)
+        version = st.version
+        held = sorted(st.committed.get(version, [])) if version else []
+        if st.history and st.history[-1].finished_at is None:
+            rec = st.history[-1]
+            rec.to_gpus, rec.to_hosts, rec.version_from = 0, [], version
+            rec.finished_at = time.time()
+            if ctx.metrics is not None:
+                ctx.metrics.reconfigurations.labels(ctx.name, rec.reason).inc()
+        st.workers, st.hosts, st.gpus = [], [], 0
+        st.target_gpus = st.stop_at_step = st.downtime_started_at = st.restored_step = None
+        st.restore_version = version
+        if version is None:
+            ctx.enter(Phase.SUSPENDED, None, "suspended before its first snapshot: a scale up starts it at step 0")
+        else:
+            ctx.enter(Phase.SUSPENDED, None, f"suspended: state {version} kept on {held}; a scale up resumes from it")
+
+    def check_suspended(self) -> None:
+        ctx, st = self.ctx, self.ctx.status
+        gpus = st.requested_gpus
+        if not gpus:
+            return
+        if st.version is None:  # suspended before it ever ran: start as a new job would
+            st.pending_reason = None
+            ctx.enter(Phase.PENDING, None, f"resuming on {gpus} GPUs from step 0")
+            return
+        try:
+            self.decide_feasible(gpus, self.preferred_hosts(), ctx.consumed_at(Version.parse(st.version)))
+        except TenplexError as exc:
+            st.message = f"suspended; resume on {gpus} GPUs waiting: {exc.detail}"
+            return
+        st.requested_gpus = st.pending_reason = None
+        st.history.append(Reconfiguration(reason="resume", started_at=time.time(), from_config=None, from_gpus=0,
+                                          from_hosts=[]))
+        st.target_gpus = gpus
+        st.downtime_started_at = time.time()
+        ctx.enter(Phase.RECONFIGURING, Stage.PLANNING, f"resuming from {st.version} on {gpus} GPUs")
+
+    # -- failures -----------------------------------------------------------------------------------------
+
+    def begin_failure(self, reason: str) -> None:
+        """Stop everything now, then recover from the newest version the survivors hold."""
+        ctx, st = self.ctx, self.ctx.status
+        log.warning("job %s: failure: %s", ctx.name, reason)
+        suspending = st.phase == Phase.RECONFIGURING and st.target_gpus == 0
+        ctx.backend.stop(ctx.name, ctx.worker_ids(), grace=2.0)
+        ctx.peer_failure = None
+        if st.history and st.history[-1].finished_at is None and st.history[-1].reason != "failure":
+            # The change in progress ends here; its downtime so far is its own. Before its new workers were
+            # launched it did not happen: say so.
+            if st.phase == Phase.RECONFIGURING:
+                st.history[-1].error = st.history[-1].error or f"interrupted by a failure: {reason}"
+            if st.downtime_started_at is not None:
+                self.finish_downtime()
+            else:  # still stopping the workers: no downtime yet
+                st.history[-1].finished_at = time.time()
+        st.downtime_started_at = st.downtime_started_at or time.time()
+        if not st.history or st.history[-1].finished_at is not None or st.history[-1].reason != "failure":
+            st.history.append(Reconfiguration(reason="failure", started_at=time.time(), from_config=ctx.config_text(),
+                                              from_gpus=st.gpus, from_hosts=list(st.hosts)))
+        rec = st.history[-1]
+        # A failure during the recovery from another one joins its record: keep every cause, first first.
+        rec.error = f"{rec.error}; then {reason}" if rec.error else reason
+        st.failures_without_progress += 1
+        if st.failures_without_progress > ctx.spec.max_restarts:
+            n = st.failures_without_progress
+            self.fail(f"giving up after {n} failure{'s' if n > 1 else ''} in a row without a newer snapshot "
+                      f"(max_restarts {ctx.spec.max_restarts}): {rec.error}")
+            return
+        holders = self.holders()
+
+        def ptc_of(generation: int) -> PTC | None:
+            try:
+                return ctx.ptc(generation)
+            except NotFound:
+                return None
+
+        recovery = choose_recovery(st, holders, ptc_of)
+        if recovery is not None:
+            st.version = recovery.version
+            rec.steps_lost = recovery.steps_lost
+            if suspending:  # the state is held: suspended from there, nothing to restart
+                self.suspend()
+                return
+            st.target_gpus = st.requested_gpus or st.target_gpus or st.gpus
+            st.stop_at_step = None
+            ctx.enter(Phase.RECONFIGURING, Stage.PLANNING,
+                      f"{reason}; recovering from {recovery.version} held by {list(recovery.holders)} "
+                      f"({recovery.steps_lost} steps lost)")
+            return
+        if st.version is None:
+            if suspending:
+                self.suspend()
+            else:
+                self.restart_from_beginning(reason, steps_reached(st))
+            return
+        self.fail(f"{reason}; no version of the state is fully held by the surviving hosts {sorted(holders)}")
+
+    def restart_from_beginning(self, reason: str, reached: int) -> None:
+        """A failure before any version was committed everywhere: nothing to recover, so start again at step 0.
+
+        Only the steps since the start are lost; failing the job instead would
+        lose the same steps and need a person to resubmit it.
+        """
+        ctx, st = self.ctx, self.ctx.status
+        try:
+            decision = self.decide_feasible(st.requested_gpus or st.target_gpus or st.gpus, list(st.hosts),
+                                            ctx.spec.dataset.consumed_samples)
+        except TenplexError as exc:
+            self.fail(f"{reason}; no configuration to restart on: {exc.detail}")
+            return
+        gen = ctx.next_generation()  # never reuse a generation's names
+        ctx.set_ptc(gen, decision.ptc)
+        rec = st.history[-1]
+        rec.steps_lost = reached
+        rec.to_config = decision.parallel.describe()
+        rec.to_gpus = decision.parallel.world_size
+        rec.to_hosts = list(decision.placement.hosts)
+        st.restore_version = None
+        st.restored_step = st.step = 0
+        self.launcher.launch(decision, generation=gen)
+        ctx.enter(Phase.RUNNING, None, f"{reason}; no snapshot yet: restarted from step 0 in "
+                                       f"{decision.parallel.describe()} ({reached} steps lost)")
+
+    def fail(self, reason: str) -> None:
+        ctx, st = self.ctx, self.ctx.status
+        ctx.backend.stop(ctx.name, ctx.worker_ids(), grace=2.0)
+        if st.history and st.history[-1].finished_at is None:
+            st.history[-1].error = reason
+            st.history[-1].finished_at = time.time()
+        ctx.enter(Phase.FAILED, None, reason)
+
+
+def _transfer_progress(plan: Plan, statuses: Mapping[str, TransformStatus]) -> str:
+    done = sum(s.bytes_done for s in statuses.values())
+    total = sum(s.bytes_total for s in statuses.values()) or 1
+    running = sum(1 for s in statuses.values() if not s.finished)
+    rate = sum(s.rate for s in statuses.values() if not s.finished)
+    return (f"transfer to {plan.new_version}: {100 * done / total:.0f}% of {human_bytes(total)}, "
+            f"{running} of {len(statuses)} hosts still at work, {human_bytes(rate)}/s")
