@@ -25,7 +25,7 @@ from typing import Any
 from rich.console import Console
 
 from tenplex.errors import TenplexError, TransformFailed
-from tenplex.scheduler.cli import SchedulerClient, history_table
+from tenplex.scheduler.cli import SchedulerClient, history_table, phases_table
 from tenplex.scheduler.server import LocalScheduler
 
 log = logging.getLogger(__name__)
@@ -117,6 +117,7 @@ class Demo:
             final = self.wait(client, job, lambda v: v["status"]["phase"] == "Succeeded", "finishing the job")
 
             self.console.print(history_table(final["status"]["history"]))
+            self.console.print(phases_table(final["status"]["history"]))
         self.say("uninterrupted baseline run of the same job (1 process)")
         run_baseline(s)
         plot = plot_losses(s.out, self.events)

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tenplex.errors import InvalidInput, StoreUnavailable, TenplexError, error_class
+from tenplex.scheduler.state import DATA_PHASES
 from tenplex.units import human_bytes
 
 DEFAULT_URL = "http://127.0.0.1:8470"
@@ -177,6 +178,31 @@ def history_table(history: list[dict[str, Any]]) -> Table:
     return table
 
 
+_PHASE_HEADS = {"stop_agreement": "stop", "final_snapshot": "snapshot", "planning": "plan", "transfer": "transfer",
+                "launch": "launch", "imports": "imports", "rendezvous": "rendezvous", "model_build": "model",
+                "wait_for_state": "wait", "restore": "restore", "first_step": "1st step"}
+
+
+def phases_table(history: list[dict[str, Any]]) -> Table:
+    """Each reconfiguration's downtime split into its phases (seconds), and how much of it was moving data."""
+    table = Table(title="downtime by phase (s)")
+    table.add_column("event")
+    for head in _PHASE_HEADS.values():
+        table.add_column(head, justify="right")
+    for col in ("downtime", "data", "fixed"):
+        table.add_column(col, justify="right")
+    for h in history:
+        phases = h.get("phases") or {}
+        downtime = h.get("downtime_seconds")
+        data = sum(phases.get(k, 0.0) for k in DATA_PHASES)
+        table.add_row(
+            h["reason"], *(f"{phases[k]:.2f}" if k in phases else "-" for k in _PHASE_HEADS),
+            f"{downtime:.2f}" if downtime is not None else "-", f"{data:.2f}",
+            f"{downtime - data:.2f}" if downtime is not None else "-",
+        )
+    return table
+
+
 def _get(args: argparse.Namespace) -> int:
     view = _client(args).job(args.name)
     if args.json:
@@ -189,6 +215,7 @@ def _get(args: argparse.Namespace) -> int:
     console.print(f"gpus {st['gpus']}, config {st.get('parallel')}, hosts {st.get('hosts')}, step {st['step']}, version {st.get('version')}")
     if st.get("history"):
         console.print(history_table(st["history"]))
+        console.print(phases_table(st["history"]))
     return 0
 
 

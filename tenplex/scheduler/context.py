@@ -15,14 +15,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from tenplex.ptc import PTC
 from tenplex.scheduler.backend import Backend
 from tenplex.scheduler.protocol import ExitReport
-from tenplex.scheduler.state import JobSpec, JobStatus, Phase, Stage, StateDir
+from tenplex.scheduler.state import JobSpec, JobStatus, Phase, Stage, StateDir, phase_split
 from tenplex.store.version import Version
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,8 @@ class JobContext:
     exit_reports: dict[str, ExitReport] = field(default_factory=dict)
     peer_failure: str | None = None
     stage_started: float = field(default_factory=time.monotonic)
+    transitions: int = 0
+    """Counts :meth:`enter` calls: the loop goes on at once after a tick that moved the job on."""
     _ptcs: dict[int, PTC] = field(default_factory=dict)
     _dirty_since: float | None = None
 
@@ -86,12 +88,42 @@ class JobContext:
         st = self.status
         st.phase, st.stage, st.message = phase, stage, message
         self.stage_started = time.monotonic()
+        self.transitions += 1
         self.save()
         log.info("job %s: %s%s - %s", self.name, phase.value, f"/{stage.value}" if stage else "", message)
 
     @property
     def stage_age(self) -> float:
         return time.monotonic() - self.stage_started
+
+    # -- milestones ---------------------------------------------------------------------------------
+
+    def mark(self, name: str, when: float | None = None) -> None:
+        """Record milestone ``name`` of the change in progress (the last history record, if unfinished)."""
+        hist = self.status.history
+        if hist and hist[-1].finished_at is None:
+            rec = hist[-1]
+            rec.marks[name] = time.time() if when is None else when
+            rec.phases = phase_split(rec.marks)
+
+    def worker_marks(self, generation: int, marks: Mapping[str, float]) -> None:
+        """A worker's milestones: its start-up ones belong to the change that launched its generation, its stop
+        ones to the change in progress; each is the slowest worker's (the latest time)."""
+        start = {k: t for k, t in marks.items() if k not in ("stop_agreed", "snapshot_written")}
+        stop = {k: t for k, t in marks.items() if k in ("stop_agreed", "snapshot_written")}
+        for rec in reversed(self.status.history):
+            if not start and not stop:
+                break
+            if start and rec.to_generation == generation:
+                for k, t in start.items():
+                    rec.marks[k] = max(t, rec.marks.get(k, 0.0))
+                rec.phases = phase_split(rec.marks)
+                start = {}
+            if stop and rec.finished_at is None and generation == self.status.generation:
+                for k, t in stop.items():
+                    rec.marks[k] = max(t, rec.marks.get(k, 0.0))
+                rec.phases = phase_split(rec.marks)
+                stop = {}
 
     # -- layouts -----------------------------------------------------------------------------------
 

@@ -152,6 +152,8 @@ class JobController:
             w = self._worker(worker_id, req.generation)
             w.last_heartbeat = time.time()
             w.step = req.step
+            if req.marks:
+                self.ctx.worker_marks(req.generation, req.marks)
             metrics = self.ctx.metrics
             if req.step > self.status.step:
                 self.status.step = req.step
@@ -196,6 +198,8 @@ class JobController:
         with self.lock:
             w = self._worker(worker_id, req.generation)
             self.ctx.exit_reports[worker_id] = req
+            if req.marks:
+                self.ctx.worker_marks(req.generation, req.marks)
             w.step = max(w.step or 0, req.step)  # the last step may come after the last (timed) heartbeat
             self.status.step = max(self.status.step, req.step)
         self._wake.set()
@@ -212,11 +216,14 @@ class JobController:
 
     def _run(self) -> None:
         self._resume()
+        moved = False
         while not self._closing.is_set():
-            self._wake.wait(self.ctx.settings.poll_interval)
+            if not moved:  # a tick that moved the job on is followed at once by the next stage's
+                self._wake.wait(self.ctx.settings.poll_interval)
             self._wake.clear()
             if self._closing.is_set():
                 break
+            before = self.ctx.transitions
             try:
                 if self.status.phase == Phase.RECONFIGURING and self.status.stage == Stage.TRANSFERRING:
                     self.orchestrator.transfer(self._closing.wait)  # long: takes the lock only for its updates
@@ -229,6 +236,7 @@ class JobController:
                 log.exception("job %s: controller error", self.spec.name)
                 with self.lock:
                     self.orchestrator.fail(f"internal error: {exc}")
+            moved = self.ctx.transitions != before and self.status.phase not in (Phase.FAILED, Phase.SUCCEEDED)
 
     def _resume(self) -> None:
         """After a scheduler restart: adopt the workers of the current generation."""

@@ -149,15 +149,20 @@ class StopOutcome:
 
 
 def decide_stopping(status: JobStatus, obs: Observations, *, stop_timeout: float) -> StopOutcome:
+    """Stopped once every worker has said it stopped (its exit report, sent after its snapshot was written) or
+    has exited: the processes' teardown (seconds, with torch loaded) overlaps the next stages, and the
+    launcher ends them before it starts the next generation on their hosts."""
     lost = obs.lost(status.hosts)
+    said_stopped = {wid for wid, r in obs.exit_reports.items() if r.status == "stopped"}
     # An unknown exit code (a worker adopted after a scheduler restart) is not a failure by itself:
-    # the snapshot stage asks the stores whether the stop step was committed.
-    bad = {wid: c for wid, c in obs.exits.items() if c not in (0, None)}
+    # the snapshot stage asks the stores whether the stop step was committed. Nor is a crash in the teardown
+    # of a worker that had reported its stop.
+    bad = {wid: c for wid, c in obs.exits.items() if c not in (0, None) and wid not in said_stopped}
     if obs.peer_failure or lost or bad:
         reason = obs.peer_failure or (f"host {', '.join(lost)} lost" if lost
                                       else f"workers exited abnormally while stopping: {bad}")
         return StopOutcome(failure=reason)
-    if len(obs.exits) == len(status.workers):
+    if all(w.worker_id in obs.exits or w.worker_id in said_stopped for w in status.workers):
         return StopOutcome(stopped=True)
     if obs.stage_age > stop_timeout:
         return StopOutcome(failure=f"workers did not stop at step {status.stop_at_step} within {stop_timeout:.0f}s")

@@ -28,6 +28,9 @@ from tenplex.scheduler.protocol import (
 )
 from tenplex.scheduler.state import WorkerRecord
 
+LAUNCH_TEARDOWN_GRACE_S = 30.0
+"""How long a stopped worker may take to exit before the next generation is started over it (then SIGKILL)."""
+
 
 class WorkerLauncher:
     def __init__(self, ctx: JobContext) -> None:
@@ -41,6 +44,14 @@ class WorkerLauncher:
         ctx = self.ctx
         st, spec, settings = ctx.status, ctx.spec, ctx.settings
         cfg, placement = decision.parallel, decision.placement
+        if st.history and st.history[-1].finished_at is None:
+            st.history[-1].to_generation = generation
+        ctx.mark("launch_started")
+        # The previous generation's workers may still be tearing down after reporting their stop: they end
+        # (and free their GPUs) before the new ones start.
+        previous = [w.worker_id for w in st.workers if w.generation != generation]
+        if previous:
+            ctx.backend.stop(spec.name, previous, grace=LAUNCH_TEARDOWN_GRACE_S)
         st.parallel = cfg.to_json()
         st.gpus = cfg.world_size
         st.hosts = list(placement.hosts)
@@ -87,6 +98,7 @@ class WorkerLauncher:
         pids = ctx.backend.launch(spec.name, spec.command, launches, log_dir)
         for w in workers:
             w.pid = pids.get(w.worker_id)
+        ctx.mark("launched")
         ctx.save()
 
     def assignment(self, w: WorkerRecord) -> Assignment:

@@ -19,8 +19,10 @@ reports the snapshot and exits with :data:`EXIT_STOPPED`. The ranks agree on
 the stop step collectively (the earliest any rank heard of). A request that
 reaches the workers only after they completed step N cannot be honoured
 exactly: they stop after the step they are at, and the SnapshotReport and
-ExitReport say which. A scheduler therefore picks N at least one heartbeat
-interval's worth of steps ahead of the newest reported step.
+ExitReport say which. The scheduler uses that to stop as soon as it can: it
+asks for the newest reported step, so the ranks stop after the very step at
+which the first of them hears of it (all ranks agree on it in the same
+collective), and the stop version is whichever step that was.
 
 Every path but none of the bodies carries the job name; all requests carry
 ``Authorization: Bearer <token>`` when the scheduler has a token. Errors come
@@ -187,12 +189,39 @@ class Assignment(_Model):
         return self
 
 
+WORKER_MARKS = ("process_started", "registered", "process_group", "restore_started", "restored", "first_step",
+                "stop_agreed", "snapshot_written")
+"""A worker's milestones, as wall-clock times, from which a reconfiguration's downtime is split into phases:
+the process started (interpreter), it registered (imports done), its process group is up (rendezvous), it
+began and finished restoring, it finished its first step; and when stopping, the stop was agreed (training
+stood still from here) and its last snapshot was written."""
+
+
+def _check_marks(v: dict[str, float] | None) -> dict[str, float] | None:
+    if v is None:
+        return None
+    unknown = sorted(set(v) - set(WORKER_MARKS))
+    if unknown:
+        raise ValueError(f"unknown marks {unknown}; known: {list(WORKER_MARKS)}")
+    bad = {k: t for k, t in v.items() if not (math.isfinite(t) and t > 0)}
+    if bad:
+        raise ValueError(f"marks must be positive wall-clock times, got {bad}")
+    return v
+
+
 class HeartbeatRequest(_Model):
     """Proof of life with the last completed step; sent every ``heartbeat_interval_s``."""
 
     generation: Generation
     step: Step
     loss: float | None = Field(None, description="Loss of the last step, when this rank computes it.")
+    marks: dict[str, float] | None = Field(
+        None, description="Milestones reached since the last heartbeat (WORKER_MARKS -> wall-clock time).")
+
+    @field_validator("marks")
+    @classmethod
+    def _marks_known(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        return _check_marks(v)
 
     @field_validator("loss")
     @classmethod
@@ -253,6 +282,13 @@ class ExitReport(_Model):
     status: Literal["completed", "stopped", "failed"]
     exit_code: int = Field(ge=0, le=255)
     detail: str | None = Field(None, max_length=4000)
+    marks: dict[str, float] | None = Field(
+        None, description="Milestones not yet reported (WORKER_MARKS -> wall-clock time), e.g. when the stop was agreed.")
+
+    @field_validator("marks")
+    @classmethod
+    def _marks_known(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        return _check_marks(v)
 
 
 class Ack(_Model):

@@ -40,7 +40,7 @@ from tenplex.scheduler.backend import HostInfo
 from tenplex.scheduler.context import JobContext
 from tenplex.scheduler.decide import choose_recovery, find_stop_version, steps_reached
 from tenplex.scheduler.launcher import WorkerLauncher
-from tenplex.scheduler.state import Phase, Reconfiguration, Stage
+from tenplex.scheduler.state import Phase, Reconfiguration, Stage, phase_split
 from tenplex.store.version import Version
 from tenplex.transformer.plan import Plan, make_plan
 from tenplex.transformer.remote import COMMITTED, INTERRUPTED, PlanRun, TransformStatus
@@ -48,10 +48,14 @@ from tenplex.units import human_bytes
 
 log = logging.getLogger(__name__)
 
-STOP_MARGIN_STEPS = 2
-"""Ranks of a job are within one step of each other; asking them to stop two steps
-ahead of the newest reported step guarantees every rank learns it at a step
-boundary before it passes that step."""
+TRANSFER_POLL_S = 1.0
+"""Longest wait of one status read of the daemons during a transfer (lost hosts are checked between reads)."""
+
+STOP_MARGIN_STEPS = 0
+"""A planned stop is asked for at the newest reported step: the ranks stop after the step at which the first
+of them hears of it (they agree on the earliest request in one collective per step, see
+:func:`~tenplex.worker.control.agree_stop`), so training stands still at the next step boundary they all
+reach instead of some steps later. The stop snapshot is whichever step that was."""
 
 
 class Orchestrator:
@@ -171,10 +175,12 @@ class Orchestrator:
         st.pending_reason = st.requested_gpus = None
         st.history.append(Reconfiguration(reason=reason, started_at=time.time(), from_config=ctx.config_text(),
                                           from_gpus=st.gpus, from_hosts=list(st.hosts)))
+        ctx.mark("requested")
         ctx.enter(Phase.RECONFIGURING, Stage.STOPPING, f"asked the workers to stop after step {st.stop_at_step}")
 
     def workers_stopped(self) -> None:
         self.ctx.status.downtime_started_at = time.time()
+        self.ctx.mark("stopped")
         self.ctx.enter(Phase.RECONFIGURING, Stage.SNAPSHOT, f"workers stopped after step {self.ctx.status.stop_at_step}")
 
     def await_snapshot(self) -> None:
@@ -188,6 +194,7 @@ class Orchestrator:
             st.committed[outcome.version] = list(outcome.holders)
             st.version_generation[outcome.version] = st.generation
             st.version = outcome.version
+            ctx.mark("committed")
             ctx.enter(Phase.RECONFIGURING, Stage.PLANNING, f"version {outcome.version} committed on {len(need)} hosts")
 
     def plan(self) -> None:
@@ -226,6 +233,7 @@ class Orchestrator:
         st.last_plan = {"plan": plan.to_json(), "parallel": decision.parallel.to_json(),
                         "hosts": list(decision.placement.hosts), "gpus_per_node": decision.placement.gpus_per_node}
         st.target_gpus = decision.parallel.world_size
+        ctx.mark("planned")
         ctx.enter(Phase.RECONFIGURING, Stage.TRANSFERRING,
                   f"plan {version} -> {new_version}: {plan.network_bytes} B over the network "
                   f"(lower bound {plan.lower_bound_bytes} B), {plan.local_bytes} B local")
@@ -258,9 +266,10 @@ class Orchestrator:
                     return
                 with ctx.lock:
                     st.message = _transfer_progress(plan, statuses)
-                if closing(ctx.settings.poll_interval):
+                if closing(0):
                     return
-                statuses = run.poll()
+                # Each daemon answers as soon as its transform ends: the commit is learnt of at once.
+                statuses = run.poll(wait=TRANSFER_POLL_S)
         except TenplexError as exc:  # a daemon unreachable (after retries): as for a lost host
             if run is not None:
                 with contextlib.suppress(TenplexError):
@@ -295,6 +304,7 @@ class Orchestrator:
             st.version_generation[new_version] = plan.new_version.generation
             st.version = new_version
             st.restore_version = new_version
+            ctx.mark("transferred")
             ctx.enter(Phase.RECONFIGURING, Stage.RESTARTING, f"state {new_version} in place on {len(plan.hosts)} hosts")
 
     def restart(self) -> None:
@@ -322,11 +332,17 @@ class Orchestrator:
         assert st.downtime_started_at is not None
         rec = st.history[-1] if st.history else None
         if rec is not None and rec.finished_at is None:
-            rec.finished_at = time.time()
-            rec.downtime_seconds = round(rec.finished_at - st.downtime_started_at, 3)
+            # Training stood still from the agreed stop step (the workers' own clocks; else from their exit) to
+            # the end of the first step in the new layout (the worker's clock; else when it was heard of).
+            rec.finished_at = rec.marks.get("first_step") or time.time()
+            began = rec.marks.get("stop_agreed") or st.downtime_started_at
+            rec.downtime_seconds = round(max(0.0, rec.finished_at - began), 3)
+            rec.phases = phase_split(rec.marks)
             if ctx.metrics is not None:
                 ctx.metrics.reconfigurations.labels(ctx.name, rec.reason).inc()
                 ctx.metrics.downtime.labels(ctx.name).observe(rec.downtime_seconds)
+                for phase, seconds in rec.phases.items():
+                    ctx.metrics.phases.labels(ctx.name, phase).observe(seconds)
         st.downtime_started_at = None
         st.restored_step = None
         ctx.save()
@@ -370,6 +386,7 @@ class Orchestrator:
         st.requested_gpus = st.pending_reason = None
         st.history.append(Reconfiguration(reason="resume", started_at=time.time(), from_config=None, from_gpus=0,
                                           from_hosts=[]))
+        ctx.mark("requested")
         st.target_gpus = gpus
         st.downtime_started_at = time.time()
         ctx.enter(Phase.RECONFIGURING, Stage.PLANNING, f"resuming from {st.version} on {gpus} GPUs")
@@ -396,6 +413,7 @@ class Orchestrator:
         if not st.history or st.history[-1].finished_at is not None or st.history[-1].reason != "failure":
             st.history.append(Reconfiguration(reason="failure", started_at=time.time(), from_config=ctx.config_text(),
                                               from_gpus=st.gpus, from_hosts=list(st.hosts)))
+            ctx.mark("requested")
         rec = st.history[-1]
         # A failure during the recovery from another one joins its record: keep every cause, first first.
         rec.error = f"{rec.error}; then {reason}" if rec.error else reason

@@ -32,6 +32,10 @@ class SchedulerMetrics:
             "tenplex_reconfiguration_downtime_seconds", "Time without training per reconfiguration", ["job"],
             buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600), registry=self.registry,
         )
+        self.phases = Histogram(
+            "tenplex_reconfiguration_phase_seconds", "Seconds of each phase of a reconfiguration's downtime",
+            ["job", "phase"], buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300), registry=self.registry,
+        )
         self.bytes_moved = Counter(
             "tenplex_transform_bytes", "State bytes moved by reconfigurations", ["job", "kind"], registry=self.registry
         )

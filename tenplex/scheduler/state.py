@@ -214,6 +214,69 @@ class Reconfiguration:
     lower_bound_bytes: int = 0
     steps_lost: int = 0
     error: str | None = None
+    to_generation: int | None = None
+    """The generation whose workers this change launched (their start-up milestones land here)."""
+    marks: dict[str, float] = field(default_factory=dict)
+    """Wall-clock times of the change's milestones (see :data:`MARKS`): the scheduler's own and the slowest
+    worker's (:data:`~tenplex.scheduler.protocol.WORKER_MARKS`)."""
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds of each phase of the downtime (see :func:`phase_split`), known so far."""
+
+
+MARKS = ("requested", "stop_agreed", "stopped", "committed", "planned", "launch_started", "launched", "transferred",
+         "registered", "process_group", "restore_started", "restored", "first_step")
+"""A reconfiguration's milestones in the order they usually happen (with overlap, new workers start while
+the state is still moving: ``transferred`` may come after ``restore_started``)."""
+
+PHASES = ("stop_agreement", "final_snapshot", "planning", "transfer", "launch", "imports", "rendezvous",
+          "model_build", "wait_for_state", "restore", "first_step")
+"""The phases of a reconfiguration's downtime, between consecutive milestones."""
+
+DATA_PHASES = ("final_snapshot", "transfer", "restore")
+"""The phases whose length grows with the state's size (writing it, moving it, loading it); the others are
+the fixed cost of a reconfiguration."""
+
+
+def phase_split(marks: Mapping[str, float]) -> dict[str, float]:
+    """Seconds per phase from the milestones known so far (a phase whose ends are not both known is left out):
+
+    - ``stop_agreement``: the request until the workers agreed on the step to stop after (planned changes);
+    - ``final_snapshot``: until that step was committed on every host;
+    - ``planning``: new configuration, placement, PTC and plan;
+    - ``transfer``: the node daemons building the new version;
+    - ``launch``: starting the new worker processes;
+    - ``imports``: interpreter, imports and registration (the slowest worker);
+    - ``rendezvous``: the process group;
+    - ``model_build``: building the parallelized model;
+    - ``wait_for_state``: workers ready before the new version was committed (the start-up overlapped it);
+    - ``restore``: loading the version into the live tensors;
+    - ``first_step``: until the first training step in the new layout finished.
+    """
+    m = marks
+
+    def span(a: str | None, b: str) -> float | None:
+        if a is None or a not in m or b not in m:
+            return None
+        return round(max(0.0, m[b] - m[a]), 3)
+
+    restore_from = None
+    if "restore_started" in m:
+        restore_from = "restore_started" if "transferred" not in m or m["transferred"] <= m["restore_started"] \
+            else "transferred"
+    out = {
+        "stop_agreement": span("requested", "stop_agreed"),
+        "final_snapshot": span("stop_agreed" if "stop_agreed" in m else None, "committed"),
+        "planning": span("committed" if "committed" in m else "requested", "planned"),
+        "transfer": span("planned", "transferred"),
+        "launch": span("launch_started", "launched"),
+        "imports": span("launched", "registered"),
+        "rendezvous": span("registered", "process_group"),
+        "model_build": span("process_group", "restore_started"),
+        "wait_for_state": span("restore_started", "transferred") if restore_from == "transferred" else None,
+        "restore": span(restore_from, "restored"),
+        "first_step": span("restored" if "restored" in m else "process_group", "first_step"),
+    }
+    return {k: v for k, v in out.items() if v is not None}
 
 
 @dataclass

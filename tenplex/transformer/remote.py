@@ -164,9 +164,13 @@ class TransformStatus:
             raise InvalidInput(f"malformed transform record: {type(exc).__name__}: {exc}") from None
 
 
-def transforms_path(job: str, version: Version | str | None = None) -> str:
+def transforms_path(job: str, version: Version | str | None = None, *, wait: float = 0.0) -> str:
     path = f"/v1/jobs/{quote(check_job(job), safe='')}/transforms"
-    return path if version is None else f"{path}/{check_version(version)}"
+    if version is not None:
+        path += f"/{check_version(version)}"
+        if wait > 0:
+            path += f"?wait={wait:g}"
+    return path
 
 
 class PlanRun:
@@ -214,7 +218,9 @@ class PlanRun:
 
         return self._each(one)
 
-    def poll(self) -> dict[str, TransformStatus]:
+    def poll(self, wait: float = 0.0) -> dict[str, TransformStatus]:
+        """Every target's record; with ``wait``, each daemon answers as soon as its transform has finished
+        (or after ``wait`` seconds), so a commit is learnt of at once, not at the next poll."""
         job, version = self.plan.job, self.plan.new_version
 
         def one(host: str) -> TransformStatus:
@@ -222,7 +228,7 @@ class PlanRun:
             if known is not None and known.finished:
                 return known
             return TransformStatus.from_json(
-                self._client_for(self.stores[host]).request_json("GET", transforms_path(job, version))
+                self._client_for(self.stores[host]).request_json("GET", transforms_path(job, version, wait=wait))
             )
 
         return self._each(one)
@@ -263,8 +269,7 @@ class PlanRun:
                 raise TransformFailed(f"the transform to {self.plan.new_version} did not finish within {timeout} s")
             if progress is not None:
                 progress(statuses)
-            time.sleep(poll_interval)
-            statuses = self.poll()
+            statuses = self.poll(wait=poll_interval)
         if progress is not None:
             progress(statuses)
         bad = {h: s for h, s in statuses.items() if s.finished and s.state != COMMITTED}

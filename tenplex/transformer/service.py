@@ -100,6 +100,8 @@ RECORDS_DIR = ".transforms"
 _RECORD_EVERY_S = 0.5  # a running transform's record on disk is refreshed at most this often
 _CANCEL_WAIT_S = 10.0
 _LOCK_TRIES = 50  # a status read holds a record's lock for microseconds: a submission tries again before it attaches
+MAX_WAIT_S = 30.0
+"""The longest a status read may wait for its transform to finish."""
 RECORD_TTL_S = 7 * 86400.0
 """Records of transforms finished longer ago than this are removed at the next submission of the job."""
 
@@ -173,6 +175,8 @@ class TransformService:
         self._runs: dict[tuple[str, str], _Run] = {}
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(self.settings.max_running)
+        self._finished = threading.Condition(self._lock)
+        """Notified whenever a transform of this process ends (long polls wake on it)."""
         self._closed = False
 
     # -- files ------------------------------------------------------------------
@@ -334,6 +338,18 @@ class TransformService:
         finally:
             os.close(fd)
 
+    def wait(self, job: str, version: str, timeout: float) -> TransformStatus:
+        """:meth:`status`, once the transform has finished or ``timeout`` seconds have passed (a long poll:
+        the control plane learns of a commit at once instead of at its next poll)."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        while True:
+            current = self.status(job, version)
+            remaining = deadline - time.monotonic()
+            if current.finished or remaining <= 0:
+                return current
+            with self._finished:  # a transform of this process notifies; one of another process is polled
+                self._finished.wait(min(remaining, 0.05))
+
     def list(self, job: str) -> list[TransformStatus]:
         d = self._dir(job)
         names = sorted(p.name[: -len(".json")] for p in d.glob("*.json")) if d.is_dir() else []
@@ -465,6 +481,7 @@ class TransformService:
                 self._cancel_path(job, version).unlink(missing_ok=True)
                 self._runs.pop((job, version), None)
                 os.close(run.lock_fd)
+                self._finished.notify_all()
             if final.state == COMMITTED:
                 log.info("transform of %s to %s on %s committed in %.2f s", job, version, req.host, final.seconds)
             else:
@@ -497,9 +514,12 @@ def transform_router(service: TransformService) -> APIRouter:
         return {"job": job, "transforms": [r.to_json() for r in records]}
 
     @router.get("/v1/jobs/{job}/transforms/{version}")
-    async def get_transform(job: str, version: str) -> dict[str, Any]:
+    async def get_transform(job: str, version: str, wait: float = 0.0) -> dict[str, Any]:
+        """``?wait=S`` (at most 30): answer once the transform has finished, or after S seconds."""
         check_job(job)
-        status = await to_thread.run_sync(service.status, job, version)
+        if not 0.0 <= wait <= MAX_WAIT_S:
+            raise InvalidInput(f"wait must be between 0 and {MAX_WAIT_S:g} seconds, got {wait}")
+        status = await to_thread.run_sync(service.wait, job, version, wait)
         return status.to_json()
 
     @router.delete("/v1/jobs/{job}/transforms/{version}")

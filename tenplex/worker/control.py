@@ -101,10 +101,11 @@ class ControlClient:
     def assignment(self) -> p.Assignment:
         return self._call("GET", p.ASSIGNMENT_PATH, None, p.Assignment)
 
-    def heartbeat(self, generation: int, step: int, loss: float | None = None) -> p.HeartbeatReply:
+    def heartbeat(self, generation: int, step: int, loss: float | None = None,
+                  marks: dict[str, float] | None = None) -> p.HeartbeatReply:
         if loss is not None and not math.isfinite(loss):
             loss = None  # JSON has no NaN; the scheduler learns of it from the worker's exit instead
-        body = p.HeartbeatRequest(generation=generation, step=step, loss=loss)
+        body = p.HeartbeatRequest(generation=generation, step=step, loss=loss, marks=marks or None)
         return self._call("POST", p.HEARTBEAT_PATH, body, p.HeartbeatReply)
 
     def report_snapshot(self, report: p.SnapshotReport) -> None:
@@ -115,7 +116,8 @@ class ControlClient:
         self._call("POST", p.PEER_FAILURE_PATH, body, p.Ack, retries=1)
 
     def report_exit(
-        self, generation: int, step: int, status: str, exit_code: int, detail: str | None = None
+        self, generation: int, step: int, status: str, exit_code: int, detail: str | None = None,
+        marks: dict[str, float] | None = None,
     ) -> None:
         body = p.ExitReport(
             generation=generation,
@@ -123,6 +125,7 @@ class ControlClient:
             status=status,  # type: ignore[arg-type]
             exit_code=exit_code,
             detail=None if detail is None else detail[:4000],
+            marks=marks or None,
         )
         self._call("POST", p.EXIT_PATH, body, p.Ack, retries=1)
 
@@ -234,6 +237,7 @@ class Heartbeat:
         self._loss: float | None = None
         self._stop_at: int | None = stop_at_step
         self._abort = False
+        self._marks: dict[str, float] = {}
         self._wake = threading.Event()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tenplex-heartbeat", daemon=True)
@@ -245,6 +249,18 @@ class Heartbeat:
     def update(self, step: int, loss: float | None = None) -> None:
         with self._lock:
             self._step, self._loss = step, loss
+
+    def mark(self, name: str, when: float | None = None) -> None:
+        """Milestone ``name`` (:data:`~tenplex.scheduler.protocol.WORKER_MARKS`) reached now (or at ``when``);
+        it goes with the next heartbeat."""
+        with self._lock:
+            self._marks[name] = time.time() if when is None else when
+
+    def take_marks(self) -> dict[str, float]:
+        """The milestones not yet sent (for the exit report, once the heartbeats have stopped)."""
+        with self._lock:
+            marks, self._marks = self._marks, {}
+            return marks
 
     @property
     def stop_at_step(self) -> int | None:
@@ -279,7 +295,13 @@ class Heartbeat:
     def _beat(self) -> None:
         with self._lock:
             step, loss = self._step, self._loss
-        reply = self._client.heartbeat(self._generation, step, loss)
+        marks = self.take_marks()
+        try:
+            reply = self._client.heartbeat(self._generation, step, loss, marks)
+        except BaseException:
+            with self._lock:  # sent with the next one
+                self._marks = {**marks, **self._marks}
+            raise
         with self._lock:
             if reply.generation != self._generation:
                 log.warning(

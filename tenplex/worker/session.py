@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -145,6 +147,7 @@ class ElasticWorker:
         self.status = "running"
         self.snapshots: list[Version] = []
         self._last_snapshot_step: int | None = None
+        self._first_step_marked = False
 
     @classmethod
     def from_scheduler(
@@ -163,6 +166,7 @@ class ElasticWorker:
         control = ControlClient.from_env(env)
         rank = int(env[p.ENV_RANK]) if env.get(p.ENV_RANK) else None
         assignment = control.register(host=env.get(p.ENV_HOST) or None, rank=rank)
+        registered = time.time()
         ptc = control.fetch_ptc(assignment)
         setup = WorkerSetup.from_assignment(assignment, ptc, control.token)
         log.info(
@@ -174,11 +178,22 @@ class ElasticWorker:
             setup.generation,
             setup.restore_version or "nothing",
         )
-        return cls(setup, control, snapshot_every=snapshot_every, store=node_store(env, setup.store, setup.token))
+        worker = cls(setup, control, snapshot_every=snapshot_every, store=node_store(env, setup.store, setup.token))
+        worker.mark("registered", registered)
+        started = process_start_time()
+        if started is not None:
+            worker.mark("process_started", started)
+        return worker
 
     @property
     def parallel(self) -> ParallelConfig:
         return self.setup.parallel
+
+    def mark(self, name: str, when: float | None = None) -> None:
+        """Milestone ``name`` reached (:data:`~tenplex.scheduler.protocol.WORKER_MARKS`): the scheduler splits
+        a reconfiguration's downtime into phases with them."""
+        if self.heartbeat is not None:
+            self.heartbeat.mark(name, when)
 
     # -- start ------------------------------------------------------------------------
 
@@ -200,6 +215,7 @@ class ElasticWorker:
             world_size=self.setup.world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
+        self.mark("process_group")
 
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Create the optimizer state eagerly and check the live layout against the PTC.
@@ -222,8 +238,10 @@ class ElasticWorker:
         seed: int = 0,
     ) -> int:
         """Load the assigned version, if any; returns the number of steps already completed."""
+        self.mark("restore_started")
         if self.setup.restore_version is None:
             self.step = 0
+            self.mark("restored")
             return 0
         self.restored = restore(
             self.store,
@@ -239,6 +257,7 @@ class ElasticWorker:
         self.step = self.restored.step
         self.dataset = self.restored.dataset
         self._last_snapshot_step = self.step  # that state is stored already
+        self.mark("restored")
         if self.heartbeat is not None:
             self.heartbeat.update(self.step)  # so the scheduler never sees step 0 from a resumed job
         return self.step
@@ -277,6 +296,9 @@ class ElasticWorker:
         stop step is snapshotted and its write awaited before returning).
         """
         self.step = step
+        if not self._first_step_marked:
+            self._first_step_marked = True
+            self.mark("first_step")
         if self.heartbeat is not None:
             self.heartbeat.update(step, loss)
         local_stop = self._local_stop_at()
@@ -287,11 +309,14 @@ class ElasticWorker:
             log.warning("rank %d: the scheduler asked to exit at once after step %d", self.setup.rank, step)
             self.status = "stopped"
             return True
+        if stop:
+            self.mark("stop_agreed")  # training stands still from here
         periodic = self.snapshot_every is not None and step % self.snapshot_every == 0
         if (stop or periodic) and self._last_snapshot_step != step:
             self.snapshot(step, model, optimizer, lr_scheduler, extra=extra)
         if stop:
             self.snapshotter.wait()
+            self.mark("snapshot_written")
             log.info("rank %d: stopping after step %d as requested; snapshot written", self.setup.rank, step)
             self.status = "stopped"
             return True
@@ -344,13 +369,15 @@ class ElasticWorker:
         except Exception as exc:
             log.error("rank %d: the last snapshot failed: %s", self.setup.rank, exc)
             self.status, detail = "failed", f"snapshot failed: {exc}"
+        marks: dict[str, float] = {}
         if self.heartbeat is not None:
             self.heartbeat.close()
+            marks = self.heartbeat.take_marks()
         status = self.status if self.status != "running" else "completed"
         code = p.EXIT_FAILED if status == "failed" else p.EXIT_STOPPED
         if self.control is not None:
             try:
-                self.control.report_exit(self.setup.generation, self.step, status, code, detail)
+                self.control.report_exit(self.setup.generation, self.step, status, code, detail, marks)
             except Exception as exc:
                 log.error("could not report the exit: %s", exc)
         return code
@@ -372,3 +399,14 @@ class ElasticWorker:
             )
         except Exception as exc:
             log.warning("could not report snapshot %s: %s", result.version, exc)
+
+
+def process_start_time() -> float | None:
+    """When this process started (wall clock, from /proc: Linux), or None where that cannot be read."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        btime = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                     if line.startswith("btime"))
+        return btime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None

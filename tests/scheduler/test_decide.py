@@ -140,6 +140,13 @@ def test_stopping() -> None:
     assert "abnormally" in decide_stopping(st, obs(exits={ids[0]: 1}), stop_timeout=60).failure
     assert "did not stop at step 12 within 60s" in decide_stopping(st, obs(stage_age=61), stop_timeout=60).failure
     assert decide_stopping(st, obs(peer_failure="reset"), stop_timeout=60).failure == "reset"
+    # every worker said it stopped (its snapshot written): stopped, while their processes still tear down;
+    # one crashing in its teardown after saying so is no failure
+    said = {w: exit_report(w, "stopped", 12) for w in ids}
+    assert decide_stopping(st, obs(exit_reports=said), stop_timeout=60).stopped
+    assert decide_stopping(st, obs(exits={ids[0]: -11}, exit_reports=said), stop_timeout=60).stopped
+    three = {w: said[w] for w in ids[:3]}
+    assert not decide_stopping(st, obs(exit_reports=three), stop_timeout=60).stopped
 
 
 def test_the_stop_version_is_the_newest_committed_on_every_host() -> None:

@@ -275,3 +275,24 @@ def test_several_daemon_processes_agree_on_one_transform(tmp_path: Path, cluster
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(20)
+
+
+def test_a_status_read_can_wait_for_the_end_of_its_transform(cluster, hung_source: str, tmp_path: Path) -> None:
+    """?wait=S answers as soon as the transform ends (a commit is learnt of at once), else after S seconds."""
+    _old, _new, _state, plan = _plan(cluster, "longpoll", new_hosts=("h2", "h3"))
+    with NodeDaemon(tmp_path / "t", host="127.0.0.6", store=LocalStore(tmp_path / "t", durable=False),
+                    transforms=TransformSettings(source_timeout_s=3.0)) as daemon, StoreClient(daemon.url) as client:
+        stuck = TransformRequest(host="h2", plan=plan.for_host("h2"), sources={h: hung_source for h in plan.sources_of("h2")})
+        client.request_json("POST", transforms_path("longpoll"), stuck.to_json())
+        start = time.monotonic()
+        status = client.request_json("GET", transforms_path("longpoll", NEW_V, wait=0.5))
+        assert status["state"] in ("queued", "running") and 0.4 < time.monotonic() - start < 3
+        # cancelled from another thread while a read waits: the read answers at once with the end
+        timer = threading.Timer(0.3, lambda: StoreClient(daemon.url).request_json("DELETE", transforms_path("longpoll", NEW_V)))
+        timer.start()
+        start = time.monotonic()
+        status = client.request_json("GET", transforms_path("longpoll", NEW_V, wait=20))
+        assert status["state"] == "cancelled" and time.monotonic() - start < 10
+        timer.join()
+        with pytest.raises(InvalidInput, match="wait must be between 0 and 30"):
+            client.request_json("GET", transforms_path("longpoll", NEW_V) + "?wait=31")
