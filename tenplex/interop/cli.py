@@ -11,10 +11,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from tenplex.core.version import Version
 from tenplex.errors import InvalidInput
 from tenplex.interop.keymap import KEY_MAPS, parse_options
 from tenplex.ptc.model import PTC
-from tenplex.store.version import Version
 
 _KEY_MAP_HELP = (
     f"how PTC tensors become checkpoint keys: {', '.join(KEY_MAPS)} or module:function (default identity; "

@@ -10,11 +10,11 @@ from collections import Counter, defaultdict
 from rich.console import Console
 from rich.table import Table
 
+from tenplex.core.units import human_bytes
 from tenplex.errors import InvalidConfig, InvalidInput
 from tenplex.ptc.dataset import DatasetState
 from tenplex.ptc.model import PTC
 from tenplex.ptc.parallel import ParallelConfig
-from tenplex.units import human_bytes
 
 _NAMINGS = {"megatron-lm": "megatron-lm", "lm": "megatron-lm", "megatron-core": "megatron-core", "core": "megatron-core"}
 """--naming values (with their short forms) -> GPTSpec.naming."""

@@ -15,8 +15,8 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from tenplex.core.units import human_bytes
 from tenplex.errors import InvalidInput, StoreUnavailable, TenplexError, error_class
-from tenplex.units import human_bytes
 
 DEFAULT_URL = "http://127.0.0.1:8470"
 

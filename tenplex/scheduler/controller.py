@@ -28,19 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tenplex.errors import (
-    Conflict,
-    InvalidConfig,
-    NotFound,
-    StateLost,
-    StoreUnavailable,
-    TenplexError,
-    TransformCancelled,
-)
-from tenplex.ptc import PTC, ParallelConfig, Placement
-from tenplex.scheduler import policy as policy_mod
-from tenplex.scheduler.backend import Backend, HostInfo, WorkerLaunch
-from tenplex.scheduler.protocol import (
+from tenplex.core.protocol import (
     ENV_GENERATION,
     ENV_HOST,
     ENV_JOB,
@@ -57,6 +45,20 @@ from tenplex.scheduler.protocol import (
     RegisterRequest,
     SnapshotReport,
 )
+from tenplex.core.units import human_bytes
+from tenplex.core.version import Version
+from tenplex.errors import (
+    Conflict,
+    InvalidConfig,
+    NotFound,
+    StateLost,
+    StoreUnavailable,
+    TenplexError,
+    TransformCancelled,
+)
+from tenplex.ptc import PTC, ParallelConfig, Placement
+from tenplex.scheduler import policy as policy_mod
+from tenplex.scheduler.backend import Backend, HostInfo, WorkerLaunch
 from tenplex.scheduler.state import (
     JobSpec,
     JobStatus,
@@ -66,10 +68,8 @@ from tenplex.scheduler.state import (
     StateDir,
     WorkerRecord,
 )
-from tenplex.store.version import Version
 from tenplex.transformer.plan import Plan, make_plan
 from tenplex.transformer.remote import PlanRun, TransformStatus
-from tenplex.units import human_bytes
 
 log = logging.getLogger(__name__)
 

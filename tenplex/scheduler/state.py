@@ -21,11 +21,11 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from tenplex.core.protocol import JOB_NAME_PATTERN
 from tenplex.errors import InvalidConfig, NotFound
 from tenplex.ptc import PTC, DatasetState, ParallelConfig
 from tenplex.scheduler.layouts import LayoutSpec
 from tenplex.scheduler.policy import Policy
-from tenplex.scheduler.protocol import JOB_NAME_PATTERN
 
 _NAME = re.compile(JOB_NAME_PATTERN)
 

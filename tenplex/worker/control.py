@@ -1,6 +1,6 @@
 """The worker's side of the scheduler protocol: register, heartbeat, reports, stop requests.
 
-The bodies are the pydantic models of :mod:`tenplex.scheduler.protocol`, so the
+The bodies are the pydantic models of :mod:`tenplex.core.protocol`, so the
 client and the scheduler cannot disagree about them. Transport is the standard
 library (``urllib``): the messages are a few hundred bytes, and a training
 process should not need another HTTP stack for them.
@@ -31,9 +31,9 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from tenplex import errors
+from tenplex.core import protocol as p
 from tenplex.errors import InvalidInput, TenplexError
 from tenplex.ptc import PTC
-from tenplex.scheduler import protocol as p
 
 log = logging.getLogger(__name__)
 

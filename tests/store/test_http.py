@@ -199,7 +199,7 @@ def test_bad_input_gets_4xx_json_and_changes_nothing(server: StoreServer, client
     assert _put(server, base + "?region=0:4,0:4", ok, gshape="4,-4")[0] == 400
     assert _put(server, "/v1/jobs/bad/versions/s1-g0/tensors/a/../../x?region=0:4,0:4", ok)[0] == 400
     status, _, data = raw(server, "PUT", base + "?region=0:4,0:4", body=ok, headers={"X-Tenplex-Global-Shape": "4,4"})
-    assert status == 400 and "x-tenplex-dtype" in json.loads(data)["detail"]
+    assert status == 400 and "X-Tenplex-Dtype" in json.loads(data)["detail"]
     with pytest.raises(NotFound):
         client.versions("bad")  # nothing at all was stored for job 'bad'
     status, data = _put(server, "/v1/jobs/props/versions/s1-g0/tensors/t/float32.w?region=0:4,0:4", ok, gshape="40,30")

@@ -35,9 +35,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from tenplex.core.version import Version
 from tenplex.errors import InvalidConfig, InvalidInput
 from tenplex.ptc.parallel import ParallelConfig
-from tenplex.store.version import Version
 
 PROTOCOL_VERSION = 1
 """Bumped on any incompatible change of the bodies below."""
