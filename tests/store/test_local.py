@@ -14,17 +14,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tenplex.core.version import Version
 from tenplex.errors import (
     ChecksumMismatch,
-    Conflict,
     InvalidInput,
-    InvalidRegion,
     NotFound,
     RegionOutOfBounds,
     StateLost,
 )
-from tenplex.ptc.dtypes import DTYPES, storage_dtype
+from tenplex.ptc.dtypes import storage_dtype
 from tenplex.ptc.region import Region
 from tenplex.store import local as local_module
 from tenplex.store.local import LocalStore
@@ -47,17 +44,6 @@ def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     return a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
-@pytest.mark.parametrize("dtype", sorted(DTYPES))
-def test_every_dtype_round_trips_bit_exactly(store: LocalStore, dtype: str) -> None:
-    data = random_array((37, 23), dtype)
-    region = Region.full((37, 23))
-    info = store.write_shard("job", "s1-g0", "w", region, data, dtype=dtype, global_shape=(37, 23))
-    assert info.nbytes == data.nbytes and info.checksum.startswith("crc32c:")
-    out = np.empty_like(data)
-    store.read_into("job", "s1-g0", "w", region, out, uncommitted=True)
-    assert same_bits(out, data)
-
-
 def test_negative_zero_and_nan_payloads_survive(store: LocalStore) -> None:
     # chunks equal to the fill value (0.0) must still be written, or -0.0 comes back as +0.0
     data = np.full((64, 64), -0.0, np.float32)
@@ -66,29 +52,6 @@ def test_negative_zero_and_nan_payloads_survive(store: LocalStore) -> None:
     out = np.empty_like(data)
     store.read_into("j", "s1-g0", "w", Region.full(data.shape), out, uncommitted=True)
     assert same_bits(out, data)
-
-
-def test_torch_bfloat16_in_and_out(store: LocalStore) -> None:
-    t = torch.randn(9, 17, dtype=torch.bfloat16)
-    store.write_shard("j", Version(3, 1), "emb", Region.full((9, 17)), t, dtype="bfloat16", global_shape=(9, 17))
-    out = torch.empty(4, 5, dtype=torch.bfloat16)
-    store.read_into("j", Version(3, 1), "emb", Region(((2, 6), (10, 15))), out, uncommitted=True)
-    assert torch.equal(out.view(torch.int16), t[2:6, 10:15].view(torch.int16))
-    as_u16 = np.empty((9, 17), np.uint16)  # a numpy uint16 buffer is the stored form of bfloat16
-    store.read_into("j", Version(3, 1), "emb", Region.full((9, 17)), as_u16, uncommitted=True)
-    assert as_u16.tobytes() == t.view(torch.int16).numpy().tobytes()
-
-
-def test_zero_dim_and_empty_tensors(store: LocalStore) -> None:
-    scalar = np.array(7, np.int64)
-    store.write_shard("j", "s1-g0", "step", Region(()), scalar, dtype="int64", global_shape=())
-    out = np.empty((), np.int64)
-    store.read_into("j", "s1-g0", "step", Region(()), out, uncommitted=True)
-    assert int(out) == 7
-    empty = np.empty((0, 5), np.float32)
-    store.write_shard("j", "s1-g0", "nothing", Region.full((0, 5)), empty, dtype="float32", global_shape=(0, 5))
-    store.read_into("j", "s1-g0", "nothing", Region.full((0, 5)), np.empty((0, 5), np.float32), uncommitted=True)
-    assert {s.tensor for s in store.manifest("j", "s1-g0").shards} == {"step", "nothing"}
 
 
 SHAPE = (50, 40)
@@ -146,32 +109,6 @@ def test_read_touches_only_the_chunks_of_the_region(tmp_path: Path) -> None:
         s.read_into("j", "s1-g0", "w", Region(((0, 1), (0, 1))), np.empty((1, 1), np.float32))
 
 
-def test_uncovered_region_is_state_lost_naming_the_gap(tiled: LocalStore, tmp_path: Path) -> None:
-    s = LocalStore(tmp_path)
-    s.write_shard("j", "s1-g0", "w", Region(((0, 10), (0, 4))), np.zeros((10, 4), np.float32), dtype="float32", global_shape=(20, 4))
-    with pytest.raises(StateLost, match=r"10:15,0:4"):
-        s.read_into("j", "s1-g0", "w", Region(((5, 15), (0, 4))), np.empty((10, 4), np.float32), uncommitted=True)
-
-
-def test_region_and_buffer_errors(tiled: LocalStore) -> None:
-    with pytest.raises(RegionOutOfBounds):
-        tiled.read_into("j", "s5-g0", "layers.0/w", Region(((0, 51), (0, 1))), np.empty((51, 1), np.float32))
-    with pytest.raises(InvalidRegion):
-        tiled.read_into("j", "s5-g0", "layers.0/w", Region(((0, 2),)), np.empty((2,), np.float32))
-    with pytest.raises(InvalidRegion, match="shape"):
-        tiled.read_into("j", "s5-g0", "layers.0/w", Region(((0, 2), (0, 2))), np.empty((2, 3), np.float32))
-    with pytest.raises(InvalidInput, match="8-byte"):
-        tiled.read_into("j", "s5-g0", "layers.0/w", Region(((0, 2), (0, 2))), np.empty((2, 2), np.float64))
-    with pytest.raises(InvalidInput, match="C-contiguous"):
-        tiled.read_into("j", "s5-g0", "layers.0/w", Region(((0, 2), (0, 2))), np.empty((2, 4), np.float32)[:, ::2])
-    with pytest.raises(NotFound, match="tensor"):
-        tiled.read_into("j", "s5-g0", "nope", Region(((0, 1),)), np.empty((1,), np.float32))
-    with pytest.raises(NotFound, match="version"):
-        tiled.read_into("j", "s6-g0", "layers.0/w", Region(((0, 1), (0, 1))), np.empty((1, 1), np.float32))
-    with pytest.raises(NotFound, match="job"):
-        tiled.read_into("other", "s5-g0", "layers.0/w", Region(((0, 1), (0, 1))), np.empty((1, 1), np.float32))
-
-
 def test_write_errors_store_nothing(store: LocalStore) -> None:
     box = Region.full((4, 4))
     ok = np.zeros((4, 4), np.float32)
@@ -195,53 +132,6 @@ def test_write_errors_store_nothing(store: LocalStore) -> None:
         store.write_shard("j", "../s1", "w", box, ok, dtype="float32", global_shape=(4, 4))
     assert store.jobs() == []
     assert not any(p.is_file() for p in store.root.rglob("*"))
-
-
-def test_tensor_dtype_and_shape_must_agree_within_a_version(store: LocalStore) -> None:
-    store.write_shard("j", "s1-g0", "w", Region(((0, 2), (0, 4))), np.zeros((2, 4), np.float32), dtype="float32", global_shape=(4, 4))
-    with pytest.raises(Conflict, match="float32"):
-        store.write_shard("j", "s1-g0", "w", Region(((2, 4), (0, 4))), np.zeros((2, 4), np.float16), dtype="float16", global_shape=(4, 4))
-    with pytest.raises(Conflict, match=r"\[4, 4\]"):
-        store.write_shard("j", "s1-g0", "w", Region(((2, 4), (0, 4))), np.zeros((2, 4), np.float32), dtype="float32", global_shape=(8, 4))
-
-
-def test_rewrite_replaces_and_commit_freezes(store: LocalStore) -> None:
-    box = Region.full((3, 3))
-    store.write_shard("j", "s1-g0", "w", box, np.zeros((3, 3), np.int32), dtype="int32", global_shape=(3, 3))
-    store.write_shard("j", "s1-g0", "w", box, np.ones((3, 3), np.int32), dtype="int32", global_shape=(3, 3))
-    assert len(store.manifest("j", "s1-g0").shards) == 1
-    with pytest.raises(NotFound, match="not committed"):
-        store.read_into("j", "s1-g0", "w", box, np.empty((3, 3), np.int32))
-    store.commit("j", "s1-g0")
-    store.commit("j", "s1-g0")  # idempotent
-    out = np.empty((3, 3), np.int32)
-    store.read_into("j", "s1-g0", "w", box, out)
-    assert (out == 1).all()
-    with pytest.raises(Conflict, match="committed"):
-        store.write_shard("j", "s1-g0", "w", box, np.full((3, 3), 2, np.int32), dtype="int32", global_shape=(3, 3))
-    store.read_into("j", "s1-g0", "w", box, out)
-    assert (out == 1).all()
-    assert store.verify("j", "s1-g0") == []
-
-
-def test_manifest_json_round_trip_and_versions_order(store: LocalStore) -> None:
-    from tenplex.store.model import Manifest
-
-    for v in ("s10-g0", "s2-g1", "s2-g0", "s10-g2"):
-        store.write_shard("j", v, "a/b.c", Region.full((2,)), np.zeros(2, np.float64), dtype="float64", global_shape=(2,))
-    store.commit("j", "s2-g1")
-    infos = store.versions("j")
-    assert [str(vi.version) for vi in infos] == ["s2-g0", "s2-g1", "s10-g0", "s10-g2"]
-    assert [vi.committed for vi in infos] == [False, True, False, False]
-    assert all(vi.nbytes == 16 for vi in infos)
-    m = store.manifest("j", "s2-g1")
-    assert m.committed and Manifest.from_json(m.to_json()) == m
-    assert m.shards[0].tensor == "a/b.c" and m.shards[0].global_shape == (2,)
-    assert store.jobs() == ["j"]
-    with pytest.raises(NotFound):
-        store.versions("nojob")
-    with pytest.raises(NotFound):
-        store.manifest("j", "s99-g0")
 
 
 def test_delete_and_gc_keep_the_newest_committed(store: LocalStore) -> None:
@@ -369,31 +259,6 @@ def test_both_copy_paths_give_the_same_bytes(tmp_path: Path, map_chunks: bool) -
         out = np.empty(region.shape, np.float32)
         s.read_into("j", "s1-g0", "w", region, out, uncommitted=True)
         assert out.tobytes() == np.ascontiguousarray(data[region.slices()]).tobytes()
-
-
-def test_link_shard_shares_files_and_survives_deleting_the_old_version(store: LocalStore) -> None:
-    data = random_array((300, 200), "float32", seed=3)
-    top, bottom = Region(((0, 150), (0, 200))), Region(((150, 300), (0, 200)))
-    for r in (top, bottom):
-        store.write_shard("j", "s1-g0", "w", r, data[r.slices()], dtype="float32", global_shape=data.shape)
-    store.commit("j", "s1-g0")
-    info = store.link_shard("j", "s1-g0", "w", top, "s2-g1")
-    recorded = {sh.region: sh.checksum for sh in store.manifest("j", "s1-g0").shards}
-    assert info.region == top and info.checksum == recorded[top]
-    old_files = sorted(p for p in (store.root / "j" / "s1-g0" / "w" / "r0-150_0-200").rglob("*") if p.is_file())
-    assert old_files and all(p.stat().st_nlink == 2 for p in old_files)  # shared, not copied
-    with pytest.raises(NotFound, match="exactly region"):
-        store.link_shard("j", "s1-g0", "w", Region(((0, 100), (0, 200))), "s2-g1")
-    with pytest.raises(NotFound):
-        store.link_shard("j", "s1-g1", "w", top, "s2-g1")  # no such version
-    store.write_shard("j", "s2-g1", "w", bottom, data[bottom.slices()], dtype="float32", global_shape=data.shape)
-    store.commit("j", "s2-g1")
-    with pytest.raises(Conflict, match="immutable"):
-        store.link_shard("j", "s1-g0", "w", top, "s2-g1")
-    store.delete("j", "s1-g0")
-    out = np.empty_like(data)
-    store.read_into("j", "s2-g1", "w", Region.full(data.shape), out)
-    assert same_bits(out, data) and store.verify("j", "s2-g1") == []
 
 
 def test_link_shard_refuses_a_shard_damaged_on_disk(store: LocalStore) -> None:
