@@ -1,6 +1,6 @@
 """Tensor store throughput on a 1 GiB float32 tensor, as ratios against baselines measured in the same run.
 
-1. Local region read into a preallocated buffer (``LocalStore.read_region``)
+1. Local region read into a preallocated buffer (``LocalStore.read_into``)
    vs ``numpy.copyto`` of the same number of bytes into a preallocated buffer;
    a row slice and a column slice (targets >= 0.5 and >= 0.3).
 2. HTTP region read into a client buffer (``StoreClient.read_into``, checksum

@@ -13,6 +13,7 @@ from rich.table import Table
 from tenplex.core.units import human_bytes
 from tenplex.errors import InvalidConfig, InvalidInput
 from tenplex.ptc.dataset import DatasetState
+from tenplex.ptc.megatron import GPTSpec, megatron_gpt_ptc
 from tenplex.ptc.model import PTC
 from tenplex.ptc.parallel import ParallelConfig
 
@@ -92,8 +93,6 @@ def _int_list(text: str, what: str) -> tuple[int, ...]:
 
 
 def _megatron_gpt(args: argparse.Namespace) -> int:
-    from tenplex.ptc.megatron import GPTSpec, megatron_gpt_ptc
-
     spec = GPTSpec(
         num_layers=args.layers,
         hidden=args.hidden,

@@ -1,4 +1,8 @@
-"""Client of the store daemon, used by the transformer's executor and by the workers.
+"""Client of the store daemon: the :class:`~tenplex.store.base.TensorStore` of a node reached over HTTP.
+
+Used by the transformer's executor (the sources of a transform), by workers
+without their node's store directory, and by the CLI; the headers, limits and
+request bodies it speaks are :mod:`tenplex.store.wire`, shared with the server.
 
 Bulk bytes go straight from the socket into the caller's buffer
 (``http.client`` ``readinto`` a memoryview of it, 2-3x faster than requests or

@@ -1,4 +1,4 @@
-"""Zarr-backed shard storage on a node's local disk.
+"""Zarr-backed shard storage on a node's local disk: the :class:`~tenplex.store.base.TensorStore` of this machine.
 
 Layout under the root (every bookkeeping entry starts with a dot, which no
 job name may)::
