@@ -58,6 +58,7 @@ from typing import Any
 
 import numpy as np
 
+from tenplex.core.units import human_bytes
 from tenplex.ptc import PTC, Device, ParallelConfig, Region, Shard, Tensor
 from tenplex.ptc.megatron import GPTSpec, megatron_gpt_ptc
 from tenplex.store.client import StoreClient
@@ -66,7 +67,6 @@ from tenplex.testing.emulated import STORE_PORT, EmulatedTenplex
 from tenplex.testing.netcluster import NetCluster, netns_unavailable_reason, parse_rate
 from tenplex.transformer.plan import Plan, make_plan
 from tenplex.transformer.remote import PlanRun
-from tenplex.units import human_bytes
 
 log = logging.getLogger("cluster_reshard")
 

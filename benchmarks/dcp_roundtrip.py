@@ -29,7 +29,6 @@ import torch.distributed.checkpoint as dcp
 from tenplex.interop.dcp import export_dcp, import_dcp
 from tenplex.ptc import PTC, Device, Region, TensorKind, build_tensor
 from tenplex.store.local import LocalStore
-from tenplex.worker.stores import DirectStore
 
 
 def layout(shapes: dict[str, tuple[tuple[int, int], str]], hosts: int, by_rows: bool) -> PTC:
@@ -57,7 +56,7 @@ def main() -> None:
     src, dst = layout(shapes, 2, True), layout(shapes, 3, False)
     tmp = Path(tempfile.mkdtemp(prefix="tenplex-dcp-bench-"))
     try:
-        stores = {h: DirectStore(LocalStore(tmp / "src" / h)) for h in src.hosts}
+        stores = {h: LocalStore(tmp / "src" / h) for h in src.hosts}
         for h in src.hosts:
             for t, s in src.shards_on_host(h):
                 stores[h].write_shard("j", "s1-g0", t.name, s.region, state[t.name][s.region.slices()].contiguous(),
@@ -81,7 +80,7 @@ def main() -> None:
             times["baseline load"].append(time.perf_counter() - t0)
             assert all(torch.equal(back[k].view(torch.int16 if v.element_size() == 2 else torch.int32),
                                    v.view(torch.int16 if v.element_size() == 2 else torch.int32)) for k, v in state.items())
-            targets = {h: DirectStore(LocalStore(tmp / f"dst{run}" / h)) for h in dst.hosts}
+            targets = {h: LocalStore(tmp / f"dst{run}" / h) for h in dst.hosts}
             os.sync()
             t0 = time.perf_counter()
             import_dcp(out, dst, "j", "s1-g0", targets)

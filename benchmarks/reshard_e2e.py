@@ -45,7 +45,7 @@ from tenplex.ptc import PTC, ParallelConfig, Region
 from tenplex.ptc.megatron import GPTSpec, megatron_gpt_ptc
 from tenplex.store.client import StoreClient
 from tenplex.store.local import LocalStore
-from tenplex.transformer.execute import LocalTarget, execute_host_plan
+from tenplex.transformer.execute import execute_host_plan
 from tenplex.transformer.plan import make_plan
 
 ADDRESSES = {"h0": "127.0.0.2", "h1": "127.0.0.3", "h2": "127.0.0.4", "h3": "127.0.0.5"}
@@ -118,10 +118,10 @@ def snapshot(old: PTC, clients: dict[str, StoreClient], job: str) -> float:
 def _host_worker(host: str, root: str, urls: dict[str, str], alive: set[str] | None, tasks, results) -> None:  # type: ignore[no-untyped-def]
     """One target node's transformer, started before the clock like DCP's processes; runs the plan it is sent.
 
-    It works on its node's store directly (LocalTarget: local pieces and the new version on its own
+    It works on its node's store directly (a LocalStore target: local pieces and the new version on its own
     disk, as a node-side executor does) and pulls remote pieces from the other daemons over HTTP.
     """
-    target = LocalTarget(LocalStore(root))
+    target = LocalStore(root)
     while True:
         plan = tasks.get()
         if plan is None:

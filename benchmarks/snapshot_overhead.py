@@ -37,12 +37,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from examples.gpt.model import GPT, GPTConfig, cross_entropy_loss  # noqa: E402
+from tenplex.core.version import Version  # noqa: E402
 from tenplex.ptc import PTC, Device, Region, build_tensor  # noqa: E402
-from tenplex.store import LocalStore, Version  # noqa: E402
+from tenplex.store import TensorStore  # noqa: E402
 from tenplex.store.client import StoreClient  # noqa: E402
+from tenplex.store.local import LocalStore  # noqa: E402
 from tenplex.worker.snapshot import Snapshotter  # noqa: E402
 from tenplex.worker.state import live_pieces  # noqa: E402
-from tenplex.worker.stores import DirectStore, ShardStore  # noqa: E402
 
 JOB = "bench"
 
@@ -112,9 +113,9 @@ def main() -> int:
         daemon = None
         if args.store == "http":
             daemon, url = start_daemon(root, args.daemon_nice)
-            store: ShardStore = StoreClient(url)
+            store: TensorStore = StoreClient(url)
         else:
-            store = DirectStore(LocalStore(root / "data", durable=not args.no_fsync))
+            store = LocalStore(root / "data", durable=not args.no_fsync)
         snap = Snapshotter(store, JOB, ptc, rank=0, writer_nice=args.writer_nice, write_concurrency=args.write_concurrency)
         times: dict[str, list[float]] = {"none": [], "snapshot": []}
         written: list[Version] = []
@@ -166,11 +167,8 @@ def main() -> int:
     return 0 if ok else 1
 
 
-def delete_version(store: ShardStore, version: Version) -> None:
-    if isinstance(store, DirectStore):
-        store.local.delete(JOB, version)
-    else:
-        store.delete(JOB, version)  # type: ignore[attr-defined]
+def delete_version(store: TensorStore, version: Version) -> None:
+    store.delete(JOB, version)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Tensor store throughput on a 1 GiB float32 tensor, as ratios against baselines measured in the same run.
 
-1. Local region read into a preallocated buffer (``LocalStore.read_region``)
+1. Local region read into a preallocated buffer (``LocalStore.read_into``)
    vs ``numpy.copyto`` of the same number of bytes into a preallocated buffer;
    a row slice and a column slice (targets >= 0.5 and >= 0.3).
 2. HTTP region read into a client buffer (``StoreClient.read_into``, checksum
@@ -244,8 +244,8 @@ def main() -> int:
     copy_src = data[:q]  # 256 MiB, contiguous
     copy_dst = np.empty_like(copy_src)
     copy = lambda: np.copyto(copy_dst, copy_src)  # noqa: E731
-    t_copy, t_row, row_ratio = paired(copy, lambda: store.read_region("bench", "s1-g0", "w", row, out_row), args.repeats)
-    _, t_col, col_ratio = paired(copy, lambda: store.read_region("bench", "s1-g0", "w", col, out_col), args.repeats)
+    t_copy, t_row, row_ratio = paired(copy, lambda: store.read_into("bench", "s1-g0", "w", row, out_row), args.repeats)
+    _, t_col, col_ratio = paired(copy, lambda: store.read_into("bench", "s1-g0", "w", col, out_col), args.repeats)
     assert np.array_equal(out_row, data[:q]) and np.array_equal(out_col, data[:, :q])
     nb = out_row.nbytes
     results.update(

@@ -35,10 +35,10 @@ import torch.distributed as dist
 from torch import nn
 
 from examples.gpt.train import SyntheticTokens, log_loss
+from tenplex.core import protocol
+from tenplex.core.version import Version
 from tenplex.errors import InvalidConfig
 from tenplex.ptc import PTC, DatasetState, ParallelConfig, Placement
-from tenplex.scheduler import protocol
-from tenplex.store import Version
 from tenplex.worker.session import ElasticWorker, WorkerSetup
 from tenplex.worker.state import live_pieces
 

@@ -40,9 +40,9 @@ from tenplex.serving import (
     uvicorn_config,
     write_port_file,
 )
-from tenplex.store.client import TOKEN_ENV
 from tenplex.store.local import LocalStore
 from tenplex.store.server import MULTIPROC_ENV, create_app
+from tenplex.store.wire import TOKEN_ENV
 from tenplex.transformer.service import TransformService, TransformSettings, transform_router
 
 log = logging.getLogger(__name__)

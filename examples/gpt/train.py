@@ -51,11 +51,11 @@ from examples.gpt.parallelize import (
     parallelize,
     pipeline_stage_module,
 )
+from tenplex.core import protocol
+from tenplex.core.version import Version
 from tenplex.errors import InvalidConfig
 from tenplex.ptc import PTC, DatasetState, ParallelConfig, Placement
 from tenplex.ptc.dtypes import storage_dtype
-from tenplex.scheduler import protocol
-from tenplex.store import Version
 from tenplex.worker.session import ElasticWorker, WorkerSetup
 from tenplex.worker.state import live_pieces
 

@@ -1,4 +1,8 @@
-"""``tenplex export`` and ``tenplex import``: a committed version to a DCP checkpoint, and back."""
+"""``tenplex export`` and ``tenplex import``: a committed version to a DCP checkpoint, and back.
+
+DCP and the export itself (:mod:`tenplex.interop.dcp`, which loads torch) are imported by the two
+commands: every ``cli`` module is imported to build ``tenplex --help``.
+"""
 
 from __future__ import annotations
 
@@ -11,10 +15,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from tenplex.core.version import Version
 from tenplex.errors import InvalidInput
 from tenplex.interop.keymap import KEY_MAPS, parse_options
 from tenplex.ptc.model import PTC
-from tenplex.store.version import Version
+from tenplex.scheduler.cli import SchedulerClient
 
 _KEY_MAP_HELP = (
     f"how PTC tensors become checkpoint keys: {', '.join(KEY_MAPS)} or module:function (default identity; "
@@ -91,8 +96,6 @@ def _layout(args: argparse.Namespace, generation: int | None, job: str) -> tuple
     urls: dict[str, str] = {}
     client = None
     if args.scheduler:
-        from tenplex.scheduler.cli import SchedulerClient
-
         client = SchedulerClient(args.scheduler, args.token)
         urls = {h["name"]: h["store_url"] for h in client.request("GET", "/v1/hosts")["hosts"]}
     if args.ptc is not None:

@@ -79,14 +79,14 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from tenplex.core.version import Version
 from tenplex.errors import Conflict, InvalidInput, NotFound, StateLost, TenplexError
 from tenplex.interop import keymap as km
 from tenplex.ptc import PTC, DatasetState, Region, TensorKind
 from tenplex.ptc.dtypes import itemsize, name_of_torch, torch_dtype
 from tenplex.ptc.region import subtract
-from tenplex.store.version import Version
+from tenplex.store import StoreClient, TensorStore, open_store
 from tenplex.worker import trainer_state
-from tenplex.worker.stores import ShardStore
 
 log = logging.getLogger(__name__)
 
@@ -209,7 +209,7 @@ def export_dcp(
     job: str,
     version: Version | str,
     ptc: PTC,
-    stores: Mapping[str, ShardStore],
+    stores: Mapping[str, TensorStore],
     directory: str | Path,
     *,
     key_map: str = "identity",
@@ -306,7 +306,7 @@ def _clear(path: Path) -> None:
             entry.unlink(missing_ok=True)
 
 
-def _committed_holdings(job: str, v: Version, stores: Mapping[str, ShardStore]) -> dict[str, dict[str, list[Region]]]:
+def _committed_holdings(job: str, v: Version, stores: Mapping[str, TensorStore]) -> dict[str, dict[str, list[Region]]]:
     """host -> tensor -> stored regions, for every store that holds ``v`` committed."""
     held: dict[str, dict[str, list[Region]]] = {}
     for host, store in stores.items():
@@ -381,7 +381,7 @@ def _chunks(ptc: PTC, kmap: km.KeyMap, holder: Mapping[tuple[str, Region], str])
     return out
 
 
-def _records(job: str, v: Version, stores: Mapping[str, ShardStore], held: Mapping[str, Mapping[str, list[Region]]]) -> list[dict]:
+def _records(job: str, v: Version, stores: Mapping[str, TensorStore], held: Mapping[str, Mapping[str, list[Region]]]) -> list[dict]:
     """The snapshot's trainer-state records (one per rank that wrote one; none in a reconfiguration's version)."""
     found: dict[str, str] = {}
     for host, tensors in held.items():
@@ -613,7 +613,7 @@ def import_dcp(
     ptc: PTC,
     job: str,
     version: Version | str | None,
-    stores: Mapping[str, ShardStore],
+    stores: Mapping[str, TensorStore],
     *,
     key_map: str = "identity",
     options: Mapping[str, str] | None = None,
@@ -713,7 +713,7 @@ def _imported_dataset(target: DatasetState | None, recorded: DatasetState | None
     return dataclasses.replace(target, consumed_samples=recorded.consumed_samples)
 
 
-def _check_absent(store: ShardStore, host: str, job: str, v: Version) -> None:
+def _check_absent(store: TensorStore, host: str, job: str, v: Version) -> None:
     try:
         manifest = store.manifest(job, v)
     except NotFound:
@@ -722,16 +722,11 @@ def _check_absent(store: ShardStore, host: str, job: str, v: Version) -> None:
     raise Conflict(f"version {v} of job {job!r} already exists in the store of {host} ({state}); import into a new version")
 
 
-def _discard(stores: Mapping[str, ShardStore], hosts: Sequence[str], job: str, v: Version) -> None:
+def _discard(stores: Mapping[str, TensorStore], hosts: Sequence[str], job: str, v: Version) -> None:
     """Delete a failed import's partial version everywhere it reached (it was absent before)."""
     for host in hosts:
-        store = stores[host]
-        delete = getattr(store, "delete", None) or getattr(getattr(store, "local", None), "delete", None)
-        if delete is None:
-            log.warning("cannot delete the partial version %s of job %s in the store of %s", v, job, host)
-            continue
         try:
-            delete(job, v)
+            stores[host].delete(job, v)
         except NotFound:
             pass
         except Exception as exc:  # keep the original failure; report this one
@@ -757,14 +752,11 @@ def _batches(jobs: Sequence[_ShardJob], limit: int) -> list[list[_ShardJob]]:
 class HostStores:
     """The stores of a job's hosts, opened from ``HOST=URL`` and ``HOST=DIR`` lists; closes the HTTP clients."""
 
-    stores: dict[str, ShardStore] = field(default_factory=dict)
+    stores: dict[str, TensorStore] = field(default_factory=dict)
 
     @classmethod
     def open(cls, urls: Mapping[str, str], roots: Mapping[str, str], *, token: str | None = None,
              must_exist: bool = True) -> HostStores:
-        from tenplex.store.client import StoreClient
-        from tenplex.worker.stores import DirectStore
-
         both = sorted(set(urls) & set(roots))
         if both:
             raise InvalidInput(f"host(s) {', '.join(both)} given both a store URL and a store root")
@@ -775,14 +767,12 @@ class HostStores:
             if must_exist and not Path(root).is_dir():
                 out.close()
                 raise NotFound(f"store root {root} of {host} does not exist")
-            out.stores[host] = DirectStore(root)
+            out.stores[host] = open_store(Path(root))
         return out
 
     def close(self) -> None:
         for store in self.stores.values():
-            close = getattr(store, "close", None)
-            if close is not None:
-                close()
+            store.close()
 
     def __enter__(self) -> HostStores:
         return self

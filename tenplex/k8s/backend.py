@@ -52,13 +52,7 @@ from typing import Any
 
 from kubernetes import client
 
-from tenplex.errors import Conflict, InvalidConfig, NotFound, StoreUnavailable
-from tenplex.k8s import crd
-from tenplex.k8s.informer import Informer
-from tenplex.k8s.settings import KubernetesSettings
-from tenplex.launcher import ENV_LOCAL_WORLD_SIZE, ENV_POD_RANKS
-from tenplex.scheduler.backend import Backend, HostInfo, WorkerLaunch
-from tenplex.scheduler.protocol import (
+from tenplex.core.protocol import (
     ENV_GENERATION,
     ENV_LOCAL_RANK,
     ENV_RANK,
@@ -66,6 +60,12 @@ from tenplex.scheduler.protocol import (
     ENV_TOKEN,
     ENV_WORKER_ID,
 )
+from tenplex.errors import Conflict, InvalidConfig, NotFound, StoreUnavailable
+from tenplex.k8s import crd
+from tenplex.k8s.informer import Informer
+from tenplex.k8s.settings import KubernetesSettings
+from tenplex.launcher import ENV_LOCAL_WORLD_SIZE, ENV_POD_RANKS
+from tenplex.scheduler.backend import Backend, HostInfo, WorkerLaunch
 
 log = logging.getLogger(__name__)
 

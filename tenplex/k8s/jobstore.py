@@ -44,14 +44,14 @@ from typing import Any
 
 from kubernetes import client
 
+from tenplex.core.units import human_bytes
+from tenplex.core.version import Version
 from tenplex.errors import InvalidConfig, NotFound
 from tenplex.k8s import crd
 from tenplex.k8s.informer import Informer
 from tenplex.k8s.settings import KubernetesSettings
 from tenplex.ptc import PTC
 from tenplex.scheduler.state import JobSpec, JobStatus, Phase, check_job_name
-from tenplex.store.version import Version
-from tenplex.units import human_bytes
 
 log = logging.getLogger(__name__)
 

@@ -10,11 +10,12 @@ from collections import Counter, defaultdict
 from rich.console import Console
 from rich.table import Table
 
+from tenplex.core.units import human_bytes
 from tenplex.errors import InvalidConfig, InvalidInput
 from tenplex.ptc.dataset import DatasetState
+from tenplex.ptc.megatron import GPTSpec, megatron_gpt_ptc
 from tenplex.ptc.model import PTC
 from tenplex.ptc.parallel import ParallelConfig
-from tenplex.units import human_bytes
 
 _NAMINGS = {"megatron-lm": "megatron-lm", "lm": "megatron-lm", "megatron-core": "megatron-core", "core": "megatron-core"}
 """--naming values (with their short forms) -> GPTSpec.naming."""
@@ -92,8 +93,6 @@ def _int_list(text: str, what: str) -> tuple[int, ...]:
 
 
 def _megatron_gpt(args: argparse.Namespace) -> int:
-    from tenplex.ptc.megatron import GPTSpec, megatron_gpt_ptc
-
     spec = GPTSpec(
         num_layers=args.layers,
         hidden=args.hidden,

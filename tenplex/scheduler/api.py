@@ -1,7 +1,7 @@
 """The scheduler's REST API (FastAPI; OpenAPI at ``/openapi.json``, docs at ``/docs``).
 
 Users create, inspect, scale and delete jobs and report events; workers speak
-the protocol of :mod:`tenplex.scheduler.protocol`. Everything but
+the protocol of :mod:`tenplex.core.protocol`. Everything but
 ``/healthz`` needs ``Authorization: Bearer <token>`` when the scheduler has a
 token. Every error is ``{"error": code, "detail": message}``; bad requests
 are 4xx, never 5xx.
@@ -21,9 +21,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tenplex import __version__
+from tenplex.core import protocol as P
 from tenplex.errors import InvalidInput, NotFound, TenplexError, Unauthorized
 from tenplex.ptc import DatasetState
-from tenplex.scheduler import protocol as P
 from tenplex.scheduler.controller import JobController, job_view
 from tenplex.scheduler.layouts import LayoutSpec
 from tenplex.scheduler.service import Scheduler

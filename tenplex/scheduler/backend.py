@@ -26,8 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from tenplex.core.protocol import ENV_STORE_ROOT
 from tenplex.errors import InvalidConfig, NotFound, StoreUnavailable
-from tenplex.scheduler.protocol import ENV_STORE_ROOT
 
 log = logging.getLogger(__name__)
 

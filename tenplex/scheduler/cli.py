@@ -15,9 +15,9 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from tenplex.core.units import human_bytes
 from tenplex.errors import InvalidInput, StoreUnavailable, TenplexError, error_class
 from tenplex.scheduler.state import DATA_PHASES
-from tenplex.units import human_bytes
 
 DEFAULT_URL = "http://127.0.0.1:8470"
 

@@ -19,11 +19,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from tenplex.core.protocol import ExitReport
+from tenplex.core.version import Version
 from tenplex.ptc import PTC
 from tenplex.scheduler.backend import Backend
-from tenplex.scheduler.protocol import ExitReport
 from tenplex.scheduler.state import JobSpec, JobStatus, Phase, Stage, StateDir, phase_split
-from tenplex.store.version import Version
 
 log = logging.getLogger(__name__)
 

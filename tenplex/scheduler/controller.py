@@ -29,13 +29,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from tenplex.errors import Conflict, NotFound
-from tenplex.ptc import PTC
-from tenplex.scheduler.backend import Backend
-from tenplex.scheduler.context import JobContext, SchedulerSettings
-from tenplex.scheduler.decide import Observations, decide_running, decide_stopping
-from tenplex.scheduler.launcher import WorkerLauncher
-from tenplex.scheduler.protocol import (
+from tenplex.core.protocol import (
     Assignment,
     ExitReport,
     HeartbeatReply,
@@ -44,6 +38,12 @@ from tenplex.scheduler.protocol import (
     RegisterRequest,
     SnapshotReport,
 )
+from tenplex.errors import Conflict, NotFound
+from tenplex.ptc import PTC
+from tenplex.scheduler.backend import Backend
+from tenplex.scheduler.context import JobContext, SchedulerSettings
+from tenplex.scheduler.decide import Observations, decide_running, decide_stopping
+from tenplex.scheduler.launcher import WorkerLauncher
 from tenplex.scheduler.reconfigure import STOP_MARGIN_STEPS, Orchestrator
 from tenplex.scheduler.state import JobSpec, JobStatus, Phase, Stage, StateDir, WorkerRecord
 

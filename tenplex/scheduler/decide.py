@@ -15,11 +15,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from tenplex.core.protocol import ExitReport
+from tenplex.core.version import Version
 from tenplex.ptc import PTC
 from tenplex.scheduler.backend import HostInfo
-from tenplex.scheduler.protocol import ExitReport
 from tenplex.scheduler.state import JobSpec, JobStatus
-from tenplex.store.version import Version
 
 
 @dataclass(frozen=True)

@@ -5,17 +5,14 @@ its hosts: each gets torchrun's environment (rank, world size, local rank,
 the rendezvous at rank 0's host) and Tenplex's (the scheduler's URL, its
 worker id, its host's store), is recorded in the job's record before any of
 them can register, and is started by the backend. At registration it receives
-its :class:`~tenplex.scheduler.protocol.Assignment`: its rank and parallel
+its :class:`~tenplex.core.protocol.Assignment`: its rank and parallel
 coordinates, the PTC of its generation (inline, or a URL when large), the
 version to restore and the step to stop after.
 """
 
 from __future__ import annotations
 
-from tenplex.scheduler import policy as policy_mod
-from tenplex.scheduler.backend import WorkerLaunch
-from tenplex.scheduler.context import JobContext
-from tenplex.scheduler.protocol import (
+from tenplex.core.protocol import (
     ENV_GENERATION,
     ENV_HOST,
     ENV_JOB,
@@ -26,6 +23,9 @@ from tenplex.scheduler.protocol import (
     ENV_WORKER_ID,
     Assignment,
 )
+from tenplex.scheduler import policy as policy_mod
+from tenplex.scheduler.backend import WorkerLaunch
+from tenplex.scheduler.context import JobContext
 from tenplex.scheduler.state import WorkerRecord
 
 LAUNCH_TEARDOWN_GRACE_S = 30.0

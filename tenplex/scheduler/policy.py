@@ -20,9 +20,9 @@ import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from tenplex.core.units import human_bytes
 from tenplex.errors import InvalidConfig, TenplexError
 from tenplex.ptc import PTC, ParallelConfig, Placement
-from tenplex.units import human_bytes
 
 log = logging.getLogger(__name__)
 

@@ -26,6 +26,8 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
+from tenplex.core.units import human_bytes
+from tenplex.core.version import Version
 from tenplex.errors import (
     InvalidConfig,
     NotFound,
@@ -41,10 +43,8 @@ from tenplex.scheduler.context import JobContext
 from tenplex.scheduler.decide import choose_recovery, find_stop_version, steps_reached
 from tenplex.scheduler.launcher import WorkerLauncher
 from tenplex.scheduler.state import Phase, Reconfiguration, Stage, phase_split
-from tenplex.store.version import Version
 from tenplex.transformer.plan import Plan, make_plan
 from tenplex.transformer.remote import COMMITTED, INTERRUPTED, PlanRun, TransformStatus
-from tenplex.units import human_bytes
 
 log = logging.getLogger(__name__)
 

@@ -21,11 +21,11 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from tenplex.core.protocol import JOB_NAME_PATTERN
 from tenplex.errors import InvalidConfig, NotFound
 from tenplex.ptc import PTC, DatasetState, ParallelConfig
 from tenplex.scheduler.layouts import LayoutSpec
 from tenplex.scheduler.policy import Policy
-from tenplex.scheduler.protocol import JOB_NAME_PATTERN
 
 _NAME = re.compile(JOB_NAME_PATTERN)
 
@@ -218,7 +218,7 @@ class Reconfiguration:
     """The generation whose workers this change launched (their start-up milestones land here)."""
     marks: dict[str, float] = field(default_factory=dict)
     """Wall-clock times of the change's milestones (see :data:`MARKS`): the scheduler's own and the slowest
-    worker's (:data:`~tenplex.scheduler.protocol.WORKER_MARKS`)."""
+    worker's (:data:`~tenplex.core.protocol.WORKER_MARKS`)."""
     phases: dict[str, float] = field(default_factory=dict)
     """Seconds of each phase of the downtime (see :func:`phase_split`), known so far."""
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import crc32c
 import numpy as np
 
+from tenplex.core.buffers import byte_view
 from tenplex.errors import InvalidInput
 from tenplex.ptc.dtypes import itemsize, storage_dtype
 from tenplex.ptc.region import Region
@@ -160,13 +161,6 @@ def payload_offset(shape: Sequence[int], item: int, piece: Region) -> int:
         offset += a * stride
         stride *= s
     return offset
-
-
-def byte_view(arr: np.ndarray) -> memoryview:
-    """The C-order bytes of a contiguous array as a flat ``B`` memoryview (no copy)."""
-    if not arr.flags.c_contiguous:
-        raise InvalidInput(f"buffer of shape {arr.shape} is not C-contiguous")
-    return memoryview(arr.reshape(-1).view(np.uint8))
 
 
 def crc_of(arr: np.ndarray, crc: int = 0) -> int:

@@ -1,4 +1,8 @@
-"""``tenplex store ...``: run the node daemon, list what a daemon holds, fetch a region, check and collect locally."""
+"""``tenplex store ...``: run the node daemon, list what a daemon holds, fetch a region, check and collect locally.
+
+The daemon (FastAPI, uvicorn) and the local store (zarr) are imported by the commands that use them:
+every ``cli`` module is imported to build ``tenplex --help``, which should not load them.
+"""
 
 from __future__ import annotations
 
@@ -11,11 +15,12 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from tenplex.core.units import human_bytes, parse_bytes
 from tenplex.errors import InvalidInput, NotFound
 from tenplex.ptc.dtypes import storage_dtype
 from tenplex.ptc.region import Region
 from tenplex.store.buffers import DEFAULT_CHUNK_BYTES
-from tenplex.units import parse_bytes
+from tenplex.store.client import StoreClient
 
 log = logging.getLogger(__name__)
 
@@ -101,15 +106,7 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _human(n: float) -> str:
-    from tenplex.ptc.cli import human_bytes
-
-    return human_bytes(n)
-
-
 def _ls(args: argparse.Namespace) -> int:
-    from tenplex.store.client import StoreClient
-
     console = Console()
     with StoreClient(args.url, args.token) as client:
         if args.job is None:
@@ -127,7 +124,7 @@ def _ls(args: argparse.Namespace) -> int:
                     str(len(infos)),
                     str(len(committed)),
                     str(committed[-1].version) if committed else "-",
-                    _human(sum(vi.nbytes for vi in infos)),
+                    human_bytes(sum(vi.nbytes for vi in infos)),
                 )
             console.print(table)
             return 0
@@ -135,14 +132,12 @@ def _ls(args: argparse.Namespace) -> int:
         for col in ("version", "step", "generation", "committed", "bytes"):
             table.add_column(col, justify="left" if col == "version" else "right")
         for vi in client.versions(args.job):
-            table.add_row(str(vi.version), str(vi.version.step), str(vi.version.generation), "yes" if vi.committed else "no", _human(vi.nbytes))
+            table.add_row(str(vi.version), str(vi.version.step), str(vi.version.generation), "yes" if vi.committed else "no", human_bytes(vi.nbytes))
         console.print(table)
     return 0
 
 
 def _get(args: argparse.Namespace) -> int:
-    from tenplex.store.client import StoreClient
-
     out_path = Path(args.output)
     if out_path.suffix != ".npy":
         raise InvalidInput(f"output file {args.output!r} must end in .npy")

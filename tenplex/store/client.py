@@ -1,4 +1,8 @@
-"""Client of the store daemon, used by the transformer's executor and by the workers.
+"""Client of the store daemon: the :class:`~tenplex.store.base.TensorStore` of a node reached over HTTP.
+
+Used by the transformer's executor (the sources of a transform), by workers
+without their node's store directory, and by the CLI; the headers, limits and
+request bodies it speaks are :mod:`tenplex.store.wire`, shared with the server.
 
 Bulk bytes go straight from the socket into the caller's buffer
 (``http.client`` ``readinto`` a memoryview of it, 2-3x faster than requests or
@@ -39,6 +43,8 @@ import crc32c
 import numpy as np
 
 from tenplex import errors
+from tenplex.core.buffers import byte_view
+from tenplex.core.version import Version
 from tenplex.errors import (
     ChecksumMismatch,
     InvalidInput,
@@ -46,13 +52,27 @@ from tenplex.errors import (
     TenplexError,
     error_class,
 )
-from tenplex.ptc.dtypes import itemsize, name_of_torch, storage_dtype
+from tenplex.ptc.dtypes import itemsize, name_of_torch
 from tenplex.ptc.region import Region
 from tenplex.sockets import create_connection
-from tenplex.store.buffers import byte_view, host_data, numpy_view, payload_offset, slabs
+from tenplex.store.base import RegionRead, TensorStore
+from tenplex.store.buffers import host_data, numpy_view, payload_offset, slabs
 from tenplex.store.model import Manifest, ShardInfo, VersionInfo, format_checksum
 from tenplex.store.names import check_job, check_tensor, check_version
-from tenplex.store.version import Version
+from tenplex.store.wire import (
+    CHECKSUM_HEADER,
+    DTYPE_HEADER,
+    GLOBAL_SHAPE_HEADER,
+    MAX_BATCH_REGIONS,
+    PARTS_HEADER,
+    SHAPE_HEADER,
+    TOKEN_ENV,
+    LinkRequest,
+    RegionsRequest,
+    format_shape,
+    parse_parts,
+    versions_path,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -64,9 +84,7 @@ IDLE_REUSE_S = 15.0
 
 _PEER_CLOSED = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError, ConnectionAbortedError)
 
-TOKEN_ENV = "TENPLEX_TOKEN"
 MAX_REQUEST_BYTES = 64 << 20
-MAX_BATCH_REGIONS = 256  # the daemon's limit per batch read (tenplex.store.server.MAX_BATCH_REGIONS)
 MIN_SPLIT_BYTES = 16 << 20  # a read is not split into requests smaller than this (callers with many reads in flight need no more)
 VERIFY_BLOCK_BYTES = 1 << 20
 """Bodies are received and checksummed in blocks of this size (about a core's L2 cache)."""
@@ -82,15 +100,6 @@ class ReadRequest:
     tensor: str
     region: Region
     out: Any  # np.ndarray | torch.Tensor
-
-
-@dataclass(frozen=True, slots=True)
-class RegionRead:
-    """One region of a batch read (:meth:`StoreClient.read_regions`) and the buffer it fills."""
-
-    tensor: str
-    region: Region
-    out: Any  # np.ndarray | torch.Tensor, C-contiguous, shape region.shape
 
 
 _BY_STATUS: dict[int, type[TenplexError]] = {
@@ -120,7 +129,7 @@ class _Piece:
     uncommitted: bool
 
 
-class StoreClient:
+class StoreClient(TensorStore):
     """HTTP client of one store daemon (``url`` like ``http://10.0.0.5:7070``); thread-safe.
 
     ``token`` defaults to ``$TENPLEX_TOKEN``. One :meth:`read_into` is split
@@ -289,15 +298,6 @@ class StoreClient:
         return self._call(method, path, lambda resp: json.loads(resp.read()), body=data,
                           headers={"Content-Type": "application/json"})
 
-    @staticmethod
-    def _path(job: str, version: Version | str | None = None, tensor: str | None = None) -> str:
-        path = f"/v1/jobs/{urllib.parse.quote(check_job(job), safe='')}/versions"
-        if version is not None:
-            path += f"/{check_version(version)}"
-        if tensor is not None:
-            path += f"/tensors/{urllib.parse.quote(check_tensor(tensor), safe='/')}"
-        return path
-
     # -- reads --------------------------------------------------------------
 
     def _piece_bytes(self, nbytes: int, concurrency: int) -> int:
@@ -327,22 +327,22 @@ class StoreClient:
 
     def _fetch(self, p: _Piece) -> None:
         query = urllib.parse.urlencode({"region": p.region.format(), **({"uncommitted": "1"} if p.uncommitted else {})})
-        path = f"{self._path(p.job, p.version, p.tensor)}?{query}"
+        path = f"{versions_path(p.job, p.version, p.tensor)}?{query}"
 
         def handle(resp: http.client.HTTPResponse) -> None:
             what = f"{p.tensor!r} {p.region.format()!r}"
-            self._check_part(resp, what, resp.getheader("X-Tenplex-Dtype", ""), resp.getheader("X-Tenplex-Shape", ""), p.region, p.item)
+            self._check_part(resp, what, resp.getheader(DTYPE_HEADER, ""), resp.getheader(SHAPE_HEADER, ""), p.region, p.item)
             length = resp.getheader("Content-Length")
             if length is None or int(length) != len(p.target):
                 resp.read()
                 raise InvalidInput(f"store {self.url} sent {length} bytes for {what}, expected {len(p.target)}")
-            self._receive(resp, p.target, resp.getheader("X-Tenplex-Checksum", "") if p.verify else None, what, p.version)
+            self._receive(resp, p.target, resp.getheader(CHECKSUM_HEADER, "") if p.verify else None, what, p.version)
 
         self._call("GET", path, handle)
 
     def _check_part(self, resp: http.client.HTTPResponse, what: str, dtype: str, shape: str, region: Region, item: int) -> None:
         """Refuse (reading the rest of the response) a payload whose shape or element size is not the buffer's."""
-        expected_shape = ",".join(str(n) for n in region.shape)
+        expected_shape = format_shape(region.shape)
         try:
             size = itemsize(dtype)
         except TenplexError:
@@ -378,27 +378,25 @@ class StoreClient:
 
     def _fetch_batch(self, job: str, version: Version, batch: Sequence[tuple[str, Region, np.ndarray]], verify: bool) -> None:
         """One ``POST .../regions`` filling every buffer of ``batch``."""
-        body = json.dumps({"regions": [{"tensor": t, "region": r.format()} for t, r, _out in batch]}).encode()
+        body = RegionsRequest.of((t, r) for t, r, _out in batch).model_dump_json().encode()
         total = sum(out.nbytes for _t, _r, out in batch)
 
         def handle(resp: http.client.HTTPResponse) -> None:
             try:
-                parts = json.loads(resp.getheader("X-Tenplex-Parts", ""))
-            except ValueError:
-                parts = None
-            if not isinstance(parts, list) or len(parts) != len(batch) or not all(isinstance(x, list) and len(x) == 3 for x in parts):
+                parts = parse_parts(resp.getheader(PARTS_HEADER, ""), len(batch))
+            except InvalidInput as exc:
                 resp.read()
-                raise InvalidInput(f"store {self.url} answered a batch read of {len(batch)} regions without a matching X-Tenplex-Parts header")
+                raise InvalidInput(f"store {self.url} answered a batch read of {len(batch)} regions: {exc.detail}") from None
             for (tensor, region, out), (dtype, shape, _checksum) in zip(batch, parts, strict=True):
-                self._check_part(resp, f"{tensor!r} {region.format()!r}", str(dtype), str(shape), region, out.dtype.itemsize)
+                self._check_part(resp, f"{tensor!r} {region.format()!r}", dtype, shape, region, out.dtype.itemsize)
             length = resp.getheader("Content-Length")
             if length is None or int(length) != total:
                 resp.read()
                 raise InvalidInput(f"store {self.url} sent {length} bytes for a batch read of {total} bytes")
             for (tensor, region, out), (_dtype, _shape, checksum) in zip(batch, parts, strict=True):
-                self._receive(resp, byte_view(out), str(checksum) if verify else None, f"{tensor!r} {region.format()!r}", version)
+                self._receive(resp, byte_view(out), checksum if verify else None, f"{tensor!r} {region.format()!r}", version)
 
-        self._call("POST", f"{self._path(job, version)}/regions", handle, body=body, headers={"Content-Type": "application/json"})
+        self._call("POST", f"{versions_path(job, version)}/regions", handle, body=body, headers={"Content-Type": "application/json"})
 
     @contextmanager
     def _host(self, out: np.ndarray | torch.Tensor) -> Iterator[np.ndarray]:
@@ -437,12 +435,6 @@ class StoreClient:
                 self._fetch(pieces[0])
             else:  # the server reads piece k+1 while piece k is on the wire
                 self._run(pieces, self.read_concurrency)
-
-    def read(self, job: str, version: Version | str, tensor: str, region: Region, dtype: str) -> np.ndarray:
-        """The region as a new numpy array of the storage dtype (uint16 for bfloat16)."""
-        out = np.empty(region.shape, storage_dtype(dtype))
-        self.read_into(job, version, tensor, region, out)
-        return out
 
     def read_regions(self, job: str, version: Version | str, reads: Sequence[RegionRead], *, verify: bool = True) -> None:
         """Fill every ``out`` with its region of one committed version, in as few requests as the limits allow.
@@ -543,13 +535,13 @@ class StoreClient:
             raise InvalidInput(f"data has shape {list(arr.shape)}, region {region.format()!r} has shape {list(region.shape)}")
         query = urllib.parse.urlencode({"region": region.format()})
         headers = {
-            "X-Tenplex-Dtype": dtype,
-            "X-Tenplex-Global-Shape": ",".join(str(int(n)) for n in global_shape),
+            DTYPE_HEADER: dtype,
+            GLOBAL_SHAPE_HEADER: format_shape(global_shape),
             "Content-Type": "application/octet-stream",
         }
         result = self._call(
             "PUT",
-            f"{self._path(job, version, tensor)}?{query}",
+            f"{versions_path(job, version, tensor)}?{query}",
             lambda resp: json.loads(resp.read()),
             body=byte_view(arr),
             headers=headers,
@@ -557,19 +549,40 @@ class StoreClient:
         return ShardInfo.from_json(result["stored"])
 
     def manifest(self, job: str, version: Version | str) -> Manifest:
-        return Manifest.from_json(self._json("GET", self._path(job, version)))
+        return Manifest.from_json(self._json("GET", versions_path(job, version)))
 
     def versions(self, job: str) -> list[VersionInfo]:
-        return [VersionInfo.from_json(v) for v in self._json("GET", self._path(job))["versions"]]
+        return [VersionInfo.from_json(v) for v in self._json("GET", versions_path(job))["versions"]]
 
     def jobs(self) -> list[str]:
         return [str(j) for j in self._json("GET", "/v1/jobs")["jobs"]]
 
-    def commit(self, job: str, version: Version | str) -> None:
-        self._json("POST", f"{self._path(job, version)}/commit")
+    def link_shard(
+        self,
+        job: str,
+        from_version: Version | str,
+        tensor: str,
+        region: Region,
+        to_version: Version | str,
+        *,
+        verify: bool = True,
+    ) -> ShardInfo:
+        """The daemon links the shard on its own disk (``POST .../links``): no byte of it crosses the wire."""
+        if not isinstance(region, Region):
+            raise InvalidInput(f"region must be a Region, got {type(region).__name__}")
+        body = LinkRequest(from_version=str(check_version(from_version)), tensor=check_tensor(tensor),
+                           region=region.format(), verify=verify)
+        result = self._call(
+            "POST", f"{versions_path(job, to_version)}/links", lambda resp: json.loads(resp.read()),
+            body=body.model_dump_json().encode(), headers={"Content-Type": "application/json"},
+        )
+        return ShardInfo.from_json(result["linked"])
+
+    def commit(self, job: str, version: Version | str) -> Manifest:
+        return Manifest.from_json(self._json("POST", f"{versions_path(job, version)}/commit")["manifest"])
 
     def delete(self, job: str, version: Version | str) -> None:
-        self._json("DELETE", self._path(job, version))
+        self._json("DELETE", versions_path(job, version))
 
     def metrics(self) -> str:
         return self._call("GET", "/metrics", lambda resp: resp.read().decode())

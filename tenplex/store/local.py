@@ -1,4 +1,4 @@
-"""Zarr-backed shard storage on a node's local disk.
+"""Zarr-backed shard storage on a node's local disk: the :class:`~tenplex.store.base.TensorStore` of this machine.
 
 Layout under the root (every bookkeeping entry starts with a dot, which no
 job name may)::
@@ -68,6 +68,7 @@ import zarr
 import zarr.storage
 from zarr.core.buffer.cpu import NDBuffer
 
+from tenplex.core.version import Version
 from tenplex.errors import (
     ChecksumMismatch,
     Conflict,
@@ -79,6 +80,7 @@ from tenplex.errors import (
 )
 from tenplex.ptc.dtypes import check_dtype, itemsize, storage_dtype
 from tenplex.ptc.region import Region, subtract
+from tenplex.store.base import RegionRead, TensorStore
 from tenplex.store.buffers import (
     DEFAULT_CHUNK_BYTES,
     chunk_shape,
@@ -106,7 +108,6 @@ from tenplex.store.rawchunks import (
     checksum_runs,
     direct_writes_work,
 )
-from tenplex.store.version import Version
 
 if TYPE_CHECKING:
     import torch
@@ -424,7 +425,7 @@ class ShardWriter:
         shutil.rmtree(self.staging, ignore_errors=True)
 
 
-class LocalStore:
+class LocalStore(TensorStore):
     """Zarr-backed shard storage under one root directory; one zarr group per (job, version).
 
     Thread-safe and safe to share between processes on one root. ``durable``
@@ -455,6 +456,7 @@ class LocalStore:
             raise InvalidInput(f"chunk_bytes must be at least 64, got {chunk_bytes}")
         self.root = Path(root).resolve()
         self.root.mkdir(parents=True, exist_ok=True)
+        self.url = self.root.as_uri()
         self.chunk_bytes = chunk_bytes
         self.durable = durable
         self._cache: OrderedDict[tuple[str, Version, str], TensorReader] = OrderedDict()
@@ -783,7 +785,7 @@ class LocalStore:
         with ThreadPoolExecutor(max_workers=max(1, min(threads, len(todo))), thread_name_prefix="tenplex-store-preload") as pool:
             return sum(pool.map(one, todo))
 
-    def read_region(
+    def read_into(
         self,
         job: str,
         version: Version | str,
@@ -791,17 +793,34 @@ class LocalStore:
         region: Region,
         out: np.ndarray | torch.Tensor,
         *,
-        committed_only: bool = True,
+        verify: bool = True,
+        uncommitted: bool = False,
     ) -> None:
         """Fill ``out`` (C-contiguous, shape ``region.shape``) with the region, assembled from the local shards.
 
-        Raises :class:`StateLost` when the shards here do not cover it.
+        Raises :class:`StateLost` when the shards here do not cover it. With ``verify``, a region that is
+        exactly a stored shard is checked against its recorded crc32c after the read (one pass over the
+        bytes just copied, still in the cache): the check the daemon's client makes of the bytes it is sent.
         """
-        reader = self.open_tensor(job, version, tensor, committed_only=committed_only)
+        reader = self.open_tensor(job, version, tensor, committed_only=not uncommitted)
         if not isinstance(region, Region):
             raise InvalidInput(f"region must be a Region, got {type(region).__name__}")
         with host_buffer(out, reader.dtype, what=f"output buffer for {tensor!r}") as view:
             reader.read(region, view)
+            shard = reader.exact_shard(region) if verify else None
+            if shard is not None and format_checksum(crc_of(view)) != shard.checksum:
+                raise ChecksumMismatch(
+                    f"tensor {tensor!r} region {region.format()!r} of version {reader.version} of job {job!r} in "
+                    f"{self.root} read back with crc32c {format_checksum(crc_of(view))}, recorded {shard.checksum}: "
+                    "it is damaged on disk"
+                )
+
+    def read_regions(self, job: str, version: Version | str, reads: Sequence[RegionRead], *, verify: bool = True) -> None:
+        """Fill every read's ``out`` with its region of one committed version (:meth:`read_into` each, in order)."""
+        v = check_version(version)
+        check_job(job)
+        for r in reads:
+            self.read_into(job, v, r.tensor, r.region, r.out, verify=verify)
 
     # -- versions -----------------------------------------------------------
 
@@ -867,10 +886,6 @@ class LocalStore:
                 continue  # deleted while we looked
             out.append(VersionInfo(v, m.committed, m.nbytes))
         return out
-
-    def latest_committed(self, job: str) -> Version | None:
-        committed = [vi.version for vi in self.versions(job) if vi.committed]
-        return committed[-1] if committed else None
 
     def commit(self, job: str, version: Version | str) -> Manifest:
         """Make a version visible as committed, atomically; a no-op on a committed version."""

@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tenplex.core.version import Version
 from tenplex.errors import InvalidInput
 from tenplex.ptc.dtypes import check_dtype, itemsize
 from tenplex.ptc.region import Region
-from tenplex.store.version import Version
 
 CHECKSUM_PREFIX = "crc32c:"
 

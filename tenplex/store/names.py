@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import re
 
+from tenplex.core.version import Version
 from tenplex.errors import InvalidInput
 from tenplex.ptc.region import Region
-from tenplex.store.version import Version
 
 # Kubernetes-like: starts alphanumeric, then alphanumerics, '.', '_', '-'.
 _JOB = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")

@@ -57,6 +57,7 @@ from typing import Any
 import crc32c
 import numpy as np
 
+from tenplex.core.buffers import PAGE_BYTES
 from tenplex.errors import NotFound, StateLost
 from tenplex.ptc.region import Region
 
@@ -71,7 +72,7 @@ _MAP_MIN_BYTES = 64 << 10  # parts of a chunk at least this big are copied throu
 _PREADV_MAX_SEGMENTS = 8  # ... unless they are more ranges of the file than this (one preadv each; a map copies all at once)
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
-_DIRECT_ALIGN = 4096  # O_DIRECT buffer address, file offset and length: a multiple of the logical block size
+_DIRECT_ALIGN = PAGE_BYTES  # O_DIRECT buffer address, file offset and length: a multiple of the logical block size
 _bounce = threading.local()
 MAX_MAPS = 256
 """Chunk files mapped at a time by one batch of runs (4 MiB chunks: 1 GiB; each map holds a descriptor)."""
@@ -84,24 +85,6 @@ def _bounce_buffer(size: int) -> mmap.mmap:
         buf = mmap.mmap(-1, size)
         _bounce.buf = buf
     return buf
-
-
-def aligned_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
-    """An uninitialised C-order array whose data starts on a page boundary (anonymous memory of its own).
-
-    Chunk files of whole pages are written with ``O_DIRECT`` straight from such
-    a buffer (see :class:`RawChunkWriter`); ``numpy.empty`` memory is not
-    page-aligned (malloc's header precedes it).
-    """
-    dt = np.dtype(dtype)
-    nbytes = math.prod(shape) * dt.itemsize
-    if nbytes == 0:
-        return np.empty(shape, dt)
-    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)  # private: shared anonymous memory gets no huge pages
-    if _MADV_HUGEPAGE is not None and nbytes >= 2 << 20:  # as numpy does for its own large arrays: 512x fewer faults
-        with contextlib.suppress(OSError):
-            m.madvise(_MADV_HUGEPAGE)
-    return np.frombuffer(m, dtype=dt).reshape(shape)
 
 
 def direct_writes_work(directory: Path) -> bool:
@@ -640,7 +623,7 @@ class RawChunkWriter:
     ``direct`` writes each chunk file with ``O_DIRECT`` instead of through the
     page cache: straight from the caller's buffer when the chunk is a whole
     number of pages lying contiguous and page-aligned in it (a band of whole
-    rows of a buffer from :func:`aligned_empty`), otherwise from a page-aligned
+    rows of a buffer from :func:`~tenplex.core.buffers.aligned_empty`), otherwise from a page-aligned
     bounce buffer (one copy, reused per thread). Chunk files that are not a
     whole number of pages (small tensors) are written through the page cache.
     Why: a buffered write of new file pages costs the page cache allocation

@@ -10,10 +10,12 @@ Routes (all but ``/healthz`` need ``Authorization: Bearer <token>`` when a token
     GET    /v1/jobs/{job}/versions/{version}/tensors/{tensor}?region=a:b,c:d[&uncommitted=1]
     POST   /v1/jobs/{job}/versions/{version}/regions         JSON list of regions -> their bytes, one body
     PUT    /v1/jobs/{job}/versions/{version}/tensors/{tensor}?region=a:b,c:d   raw body
-    POST   /v1/jobs/{job}/versions/{version}/commit
+    POST   /v1/jobs/{job}/versions/{version}/links           LinkRequest: a kept shard, hard-linked here
+    POST   /v1/jobs/{job}/versions/{version}/commit          -> counts and the committed manifest
     DELETE /v1/jobs/{job}/versions/{version}
 
-Region reads answer raw C-order bytes with ``X-Tenplex-Dtype``,
+The headers, limits and request bodies are :mod:`tenplex.store.wire`, shared
+with the client. Region reads answer raw C-order bytes with ``X-Tenplex-Dtype``,
 ``X-Tenplex-Shape`` (``a,b``; empty for 0-d) and ``X-Tenplex-Checksum``
 (``crc32c:xxxxxxxx`` of the body). A region that is exactly a stored shard
 carries the checksum recorded at write time (no checksum pass; a corrupted
@@ -43,7 +45,7 @@ Clients split big reads into requests of at most 32 MiB anyway (see
 others.
 
 A batch read (``POST .../regions``, body ``{"regions": [{"tensor": ..., "region":
-"a:b,c:d"}, ...]}``, at most :data:`MAX_BATCH_REGIONS` of a committed version)
+"a:b,c:d"}, ...]}``, at most :data:`~tenplex.store.wire.MAX_BATCH_REGIONS` of a committed version)
 answers the regions' bytes one after the other in one body, with
 ``X-Tenplex-Parts``: a JSON list of ``[dtype, shape, checksum]`` per region, in
 order. Why: a transform pulls hundreds of small shards (biases, norms) from each
@@ -55,7 +57,10 @@ request).
 
 Uploads stream the request body into piece buffers that go to zarr as they
 fill (two pieces of memory at most), the crc32c computed on the way; a body
-of the wrong length stores nothing.
+of the wrong length stores nothing. A link (:meth:`LocalStore.link_shard`)
+puts a shard of an older committed version into a newer one as hard links to
+its files, so a caller elsewhere keeps a shard in a new version without its
+bytes crossing the wire.
 """
 
 from __future__ import annotations
@@ -63,7 +68,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import os
 import threading
@@ -85,10 +89,11 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.multiprocess import MultiProcessCollector
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tenplex.core.buffers import byte_view
+from tenplex.core.version import Version
 from tenplex.errors import InvalidInput, TenplexError, Unauthorized
 from tenplex.ptc.dtypes import check_dtype, itemsize, storage_dtype
 from tenplex.ptc.region import Region
@@ -97,7 +102,7 @@ from tenplex.serving import (
     SENDFILE_MESSAGE,
     BackgroundServer,
 )
-from tenplex.store.buffers import byte_view, crc_of, slabs
+from tenplex.store.buffers import crc_of, slabs
 from tenplex.store.local import MIN_RUN_BYTES, LocalStore, ShardWriter, TensorReader
 from tenplex.store.model import ShardInfo, format_checksum
 from tenplex.store.names import check_job, check_tensor, check_version
@@ -112,7 +117,18 @@ from tenplex.store.rawchunks import (
     open_runs,
     run_batches,
 )
-from tenplex.store.version import Version
+from tenplex.store.wire import (
+    CHECKSUM_HEADER,
+    DTYPE_HEADER,
+    GLOBAL_SHAPE_HEADER,
+    PARTS_HEADER,
+    SHAPE_HEADER,
+    LinkRequest,
+    RegionsRequest,
+    format_parts,
+    format_shape,
+    parse_shape,
+)
 
 log = logging.getLogger(__name__)
 
@@ -120,26 +136,9 @@ SINGLE_PASS_BYTES = 64 << 20
 INLINE_BYTES = 1 << 20  # bodies up to this are mapped and checksummed on the event loop itself
 SENDFILE_MIN_BYTES = INLINE_BYTES + 1  # smaller bodies: a map on the loop beats a hand-off to a sendfile thread
 PIECE_BYTES = 32 << 20
-MAX_BATCH_REGIONS = 256
-"""Regions per batch read: keeps ``X-Tenplex-Parts`` well under a client's 64 KiB header line."""
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's own switch to multiprocess mode
 
 
-def format_shape(shape: tuple[int, ...] | list[int]) -> str:
-    return ",".join(str(n) for n in shape)
-
-
-def parse_shape(text: str, *, what: str) -> tuple[int, ...]:
-    text = text.strip()
-    if text == "":
-        return ()
-    try:
-        shape = tuple(int(p) for p in text.split(","))
-    except ValueError:
-        raise InvalidInput(f"{what} {text!r} is not a comma-separated list of integers") from None
-    if any(n < 0 for n in shape):
-        raise InvalidInput(f"{what} {text!r} has a negative dimension")
-    return shape
 
 
 class _Metrics:
@@ -189,21 +188,6 @@ class _MetricsMiddleware:
             self.metrics.latency.labels(scope["method"], route).observe(time.perf_counter() - start)
             if status >= 400:
                 self.metrics.errors.labels(route, str(status)).inc()
-
-
-class RegionRef(BaseModel):
-    """One region of a batch read."""
-
-    model_config = ConfigDict(extra="forbid")
-    tensor: str
-    region: str = Field(description="a:b,c:d in the tensor's global coordinates")
-
-
-class RegionsRequest(BaseModel):
-    """Body of ``POST .../regions``."""
-
-    model_config = ConfigDict(extra="forbid")
-    regions: list[RegionRef] = Field(max_length=MAX_BATCH_REGIONS)
 
 
 def _error_response(exc: TenplexError) -> JSONResponse:
@@ -307,7 +291,22 @@ def create_app(
         check_job(job)
         v = check_version(version)
         manifest = await to_thread.run_sync(store.commit, job, v)
-        return {"job": job, "version": str(v), "committed": True, "shards": len(manifest.shards), "nbytes": manifest.nbytes}
+        return {"job": job, "version": str(v), "committed": True, "shards": len(manifest.shards), "nbytes": manifest.nbytes,
+                "manifest": manifest.to_json()}
+
+    @api.post("/v1/jobs/{job}/versions/{version}/links")
+    async def link(job: str, version: str, body: LinkRequest) -> dict[str, Any]:
+        check_job(job)
+        v = check_version(version)
+        old = check_version(body.from_version)
+        tensor = check_tensor(body.tensor)
+
+        def link_here() -> ShardInfo:
+            reader = store.open_tensor(job, old, tensor)
+            return store.link_shard(job, old, tensor, reader.parse_region(body.region), v, verify=body.verify)
+
+        info = await to_thread.run_sync(link_here)
+        return {"linked": info.to_json()}
 
     @api.delete("/v1/jobs/{job}/versions/{version}")
     async def delete(job: str, version: str) -> dict[str, Any]:
@@ -357,7 +356,7 @@ def create_app(
         parts = await to_thread.run_sync(prepare)
         if first_read[0]:
             start_preload(job, v)
-        headers = {"X-Tenplex-Parts": json.dumps([[p.dtype, format_shape(p.shape), p.checksum] for p in parts], separators=(",", ":"))}
+        headers = {PARTS_HEADER: format_parts((p.dtype, p.shape, p.checksum) for p in parts)}
         return _PartsResponse(parts, headers, metrics, piece_bytes)
 
     @api.get("/v1/jobs/{job}/versions/{version}/tensors/{tensor:path}")
@@ -376,9 +375,9 @@ def create_app(
         reader.plan(box)  # fail with 404/416/409 before any header is sent
         nbytes = box.volume * reader.itemsize
         headers = {
-            "X-Tenplex-Dtype": reader.dtype,
-            "X-Tenplex-Shape": format_shape(box.shape),
-            "X-Tenplex-Global-Shape": format_shape(reader.global_shape),
+            DTYPE_HEADER: reader.dtype,
+            SHAPE_HEADER: format_shape(box.shape),
+            GLOBAL_SHAPE_HEADER: format_shape(reader.global_shape),
         }
         st = storage_dtype(reader.dtype)
         # a whole stored shard carries the checksum recorded when it was written: no checksum pass,
@@ -401,14 +400,14 @@ def create_app(
                 reader.read(box, buf)
                 return exact.checksum if exact is not None else format_checksum(crc_of(buf))
 
-            headers["X-Tenplex-Checksum"] = await to_thread.run_sync(read_and_checksum)
+            headers[CHECKSUM_HEADER] = await to_thread.run_sync(read_and_checksum)
             metrics.bytes_out.inc(nbytes)
             return Response(content=byte_view(buf), media_type="application/octet-stream", headers=headers)
         if exact is not None:
-            headers["X-Tenplex-Checksum"] = exact.checksum
+            headers[CHECKSUM_HEADER] = exact.checksum
         else:
             crc = await to_thread.run_sync(reader.checksum, box, piece_bytes)
-            headers["X-Tenplex-Checksum"] = format_checksum(crc)
+            headers[CHECKSUM_HEADER] = format_checksum(crc)
         headers["Content-Length"] = str(nbytes)
         return StreamingResponse(
             _stream_region(reader, box, st, metrics, piece_bytes), media_type="application/octet-stream", headers=headers
@@ -419,8 +418,8 @@ def create_app(
         check_job(job)
         v = check_version(version)
         check_tensor(tensor)
-        dtype = check_dtype(_required_header(request, "x-tenplex-dtype"))
-        gshape = parse_shape(_required_header(request, "x-tenplex-global-shape"), what="X-Tenplex-Global-Shape")
+        dtype = check_dtype(_required_header(request, DTYPE_HEADER))
+        gshape = parse_shape(_required_header(request, GLOBAL_SHAPE_HEADER), what=GLOBAL_SHAPE_HEADER)
         if region is None:
             raise InvalidInput("the query parameter region=a:b,c:d (the shard's region) is required for an upload")
         box = Region.parse(region, gshape)
@@ -497,7 +496,7 @@ async def _runs_response(
     if sendfile:
         if checksum is None:
             checksum = format_checksum(await to_thread.run_sync(checksum_runs, runs, piece_bytes))
-        headers["X-Tenplex-Checksum"] = checksum
+        headers[CHECKSUM_HEADER] = checksum
         return _SendfileResponse(runs, nbytes, headers, metrics, piece_bytes)
     if nbytes <= single_pass_bytes and chunks_of(runs) <= MAX_MAPS:
 
@@ -508,13 +507,13 @@ async def _runs_response(
             return views, format_checksum(crc_of_views(views))
 
         if nbytes <= INLINE_BYTES:  # cheaper than the two thread switches of a hop to a worker thread
-            views, headers["X-Tenplex-Checksum"] = map_and_checksum()
+            views, headers[CHECKSUM_HEADER] = map_and_checksum()
         else:
-            views, headers["X-Tenplex-Checksum"] = await to_thread.run_sync(map_and_checksum)
+            views, headers[CHECKSUM_HEADER] = await to_thread.run_sync(map_and_checksum)
         return _ViewsResponse(views, headers, metrics)
     if checksum is None:
         checksum = format_checksum(await to_thread.run_sync(checksum_runs, runs, piece_bytes))
-    headers["X-Tenplex-Checksum"] = checksum
+    headers[CHECKSUM_HEADER] = checksum
     headers["Content-Length"] = str(nbytes)
     batches = mapped_batches(runs, piece_bytes)
     first = await to_thread.run_sync(next, batches, [])  # a missing chunk file fails here, before the headers

@@ -7,15 +7,19 @@ import json
 import sys
 from collections.abc import Callable
 from contextlib import ExitStack
-from typing import TYPE_CHECKING
+from pathlib import Path
 
+from prometheus_client import start_http_server
+
+from tenplex.core.units import human_bytes
+from tenplex.core.version import Version
 from tenplex.errors import InvalidInput
 from tenplex.ptc.model import PTC
-from tenplex.store.version import Version
-
-if TYPE_CHECKING:
-    from tenplex.transformer.execute import TransformReport
-    from tenplex.transformer.plan import Plan
+from tenplex.store import open_store
+from tenplex.store.client import StoreClient
+from tenplex.transformer.execute import TransformMetrics, TransformReport, execute_host_plan
+from tenplex.transformer.plan import CHECKPOINT, Plan, make_plan, plan_summary
+from tenplex.transformer.remote import PlanRun
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -77,9 +81,6 @@ def _pairs(items: list[str], what: str) -> dict[str, str]:
 def _plan(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from tenplex.ptc.cli import human_bytes
-    from tenplex.transformer.plan import make_plan, plan_summary
-
     old = PTC.load(args.old)
     new = PTC.load(args.new)
     old_version = Version.parse(args.old_version)
@@ -128,8 +129,6 @@ def _transform(args: argparse.Namespace) -> int:
         TransferSpeedColumn,
     )
 
-    from tenplex.transformer.plan import CHECKPOINT, Plan
-
     if args.concurrency < 1:
         raise InvalidInput(f"--concurrency must be >= 1, got {args.concurrency}")
     plan = Plan.load(args.plan)
@@ -157,9 +156,6 @@ def _transform(args: argparse.Namespace) -> int:
 
 def _transform_on_daemon(args: argparse.Namespace, plan: Plan, urls: dict[str, str], progress: Callable[[int], None]) -> TransformReport:
     """``--store URL``: the host's daemon runs its part (pulling from the sources itself); this follows it."""
-    from tenplex.store.client import StoreClient
-    from tenplex.transformer.remote import PlanRun
-
     clients: dict[str, StoreClient] = {}
 
     def client_for(url: str) -> StoreClient:
@@ -178,23 +174,17 @@ def _transform_on_daemon(args: argparse.Namespace, plan: Plan, urls: dict[str, s
 
 def _transform_here(args: argparse.Namespace, plan: Plan, urls: dict[str, str], progress: Callable[[int], None]) -> TransformReport:
     """``--store-root DIR``: run the host's part in this process, on the node's store directory."""
-    from tenplex.store.client import StoreClient
-    from tenplex.store.local import LocalStore
-    from tenplex.transformer.execute import LocalTarget, TransformMetrics, execute_host_plan
-    from tenplex.transformer.plan import CHECKPOINT
-
     if plan.checkpoint is not None:
         urls.setdefault(CHECKPOINT, plan.checkpoint)
     metrics = TransformMetrics()
     if args.metrics_port is not None:
-        from prometheus_client import start_http_server
-
         start_http_server(args.metrics_port, registry=metrics.registry)
     with ExitStack() as stack:
         sources = {
             h: stack.enter_context(StoreClient(u, args.token, max_connections=max(8, args.concurrency))) for h, u in urls.items()
         }
+        target = stack.enter_context(open_store(Path(args.store_root)))
         return execute_host_plan(
-            plan, args.host, target=LocalTarget(LocalStore(args.store_root)), sources=sources,
+            plan, args.host, target=target, sources=sources,
             concurrency=args.concurrency, metrics=metrics, progress=lambda done, _total: progress(done),
         )

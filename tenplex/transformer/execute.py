@@ -1,6 +1,10 @@
-"""The executor: runs one target host's part of a plan against the store daemons.
+"""The executor: runs one target host's part of a plan against the stores.
 
-For each destination shard one buffer of exactly the shard's size is filled
+Every store is a :class:`~tenplex.store.base.TensorStore`: the target is
+normally the node's own :class:`~tenplex.store.local.LocalStore` (the daemon
+runs its host's part, :mod:`tenplex.transformer.service`: local pieces and the
+new shards never cross a socket), the sources are the other daemons'
+clients; any store works in either role. For each destination shard one buffer of exactly the shard's size is filled
 from its pieces: local pieces are read from the host's own store (old
 version), remote ones from their planned source, padding is zero-filled.
 A piece that is contiguous in the destination (whole trailing rows) is read
@@ -15,9 +19,9 @@ writers can use at once (and by ``max_buffer_bytes``), so a transform
 touches little fresh memory.
 When every shard is stored the new version is committed. A destination
 shard that is exactly a shard the target host already holds (a layout change
-that keeps it in place) is not copied when the target is the node's own store
-(:class:`LocalTarget`): its chunk files are checked against their recorded
-checksums and hard-linked into the new version.
+that keeps it in place) is not copied: the target store links it into the new
+version (:meth:`~tenplex.store.base.TensorStore.link_shard`: its chunk files
+checked against their recorded checksums and hard-linked, on the node).
 
 Failures: a source that stops answering (:class:`StoreUnavailable` after the
 client's retries) is marked dead for the rest of the transform, and its pieces
@@ -38,29 +42,25 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from tenplex.core.buffers import aligned_empty
 from tenplex.errors import (
     ChecksumMismatch,
     InvalidInput,
+    NotFound,
     StoreUnavailable,
     TenplexError,
     TransformCancelled,
     TransformFailed,
 )
 from tenplex.ptc.dtypes import storage_dtype
-from tenplex.store.rawchunks import aligned_empty
+from tenplex.store.base import RegionRead, TensorStore
+from tenplex.store.wire import MAX_BATCH_REGIONS
 from tenplex.transformer.plan import CHECKPOINT, DestShard, HostPlan, Plan, Transfer
-
-if TYPE_CHECKING:
-    from prometheus_client import CollectorRegistry
-
-    from tenplex.ptc.region import Region
-    from tenplex.store.local import LocalStore
-    from tenplex.store.model import VersionInfo
-    from tenplex.store.version import Version
 
 log = logging.getLogger(__name__)
 
@@ -70,77 +70,6 @@ _MIN_WORKING_BYTES = 64 << 20
 _WRITERS = 4  # threads storing finished shards: several overlap the per-shard file creation and fsync waits
 DEFAULT_BATCH_BYTES = 16 << 20
 """Remote pieces of one source go in batch reads of up to this many bytes (see :func:`_fetch_batch`)."""
-_BATCH_PIECES = 256  # the store's limit of regions per batch read
-
-
-class StoreLike(Protocol):
-    """What the executor needs of a store: :class:`~tenplex.store.client.StoreClient` or :class:`LocalTarget`."""
-
-    url: str
-
-    def read_into(
-        self, job: str, version: Version | str, tensor: str, region: Region, out: np.ndarray, *, verify: bool = True
-    ) -> None: ...
-
-    def write_shard(
-        self, job: str, version: Version | str, tensor: str, region: Region, data: np.ndarray, *,
-        dtype: str, global_shape: Sequence[int],
-    ) -> Any: ...
-
-    def commit(self, job: str, version: Version | str) -> Any: ...
-
-    def delete(self, job: str, version: Version | str) -> Any: ...
-
-    def versions(self, job: str) -> list[VersionInfo]: ...
-
-
-class LocalTarget:
-    """The target node's own store used in-process, for a transform that runs on the node itself.
-
-    The node's part of a plan reads its local pieces from, and writes its new
-    shards to, its own disk: going through its HTTP daemon would move every
-    such byte over loopback twice more. Reads of a whole stored shard are
-    checked against the shard's recorded crc32c; several processes may share
-    one store root (the store locks structural changes).
-    """
-
-    def __init__(self, store: LocalStore) -> None:
-        self.store = store
-        self.url = f"file://{store.root}"
-
-    def read_into(
-        self, job: str, version: Version | str, tensor: str, region: Region, out: np.ndarray, *, verify: bool = True
-    ) -> None:
-        from tenplex.store.buffers import crc_of
-        from tenplex.store.model import format_checksum
-
-        self.store.read_region(job, version, tensor, region, out)
-        if verify:
-            info = self.store.open_tensor(job, version, tensor).exact_shard(region)
-            if info is not None and format_checksum(crc_of(out)) != info.checksum:
-                raise ChecksumMismatch(
-                    f"{tensor!r} {region.format()!r} of version {version} in {self.store.root}: "
-                    f"crc32c {format_checksum(crc_of(out))}, recorded {info.checksum}"
-                )
-
-    def write_shard(
-        self, job: str, version: Version | str, tensor: str, region: Region, data: np.ndarray, *,
-        dtype: str, global_shape: Sequence[int],
-    ) -> Any:
-        return self.store.write_shard(job, version, tensor, region, data, dtype=dtype, global_shape=global_shape)
-
-    def link_shard(self, job: str, from_version: Version | str, tensor: str, region: Region, to_version: Version | str) -> Any:
-        """A shard kept as it is on this host goes into the new version as hard links (checked, not copied)."""
-        return self.store.link_shard(job, from_version, tensor, region, to_version)
-
-    def commit(self, job: str, version: Version | str) -> Any:
-        return self.store.commit(job, version)
-
-    def delete(self, job: str, version: Version | str) -> Any:
-        return self.store.delete(job, version)
-
-    def versions(self, job: str) -> list[VersionInfo]:
-        return self.store.versions(job)
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,8 +111,6 @@ class TransformMetrics:
     """Prometheus metrics of transforms, registered in the caller's registry (none is global)."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Histogram
-
         self.registry = registry if registry is not None else CollectorRegistry()
         self.bytes = Counter(
             "tenplex_transform_bytes",
@@ -333,8 +260,8 @@ def execute_host_plan(
     plan: Plan,
     host: str,
     *,
-    target: StoreLike,
-    sources: Mapping[str, StoreLike],
+    target: TensorStore,
+    sources: Mapping[str, TensorStore],
     concurrency: int = 8,
     progress: Callable[[int, int], None] | None = None,
     metrics: TransformMetrics | None = None,
@@ -361,7 +288,7 @@ def execute_host_plan(
     hp = plan.host(host)
     start = time.perf_counter()
     state = _State(hp.bytes_total, progress, metrics, cancel)
-    clients: dict[str, StoreLike] = dict(sources)
+    clients: dict[str, TensorStore] = dict(sources)
     clients[host] = target
     try:
         _prepare_target(plan, target)  # before anything is written: a committed new version stays untouched
@@ -424,10 +351,8 @@ def execute_host_plan(
     return report
 
 
-def _prepare_target(plan: Plan, target: StoreLike) -> None:
+def _prepare_target(plan: Plan, target: TensorStore) -> None:
     """Drop a leftover uncommitted new version (an earlier, failed attempt); refuse to overwrite a committed one."""
-    from tenplex.errors import NotFound
-
     try:
         versions = target.versions(plan.job)
     except NotFound:
@@ -443,7 +368,7 @@ def _prepare_target(plan: Plan, target: StoreLike) -> None:
             target.delete(plan.job, plan.new_version)
 
 
-def _discard(plan: Plan, target: StoreLike) -> None:
+def _discard(plan: Plan, target: TensorStore) -> None:
     try:
         target.delete(plan.job, plan.new_version)
     except TenplexError as exc:
@@ -454,7 +379,7 @@ def _discard(plan: Plan, target: StoreLike) -> None:
 def _run(
     plan: Plan,
     hp: HostPlan,
-    clients: Mapping[str, StoreLike],
+    clients: Mapping[str, TensorStore],
     state: _State,
     concurrency: int,
     max_buffer_bytes: int,
@@ -539,13 +464,12 @@ def _run(
             for tr in by_shard[idx]:
                 source = tr.source
                 if (
-                    source is None or source == hp.host or tr.nbytes > batch_bytes
-                    or not callable(getattr(clients.get(source), "read_regions", None))
+                    source is None or source == hp.host or tr.nbytes > batch_bytes or source not in clients
                     or not shard.buf[tr.region.relative_to(dest.region).slices()].flags.c_contiguous
                 ):
                     submit(_piece, plan, hp, shard, tr, clients, state, finish)
                     continue
-                if pending_bytes.get(source, 0) + tr.nbytes > batch_bytes or len(batches.get(source, ())) >= _BATCH_PIECES:
+                if pending_bytes.get(source, 0) + tr.nbytes > batch_bytes or len(batches.get(source, ())) >= MAX_BATCH_REGIONS:
                     flush(source)
                 batches.setdefault(source, []).append((shard, tr))
                 pending_bytes[source] = pending_bytes.get(source, 0) + tr.nbytes
@@ -575,18 +499,16 @@ def _wait_all(futures: Sequence[Future[None]], state: _State) -> None:
 
 
 def _link_kept_shards(
-    plan: Plan, hp: HostPlan, by_shard: Sequence[Sequence[Transfer]], target: StoreLike, state: _State
+    plan: Plan, hp: HostPlan, by_shard: Sequence[Sequence[Transfer]], target: TensorStore, state: _State
 ) -> set[int]:
     """Link the destination shards that are exactly a shard this host already holds; their indices.
 
     Such a shard (same tensor, same region: a layout change that keeps it on
-    this host) needs none of its bytes moved. Only a target that can link
-    (the node's own store, :class:`LocalTarget`) does it; a shard the old
-    version turns out not to hold exactly is left to the ordinary copy.
+    this host) needs none of its bytes moved: the target store links it from
+    the old version (hard links on the node; a daemon does it on its own disk
+    when the target is remote). A shard the old version turns out not to hold
+    exactly, or holds damaged, is left to the ordinary copy.
     """
-    link = getattr(target, "link_shard", None)
-    if link is None:
-        return set()
     candidates = [
         idx for idx, trs in enumerate(by_shard)
         if len(trs) == 1 and trs[0].source == hp.host and trs[0].region == hp.shards[idx].region
@@ -597,7 +519,7 @@ def _link_kept_shards(
     def one(idx: int) -> bool:
         dest = hp.shards[idx]
         try:
-            link(plan.job, plan.old_version, dest.tensor, dest.region, plan.new_version)
+            target.link_shard(plan.job, plan.old_version, dest.tensor, dest.region, plan.new_version)
         except TenplexError as exc:
             if exc.code not in ("not_found", "state_lost", "checksum_mismatch"):
                 raise TransformFailed(
@@ -624,7 +546,7 @@ def _piece(
     hp: HostPlan,
     shard: _Shard,
     tr: Transfer,
-    clients: Mapping[str, StoreLike],
+    clients: Mapping[str, TensorStore],
     state: _State,
     finish: Callable[[_Shard], None],
 ) -> None:
@@ -645,7 +567,7 @@ def _fetch_batch(
     hp: HostPlan,
     source: str,
     items: Sequence[tuple[_Shard, Transfer]],
-    clients: Mapping[str, StoreLike],
+    clients: Mapping[str, TensorStore],
     state: _State,
     finish: Callable[[_Shard], None],
 ) -> None:
@@ -655,15 +577,13 @@ def _fetch_batch(
     every piece of the batch goes through :func:`_piece`, which retries and
     moves to the other holders exactly as for a piece fetched alone.
     """
-    from tenplex.store.client import RegionRead
-
     if state.failed.is_set():
         return
     client = clients.get(source)
     if client is not None and source not in state.dead:
         reads = [RegionRead(tr.tensor, tr.region, shard.buf[tr.region.relative_to(shard.dest.region).slices()]) for shard, tr in items]
         try:
-            client.read_regions(plan.job, plan.old_version, reads)  # type: ignore[attr-defined]
+            client.read_regions(plan.job, plan.old_version, reads)
         except StoreUnavailable as exc:
             state.mark_dead(source, exc)
         except TenplexError as exc:
@@ -694,7 +614,7 @@ def _candidates(plan: Plan, tr: Transfer) -> list[str]:
 
 
 def _fetch(
-    plan: Plan, hp: HostPlan, tr: Transfer, view: np.ndarray, clients: Mapping[str, StoreLike], state: _State
+    plan: Plan, hp: HostPlan, tr: Transfer, view: np.ndarray, clients: Mapping[str, TensorStore], state: _State
 ) -> None:
     """Read one piece into its place, moving to the next holder when a source fails."""
     direct = view.flags.c_contiguous
@@ -747,7 +667,7 @@ def _store(
     plan: Plan,
     hp: HostPlan,
     shard: _Shard,
-    clients: Mapping[str, StoreLike],
+    clients: Mapping[str, TensorStore],
     state: _State,
     stored: Callable[[int], None],
 ) -> None:

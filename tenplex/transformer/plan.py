@@ -47,12 +47,13 @@ from operator import itemgetter
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from tenplex.core.units import human_bytes
+from tenplex.core.version import Version
 from tenplex.errors import InvalidInput, StateLost
 from tenplex.ptc import dtypes
 from tenplex.ptc.dataset import DatasetState
 from tenplex.ptc.model import PTC, Tensor
 from tenplex.ptc.region import Bounds, Region, subtract
-from tenplex.store.version import Version
 
 log = logging.getLogger(__name__)
 
@@ -350,8 +351,6 @@ class Plan:
         """A human summary: totals, per-host bytes local/remote/sent, per-tensor breakdown (``width`` columns)."""
         from rich.console import Console
         from rich.table import Table
-
-        from tenplex.ptc.cli import human_bytes
 
         buf = StringIO()
         console = Console(file=buf, width=width, color_system=None, force_terminal=False)

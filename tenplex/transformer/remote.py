@@ -17,17 +17,15 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import quote, urlsplit
 
+from tenplex.core.version import Version
 from tenplex.errors import InvalidInput, NotFound, StoreUnavailable, TenplexError, TransformFailed
+from tenplex.store.client import StoreClient
 from tenplex.store.names import check_job, check_version
-from tenplex.store.version import Version
 from tenplex.transformer.execute import TransformReport
 from tenplex.transformer.plan import Plan
-
-if TYPE_CHECKING:
-    from tenplex.store.client import StoreClient
 
 log = logging.getLogger(__name__)
 

@@ -52,12 +52,14 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from anyio import to_thread
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
+from prometheus_client import CollectorRegistry
 
+from tenplex.core.version import Version
 from tenplex.errors import (
     Conflict,
     InvalidInput,
@@ -66,17 +68,11 @@ from tenplex.errors import (
     TenplexError,
     TransformCancelled,
 )
+from tenplex.store.base import TensorStore
 from tenplex.store.client import StoreClient
 from tenplex.store.local import LocalStore
 from tenplex.store.names import check_job, check_version
-from tenplex.store.version import Version
-from tenplex.transformer.execute import (
-    DEFAULT_BATCH_BYTES,
-    LocalTarget,
-    StoreLike,
-    TransformMetrics,
-    execute_host_plan,
-)
+from tenplex.transformer.execute import DEFAULT_BATCH_BYTES, TransformMetrics, execute_host_plan
 from tenplex.transformer.plan import CHECKPOINT
 from tenplex.transformer.remote import (
     CANCELLED,
@@ -88,9 +84,6 @@ from tenplex.transformer.remote import (
     TransformRequest,
     TransformStatus,
 )
-
-if TYPE_CHECKING:
-    from prometheus_client import CollectorRegistry
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +164,6 @@ class TransformService:
         self.token = token
         self.settings = settings or TransformSettings()
         self.metrics = TransformMetrics(registry)
-        self._target = LocalTarget(store)
         self._runs: dict[tuple[str, str], _Run] = {}
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(self.settings.max_running)
@@ -447,9 +439,9 @@ class TransformService:
                                                 max_connections=max(8, self.settings.concurrency))
                 threading.Thread(target=self._watch, args=(run, clients, done), daemon=True,
                                  name=f"tenplex-transform-watch-{job}-{version}").start()
-                sources: dict[str, StoreLike] = dict(clients)
+                sources: dict[str, TensorStore] = dict(clients)
                 report = execute_host_plan(
-                    plan, req.host, target=self._target, sources=sources, concurrency=self.settings.concurrency,
+                    plan, req.host, target=self.store, sources=sources, concurrency=self.settings.concurrency,
                     progress=lambda done, total: self._progress(run, done, total), metrics=self.metrics,
                     max_buffer_bytes=self.settings.buffer_bytes, batch_bytes=self.settings.batch_bytes,
                     cancel=run.cancel,

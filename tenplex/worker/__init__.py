@@ -15,24 +15,20 @@ from tenplex.worker.sampler import ElasticSampler
 from tenplex.worker.session import ElasticWorker, WorkerSetup
 from tenplex.worker.snapshot import SnapshotResult, Snapshotter
 from tenplex.worker.state import LocalPiece, check_layout, live_pieces
-from tenplex.worker.stores import DirectStore, ShardStore, open_store
 
 __all__ = [
     "ControlClient",
-    "DirectStore",
     "ElasticSampler",
     "ElasticWorker",
     "Heartbeat",
     "LocalPiece",
     "RestoreResult",
     "SchedulerUnavailable",
-    "ShardStore",
     "SnapshotResult",
     "Snapshotter",
     "WorkerSetup",
     "agree_stop",
     "check_layout",
     "live_pieces",
-    "open_store",
     "restore",
 ]

@@ -1,6 +1,6 @@
 """The worker's side of the scheduler protocol: register, heartbeat, reports, stop requests.
 
-The bodies are the pydantic models of :mod:`tenplex.scheduler.protocol`, so the
+The bodies are the pydantic models of :mod:`tenplex.core.protocol`, so the
 client and the scheduler cannot disagree about them. Transport is the standard
 library (``urllib``): the messages are a few hundred bytes, and a training
 process should not need another HTTP stack for them.
@@ -31,9 +31,9 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from tenplex import errors
+from tenplex.core import protocol as p
 from tenplex.errors import InvalidInput, TenplexError
 from tenplex.ptc import PTC
-from tenplex.scheduler import protocol as p
 
 log = logging.getLogger(__name__)
 
@@ -251,7 +251,7 @@ class Heartbeat:
             self._step, self._loss = step, loss
 
     def mark(self, name: str, when: float | None = None) -> None:
-        """Milestone ``name`` (:data:`~tenplex.scheduler.protocol.WORKER_MARKS`) reached now (or at ``when``);
+        """Milestone ``name`` (:data:`~tenplex.core.protocol.WORKER_MARKS`) reached now (or at ``when``);
         it goes with the next heartbeat."""
         with self._lock:
             self._marks[name] = time.time() if when is None else when

@@ -27,13 +27,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tenplex.core.version import Version
 from tenplex.errors import Conflict, NotFound
 from tenplex.ptc import PTC, DatasetState, Region
-from tenplex.store import Manifest, Version
-from tenplex.store.client import RegionRead
+from tenplex.store import Manifest, RegionRead, TensorStore
 from tenplex.worker import trainer_state
 from tenplex.worker.state import check_layout, ensure_optimizer_state, live_pieces
-from tenplex.worker.stores import ShardStore
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +53,7 @@ class RestoreResult:
 
 
 def restore(
-    store: ShardStore,
+    store: TensorStore,
     job: str,
     version: Version | str,
     ptc: PTC,
@@ -82,24 +81,21 @@ def restore(
     pieces = live_pieces(model, optimizer)
     check_layout(pieces, ptc, rank)
     nbytes = 0
-    read_regions = getattr(store, "read_regions", None)  # the HTTP client's batch reads
     batch: list[RegionRead] = []
     with torch.no_grad():
         for piece in pieces:
             if piece.region.volume == 0:
                 continue  # an empty local shard: nothing stored, nothing to read
             out = piece.local.detach()
-            if out.device.type == "cpu" and out.is_contiguous() and read_regions is not None:
+            if out.device.type == "cpu" and out.is_contiguous():
                 batch.append(RegionRead(piece.name, piece.region, out))
-            elif out.device.type == "cpu" and out.is_contiguous():
-                store.read_into(job, v, piece.name, piece.region, out, verify=verify)
             else:
                 staging = torch.empty(out.shape, dtype=out.dtype, pin_memory=out.device.type == "cuda")
                 store.read_into(job, v, piece.name, piece.region, staging, verify=verify)
                 out.copy_(staging)
             nbytes += out.numel() * out.element_size()
         if batch:
-            read_regions(job, v, batch, verify=verify)
+            store.read_regions(job, v, batch, verify=verify)
     record = _read_record(store, job, v, manifest, rank, verify)
     state = trainer_state.apply(
         record,
@@ -124,7 +120,7 @@ def restore(
     return RestoreResult(v, state.step, state.dataset, state.extra, state.exact, len(pieces), nbytes, seconds)
 
 
-def _read_record(store: ShardStore, job: str, version: Version, manifest: Manifest, rank: int, verify: bool) -> dict | None:
+def _read_record(store: TensorStore, job: str, version: Version, manifest: Manifest, rank: int, verify: bool) -> dict | None:
     name = trainer_state.record_name(rank)
     shards = manifest.shards_of(name)
     if not shards:

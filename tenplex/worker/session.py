@@ -33,16 +33,16 @@ import numpy as np
 import torch
 from torch import nn
 
+from tenplex.core import protocol as p
+from tenplex.core.version import Version
 from tenplex.errors import InvalidConfig
 from tenplex.ptc import PTC, DatasetState, ParallelConfig
-from tenplex.scheduler import protocol as p
-from tenplex.store import Version
+from tenplex.store import TensorStore, open_store
 from tenplex.worker.control import ControlClient, Heartbeat, agree_stop
 from tenplex.worker.restore import RestoreResult, restore
 from tenplex.worker.sampler import ElasticSampler
 from tenplex.worker.snapshot import SnapshotResult, Snapshotter
 from tenplex.worker.state import check_layout, ensure_optimizer_state, live_pieces
-from tenplex.worker.stores import DirectStore, ShardStore, open_store
 
 log = logging.getLogger(__name__)
 
@@ -104,13 +104,13 @@ class WorkerSetup:
         )
 
 
-def node_store(env: Mapping[str, str], store_url: str, token: str | None) -> ShardStore:
+def node_store(env: Mapping[str, str], store_url: str, token: str | None) -> TensorStore:
     """The node-local store as this worker reaches it best: its root directory when the backend mounted
     it here (``TENPLEX_STORE_ROOT``, shared with the daemon), else the daemon at ``store_url``."""
     root = env.get(p.ENV_STORE_ROOT, "")
     if root and os.path.isdir(root):
         log.info("node store at %s (direct, shared with the daemon at %s)", root, store_url)
-        return DirectStore(root)
+        return open_store(root)
     if root:
         log.warning("%s=%s is not a directory here; using the store daemon at %s", p.ENV_STORE_ROOT, root, store_url)
     return open_store(store_url, token)
@@ -125,7 +125,7 @@ class ElasticWorker:
         control: ControlClient | None = None,
         *,
         snapshot_every: int | None = None,
-        store: ShardStore | None = None,
+        store: TensorStore | None = None,
     ) -> None:
         if snapshot_every is not None and snapshot_every < 1:
             raise InvalidConfig(f"snapshot_every must be >= 1 or None, got {snapshot_every}")
@@ -190,7 +190,7 @@ class ElasticWorker:
         return self.setup.parallel
 
     def mark(self, name: str, when: float | None = None) -> None:
-        """Milestone ``name`` reached (:data:`~tenplex.scheduler.protocol.WORKER_MARKS`): the scheduler splits
+        """Milestone ``name`` reached (:data:`~tenplex.core.protocol.WORKER_MARKS`): the scheduler splits
         a reconfiguration's downtime into phases with them."""
         if self.heartbeat is not None:
             self.heartbeat.mark(name, when)

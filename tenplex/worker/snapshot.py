@@ -40,13 +40,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from tenplex.core.buffers import aligned_empty
+from tenplex.core.version import Version
 from tenplex.errors import InvalidConfig, NotFound, TenplexError
 from tenplex.ptc import PTC, DatasetState, Region, TensorKind
-from tenplex.store.rawchunks import aligned_empty
-from tenplex.store.version import Version
+from tenplex.store import TensorStore
 from tenplex.worker import trainer_state
 from tenplex.worker.state import check_layout, live_pieces
-from tenplex.worker.stores import ShardStore
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class Snapshotter:
 
     def __init__(
         self,
-        store: ShardStore,
+        store: TensorStore,
         job: str,
         ptc: PTC,
         rank: int,

@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 import torch
 
+from tenplex.core.version import Version
 from tenplex.ptc import PTC, DatasetState, ParallelConfig, Placement
-from tenplex.store import Version
 from tenplex.store.client import StoreClient
 from tenplex.store.server import StoreServer
 from tenplex.transformer import make_plan

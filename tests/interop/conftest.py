@@ -20,11 +20,11 @@ from tenplex.ptc import (
     flat_range_boxes,
 )
 from tenplex.ptc.dtypes import torch_dtype
+from tenplex.store import TensorStore
 from tenplex.store.client import StoreClient
 from tenplex.store.local import LocalStore
 from tenplex.store.server import StoreServer
 from tenplex.worker import trainer_state
-from tenplex.worker.stores import DirectStore, ShardStore
 
 TOKEN = "dcp-token"
 JOB = "job-a"
@@ -92,7 +92,7 @@ def target_ptc() -> PTC:
     return PTC({"dp": 2, "tp": 2, "pp": 1}, devices, tensors, DatasetState(1000, 5, 32, 0))
 
 
-def write_version(ptc: PTC, stores: dict[str, ShardStore], state: dict[str, torch.Tensor], job: str, version: str,
+def write_version(ptc: PTC, stores: dict[str, TensorStore], state: dict[str, torch.Tensor], job: str, version: str,
                   record_dataset: DatasetState | None = None) -> None:
     """Each host's store gets the shards its devices hold (and rank 0's trainer-state record), then commits."""
     for host in ptc.hosts:
@@ -122,8 +122,8 @@ class Cluster:
     server: StoreServer
     client: StoreClient
 
-    def stores(self) -> dict[str, ShardStore]:
-        out: dict[str, ShardStore] = {h: DirectStore(LocalStore(r)) for h, r in self.roots.items() if h != "h1"}
+    def stores(self) -> dict[str, TensorStore]:
+        out: dict[str, TensorStore] = {h: LocalStore(r) for h, r in self.roots.items() if h != "h1"}
         out["h1"] = self.client
         return out
 

@@ -58,7 +58,7 @@ def test_export_then_import_through_the_cli(cluster: Cluster, tmp_path: Path, ca
     for host, root in roots.items():
         for t, s in new.shards_on_host(host):
             buf = torch.empty(s.region.shape, dtype=torch_dtype(t.dtype))
-            LocalStore(root).read_region("job-b", "s7-g0", t.name, s.region, buf)
+            LocalStore(root).read_into("job-b", "s7-g0", t.name, s.region, buf)
             assert_bits_equal(buf, state[t.name][s.region.slices()], f"{t.name} {s.region}")
     # the same import again: the version exists
     assert main(argv) == 1

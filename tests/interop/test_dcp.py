@@ -14,7 +14,6 @@ from tenplex.interop.dcp import TENPLEX_KEY, export_dcp, import_dcp, read_metada
 from tenplex.ptc import PTC, Region
 from tenplex.ptc.dtypes import torch_dtype
 from tenplex.store.local import LocalStore
-from tenplex.worker.stores import DirectStore
 
 from .conftest import (
     JOB,
@@ -67,7 +66,7 @@ def test_import_into_another_layout_and_read_back(cluster: Cluster, tmp_path: Pa
     _ptc, state, out, _ = _exported(cluster, tmp_path)
     new = target_ptc()
     roots = {h: tmp_path / "new" / h for h in new.hosts}
-    stores = {h: DirectStore(LocalStore(r)) for h, r in roots.items()}
+    stores = {h: LocalStore(r) for h, r in roots.items()}
     result = import_dcp(out, new, "job-b", None, stores, batch_bytes=200)  # small batches: several dcp.load calls
     assert str(result.version) == "s7-g0" and result.step == 7
     assert result.dataset is not None and result.dataset.consumed_samples == RECORDED.consumed_samples
@@ -78,7 +77,7 @@ def test_import_into_another_layout_and_read_back(cluster: Cluster, tmp_path: Pa
         assert local.manifest("job-b", "s7-g0").committed
         for t, s in new.shards_on_host(host):
             buf = torch.empty(s.region.shape, dtype=torch_dtype(t.dtype))
-            local.read_region("job-b", "s7-g0", t.name, s.region, buf)
+            local.read_into("job-b", "s7-g0", t.name, s.region, buf)
             assert_bits_equal(buf, state[t.name][s.region.slices()], f"{host} {t.name} {s.region}")
 
 
@@ -88,7 +87,7 @@ def test_import_refuses_a_committed_version_and_bad_checkpoints(cluster: Cluster
     with pytest.raises(Conflict, match="already exists"):
         import_dcp(out, ptc, JOB, VERSION, cluster.stores())
     new = target_ptc()
-    stores = {h: DirectStore(LocalStore(tmp_path / "new" / h)) for h in new.hosts}
+    stores = {h: LocalStore(tmp_path / "new" / h) for h in new.hosts}
     # a tensor the checkpoint lacks
     bigger = PTC(new.config, new.devices, (*new.tensors, _extra_tensor("extra.bias", (3,), "float32")), new.dataset)
     with pytest.raises(InvalidInput, match="no entry 'extra.bias'"):
@@ -113,7 +112,7 @@ def test_import_refuses_a_committed_version_and_bad_checkpoints(cluster: Cluster
 def test_failed_import_leaves_no_partial_version(cluster: Cluster, tmp_path: Path) -> None:
     _ptc, _state, out, _ = _exported(cluster, tmp_path)
     new = target_ptc()
-    stores = {h: DirectStore(LocalStore(tmp_path / "new" / h)) for h in new.hosts}
+    stores = {h: LocalStore(tmp_path / "new" / h) for h in new.hosts}
     broken = out / next(p.name for p in out.iterdir() if p.suffix == ".distcp")
     broken.write_bytes(broken.read_bytes()[:50])  # a truncated data file
     with pytest.raises(Exception):  # noqa: B017 - torch's unpickling error, whatever its type

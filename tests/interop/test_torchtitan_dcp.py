@@ -15,15 +15,14 @@ from torchtitan.components.checkpointer.base import ModelWrapper
 from torchtitan.components.optimizer import default_adamw
 from torchtitan.models.llama3 import model_registry
 
+from tenplex.core.version import Version
 from tenplex.errors import InvalidConfig
 from tenplex.interop.dcp import export_dcp, import_dcp
 from tenplex.interop.keymap import build
 from tenplex.ptc import PTC, DatasetState, Device, Region, TensorKind, build_tensor
 from tenplex.ptc.dtypes import name_of_torch, torch_dtype
 from tenplex.store.local import LocalStore
-from tenplex.store.version import Version
 from tenplex.worker import restore, trainer_state
-from tenplex.worker.stores import DirectStore
 
 from .conftest import assert_bits_equal
 
@@ -105,7 +104,7 @@ def test_export_loads_into_torchtitans_checkpoint_structure(tmp_path: Path) -> N
     model, optimizers = _model_and_optimizer(1)
     state = _state(model, optimizers)
     ptc = _ptc(state, tp=2)
-    stores = {h: DirectStore(LocalStore(tmp_path / h)) for h in ptc.hosts}
+    stores = {h: LocalStore(tmp_path / h) for h in ptc.hosts}
     _write(ptc, stores, state, "tt", Version(9, 1), optimizers.optimizers[0])
     ckpt = tmp_path / "ckpt"
     result = export_dcp("tt", "s9-g1", ptc, stores, ckpt, key_map="torchtitan", options=OPTIONS)
@@ -145,7 +144,7 @@ def test_import_a_checkpoint_saved_by_torchtitans_structure(tmp_path: Path) -> N
 
     # into a tp2 layout: every shard read back equals the model's tensors
     sharded = _ptc(state, tp=2)
-    stores = {h: DirectStore(LocalStore(tmp_path / "tp" / h)) for h in sharded.hosts}
+    stores = {h: LocalStore(tmp_path / "tp" / h) for h in sharded.hosts}
     result = import_dcp(ckpt, sharded, "tt", None, stores, key_map="torchtitan", options=OPTIONS)
     assert str(result.version) == "s5-g0" and result.step == 5
     for host in sharded.hosts:
@@ -156,7 +155,7 @@ def test_import_a_checkpoint_saved_by_torchtitans_structure(tmp_path: Path) -> N
 
     # into a dp2 layout, restored by tenplex.worker into a fresh model and a torch AdamW
     replicated = _ptc(state, tp=1)
-    stores = {h: DirectStore(LocalStore(tmp_path / "dp" / h)) for h in replicated.hosts}
+    stores = {h: LocalStore(tmp_path / "dp" / h) for h in replicated.hosts}
     import_dcp(ckpt, replicated, "tt", "s5-g0", stores, key_map="torchtitan", options=OPTIONS)
     fresh, _ = _model_and_optimizer(4)
     adamw = torch.optim.AdamW(fresh.parameters(), lr=1e-3)

@@ -516,7 +516,7 @@ def test_a_job_suspended_before_it_started_starts_at_step_0_when_scaled_up(api: 
 
 
 def test_a_failure_while_suspending_still_ends_suspended(cluster: ApiServerEmulator, sched: KubernetesScheduler) -> None:
-    from tenplex.scheduler.protocol import HeartbeatRequest, RegisterRequest
+    from tenplex.core.protocol import HeartbeatRequest, RegisterRequest
 
     cluster.create("elasticjobs", elasticjob("gpt", 2), NS)
     for pod in running_pods(cluster, "gpt", 2):

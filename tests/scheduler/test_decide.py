@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 
+from tenplex.core.protocol import ExitReport
 from tenplex.ptc import DatasetState, ParallelConfig
 from tenplex.ptc.megatron import GPTSpec, megatron_gpt_ptc
 from tenplex.scheduler.backend import HostInfo
@@ -20,7 +21,6 @@ from tenplex.scheduler.decide import (
 )
 from tenplex.scheduler.layouts import LayoutSpec
 from tenplex.scheduler.policy import Policy
-from tenplex.scheduler.protocol import ExitReport
 from tenplex.scheduler.state import JobSpec, JobStatus, Phase, WorkerRecord
 
 NOW = 1_000_000.0

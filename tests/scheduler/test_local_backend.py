@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from tenplex.core.protocol import ENV_STORE_ROOT
 from tenplex.errors import NotFound
 from tenplex.scheduler.backend import LocalBackend, LocalCluster, WorkerLaunch
-from tenplex.scheduler.protocol import ENV_STORE_ROOT
-from tenplex.worker.stores import DirectStore
+from tenplex.store.local import LocalStore
 
 
 def test_workers_get_their_hosts_store_root_and_use_it_directly(tmp_path: Path) -> None:
@@ -46,7 +46,7 @@ def test_worker_store_choice_follows_the_store_root(tmp_path: Path) -> None:
 
     url = "http://127.0.0.2:7070"
     direct = node_store({ENV_STORE_ROOT: str(tmp_path)}, url, None)
-    assert isinstance(direct, DirectStore) and direct.local.root == tmp_path.resolve()
+    assert isinstance(direct, LocalStore) and direct.root == tmp_path.resolve()
     # Not mounted here (a path of another machine), or not given: the node's daemon over HTTP.
     for env in ({ENV_STORE_ROOT: str(tmp_path / "absent")}, {}):
         remote = node_store(env, url, "tok")

@@ -19,10 +19,12 @@ from tenplex.errors import ChecksumMismatch, InvalidInput, NotFound, RegionOutOf
 from tenplex.ptc.dtypes import storage_dtype
 from tenplex.ptc.region import Region
 from tenplex.serving import bind_socket
-from tenplex.store.client import MAX_BATCH_REGIONS, RegionRead, StoreClient
+from tenplex.store.base import RegionRead
+from tenplex.store.client import StoreClient
 from tenplex.store.local import LocalStore
 from tenplex.store.model import format_checksum
 from tenplex.store.server import StoreServer, create_app
+from tenplex.store.wire import MAX_BATCH_REGIONS
 
 from .test_local import random_array
 

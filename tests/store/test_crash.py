@@ -61,7 +61,7 @@ def _committed_baseline(root: Path) -> tuple[LocalStore, np.ndarray]:
 
 def _check_baseline(store: LocalStore, base: np.ndarray) -> None:
     out = np.empty_like(base)
-    store.read_region("job", "s1-g0", "layers.0.w", Region.full(base.shape), out)
+    store.read_into("job", "s1-g0", "layers.0.w", Region.full(base.shape), out)
     assert np.array_equal(out, base)
     assert store.verify("job", "s1-g0") == []
 
@@ -86,14 +86,14 @@ def test_writer_killed_mid_version(tmp_path: Path, delay: float) -> None:
     infos = {str(v.version): v.committed for v in store.versions("job")}
     assert infos == {"s1-g0": True, "s2-g0": False}
     with pytest.raises(NotFound, match="not committed"):
-        store.read_region("job", "s2-g0", "layers.0.w", Region(((0, 16), (0, 4096))), np.empty((16, 4096), np.float32))
+        store.read_into("job", "s2-g0", "layers.0.w", Region(((0, 16), (0, 4096))), np.empty((16, 4096), np.float32))
     torn = store.manifest("job", "s2-g0")
     assert not torn.committed and len(torn.shards) >= 1
     # every shard that is visible is whole: the kill can only have hit a shard still in staging
     assert store.verify("job", "s2-g0") == []
     for info in torn.shards:
         out = np.empty(info.region.shape, np.float32)
-        store.read_region("job", "s2-g0", info.tensor, info.region, out, committed_only=False)
+        store.read_into("job", "s2-g0", info.tensor, info.region, out, uncommitted=True)
         assert out.min() == out.max()
     # the torn version is newer than every committed one: gc keeps it (it could be in progress) ...
     assert store.gc("job", keep_last=1) == []
@@ -142,7 +142,7 @@ def test_a_torn_commit_marker_does_not_commit(tmp_path: Path) -> None:
     (tmp_path / "job" / ".commits" / ".s2-g0.json.0123abcd.tmp").write_text('{"job": "job", "vers')
     assert [(str(v.version), v.committed) for v in store.versions("job")] == [("s1-g0", True), ("s2-g0", False)]
     with pytest.raises(NotFound, match="not committed"):
-        store.read_region("job", "s2-g0", "w", Region.full((2,)), np.empty(2, np.int8))
+        store.read_into("job", "s2-g0", "w", Region.full((2,)), np.empty(2, np.int8))
     _check_baseline(store, base)
 
 

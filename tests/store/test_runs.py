@@ -19,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tenplex.core.version import Version
 from tenplex.errors import ChecksumMismatch, NotFound, StateLost
 from tenplex.ptc.region import Region
 from tenplex.store import client as client_module
@@ -35,7 +36,6 @@ from tenplex.store.rawchunks import (
     mapped_batches,
 )
 from tenplex.store.server import StoreServer
-from tenplex.store.version import Version
 
 from .conftest import square_chunks
 from .test_local import random_array
@@ -92,7 +92,7 @@ def test_chunks_are_whole_pages_where_a_multiple_fits() -> None:
 
 
 def test_direct_writes_from_a_page_aligned_buffer_equal_those_through_the_bounce_buffer(tmp_path: Path) -> None:
-    from tenplex.store.rawchunks import aligned_empty
+    from tenplex.core.buffers import aligned_empty
 
     data = random_array((2000, 896), "float32", seed=5)  # 64 KiB chunks: 16 rows (whole pages)
     aligned = aligned_empty(data.shape, np.float32)
@@ -117,7 +117,7 @@ def test_direct_writes_from_a_page_aligned_buffer_equal_those_through_the_bounce
     assert store.verify("j", "s1-g0") == []  # every chunk file against its recorded crc32c
     for name in ("in-place", "bounced"):
         out = np.empty_like(data)
-        store.read_region("j", "s1-g0", name, Region.full(data.shape), out)
+        store.read_into("j", "s1-g0", name, Region.full(data.shape), out)
         assert out.tobytes() == data.tobytes()
 
 

@@ -14,7 +14,7 @@ from tenplex.store.client import StoreClient
 from tenplex.store.local import LocalStore
 from tenplex.store.names import region_key, tensor_dirname
 from tenplex.store.server import StoreServer
-from tenplex.transformer.execute import LocalTarget, TransformMetrics, execute_host_plan
+from tenplex.transformer.execute import TransformMetrics, execute_host_plan
 from tenplex.transformer.plan import CHECKPOINT, make_plan
 
 from .conftest import check_new_state, populate, random_state, transform_all
@@ -144,7 +144,7 @@ def test_target_failure_leaves_nothing_committed(cluster) -> None:
 
 def test_local_target_and_corrupt_local_copy_falls_back_to_a_replica(cluster) -> None:
     # Old: dp2 replicas on h0 and h1; new on h1 (and h2). h1 runs its part in-process on its own
-    # store (LocalTarget); one of its local shards is corrupted on disk, so that piece must come
+    # LocalStore; one of its local shards is corrupted on disk, so that piece must come
     # from h0's replica instead, and the result is still bit-exact.
     old = layout(ParallelConfig(dp=2, tp=2), 2, ["h0", "h1"], "fp32")
     new = layout(ParallelConfig(tp=2, pp=2), 2, ["h1", "h2"], "fp32")
@@ -160,7 +160,7 @@ def test_local_target_and_corrupt_local_copy_falls_back_to_a_replica(cluster) ->
     data[len(data) // 2] ^= 0xFF
     chunk.write_bytes(bytes(data))
 
-    report = execute_host_plan(plan, "h1", target=LocalTarget(store), sources={"h0": cluster.clients["h0"]})
+    report = execute_host_plan(plan, "h1", target=store, sources={"h0": cluster.clients["h0"]})
     assert report.replanned_pieces >= 1
     assert report.bytes_remote == plan.hosts["h1"].bytes_remote + victim.nbytes
     execute_host_plan(plan, "h2", target=cluster.clients["h2"], sources={h: cluster.clients[h] for h in ("h0", "h1")})
@@ -179,7 +179,7 @@ def test_survivor_links_the_shards_it_keeps(cluster) -> None:
     expected_linked = sum(d.nbytes for d in plan.hosts["h0"].shards if (d.tensor, d.region) in kept)
     assert expected_linked > 0
     store = cluster.servers["h0"].store
-    report = execute_host_plan(plan, "h0", target=LocalTarget(store), sources={})
+    report = execute_host_plan(plan, "h0", target=store, sources={})
     assert report.bytes_linked == expected_linked
     assert report.bytes_local == plan.hosts["h0"].bytes_local and report.bytes_remote == plan.hosts["h0"].bytes_remote
     some = next(d for d in plan.hosts["h0"].shards if (d.tensor, d.region) in kept and d.nbytes > 0)

@@ -14,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tenplex.core.version import Version
 from tenplex.errors import InvalidInput, StateLost
 from tenplex.ptc import PTC, Device, Region, Shard, Tensor, TensorKind, flat_range_boxes
-from tenplex.store.version import Version
 from tenplex.transformer.plan import CHECKPOINT, lower_bound_bytes, make_plan
 
 HOSTS = [f"h{i}" for i in range(5)]

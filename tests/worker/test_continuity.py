@@ -27,8 +27,8 @@ import pytest
 
 from examples.gpt.layout import gpt_ptc
 from examples.gpt.model import GPTConfig
+from tenplex.core.version import Version
 from tenplex.ptc import PTC, DatasetState, ParallelConfig, Placement
-from tenplex.store import Version
 from tenplex.store.client import StoreClient
 from tenplex.store.server import StoreServer
 from tenplex.transformer import make_plan

@@ -1,6 +1,6 @@
 """The control client against a small real FastAPI/uvicorn server serving the protocol models.
 
-The real scheduler (issue 6) serves the same models from tenplex.scheduler.protocol; this
+The real scheduler (issue 6) serves the same models from tenplex.core.protocol; this
 fixture server is the minimum that answers them honestly: it keeps registered workers,
 hands out one assignment, records heartbeats and reports, and can be told to ask for a stop.
 """
@@ -19,9 +19,9 @@ import uvicorn
 from fastapi import FastAPI, Header, HTTPException, Request
 from fastapi.responses import JSONResponse
 
+from tenplex.core import protocol as p
 from tenplex.errors import InvalidInput, NotFound, Unauthorized
 from tenplex.ptc import PTC, Device, Region, TensorKind, build_tensor
-from tenplex.scheduler import protocol as p
 from tenplex.worker.control import ControlClient, Heartbeat, SchedulerUnavailable, agree_stop
 
 TOKEN = "s3cret"

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import torch
 
+from tenplex.core import protocol as p
+from tenplex.core.version import Version
 from tenplex.ptc import DatasetState, Device, ParallelConfig
-from tenplex.scheduler import protocol as p
-from tenplex.store import LocalStore, Version
+from tenplex.store.local import LocalStore
 from tenplex.worker.session import ElasticWorker, WorkerSetup
-from tenplex.worker.stores import DirectStore
 
 from .test_control import TOKEN, FakeJob, scheduler  # noqa: F401  (fixture)
 from .test_snapshot_restore import make, replicated_ptc
@@ -57,7 +57,7 @@ def test_stop_request_snapshots_that_step_and_reports(tmp_path: Path, scheduler:
     reports = {type(r).__name__: r for r in job.reports}
     assert reports["SnapshotReport"].version == "s4-g3" and reports["SnapshotReport"].committed
     assert reports["ExitReport"].status == "stopped" and reports["ExitReport"].step == 4
-    assert DirectStore(LocalStore(tmp_path / "store")).manifest("demo", Version(4, 3)).committed
+    assert LocalStore(tmp_path / "store").manifest("demo", Version(4, 3)).committed
     # the data consumed is the order from the start
     order = DatasetState(num_samples=50, seed=1, global_batch_size=4).samples(0, 16).tolist()
     assert sum((ids for _, ids in seen), []) == order

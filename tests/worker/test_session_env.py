@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from tenplex.core import protocol as p
 from tenplex.errors import InvalidConfig
-from tenplex.scheduler import protocol as p
 from tenplex.worker.session import ElasticWorker
 
 

@@ -16,16 +16,17 @@ import pytest
 import torch
 from torch import nn
 
+from tenplex.core.version import Version
 from tenplex.errors import Conflict, InvalidConfig, NotFound, TenplexError
 from tenplex.ptc import PTC, Device, Region, TensorKind, build_tensor
-from tenplex.store import LocalStore, Version
+from tenplex.store import TensorStore
 from tenplex.store.client import StoreClient
+from tenplex.store.local import LocalStore
 from tenplex.store.server import StoreServer
 from tenplex.worker import trainer_state
 from tenplex.worker.restore import restore
 from tenplex.worker.snapshot import Snapshotter
 from tenplex.worker.state import check_layout, live_pieces
-from tenplex.worker.stores import DirectStore, ShardStore
 
 JOB = "unit"
 
@@ -94,12 +95,12 @@ def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> DirectStore:
-    return DirectStore(LocalStore(tmp_path / "store", durable=False))
+def store(tmp_path: Path) -> LocalStore:
+    return LocalStore(tmp_path / "store", durable=False)
 
 
 @pytest.fixture
-def http_store(tmp_path: Path) -> Iterator[ShardStore]:
+def http_store(tmp_path: Path) -> Iterator[TensorStore]:
     """The node-local store through its HTTP daemon, as a worker on another machine sees it."""
     local = LocalStore(tmp_path / "store", durable=False)
     with StoreServer(tmp_path / "store", store=local, token="tok") as server:
@@ -138,7 +139,7 @@ def test_snapshot_then_restore_is_bit_exact_and_training_continues_identically(
     assert train(model, opt, sched, 2, seed=5) == train(model2, opt2, sched2, 2, seed=5)
 
 
-def test_copy_out_happens_at_snapshot_time(store: DirectStore) -> None:
+def test_copy_out_happens_at_snapshot_time(store: LocalStore) -> None:
     model, opt, sched = make()
     train(model, opt, sched, 1)
     ptc = replicated_ptc(model, [Device(0, "h0")])
@@ -155,7 +156,7 @@ def test_copy_out_happens_at_snapshot_time(store: DirectStore) -> None:
 
 
 @pytest.mark.parametrize("order", [(0, 1), (1, 0)])
-def test_replicas_on_one_host_write_once_and_the_last_finisher_commits(store: DirectStore, order: tuple[int, int]) -> None:
+def test_replicas_on_one_host_write_once_and_the_last_finisher_commits(store: LocalStore, order: tuple[int, int]) -> None:
     model, opt, sched = make()
     train(model, opt, sched, 1)
     ptc = replicated_ptc(model, [Device(0, "h0"), Device(1, "h0")])
@@ -177,7 +178,7 @@ def test_replicas_on_one_host_write_once_and_the_last_finisher_commits(store: Di
     assert sorted(names) == sorted([t.name for t in ptc.tensors] + [trainer_state.record_name(0), trainer_state.record_name(1)])
 
 
-def test_restore_refuses_uncommitted_and_missing_versions(store: DirectStore) -> None:
+def test_restore_refuses_uncommitted_and_missing_versions(store: LocalStore) -> None:
     model, opt, sched = make()
     train(model, opt, sched, 1)
     ptc = replicated_ptc(model, [Device(0, "h0"), Device(1, "h0")])
@@ -234,7 +235,7 @@ def test_empty_local_shards_need_no_ptc_entry() -> None:
         check_layout([full], ptc, 1)
 
 
-def test_restore_checks_layout_before_reading(store: DirectStore) -> None:
+def test_restore_checks_layout_before_reading(store: LocalStore) -> None:
     model, opt, sched = make()
     train(model, opt, sched, 1)
     ptc = replicated_ptc(model, [Device(0, "h0")])
@@ -252,7 +253,7 @@ def test_restore_checks_layout_before_reading(store: DirectStore) -> None:
         restore(store, JOB, "s1-g0", ptc, 0, wide, torch.optim.AdamW(wide.parameters()))
 
 
-def test_changed_layout_derives_lr_and_reseeds_rng(store: DirectStore) -> None:
+def test_changed_layout_derives_lr_and_reseeds_rng(store: LocalStore) -> None:
     model, opt, sched = make()
     train(model, opt, sched, 4)
     ptc = replicated_ptc(model, [Device(0, "h0")])
@@ -281,7 +282,7 @@ def test_changed_layout_derives_lr_and_reseeds_rng(store: DirectStore) -> None:
     assert torch.equal(after_restore, torch.rand(3))
 
 
-def test_same_layout_restores_rng_exactly(store: DirectStore) -> None:
+def test_same_layout_restores_rng_exactly(store: LocalStore) -> None:
     model, opt, sched = make()
     train(model, opt, sched, 1)
     ptc = replicated_ptc(model, [Device(0, "h0")])
@@ -304,7 +305,7 @@ def test_background_errors_surface_on_wait_and_next_snapshot(tmp_path: Path) -> 
     model, opt, sched = make()
     train(model, opt, sched, 1)
     ptc = replicated_ptc(model, [Device(0, "h0")])
-    store = DirectStore(LocalStore(tmp_path / "s", durable=False))
+    store = LocalStore(tmp_path / "s", durable=False)
     snap = Snapshotter(store, JOB, ptc, rank=0)
     snap.snapshot(1, 0, model, opt)
     snap.wait()
@@ -314,7 +315,7 @@ def test_background_errors_surface_on_wait_and_next_snapshot(tmp_path: Path) -> 
     assert snap.wait() is not None  # the error is reported once
 
 
-def test_snapshot_before_the_first_step_names_the_missing_state(store: DirectStore) -> None:
+def test_snapshot_before_the_first_step_names_the_missing_state(store: LocalStore) -> None:
     model, opt, _ = make()
     ptc = replicated_ptc(model, [Device(0, "h0")])
     with pytest.raises(InvalidConfig, match="no such tensor"):

@@ -3,7 +3,12 @@
 Both sides import these models: the scheduler serves exactly them (FastAPI
 validates the bodies and documents them in its OpenAPI), and
 :mod:`tenplex.worker.control` sends and parses them. Keeping them in one
-module is what keeps the two sides from drifting apart.
+module is what keeps the two sides from drifting apart, and keeping that
+module on the ground floor (not in ``tenplex.scheduler``) is what lets the
+worker library speak it without importing the control plane. It stands on
+the data model's :class:`~tenplex.ptc.parallel.ParallelConfig` (an assignment's
+parallel configuration is checked against its world size), so in the layering
+it sits beside ``tenplex.ptc``, above the rest of ``tenplex.core``.
 
 The life of a worker, as the protocol sees it::
 
@@ -37,9 +42,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from tenplex.core.version import Version
 from tenplex.errors import InvalidConfig, InvalidInput
 from tenplex.ptc.parallel import ParallelConfig
-from tenplex.store.version import Version
 
 PROTOCOL_VERSION = 1
 """Bumped on any incompatible change of the bodies below."""

@@ -1,0 +1,180 @@
+"""The one interface of a tensor store, whatever side of the wire it is on.
+
+Every consumer of stored state (the worker's snapshots and restores, the
+executor of a transform, DCP export and import, the CLI) needs the same few
+operations of a node's store, and reaches that store either directly on the
+node's disk (:class:`~tenplex.store.local.LocalStore`) or through the node's
+daemon over HTTP (:class:`~tenplex.store.client.StoreClient`). Both implement
+:class:`TensorStore` themselves, with the same meaning, so that a consumer
+takes a ``TensorStore`` and works with either; ``tests/store/test_conformance.py``
+runs one suite of behaviours against the local store, the client on a daemon
+and the client on a multi-process daemon.
+
+What the interface promises:
+
+- Versions (:class:`~tenplex.core.version.Version` or its ``s<step>-g<gen>``
+  text) are written shard by shard, then committed atomically; a committed
+  version is immutable and is what reads see unless ``uncommitted`` is asked for.
+- A read of a region that is exactly a stored shard is checked against the
+  crc32c recorded when the shard was written, whichever side reads it
+  (``verify``): damage on a disk is a :class:`~tenplex.errors.ChecksumMismatch`,
+  never silently wrong bytes. Any region a version's shards cover can be read;
+  a region they do not cover is :class:`~tenplex.errors.StateLost`.
+- :meth:`TensorStore.link_shard` puts a shard of an older committed version
+  into a newer one without moving its bytes: hard links on the node, done by
+  the daemon when the caller is remote.
+- Errors are the :mod:`tenplex.errors` hierarchy on both sides (a daemon's
+  ``{"error", "detail"}`` answer becomes the same exception class).
+
+This module imports neither zarr nor the HTTP stack: a library that only
+passes stores around (the executor, the worker) stands on it alone.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from tenplex.core.version import Version
+from tenplex.ptc.dtypes import storage_dtype
+from tenplex.ptc.region import Region
+from tenplex.store.model import Manifest, ShardInfo, VersionInfo
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True, slots=True)
+class RegionRead:
+    """One region of a batch read (:meth:`TensorStore.read_regions`) and the buffer it fills."""
+
+    tensor: str
+    region: Region
+    out: Any  # np.ndarray | torch.Tensor, C-contiguous, shape region.shape
+
+
+class TensorStore(ABC):
+    """A node's tensor store: shards of tensors, per job and version, with atomic commits.
+
+    Thread-safe in both implementations. ``url`` says where the store is: the
+    daemon's ``http(s)://`` URL, or ``file://<root>`` for a store on this
+    machine's disk (what :func:`tenplex.store.open_store` accepts back).
+    """
+
+    url: str
+
+    # -- reads ----------------------------------------------------------------
+
+    @abstractmethod
+    def read_into(
+        self,
+        job: str,
+        version: Version | str,
+        tensor: str,
+        region: Region,
+        out: np.ndarray | torch.Tensor,
+        *,
+        verify: bool = True,
+        uncommitted: bool = False,
+    ) -> None:
+        """Fill ``out`` (C-contiguous, shape ``region.shape``, the tensor's element size; numpy or torch, a
+        GPU tensor through a host buffer) with ``region`` of ``tensor``, assembled from the shards covering it.
+
+        With ``verify``, a region that is exactly a stored shard is checked against its recorded crc32c
+        (:class:`~tenplex.errors.ChecksumMismatch`). Only committed versions are read unless ``uncommitted``.
+        """
+
+    @abstractmethod
+    def read_regions(self, job: str, version: Version | str, reads: Sequence[RegionRead], *, verify: bool = True) -> None:
+        """Fill every read's ``out`` with its region of one committed version (as :meth:`read_into` each).
+
+        One call for many regions: over HTTP they travel in as few batch
+        requests as the limits allow (:data:`~tenplex.store.wire.MAX_BATCH_REGIONS`),
+        which is what makes the hundreds of small shards of a transform cheap.
+        """
+
+    def read(self, job: str, version: Version | str, tensor: str, region: Region, dtype: str) -> np.ndarray:
+        """The region as a new numpy array of the storage dtype (uint16 for bfloat16)."""
+        out = np.empty(region.shape, storage_dtype(dtype))
+        self.read_into(job, version, tensor, region, out)
+        return out
+
+    # -- writes ---------------------------------------------------------------
+
+    @abstractmethod
+    def write_shard(
+        self,
+        job: str,
+        version: Version | str,
+        tensor: str,
+        region: Region,
+        data: np.ndarray | torch.Tensor,
+        *,
+        dtype: str,
+        global_shape: Sequence[int],
+    ) -> ShardInfo:
+        """Store ``data`` (shape ``region.shape``; numpy in the storage dtype or a torch tensor of ``dtype``) as
+        the shard ``region`` of ``tensor`` in an uncommitted version; the same region again replaces it.
+
+        :class:`~tenplex.errors.Conflict` for a committed version, or a dtype or global shape that differs
+        from the tensor's other shards in the version.
+        """
+
+    @abstractmethod
+    def link_shard(
+        self,
+        job: str,
+        from_version: Version | str,
+        tensor: str,
+        region: Region,
+        to_version: Version | str,
+        *,
+        verify: bool = True,
+    ) -> ShardInfo:
+        """Put the shard ``region`` of ``tensor`` of committed ``from_version`` into uncommitted ``to_version``
+        without moving its bytes (on the node: hard links to the same files), its checksum carried over.
+
+        :class:`~tenplex.errors.NotFound` when ``from_version`` holds no shard with exactly this region (the
+        caller copies the bytes instead). ``verify`` first checks the old shard against its checksum, so a
+        shard damaged on disk is refused with :class:`~tenplex.errors.ChecksumMismatch`, not carried over.
+        """
+
+    # -- versions -------------------------------------------------------------
+
+    @abstractmethod
+    def manifest(self, job: str, version: Version | str) -> Manifest:
+        """Everything this store holds of one version, committed or not (:class:`~tenplex.errors.NotFound`
+        for an unknown job or version)."""
+
+    @abstractmethod
+    def versions(self, job: str) -> list[VersionInfo]:
+        """All versions of a job here, committed or not, ordered by (step, generation)."""
+
+    @abstractmethod
+    def jobs(self) -> list[str]:
+        """The jobs this store holds anything of, sorted."""
+
+    @abstractmethod
+    def commit(self, job: str, version: Version | str) -> Manifest:
+        """Make a version visible as committed, atomically (all its shards, or nothing); its manifest.
+        Committing a committed version changes nothing."""
+
+    @abstractmethod
+    def delete(self, job: str, version: Version | str) -> None:
+        """Remove a version, committed or not (:class:`~tenplex.errors.NotFound` when it is not here); it
+        never looks committed and partial on the way."""
+
+    # -- lifetime -------------------------------------------------------------
+
+    def close(self) -> None:  # noqa: B027  (a store with nothing to release keeps this)
+        """Release threads and connections; a closed store is not used again."""
+
+    def __enter__(self) -> TensorStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

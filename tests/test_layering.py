@@ -1,0 +1,163 @@
+"""The import layering of the whole package, and what the light libraries must not load.
+
+Layers, bottom to top (a module may import its own layer and the ones below)::
+
+    0  core: tenplex.core, tenplex.errors, tenplex.sockets (and the package itself, for __version__)
+    1  ptc: the data model; tenplex.core.protocol (the worker-scheduler bodies check a ParallelConfig)
+    2  store: tenplex.store, tenplex.serving
+    3  transformer
+    4  scheduler
+    5  the top: k8s, worker, node, interop, launcher; one does not import another unless listed in
+       SIBLINGS with the reason
+    6  entry points: tenplex.cli, tenplex.__main__, tenplex.demo and every ``*/cli.py`` (may import anything)
+
+Every import counts, also one inside a function or under ``TYPE_CHECKING``: a function-local import still
+points its arrow. Nothing in the product imports ``examples`` or ``tenplex.testing`` (test machinery,
+not shipped). A needed exception is listed in KNOWN with its reason, and goes away with its fix.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import tenplex
+
+PACKAGE = Path(tenplex.__file__).resolve().parent
+ENTRY = 6
+LAYERS: dict[str, int] = {
+    "tenplex": 0,
+    "tenplex.core": 0,
+    "tenplex.errors": 0,
+    "tenplex.sockets": 0,
+    "tenplex.ptc": 1,
+    "tenplex.core.protocol": 1,
+    "tenplex.store": 2,
+    "tenplex.serving": 2,
+    "tenplex.transformer": 3,
+    "tenplex.scheduler": 4,
+    "tenplex.k8s": 5,
+    "tenplex.worker": 5,
+    "tenplex.node": 5,
+    "tenplex.interop": 5,
+    "tenplex.launcher": 5,
+    "tenplex.cli": ENTRY,
+    "tenplex.__main__": ENTRY,
+    "tenplex.demo": ENTRY,
+}
+TEST_MACHINERY = ("tenplex.testing", "examples")
+
+SIBLINGS: dict[tuple[str, str], str] = {
+    ("tenplex.interop", "tenplex.worker"): "DCP export and import read and write the trainer-state record "
+    "(tenplex.worker.trainer_state) that workers store with each version",
+    ("tenplex.k8s", "tenplex.launcher"): "a multi-GPU worker pod runs `tenplex worker launch`; the Kubernetes "
+    "backend sets the launcher's environment (TENPLEX_POD_RANKS)",
+}
+KNOWN: dict[tuple[str, str], str] = {
+    ("tenplex.scheduler.server", "tenplex.k8s.operator"): "`tenplex scheduler serve --backend kubernetes` builds "
+    "the Kubernetes scheduler here; goes away with the backend registry (issue 16, item 3)",
+    ("tenplex.scheduler.layouts", "examples"): "the layout providers of the example jobs are looked up by name "
+    "here; goes away with the provider registry (issue 16, item 3)",
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer_of(module: str) -> int:
+    if module.split(".")[-1] == "cli":
+        return ENTRY
+    for prefix in sorted(LAYERS, key=len, reverse=True):
+        if module == prefix or module.startswith(prefix + "."):
+            return LAYERS[prefix]
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS in {__file__}")
+
+
+def component(module: str) -> str:
+    """The top-level part of the package a module belongs to (``tenplex.store``, ``tenplex.node``)."""
+    return ".".join(module.split(".")[:2])
+
+
+def imports(path: Path, module: str) -> list[tuple[str, int]]:
+    """Every ``tenplex``/``examples`` module imported anywhere in the file, with its line."""
+    out = []
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:  # relative: resolve against this module's package
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            # `from tenplex.core import protocol` imports the module tenplex.core.protocol
+            names = [f"{target}.{a.name}" for a in node.names]
+            out += [(n if any(n == m or m.startswith(n + ".") for m in MODULES) else target, node.lineno) for n in names]
+    return [(t, line) for t, line in out if t.split(".")[0] in ("tenplex", "examples")]
+
+
+FILES = sorted(PACKAGE.rglob("*.py"))
+MODULES = {module_name(f) for f in FILES}
+
+
+def test_every_import_points_to_the_same_or_a_lower_layer() -> None:
+    problems = []
+    used_known = set()
+    for path in FILES:
+        source = module_name(path)
+        testing = source.startswith(TEST_MACHINERY)
+        for target, line in imports(path, source):
+            where = f"{path.relative_to(PACKAGE.parent)}:{line}: {source} -> {target}"
+            key = next(((s, t) for s, t in KNOWN if source == s and (target == t or target.startswith(t + "."))), None)
+            if key is not None:
+                used_known.add(key)
+                continue
+            if target.startswith(TEST_MACHINERY):
+                if not testing:
+                    problems.append(f"{where}: the product imports test machinery or the examples")
+                continue
+            if testing:
+                continue  # test machinery stands on the product
+            mine, theirs = layer_of(source), layer_of(target)
+            if theirs > mine:
+                problems.append(f"{where}: layer {mine} imports layer {theirs}")
+            elif theirs == mine == 5 and component(source) != component(target) and (component(source), component(target)) not in SIBLINGS:
+                problems.append(f"{where}: {component(source)} and {component(target)} are both at the top; neither imports the other")
+    assert problems == [], "imports against the layering:\n" + "\n".join(problems)
+    assert used_known == set(KNOWN), f"exceptions no longer needed (remove them from KNOWN): {set(KNOWN) - used_known}"
+
+
+def test_the_layer_table_covers_every_module() -> None:
+    for module in MODULES:
+        if not module.startswith(TEST_MACHINERY):
+            layer_of(module)
+
+
+@pytest.mark.parametrize("module", ["tenplex.transformer.plan", "tenplex.transformer.remote", "tenplex.worker"])
+def test_light_libraries_load_neither_zarr_nor_the_web_stack(module: str) -> None:
+    """The planner, the control plane's transform client and the worker library load neither the local
+    store's zarr nor the daemons' FastAPI/uvicorn: a training process or a control plane pays for neither."""
+    heavy = ("zarr", "fastapi", "uvicorn", "starlette")
+    code = (
+        "import importlib, sys\n"
+        f"importlib.import_module({module!r})\n"
+        f"print(','.join(sorted(m for m in sys.modules if m.split('.')[0] in {heavy!r})))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.strip() == "", f"importing {module} loaded {out.stdout.strip()}"
+
+
+def test_the_check_sees_hidden_arrows(tmp_path: Path) -> None:
+    """The walker finds a function-local import and resolves `from pkg import module` (it is not blind)."""
+    sample = PACKAGE / "scheduler" / "server.py"
+    found = {t for t, _line in imports(sample, "tenplex.scheduler.server")}
+    assert "tenplex.k8s.operator" in found  # inside build_scheduler()
+    worker = {t for t, _line in imports(PACKAGE / "worker" / "control.py", "tenplex.worker.control")}
+    assert "tenplex.core.protocol" in worker  # `from tenplex.core import protocol as p`
