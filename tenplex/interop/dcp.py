@@ -750,7 +750,7 @@ def _batches(jobs: Sequence[_ShardJob], limit: int) -> list[list[_ShardJob]]:
 
 @dataclass
 class HostStores:
-    """The stores of a job's hosts, opened from ``HOST=URL`` and ``HOST=DIR`` lists; closes the HTTP clients."""
+    """The stores of a job's hosts, opened from ``HOST=URL`` and ``HOST=DIR`` lists; closes them."""
 
     stores: dict[str, TensorStore] = field(default_factory=dict)
 

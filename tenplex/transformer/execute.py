@@ -4,7 +4,9 @@ Every store is a :class:`~tenplex.store.base.TensorStore`: the target is
 normally the node's own :class:`~tenplex.store.local.LocalStore` (the daemon
 runs its host's part, :mod:`tenplex.transformer.service`: local pieces and the
 new shards never cross a socket), the sources are the other daemons'
-clients; any store works in either role. For each destination shard one buffer of exactly the shard's size is filled
+clients; any store works in either role.
+
+For each destination shard one buffer of exactly the shard's size is filled
 from its pieces: local pieces are read from the host's own store (old
 version), remote ones from their planned source, padding is zero-filled.
 A piece that is contiguous in the destination (whole trailing rows) is read

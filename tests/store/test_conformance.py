@@ -405,3 +405,17 @@ class TestClientOnMultiprocessDaemon(StoreTests):
         # a few pooled connections, new ones per test: requests are spread over both processes
         with StoreClient(multiprocess_daemon[0], TOKEN, retries=1, backoff=0.01, max_connections=4) as c:
             yield c
+
+
+def test_open_store_chooses_the_implementation_by_the_address(tmp_path: Path) -> None:
+    odd = tmp_path / "a dir with %20 and spaces"
+    local = open_store(odd)
+    assert isinstance(local, LocalStore) and local.root == odd.resolve()
+    again = open_store(local.url)  # file:// URL, quoted
+    assert isinstance(again, LocalStore) and again.root == local.root
+    assert isinstance(open_store(str(odd)), LocalStore)
+    with open_store("http://127.0.0.1:9", "tok") as remote:
+        assert isinstance(remote, StoreClient) and remote.url == "http://127.0.0.1:9"
+    for bad, match in (("ftp://host/x", "http"), ("file://otherhost/x", "this machine"), ("", "empty")):
+        with pytest.raises(InvalidInput, match=match):
+            open_store(bad)
