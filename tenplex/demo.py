@@ -41,11 +41,13 @@ SAMPLES = 4096
 @dataclass(frozen=True)
 class DemoSettings:
     out: Path
-    steps: int = 48
+    steps: int = 120
     hosts: int = 3
     gpus_per_host: int = 2
     global_batch: int = 8
     seed: int = 0
+    standby: bool = True
+    """Keep a warm standby per host (the job's ``standby``): new workers are forked with torch imported."""
 
 
 def train_command(s: DemoSettings) -> list[str]:
@@ -66,6 +68,7 @@ def job_spec(s: DemoSettings) -> dict[str, Any]:
         "snapshot_every": 4,
         "heartbeat_timeout": 60,
         "env": {LOSS_LOG_ENV: str(s.out / "loss-elastic.jsonl"), "OMP_NUM_THREADS": "1"},
+        "standby": s.standby,
     }
 
 
@@ -157,16 +160,20 @@ class Demo:
             time.sleep(0.25)
 
 
+def _warm(st: dict[str, Any]) -> bool:
+    """The job's standby workers are ready (a change now starts none of its workers from scratch)."""
+    return st.get("standby_ready", 0) >= st.get("standby_wanted", 0)
+
+
 def _running_past(view: dict[str, Any], step: int) -> bool:
     st = view["status"]
-    return st["phase"] == "Running" and st["step"] >= step
+    return st["phase"] == "Running" and st["step"] >= step and _warm(st)
 
 
 def _running_gen_past(view: dict[str, Any], generation: int, step: int) -> bool:
     st = view["status"]
-    return (st["phase"] in ("Running", "Succeeded") and st["generation"] >= generation and st["step"] >= step) or st[
-        "phase"
-    ] == "Succeeded"
+    return (st["phase"] in ("Running", "Succeeded") and st["generation"] >= generation and st["step"] >= step
+            and _warm(st)) or st["phase"] == "Succeeded"
 
 
 def run_baseline(s: DemoSettings) -> None:
@@ -226,5 +233,5 @@ def plot_losses(out: Path, events: list[tuple[int, str]]) -> Path:
 def register(sub: Any) -> None:
     demo = sub.add_parser("demo", help="run the elastic-training demo on emulated local hosts")
     demo.add_argument("--out", type=Path, default=Path("demo-out"), help="where state, logs and the plot go")
-    demo.add_argument("--steps", type=int, default=48, help="training steps of the job (default 48)")
+    demo.add_argument("--steps", type=int, default=120, help="training steps of the job (default 120)")
     demo.set_defaults(func=lambda args: Demo(DemoSettings(out=args.out.resolve(), steps=args.steps)).run())

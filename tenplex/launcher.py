@@ -46,6 +46,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
 
+from tenplex import standby
 from tenplex.errors import InvalidInput
 
 log = logging.getLogger(__name__)
@@ -247,6 +248,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                           f"(default {DEFAULT_FAILURE_GRACE:g})")
     run.add_argument("command", nargs=argparse.REMAINDER, help="the worker command, after '--'")
     run.set_defaults(func=_launch)
+    standby.register(cmds)
 
 
 def _launch(args: argparse.Namespace) -> int:

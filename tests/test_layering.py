@@ -7,7 +7,7 @@ Layers, bottom to top (a module may import its own layer and the ones below)::
     2  store: tenplex.store, tenplex.serving
     3  transformer
     4  scheduler
-    5  the top: k8s, worker, node, interop, launcher; one does not import another unless listed in
+    5  the top: k8s, worker, node, interop, launcher, standby; one does not import another unless listed in
        SIBLINGS with the reason
     6  entry points: tenplex.cli, tenplex.__main__, tenplex.demo and every ``*/cli.py`` (may import anything)
 
@@ -45,6 +45,7 @@ LAYERS: dict[str, int] = {
     "tenplex.node": 5,
     "tenplex.interop": 5,
     "tenplex.launcher": 5,
+    "tenplex.standby": 5,
     "tenplex.cli": ENTRY,
     "tenplex.__main__": ENTRY,
     "tenplex.demo": ENTRY,
@@ -56,6 +57,8 @@ SIBLINGS: dict[tuple[str, str], str] = {
     "(tenplex.worker.trainer_state) that workers store with each version",
     ("tenplex.k8s", "tenplex.launcher"): "a multi-GPU worker pod runs `tenplex worker launch`; the Kubernetes "
     "backend sets the launcher's environment (TENPLEX_POD_RANKS)",
+    ("tenplex.launcher", "tenplex.standby"): "`tenplex worker standby` is registered beside `tenplex worker launch` "
+    "in the worker command group",
 }
 KNOWN: dict[tuple[str, str], str] = {
     ("tenplex.scheduler.server", "tenplex.k8s.operator"): "`tenplex scheduler serve --backend kubernetes` builds "

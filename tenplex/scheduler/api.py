@@ -77,6 +77,9 @@ class JobCreate(_Body):
     heartbeat_timeout: float = Field(60.0, gt=0, le=86400)
     max_restarts: int = Field(3, ge=0, le=1_000_000, description=(
         "Failure recoveries allowed in a row without a newer snapshot; the next failure fails the job."))
+    standby: bool = Field(False, description=(
+        "Keep a warm standby on every usable host: a process with the job's code imported that forks the new "
+        "workers of a reconfiguration (local backend)."))
     env: dict[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")], Annotated[str, Field(max_length=65536)]] = Field(
         default_factory=dict)
 
@@ -169,6 +172,7 @@ def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
             snapshot_every=body.snapshot_every,
             heartbeat_timeout=body.heartbeat_timeout,
             max_restarts=body.max_restarts,
+            standby=body.standby,
             env=body.env,
         )
         ctl = scheduler.create(spec)

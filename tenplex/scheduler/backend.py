@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import http.client
+import json
 import logging
 import os
 import random
@@ -26,8 +27,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from tenplex.core.commands import STANDBY_READY, PythonCommand
 from tenplex.core.protocol import ENV_STORE_ROOT
-from tenplex.errors import InvalidConfig, NotFound, StoreUnavailable
+from tenplex.errors import InvalidConfig, NotFound, StoreUnavailable, TenplexError
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +86,22 @@ class Backend(ABC):
 
     def adopt(self, job: str, pids: Mapping[str, int]) -> None:  # noqa: B027 - optional hook
         """Take over workers started by a previous scheduler process (after a restart)."""
+
+    supports_standby: bool = False
+    """Whether :meth:`keep_standby` keeps warm standbys (see :mod:`tenplex.standby`)."""
+
+    def keep_standby(self, job: str, command: Sequence[str], env: Mapping[str, str], log_dir: Path) -> int:
+        """Keep a warm standby of ``job`` on every usable host (started in the background; the next
+        :meth:`launch` on that host forks its workers from it instead of starting fresh processes); how many
+        standbys that is."""
+        raise InvalidConfig(f"the {self.name} backend keeps no standbys")
+
+    def release(self, job: str) -> None:  # noqa: B027 - optional hook
+        """End what the backend keeps for ``job`` besides its workers (its standbys)."""
+
+    def standby_ready(self, job: str) -> int:
+        """How many standbys of ``job`` have their imports done."""
+        return 0
 
     def master_port(self, host: HostInfo) -> int:
         """A free TCP port on ``host`` for torch.distributed's rendezvous, below the ephemeral range.
@@ -436,15 +454,66 @@ class LocalBackend(Backend):
         self.cwd = cwd
         self._procs: dict[tuple[str, str], subprocess.Popen] = {}
         self._adopted: dict[tuple[str, str], int] = {}
+        self._standby: dict[tuple[str, str], _ForkServer] = {}  # (job, host) -> its warm standby
+        self._forked: dict[tuple[str, str], tuple[_ForkServer, int]] = {}  # (job, worker) -> its standby, pid
         self._lock = threading.Lock()
         if host_timeout is not None:
             cluster.watch(interval=min(1.0, host_timeout / 3), lost_after=host_timeout)
 
     def close(self) -> None:
         self.cluster.unwatch()
+        with self._lock:
+            jobs = {job for job, _host in self._standby}
+        for job in jobs:
+            self.release(job)
 
     def hosts(self) -> list[HostInfo]:
         return self.cluster.hosts()
+
+    def _worker_env(self, host: str, extra: Mapping[str, str]) -> dict[str, str]:
+        # Emulated hosts share this machine's loopback: gloo binds there unless the host's or the job's
+        # environment says otherwise. Workers write their snapshots into their host's store directly when
+        # they see its directory; a host may run them elsewhere through its launch prefix.
+        env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", **self.cluster.host_env(host), **extra}
+        root = self.cluster.store_root(host)
+        if root is not None:
+            env[ENV_STORE_ROOT] = str(root)
+        return env
+
+    supports_standby = True
+
+    def keep_standby(self, job: str, command: Sequence[str], env: Mapping[str, str], log_dir: Path) -> int:
+        PythonCommand.parse(command)  # a command a standby cannot run is refused here, with the reason
+        log_dir.mkdir(parents=True, exist_ok=True)
+        for host in self.cluster.hosts():
+            if not (host.ready and host.schedulable):
+                continue
+            with self._lock:
+                server = self._standby.get((job, host.name))
+                if server is not None and server.alive():
+                    continue
+            argv = [*self.cluster.launch_prefix(host.name), command[0], "-m", "tenplex", "worker", "standby",
+                    "--", *command]
+            server = _ForkServer.start(argv, self._worker_env(host.name, env), log_dir / f"standby-{host.name}.log",
+                                       self.cwd)
+            with self._lock:
+                self._standby[(job, host.name)] = server
+            log.info("job %s: standby pid %d on %s", job, server.proc.pid, host.name)
+        with self._lock:
+            return sum(1 for (j, _h), srv in self._standby.items() if j == job and srv.alive())
+
+    def standby_ready(self, job: str) -> int:
+        with self._lock:
+            return sum(1 for (j, _h), srv in self._standby.items() if j == job and srv.alive() and srv.ready.is_set())
+
+    def release(self, job: str) -> None:
+        """The job's standbys end (their input closes; workers they started keep running)."""
+        with self._lock:
+            servers = [srv for (j, _h), srv in self._standby.items() if j == job]
+            for key in [k for k in self._standby if k[0] == job]:
+                del self._standby[key]
+        for srv in servers:
+            srv.close()
 
     def launch(self, job: str, command: Sequence[str], workers: Sequence[WorkerLaunch], log_dir: Path) -> dict[str, int | None]:
         if not command:
@@ -452,15 +521,25 @@ class LocalBackend(Backend):
         log_dir.mkdir(parents=True, exist_ok=True)
         pids: dict[str, int | None] = {}
         for w in workers:
-            # Emulated hosts share this machine's loopback: gloo binds there unless the host's or the job's
-            # environment says otherwise. Workers write their snapshots into their host's store directly when
-            # they see its directory; a host may run them elsewhere through its launch prefix.
-            env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", **self.cluster.host_env(w.host), **w.env}
-            root = self.cluster.store_root(w.host)
-            if root is not None:
-                env[ENV_STORE_ROOT] = str(root)
+            env = self._worker_env(w.host, w.env)
+            log_path = log_dir / f"{w.worker_id}.log"
+            with self._lock:
+                server = self._standby.get((job, w.host))
+            if server is not None and server.alive() and server.ready.is_set():
+                try:  # forked from the warm standby: no interpreter start, no imports
+                    pid = server.fork(env, log_path)
+                except TenplexError as exc:
+                    log.warning("job %s: the standby on %s could not start %s (%s); starting it afresh", job,
+                                w.host, w.worker_id, exc.detail)
+                else:
+                    with self._lock:
+                        self._forked[(job, w.worker_id)] = (server, pid)
+                    pids[w.worker_id] = pid
+                    log.info("job %s: launched %s (rank %d on %s) pid %d, forked from the standby", job,
+                             w.worker_id, w.rank, w.host, pid)
+                    continue
             argv = [*self.cluster.launch_prefix(w.host), *command]
-            logf = open(log_dir / f"{w.worker_id}.log", "ab")  # noqa: SIM115 - handed to the child process
+            logf = open(log_path, "ab")  # noqa: SIM115 - handed to the child process
             try:
                 proc = subprocess.Popen(argv, env=env, stdout=logf, stderr=subprocess.STDOUT,
                                         cwd=self.cwd, start_new_session=True)
@@ -485,6 +564,8 @@ class LocalBackend(Backend):
                 proc = self._procs.get((job, wid))
                 if proc is not None:
                     targets.append((wid, proc.pid, proc))
+                elif (job, wid) in self._forked:
+                    targets.append((wid, self._forked[(job, wid)][1], None))
                 elif (job, wid) in self._adopted:
                     targets.append((wid, self._adopted[(job, wid)], None))
         for _wid, pid, _proc in targets:
@@ -507,6 +588,11 @@ class LocalBackend(Backend):
                     code = proc.poll()
                     if code is not None:
                         out[wid] = code
+                elif (job, wid) in self._forked:
+                    server, pid = self._forked[(job, wid)]
+                    code = server.exit_code(pid)  # its standby reaped it and said how it ended
+                    if code is not None or not _running(pid, None):
+                        out[wid] = code
                 elif (job, wid) in self._adopted:
                     if not _running(self._adopted[(job, wid)], None):
                         out[wid] = None
@@ -518,10 +604,93 @@ class LocalBackend(Backend):
         """Fault injection for the demo and tests: kill one worker process."""
         with self._lock:
             proc = self._procs.get((job, worker_id))
-            pid = proc.pid if proc is not None else self._adopted.get((job, worker_id))
+            forked = self._forked.get((job, worker_id))
+            pid = proc.pid if proc is not None else forked[1] if forked is not None else self._adopted.get((job, worker_id))
         if pid is None:
             raise NotFound(f"job {job!r} has no running worker {worker_id!r}")
         os.kill(pid, sig)
+
+
+class _ForkServer:
+    """A job's warm standby on one host (:mod:`tenplex.standby`), as the local backend talks to it.
+
+    A thread reads its replies: ``ready`` once its imports are done, ``started PID`` for each worker it
+    forks (answering :meth:`fork`, one at a time), ``exited PID CODE`` when one ends.
+    """
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.proc = proc
+        self.ready = threading.Event()
+        self._started: list[str] = []
+        self._reply = threading.Condition()
+        self._exits: dict[int, int] = {}
+        self._fork_lock = threading.Lock()
+        self._reader = threading.Thread(target=self._read, name=f"tenplex-standby-{proc.pid}", daemon=True)
+        self._reader.start()
+
+    @classmethod
+    def start(cls, argv: Sequence[str], env: Mapping[str, str], log_path: Path, cwd: Path | None) -> _ForkServer:
+        logf = open(log_path, "ab")  # noqa: SIM115 - handed to the child process
+        try:
+            proc = subprocess.Popen(list(argv), env=dict(env), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=logf, cwd=cwd, start_new_session=True)
+        finally:
+            logf.close()
+        return cls(proc)
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            line = raw.decode(errors="replace").strip()
+            with self._reply:
+                if line == STANDBY_READY:
+                    self.ready.set()
+                elif line.startswith(("started ", "refused ")):
+                    self._started.append(line)
+                elif line.startswith("exited "):
+                    _word, pid, code = line.split()
+                    self._exits[int(pid)] = int(code)
+                self._reply.notify_all()
+        with self._reply:
+            self._reply.notify_all()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def fork(self, env: Mapping[str, str], log_path: Path, timeout: float = 30.0) -> int:
+        """Ask for a worker with ``env`` writing to ``log_path``; its pid."""
+        with self._fork_lock:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write((json.dumps({"env": dict(env), "log": str(log_path)}) + "\n").encode())
+                self.proc.stdin.flush()
+            except (OSError, ValueError) as exc:
+                raise StoreUnavailable(f"the standby (pid {self.proc.pid}) is gone: {exc}") from None
+            deadline = time.monotonic() + timeout
+            with self._reply:
+                while not self._started:
+                    if not self.alive() or time.monotonic() > deadline:
+                        raise StoreUnavailable(f"the standby (pid {self.proc.pid}) did not start the worker")
+                    self._reply.wait(0.1)
+                answer = self._started.pop(0)
+        if answer.startswith("refused "):
+            raise InvalidConfig(f"the standby refused the launch: {answer[len('refused '):]}")
+        return int(answer.split()[1])
+
+    def exit_code(self, pid: int) -> int | None:
+        with self._reply:
+            return self._exits.get(pid)
+
+    def close(self) -> None:
+        """No more workers: the standby exits (the ones it started go on)."""
+        with contextlib.suppress(OSError, ValueError):
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
 
 
 def _running(pid: int, proc: subprocess.Popen | None) -> bool:

@@ -90,6 +90,9 @@ class JobContext:
         self.stage_started = time.monotonic()
         self.transitions += 1
         self.save()
+        if phase in (Phase.FAILED, Phase.SUCCEEDED, Phase.SUSPENDED) and self.spec.standby:
+            self.backend.release(self.name)  # no next generation to keep warm workers for
+            self.status.standby_ready = self.status.standby_wanted = 0
         log.info("job %s: %s%s - %s", self.name, phase.value, f"/{stage.value}" if stage else "", message)
 
     @property

@@ -284,6 +284,8 @@ class JobController:
             return
         if outcome.training_resumed:
             orch.finish_downtime()
+        if self.spec.standby and any(w.step is not None and w.step > (st.restored_step or 0) for w in st.workers):
+            self.launcher.keep_standby()
         if outcome.dropped is not None:
             log.info("job %s: %s", self.spec.name, outcome.dropped)
         if outcome.changes_pending:
@@ -304,6 +306,7 @@ class JobController:
     def delete(self) -> None:
         with self.lock:
             self.backend.stop(self.spec.name, self.ctx.worker_ids(), grace=5.0)
+            self.backend.release(self.spec.name)
         self.close()
         self.ctx.state.delete(self.spec.name)
 

@@ -38,6 +38,7 @@ class WorkerLauncher:
         self._ptc_json: dict[int, dict | None] = {}
         """Generation -> its PTC as inlined in assignments (None: too large, fetched from /ptc); made once, not
         once per registering worker."""
+        self._standby_generation: int | None = None
 
     def launch(self, decision: policy_mod.Decision, generation: int) -> None:
         """Record and start the workers of ``generation`` in ``decision``'s configuration and placement."""
@@ -100,6 +101,17 @@ class WorkerLauncher:
             w.pid = pids.get(w.worker_id)
         ctx.mark("launched")
         ctx.save()
+
+    def keep_standby(self) -> None:
+        """Warm standbys for the next change (the job's ``standby``): asked for once the generation trains,
+        so that their imports do not compete with its start for the CPU; kept across generations."""
+        ctx = self.ctx
+        if ctx.spec.standby and self._standby_generation != ctx.status.generation:
+            self._standby_generation = ctx.status.generation
+            log_dir = ctx.state.root / "logs" / ctx.name / "standby"
+            ctx.status.standby_wanted = ctx.backend.keep_standby(ctx.name, ctx.spec.command, ctx.spec.env, log_dir)
+        if ctx.spec.standby:
+            ctx.status.standby_ready = ctx.backend.standby_ready(ctx.name)
 
     def assignment(self, w: WorkerRecord) -> Assignment:
         ctx = self.ctx

@@ -234,9 +234,13 @@ class Orchestrator:
                         "hosts": list(decision.placement.hosts), "gpus_per_node": decision.placement.gpus_per_node}
         st.target_gpus = decision.parallel.world_size
         ctx.mark("planned")
+        # The new workers start now: their interpreter, imports, model build and rendezvous overlap the
+        # transfer, and each restores as soon as the version is committed on its node.
+        st.restore_version = str(new_version)
+        self._launch_generation(decision, new_gen)
         ctx.enter(Phase.RECONFIGURING, Stage.TRANSFERRING,
                   f"plan {version} -> {new_version}: {plan.network_bytes} B over the network "
-                  f"(lower bound {plan.lower_bound_bytes} B), {plan.local_bytes} B local")
+                  f"(lower bound {plan.lower_bound_bytes} B), {plan.local_bytes} B local; new workers starting")
 
     def transfer(self, closing: Callable[[float], bool]) -> None:
         """The target hosts' daemons build the new version; this thread sends them their sub-plans and follows.
@@ -252,6 +256,8 @@ class Orchestrator:
             st = ctx.status
             assert st.last_plan is not None
             plan = Plan.from_json(st.last_plan["plan"])
+            if "transfer_started" not in (st.history[-1].marks if st.history else {}):
+                ctx.mark("transfer_started")
         stores = {h.name: h.store_url for h in ctx.backend.hosts() if h.ready}
         run: PlanRun | None = None
         try:
@@ -305,7 +311,11 @@ class Orchestrator:
             st.version = new_version
             st.restore_version = new_version
             ctx.mark("transferred")
-            ctx.enter(Phase.RECONFIGURING, Stage.RESTARTING, f"state {new_version} in place on {len(plan.hosts)} hosts")
+            if st.workers and all(w.generation == plan.new_version.generation for w in st.workers):
+                ctx.enter(Phase.RUNNING, None, f"running in {ctx.config_text()} from {new_version} (its workers "
+                                               "started during the transfer)")
+            else:
+                ctx.enter(Phase.RECONFIGURING, Stage.RESTARTING, f"state {new_version} in place on {len(plan.hosts)} hosts")
 
     def restart(self) -> None:
         ctx, st = self.ctx, self.ctx.status
@@ -319,13 +329,18 @@ class Orchestrator:
         if st.workers and any(w.generation == gen for w in st.workers):
             ctx.backend.stop(ctx.name, ctx.worker_ids(), grace=2.0)  # a half-done launch
         placement = Placement(st.last_plan["gpus_per_node"], tuple(st.last_plan["hosts"]))
-        decision = policy_mod.Decision(cfg, placement, ctx.ptc(gen), "planned")
+        self._launch_generation(policy_mod.Decision(cfg, placement, ctx.ptc(gen), "planned"), gen)
+        ctx.enter(Phase.RUNNING, None, f"restarted in {cfg.describe()} from {st.restore_version}")
+
+    def _launch_generation(self, decision: policy_mod.Decision, generation: int) -> None:
+        """Start ``generation``'s workers to restore ``status.restore_version``."""
+        st = self.ctx.status
+        assert st.restore_version is not None
         st.restored_step = Version.parse(st.restore_version).step
         st.step = st.restored_step  # a rollback after a failure goes back to the version's step
         if st.downtime_started_at is None:
             st.downtime_started_at = time.time()
-        self.launcher.launch(decision, generation=gen)
-        ctx.enter(Phase.RUNNING, None, f"restarted in {cfg.describe()} from {st.restore_version}")
+        self.launcher.launch(decision, generation=generation)
 
     def finish_downtime(self) -> None:
         ctx, st = self.ctx, self.ctx.status

@@ -9,7 +9,8 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from tenplex.errors import Conflict, NotFound
+from tenplex.core.commands import PythonCommand
+from tenplex.errors import Conflict, InvalidConfig, NotFound
 from tenplex.scheduler.backend import Backend
 from tenplex.scheduler.controller import JobController, SchedulerSettings
 from tenplex.scheduler.state import JobSpec, JobStatus, Phase, StateDir
@@ -90,6 +91,11 @@ class Scheduler:
         return names
 
     def create(self, spec: JobSpec) -> JobController:
+        if spec.standby:
+            if not self.backend.supports_standby:
+                raise InvalidConfig(f"the {self.backend.name} backend keeps no standbys; create the job without "
+                                    "standby")
+            PythonCommand.parse(spec.command)  # one a standby cannot become is refused now, with the reason
         with self._lock:
             if spec.name in self._jobs:
                 raise Conflict(f"job {spec.name!r} already exists")

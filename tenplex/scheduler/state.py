@@ -80,6 +80,10 @@ class JobSpec:
     the ranks placed on each host are multiples of it."""
     image: str | None = None
     env: Mapping[str, str] = field(default_factory=dict)
+    standby: bool = False
+    """Keep a warm standby on every usable host (:mod:`tenplex.standby`): one process with the job's code
+    imported that forks a reconfiguration's new workers, so they start without the interpreter's and the
+    imports' seconds. It holds a few hundred MB of host memory with torch, no GPU."""
 
     def __post_init__(self) -> None:
         check_job_name(self.name)
@@ -98,6 +102,8 @@ class JobSpec:
             raise InvalidConfig(f"max_restarts must be an integer >= 0, got {self.max_restarts!r}")
         if not self.command and not self.image:
             raise InvalidConfig("a job needs a worker command (local backend) or an image (kubernetes backend)")
+        if not isinstance(self.standby, bool):
+            raise InvalidConfig(f"standby must be true or false, got {self.standby!r}")
 
     def check_gpus(self, gpus: int) -> None:
         if isinstance(gpus, bool) or not isinstance(gpus, int) or not self.min_gpus <= gpus <= self.max_gpus:
@@ -123,6 +129,7 @@ class JobSpec:
             "gpus_per_pod": self.gpus_per_pod,
             "image": self.image,
             "env": dict(self.env),
+            "standby": self.standby,
         }
 
     @classmethod
@@ -143,6 +150,7 @@ class JobSpec:
             gpus_per_pod=obj.get("gpus_per_pod", 1),
             image=obj.get("image"),
             env=dict(obj.get("env", {})),
+            standby=bool(obj.get("standby", False)),
         )
 
 
@@ -223,7 +231,8 @@ class Reconfiguration:
     """Seconds of each phase of the downtime (see :func:`phase_split`), known so far."""
 
 
-MARKS = ("requested", "stop_agreed", "stopped", "committed", "planned", "launch_started", "launched", "transferred",
+MARKS = ("requested", "stop_agreed", "stopped", "committed", "planned", "launch_started", "launched",
+         "transfer_started", "transferred",
          "registered", "process_group", "restore_started", "restored", "first_step")
 """A reconfiguration's milestones in the order they usually happen (with overlap, new workers start while
 the state is still moving: ``transferred`` may come after ``restore_started``)."""
@@ -267,7 +276,7 @@ def phase_split(marks: Mapping[str, float]) -> dict[str, float]:
         "stop_agreement": span("requested", "stop_agreed"),
         "final_snapshot": span("stop_agreed" if "stop_agreed" in m else None, "committed"),
         "planning": span("committed" if "committed" in m else "requested", "planned"),
-        "transfer": span("planned", "transferred"),
+        "transfer": span("transfer_started" if "transfer_started" in m else "planned", "transferred"),
         "launch": span("launch_started", "launched"),
         "imports": span("launched", "registered"),
         "rendezvous": span("registered", "process_group"),
@@ -315,6 +324,9 @@ class JobStatus:
     workers: list[WorkerRecord] = field(default_factory=list)
     history: list[Reconfiguration] = field(default_factory=list)
     message: str = ""
+    standby_ready: int = 0
+    """Warm standbys (the spec's ``standby``) whose imports are done, ready for the next change."""
+    standby_wanted: int = 0
     last_plan: dict[str, Any] | None = None
     updated_at: float = field(default_factory=time.time)
 

@@ -35,7 +35,7 @@ from torch import nn
 
 from tenplex.core import protocol as p
 from tenplex.core.version import Version
-from tenplex.errors import InvalidConfig
+from tenplex.errors import InvalidConfig, NotFound, StateLost
 from tenplex.ptc import PTC, DatasetState, ParallelConfig
 from tenplex.store import TensorStore, open_store
 from tenplex.worker.control import ControlClient, Heartbeat, agree_stop
@@ -45,6 +45,11 @@ from tenplex.worker.snapshot import SnapshotResult, Snapshotter
 from tenplex.worker.state import check_layout, ensure_optimizer_state, live_pieces
 
 log = logging.getLogger(__name__)
+
+
+COMMIT_WAIT_S = 3600.0
+"""How long a new worker waits for its version to be committed on its node (the transfer's time, at most)."""
+COMMIT_POLL_S = 0.02
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,12 +242,18 @@ class ElasticWorker:
         *,
         seed: int = 0,
     ) -> int:
-        """Load the assigned version, if any; returns the number of steps already completed."""
+        """Load the assigned version, if any; returns the number of steps already completed.
+
+        New workers are started while their version is still being built on the nodes (their start-up
+        overlaps the transfer), so the version may not be committed yet: it is waited for, up to
+        ``commit_timeout_s`` (the scheduler stops this worker if the transfer fails).
+        """
         self.mark("restore_started")
         if self.setup.restore_version is None:
             self.step = 0
             self.mark("restored")
             return 0
+        self.wait_for_version(self.setup.restore_version)
         self.restored = restore(
             self.store,
             self.setup.job,
@@ -261,6 +272,26 @@ class ElasticWorker:
         if self.heartbeat is not None:
             self.heartbeat.update(self.step)  # so the scheduler never sees step 0 from a resumed job
         return self.step
+
+    def wait_for_version(self, version: Version, timeout_s: float = COMMIT_WAIT_S) -> None:
+        """Until ``version`` of the job is committed in this node's store (at once when it is)."""
+        deadline = time.monotonic() + timeout_s
+        waited = False
+        while True:
+            try:
+                if any(v.version == version and v.committed for v in self.store.versions(self.setup.job)):
+                    if waited:
+                        log.info("rank %d: %s is committed on this node; restoring", self.setup.rank, version)
+                    return
+            except NotFound:
+                pass
+            if time.monotonic() > deadline:
+                raise StateLost(f"version {version} of job {self.setup.job!r} was not committed in this node's "
+                                f"store within {timeout_s:.0f} s")
+            if not waited:
+                log.info("rank %d: waiting for %s to be committed on this node", self.setup.rank, version)
+                waited = True
+            time.sleep(COMMIT_POLL_S)
 
     def batches(self, dp_rank: int, start_step: int | None = None) -> Iterator[tuple[int, np.ndarray]]:
         """``(step, sample ids)`` for this data-parallel rank, from the restored position on.
