@@ -456,6 +456,7 @@ class LocalBackend(Backend):
         self._adopted: dict[tuple[str, str], int] = {}
         self._standby: dict[tuple[str, str], _ForkServer] = {}  # (job, host) -> its warm standby
         self._forked: dict[tuple[str, str], tuple[_ForkServer, int]] = {}  # (job, worker) -> its standby, pid
+        self._gone_since: dict[tuple[str, str], float] = {}
         self._lock = threading.Lock()
         if host_timeout is not None:
             cluster.watch(interval=min(1.0, host_timeout / 3), lost_after=host_timeout)
@@ -591,8 +592,14 @@ class LocalBackend(Backend):
                 elif (job, wid) in self._forked:
                     server, pid = self._forked[(job, wid)]
                     code = server.exit_code(pid)  # its standby reaped it and said how it ended
-                    if code is not None or not _running(pid, None):
+                    if code is not None:
                         out[wid] = code
+                    elif not _running(pid, None):
+                        # Gone before its standby's report (the standby reaps every 0.2 s): give the report a
+                        # moment; if the standby is gone too, the code stays unknown.
+                        since = self._gone_since.setdefault((job, wid), time.monotonic())
+                        if not server.alive() or time.monotonic() - since > _EXIT_REPORT_WAIT_S:
+                            out[wid] = None
                 elif (job, wid) in self._adopted:
                     if not _running(self._adopted[(job, wid)], None):
                         out[wid] = None
@@ -609,6 +616,9 @@ class LocalBackend(Backend):
         if pid is None:
             raise NotFound(f"job {job!r} has no running worker {worker_id!r}")
         os.kill(pid, sig)
+
+
+_EXIT_REPORT_WAIT_S = 2.0
 
 
 class _ForkServer:

@@ -208,6 +208,9 @@ class ElasticWorker:
 
         import torch.distributed as dist
 
+        # torch's store-based barrier at the end of init_process_group polls for the slowest rank (about half a
+        # second here); the job's first collective waits for every rank anyway. A user's own setting wins.
+        os.environ.setdefault("TORCH_DIST_INIT_BARRIER", "0")
         os.environ[p.ENV_MASTER_ADDR] = self.setup.master_addr
         os.environ[p.ENV_MASTER_PORT] = str(self.setup.master_port)
         os.environ[p.ENV_RANK] = str(self.setup.rank)

@@ -1,0 +1,132 @@
+"""Warm standbys: one process per host with the job's code imported forks the workers (tenplex worker standby)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tenplex.core.commands import STANDBY_READY, PythonCommand
+from tenplex.errors import InvalidConfig, InvalidInput
+from tenplex.scheduler.backend import LocalBackend, LocalCluster, WorkerLaunch
+
+REPO = Path(__file__).resolve().parents[1]
+JOB = [sys.executable, "-m", "tests.standby_fixture", "--flag", "x"]
+
+
+def test_python_commands_are_understood_and_others_refused() -> None:
+    cmd = PythonCommand.parse([sys.executable, "-u", "-m", "examples.gpt.train", "--dim", "8"])
+    assert (cmd.module, cmd.script, cmd.argv) == ("examples.gpt.train", None, ("examples.gpt.train", "--dim", "8"))
+    cmd = PythonCommand.parse(["python3", "train.py", "--a"])
+    assert (cmd.module, cmd.script, cmd.argv) == (None, "train.py", ("train.py", "--a"))
+    for bad in ([], ["bash", "-c", "true"], [sys.executable, "-c", "print(1)"], [sys.executable]):
+        with pytest.raises(InvalidInput):
+            PythonCommand.parse(bad)
+
+
+def _read_line(stream) -> str:  # type: ignore[no-untyped-def]
+    line = stream.readline().decode().strip()
+    assert line, "the standby closed its output"
+    return line
+
+
+def test_a_standby_imports_once_and_forks_each_worker_with_its_own_env_log_session_and_exit_code(tmp_path: Path) -> None:
+    imports = tmp_path / "imports"
+    env = {**os.environ, "STANDBY_IMPORTS": str(imports), "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "tenplex", "worker", "standby", "--", *JOB], env=env, cwd=REPO,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        assert _read_line(proc.stdout) == STANDBY_READY
+        started = []
+        for who, code in (("a", "0"), ("b", "3")):
+            worker_env = {"WHO": who, "CODE": code, "PATH": os.environ["PATH"], "PYTHONPATH": str(REPO)}
+            proc.stdin.write((f'{{"env": {__import__("json").dumps(worker_env)}, "log": "{tmp_path / who}.log"}}\n').encode())
+            proc.stdin.flush()
+            reply = _read_line(proc.stdout)
+            assert reply.startswith("started "), reply
+            started.append(int(reply.split()[1]))
+        ends = {}
+        while len(ends) < 2:
+            word, pid, code = _read_line(proc.stdout).split()
+            assert word == "exited"
+            ends[int(pid)] = int(code)
+        assert ends == {started[0]: 0, started[1]: 3}
+        for who, pid in zip("ab", started, strict=True):
+            text = (tmp_path / f"{who}.log").read_text()
+            # its own environment, its own session (pgid = pid), the command's arguments
+            assert f"worker {who} pid {pid} pgid {pid} argv ['--flag', 'x']" in text, text
+        # the module ran as __main__ in each worker, but was imported once: by the standby
+        assert [line.split()[1] for line in imports.read_text().splitlines()] == ["tests.standby_fixture"]
+        proc.stdin.close()
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_the_local_backend_forks_workers_from_its_standbys(tmp_path: Path) -> None:
+    cluster = LocalCluster(root=tmp_path / "cluster")
+    backend = LocalBackend(cluster, cwd=REPO, host_timeout=None)
+    try:
+        cluster.start_host("host-0", "127.0.0.2")
+        with pytest.raises(InvalidInput, match="not a Python interpreter"):
+            backend.keep_standby("j", ["bash", "-c", "true"], {}, tmp_path / "logs")
+        assert backend.keep_standby("j", JOB, {"PYTHONPATH": str(REPO)}, tmp_path / "logs") == 1
+        deadline = time.monotonic() + 60
+        while backend.standby_ready("j") < 1:
+            assert time.monotonic() < deadline, "the standby never became ready"
+            time.sleep(0.05)
+        standby_pid = next(iter(backend._standby.values())).proc.pid
+        launches = [WorkerLaunch("j-g0-r0", 0, "host-0", 0, {"WHO": "r0", "CODE": "0"}),
+                    WorkerLaunch("j-g0-r1", 1, "host-0", 1, {"WHO": "r1", "CODE": "7"}),
+                    WorkerLaunch("j-g0-r2", 2, "host-0", 2, {"WHO": "r2", "SLEEP": "60"})]
+        pids = backend.launch("j", JOB, launches, tmp_path / "logs" / "g0")
+        for pid in pids.values():  # forked by the standby, not started by the backend
+            assert Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1] == str(standby_pid)
+        deadline = time.monotonic() + 60
+        while len(backend.exited("j", ["j-g0-r0", "j-g0-r1"])) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert backend.exited("j", ["j-g0-r0", "j-g0-r1", "j-g0-r2"]) == {"j-g0-r0": 0, "j-g0-r1": 7}
+        assert "worker r1" in (tmp_path / "logs" / "g0" / "j-g0-r1.log").read_text()
+        backend.release("j")  # the standby ends; the worker it started goes on
+        assert backend.exited("j", ["j-g0-r2"]) == {}
+        backend.stop("j", ["j-g0-r2"], grace=5)
+        deadline = time.monotonic() + 30
+        while backend.exited("j", ["j-g0-r2"]) == {}:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        code = backend.exited("j", ["j-g0-r2"])["j-g0-r2"]
+        assert code in (None, 128 + signal.SIGTERM)  # reported while its standby lived, else unknown
+    finally:
+        backend.close()
+        cluster.stop()
+
+
+def test_a_job_asking_for_standbys_on_a_backend_without_them_is_refused(tmp_path: Path) -> None:
+    from tenplex.ptc import DatasetState
+    from tenplex.scheduler.controller import SchedulerSettings
+    from tenplex.scheduler.layouts import LayoutSpec
+    from tenplex.scheduler.service import Scheduler
+    from tenplex.scheduler.state import JobSpec, StateDir
+
+    class NoStandby(LocalBackend):
+        supports_standby = False
+
+    backend = NoStandby(LocalCluster(root=tmp_path / "c"), host_timeout=None)
+    sched = Scheduler(backend, StateDir(tmp_path / "s"), SchedulerSettings(url="http://127.0.0.1:1"))
+    spec = JobSpec(name="j", layout=LayoutSpec("megatron-gpt", {"num_layers": 2, "hidden": 8, "heads": 2, "vocab": 16}),
+                   dataset=DatasetState(100, 0, 4), command=tuple(JOB), gpus=1, standby=True)
+    with pytest.raises(InvalidConfig, match="keeps no standbys"):
+        sched.create(spec)
+    bad = JobSpec(name="k", layout=spec.layout, dataset=spec.dataset, command=("bash", "-c", "true"), gpus=1,
+                  standby=True)
+    with pytest.raises(InvalidInput, match="Python worker commands"):
+        Scheduler(LocalBackend(LocalCluster(root=tmp_path / "c2"), host_timeout=None), StateDir(tmp_path / "s2"),
+                  SchedulerSettings(url="http://127.0.0.1:1")).create(bad)
