@@ -27,7 +27,7 @@ from tenplex.ptc import DatasetState
 from tenplex.scheduler.controller import JobController, job_view
 from tenplex.scheduler.layouts import LayoutSpec
 from tenplex.scheduler.service import Scheduler
-from tenplex.scheduler.state import JobSpec, policy_from_json
+from tenplex.scheduler.state import CheckpointSpec, JobSpec, policy_from_json
 from tenplex.transformer.plan import Plan
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -45,6 +45,14 @@ class LayoutBody(_Body):
     provider: Literal["megatron-gpt", "example-gpt", "example-torchtitan", "example-hf"]
     model: dict[str, Any] = Field(description="The provider's model fields (GPTSpec, GPTConfig, TitanConfig or HFConfig).")
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+
+
+class CheckpointBody(_Body):
+    uri: str = Field(min_length=1, max_length=2048, description=(
+        "Persistent location: s3://bucket/prefix (any S3-compatible store; endpoint and credentials are the store "
+        "daemons') or file:///path (a filesystem mounted on every node)."))
+    interval_steps: int = Field(ge=1, le=1 << 40, description="Copy a committed version there every this many steps.")
+    keep_last: int = Field(2, ge=1, le=1000, description="Persistent versions kept (older ones are deleted).")
 
 
 class DatasetBody(_Body):
@@ -77,6 +85,8 @@ class JobCreate(_Body):
     heartbeat_timeout: float = Field(60.0, gt=0, le=86400)
     max_restarts: int = Field(3, ge=0, le=1_000_000, description=(
         "Failure recoveries allowed in a row without a newer snapshot; the next failure fails the job."))
+    checkpoint: CheckpointBody | None = Field(None, description=(
+        "Persistent checkpoints, the fall-back when no replica of some region survives."))
     standby: bool = Field(False, description=(
         "Keep a warm standby on every usable host: a process with the job's code imported that forks the new "
         "workers of a reconfiguration (local backend)."))
@@ -173,6 +183,7 @@ def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
             heartbeat_timeout=body.heartbeat_timeout,
             max_restarts=body.max_restarts,
             standby=body.standby,
+            checkpoint=CheckpointSpec(**body.checkpoint.model_dump()) if body.checkpoint is not None else None,
             env=body.env,
         )
         ctl = scheduler.create(spec)

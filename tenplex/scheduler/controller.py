@@ -44,6 +44,7 @@ from tenplex.scheduler.backend import Backend
 from tenplex.scheduler.context import JobContext, SchedulerSettings
 from tenplex.scheduler.decide import Observations, decide_running, decide_stopping
 from tenplex.scheduler.launcher import WorkerLauncher
+from tenplex.scheduler.persist import Housekeeper
 from tenplex.scheduler.reconfigure import STOP_MARGIN_STEPS, Orchestrator
 from tenplex.scheduler.state import JobSpec, JobStatus, Phase, Stage, StateDir, WorkerRecord
 
@@ -59,7 +60,8 @@ class JobController:
                  settings: SchedulerSettings, clients: Callable[[str], Any], metrics: Any = None) -> None:
         self.ctx = JobContext(spec, status, backend, state, settings, clients, metrics)
         self.launcher = WorkerLauncher(self.ctx)
-        self.orchestrator = Orchestrator(self.ctx, self.launcher)
+        self.housekeeper = Housekeeper(self.ctx)
+        self.orchestrator = Orchestrator(self.ctx, self.launcher, self.housekeeper)
         self._wake = threading.Event()
         self._closing = threading.Event()
         self._thread: threading.Thread | None = None
@@ -85,10 +87,12 @@ class JobController:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=f"job-{self.spec.name}", daemon=True)
         self._thread.start()
+        self.housekeeper.start()
 
     def close(self) -> None:
         self._closing.set()
         self._wake.set()
+        self.housekeeper.close()
         if self._thread is not None:
             self._thread.join(timeout=30)
         with self.lock:
@@ -176,6 +180,7 @@ class JobController:
                 if set(hosts) >= set(self.ctx.ptc(req.generation).hosts):
                     st.version = req.version
                     st.failures_without_progress = 0  # training got past its restart point
+                    self.housekeeper.committed(req.version)
                 self.ctx.touch()
 
     def peer_failure(self, worker_id: str, req: PeerFailureReport) -> None:

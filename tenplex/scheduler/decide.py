@@ -212,21 +212,27 @@ class Recovery:
     version: str
     holders: tuple[str, ...]
     steps_lost: int
+    persistent: bool = False
+    """Some regions come from the persistent tier (no survivor holds them)."""
 
 
 def choose_recovery(status: JobStatus, holders: Mapping[str, Sequence[str]],
-                    ptc_of: Callable[[int], PTC | None]) -> Recovery | None:
-    """The newest version whose every shard some surviving host holds (``holders``: host -> committed
-    versions, the survivors only), with the steps lost since; None when there is none."""
+                    ptc_of: Callable[[int], PTC | None], persisted: Sequence[str] = ()) -> Recovery | None:
+    """The newest version the survivors cover (``holders``: host -> committed versions, the survivors
+    only) or, with them, the persistent tier (``persisted``: versions committed there, each whole), with the
+    steps lost since; None when there is none."""
     reached = steps_reached(status)
-    candidates = sorted({v for vs in holders.values() for v in vs}, key=Version.parse, reverse=True)
+    candidates = sorted({v for vs in holders.values() for v in vs} | set(persisted), key=Version.parse, reverse=True)
     for version in candidates:
         ptc = ptc_of(status.version_generation.get(version, Version.parse(version).generation))
         if ptc is None:
             continue
         have = {h for h, vs in holders.items() if version in vs}
+        lost = max(0, reached - Version.parse(version).step)
         if covers(ptc, have):
-            return Recovery(version, tuple(sorted(have)), max(0, reached - Version.parse(version).step))
+            return Recovery(version, tuple(sorted(have)), lost)
+        if version in persisted:
+            return Recovery(version, tuple(sorted(have)), lost, persistent=True)
     return None
 
 

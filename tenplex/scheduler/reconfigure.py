@@ -42,6 +42,7 @@ from tenplex.scheduler.backend import HostInfo
 from tenplex.scheduler.context import JobContext
 from tenplex.scheduler.decide import choose_recovery, find_stop_version, steps_reached
 from tenplex.scheduler.launcher import WorkerLauncher
+from tenplex.scheduler.persist import Housekeeper
 from tenplex.scheduler.state import Phase, Reconfiguration, Stage, phase_split
 from tenplex.transformer.plan import Plan, make_plan
 from tenplex.transformer.remote import COMMITTED, INTERRUPTED, PlanRun, TransformStatus
@@ -62,9 +63,10 @@ class Orchestrator:
     """One job's reconfigurations (see the module doc); every method runs with the job's lock held,
     except :meth:`transfer`, which takes it only to read and change the record."""
 
-    def __init__(self, ctx: JobContext, launcher: WorkerLauncher) -> None:
+    def __init__(self, ctx: JobContext, launcher: WorkerLauncher, housekeeper: Housekeeper | None = None) -> None:
         self.ctx = ctx
         self.launcher = launcher
+        self.housekeeper = housekeeper
 
     # -- placement --------------------------------------------------------------------------------------
 
@@ -214,10 +216,13 @@ class Orchestrator:
             return
         new_gen = ctx.next_generation()
         new_version = Version(version.step, new_gen)
+        # Regions no survivor holds come from the persistent checkpoint, when it has this version.
+        checkpoint = ctx.spec.checkpoint.uri if ctx.spec.checkpoint is not None and str(version) in st.persisted else None
         try:
             plan = make_plan(
                 old_ptc, decision.ptc, job=ctx.name, old_version=version, new_version=new_version,
                 holders={h: version for h, vs in holders.items() if str(version) in vs}, alive=list(holders),
+                checkpoint=checkpoint,
             )
         except StateLost as exc:
             self.fail(f"state lost: {exc.detail}")
@@ -311,6 +316,8 @@ class Orchestrator:
             st.version = new_version
             st.restore_version = new_version
             ctx.mark("transferred")
+            if self.housekeeper is not None:
+                self.housekeeper.committed(new_version)
             if st.workers and all(w.generation == plan.new_version.generation for w in st.workers):
                 ctx.enter(Phase.RUNNING, None, f"running in {ctx.config_text()} from {new_version} (its workers "
                                                "started during the transfer)")
@@ -446,10 +453,13 @@ class Orchestrator:
             except NotFound:
                 return None
 
-        recovery = choose_recovery(st, holders, ptc_of)
+        recovery = choose_recovery(st, holders, ptc_of, st.persisted)
         if recovery is not None:
             st.version = recovery.version
             rec.steps_lost = recovery.steps_lost
+            if recovery.persistent:
+                reason = f"{reason}; the survivors do not hold every region of {recovery.version}: the rest comes " \
+                         f"from the persistent checkpoint"
             if suspending:  # the state is held: suspended from there, nothing to restart
                 self.suspend()
                 return
@@ -465,7 +475,10 @@ class Orchestrator:
             else:
                 self.restart_from_beginning(reason, steps_reached(st))
             return
-        self.fail(f"{reason}; no version of the state is fully held by the surviving hosts {sorted(holders)}")
+        self.fail(f"{reason}; no version of the state is fully held by the surviving hosts {sorted(holders)}"
+                  + (f" or the persistent checkpoint {ctx.spec.checkpoint.uri} (it holds "
+                     f"{', '.join(st.persisted) or 'no version yet'})" if ctx.spec.checkpoint is not None
+                     else " and the job has no persistent checkpoint"))
 
     def restart_from_beginning(self, reason: str, reached: int) -> None:
         """A failure before any version was committed everywhere: nothing to recover, so start again at step 0.
