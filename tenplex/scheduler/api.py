@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tenplex import __version__
 from tenplex.core import protocol as P
 from tenplex.errors import InvalidInput, NotFound, TenplexError, Unauthorized
-from tenplex.ptc import DatasetState
+from tenplex.ptc import DatasetState, ParallelConfig
 from tenplex.scheduler.controller import JobController, job_view
 from tenplex.scheduler.layouts import LayoutSpec
 from tenplex.scheduler.service import Scheduler
@@ -94,9 +94,19 @@ class JobCreate(_Body):
         default_factory=dict)
 
 
+class ParallelBody(_Body):
+    dp: int = Field(1, ge=1, le=1 << 20)
+    tp: int = Field(1, ge=1, le=1 << 12)
+    pp: int = Field(1, ge=1, le=1 << 12)
+    zero: int = Field(0, ge=0, le=3)
+
+
 class ScaleBody(_Body):
     gpus: int = Field(ge=0, le=1 << 20, description=(
         "The new GPU count; 0 suspends the job (state kept on the node stores), a later count resumes it."))
+    parallel: ParallelBody | None = Field(None, description=(
+        "The configuration to run in (dp x tp x pp = gpus), instead of the policy's choice: also a change of "
+        "layout at the same GPU count."))
 
 
 class EventBody(_Body):
@@ -207,7 +217,8 @@ def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
               dependencies=[Auth])
     def scale_job(job: P.JobName, body: ScaleBody) -> dict[str, Any]:
         ctl = scheduler.get(job)
-        ctl.request_scale(body.gpus)
+        parallel = ParallelConfig.from_json(body.parallel.model_dump()) if body.parallel is not None else None
+        ctl.request_scale(body.gpus, parallel)
         return _view(ctl)
 
     @app.post("/v1/jobs/{job}/events", status_code=202, tags=["jobs"], summary="Report an event", dependencies=[Auth])

@@ -38,8 +38,8 @@ from tenplex.core.protocol import (
     RegisterRequest,
     SnapshotReport,
 )
-from tenplex.errors import Conflict, NotFound
-from tenplex.ptc import PTC
+from tenplex.errors import Conflict, InvalidConfig, NotFound
+from tenplex.ptc import PTC, ParallelConfig
 from tenplex.scheduler.backend import Backend
 from tenplex.scheduler.context import JobContext, SchedulerSettings
 from tenplex.scheduler.decide import Observations, decide_running, decide_stopping
@@ -111,11 +111,17 @@ class JobController:
 
     # -- requests from the REST API -----------------------------------------
 
-    def request_scale(self, gpus: int) -> None:
-        """Scale to ``gpus``. 0 suspends the job: the workers stop after a snapshot and give their GPUs back, the
-        state stays on the node stores, and a later scale to N resumes from it on N GPUs."""
+    def request_scale(self, gpus: int, parallel: ParallelConfig | None = None) -> None:
+        """Scale to ``gpus``, in ``parallel`` when given (else the policy's choice; the same GPU count in another
+        configuration is a change of layout). 0 suspends the job: the workers stop after a snapshot and give their
+        GPUs back, the state stays on the node stores, and a later scale to N resumes from it on N GPUs."""
         if gpus != 0 or isinstance(gpus, bool):
             self.spec.check_gpus(gpus)
+        if parallel is not None:
+            if gpus == 0:
+                raise InvalidConfig("a suspend (0 GPUs) takes no parallel configuration")
+            if parallel.world_size != gpus:
+                raise InvalidConfig(f"{parallel.describe()} is {parallel.world_size} GPUs, the request asks for {gpus}")
         with self.lock:
             st = self.status
             if st.phase in (Phase.FAILED, Phase.SUCCEEDED):
@@ -124,6 +130,7 @@ class JobController:
                 st.requested_gpus = st.pending_reason = None  # already there (withdraws a resume not begun)
             else:
                 st.requested_gpus = gpus
+                st.requested_parallel = parallel.to_json() if parallel is not None else None
                 st.pending_reason = "scale"
             self.ctx.save()
         self._wake.set()

@@ -130,12 +130,18 @@ def decide_running(spec: JobSpec, status: JobStatus, obs: Observations, *, start
         dropped = f"{pending} request dropped: none of {status.hosts} is unschedulable now"
         pending, changed = None, True
     begin = clear = False
-    if pending == "scale" and status.requested_gpus == status.gpus:
+    if pending == "scale" and status.requested_gpus == status.gpus and (
+            status.requested_parallel is None or _same_config(status.requested_parallel, status.parallel)):
         pending, changed, clear = None, True, True  # already there
     elif pending is not None and not any(w.step is None for w in status.workers):
         begin = True
     return RunningOutcome(training_resumed=resumed, pending=pending if changed else _KEEP, dropped=dropped,
                           clear_request=clear, begin_planned=begin)
+
+
+def _same_config(a: Mapping[str, object] | None, b: Mapping[str, object] | None) -> bool:
+    keys = ("dp", "tp", "pp", "zero")
+    return a is not None and b is not None and all(a.get(k, 0) == b.get(k, 0) for k in keys)
 
 
 # -- stopping for a planned change ------------------------------------------------------------------------------

@@ -84,6 +84,11 @@ class Orchestrator:
     def decide(self, gpus: int, prefer: list[str], dataset_consumed: int,
                reachable: set[str] | None = None) -> policy_mod.Decision:
         spec = self.ctx.spec
+        st = self.ctx.status
+        policy = spec.policy
+        if st.target_parallel is not None and ParallelConfig.from_json(st.target_parallel).world_size == gpus:
+            # the change asks for a configuration: it is this job's policy for this change
+            policy = policy_mod.Policy(table={gpus: ParallelConfig.from_json(st.target_parallel)})
         g = spec.gpus_per_pod
         if gpus % g:
             raise InvalidConfig(f"{gpus} GPUs is not a multiple of gpus_per_pod {g}")
@@ -99,7 +104,7 @@ class Orchestrator:
         def build(cfg: ParallelConfig, placement: Placement) -> PTC:
             return spec.layout.build(cfg, placement, dataset)
 
-        return policy_mod.choose(gpus, spec.policy, build, [h.name for h in order], gpus_per_node)
+        return policy_mod.choose(gpus, policy, build, [h.name for h in order], gpus_per_node)
 
     def decide_feasible(self, gpus: int, prefer: list[str], consumed: int,
                         reachable: set[str] | None = None) -> policy_mod.Decision:
@@ -173,8 +178,9 @@ class Orchestrator:
         newest = max([w.step for w in st.workers if w.step is not None] + [st.step])
         st.stop_at_step = newest + STOP_MARGIN_STEPS
         st.target_gpus = st.requested_gpus if st.requested_gpus is not None else st.gpus
+        st.target_parallel = st.requested_parallel
         reason = "suspend" if st.target_gpus == 0 else st.pending_reason or "scale"
-        st.pending_reason = st.requested_gpus = None
+        st.pending_reason = st.requested_gpus = st.requested_parallel = None
         st.history.append(Reconfiguration(reason=reason, started_at=time.time(), from_config=ctx.config_text(),
                                           from_gpus=st.gpus, from_hosts=list(st.hosts)))
         ctx.mark("requested")
@@ -384,7 +390,7 @@ class Orchestrator:
             if ctx.metrics is not None:
                 ctx.metrics.reconfigurations.labels(ctx.name, rec.reason).inc()
         st.workers, st.hosts, st.gpus = [], [], 0
-        st.target_gpus = st.stop_at_step = st.downtime_started_at = st.restored_step = None
+        st.target_gpus = st.target_parallel = st.stop_at_step = st.downtime_started_at = st.restored_step = None
         st.restore_version = version
         if version is None:
             ctx.enter(Phase.SUSPENDED, None, "suspended before its first snapshot: a scale up starts it at step 0")

@@ -357,10 +357,14 @@ class JobStatus:
     """Version -> hosts whose store committed it."""
     version_generation: dict[str, int] = field(default_factory=dict)
     requested_gpus: int | None = None
+    requested_parallel: dict[str, Any] | None = None
+    """The configuration the newest scale request asks for (None: the policy chooses)."""
     """The newest scale request not yet acted on."""
     pending_reason: str | None = None
     """Why a planned reconfiguration is wanted (scale, redeploy), until one begins."""
     target_gpus: int | None = None
+    target_parallel: dict[str, Any] | None = None
+    """The configuration the reconfiguration in progress aims for, when a request named one."""
     """The GPU count the reconfiguration in progress aims for."""
     master_addr: str | None = None
     master_port: int | None = None
