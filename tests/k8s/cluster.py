@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tenplex.k8s import crd
-from tenplex.k8s.emulator import ApiServerEmulator
+from tenplex.testing.k8s.emulator import ApiServerEmulator
 
 NS = "default"
 STORE_LABELS = {crd.LABEL_ROLE: crd.ROLE_STORE, "app.kubernetes.io/name": "tenplex"}

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from kubernetes import client
 
-from tenplex.k8s.emulator import ApiServerEmulator
+from tenplex.testing.k8s.emulator import ApiServerEmulator
 
 REPO = Path(__file__).resolve().parents[2]
 TOOLS_BIN = REPO / ".tools" / "bin"

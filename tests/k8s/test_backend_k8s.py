@@ -19,10 +19,10 @@ from tenplex.k8s.backend import (
     KubernetesBackend,
     pod_groups,
 )
-from tenplex.k8s.emulator import ApiServerEmulator
 from tenplex.k8s.settings import KubernetesSettings
 from tenplex.launcher import ENV_POD_RANKS, parse_pod_ranks
 from tenplex.scheduler.backend import HostInfo, WorkerLaunch
+from tenplex.testing.k8s.emulator import ApiServerEmulator
 
 from .cluster import NS, add_gpu_node, elasticjob, eventually, store_pod, worker_pods
 

@@ -38,8 +38,6 @@ from kubernetes import client
 from tenplex.errors import NotFound
 from tenplex.k8s import crd
 from tenplex.k8s.backend import ANNOTATION_MASTER_PORT, LABEL_RANKS
-from tenplex.k8s.emulator import ApiServerEmulator
-from tenplex.k8s.kubelet import LocalKubelet
 from tenplex.k8s.operator import KubernetesScheduler
 from tenplex.k8s.settings import KubernetesSettings
 from tenplex.scheduler.api import create_app
@@ -47,6 +45,8 @@ from tenplex.scheduler.controller import SchedulerSettings
 from tenplex.scheduler.state import Phase
 from tenplex.serving import BackgroundServer, bind_socket
 from tenplex.store.client import StoreClient
+from tenplex.testing.k8s.emulator import ApiServerEmulator
+from tenplex.testing.k8s.kubelet import LocalKubelet
 
 from .cluster import NS, elasticjob, eventually, store_pod, worker_pods
 

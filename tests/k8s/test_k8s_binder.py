@@ -9,9 +9,9 @@ from typing import Any
 from kubernetes import client
 
 from tenplex.k8s import crd
-from tenplex.k8s.binder import PodBinder
-from tenplex.k8s.emulator import ApiServerEmulator
-from tenplex.k8s.kubelet import LocalKubelet, wait_for
+from tenplex.testing.k8s.binder import PodBinder
+from tenplex.testing.k8s.emulator import ApiServerEmulator
+from tenplex.testing.k8s.kubelet import LocalKubelet, wait_for
 
 from .conftest import Clients
 

@@ -12,7 +12,7 @@ import pytest
 from kubernetes import client, watch
 
 from tenplex.k8s import crd
-from tenplex.k8s.emulator import ApiServerEmulator
+from tenplex.testing.k8s.emulator import ApiServerEmulator
 
 from .conftest import Clients
 

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from tenplex.k8s import crd
-from tenplex.k8s.emulator import ApiServerEmulator
+from tenplex.testing.k8s.emulator import ApiServerEmulator
 
 from .conftest import REPO, tool
 

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from tenplex.k8s import crd
-from tenplex.k8s.emulator import ApiServerEmulator
-from tenplex.k8s.kubelet import LocalKubelet, expand, wait_for
+from tenplex.testing.k8s.emulator import ApiServerEmulator
+from tenplex.testing.k8s.kubelet import LocalKubelet, expand, wait_for
 
 from .conftest import Clients
 

@@ -11,7 +11,7 @@ from kubernetes.leaderelection import electionconfig, leaderelection
 from kubernetes.leaderelection.resourcelock.leaselock import LeaseLock
 
 from tenplex.k8s import crd
-from tenplex.k8s.emulator import ApiServerEmulator
+from tenplex.testing.k8s.emulator import ApiServerEmulator
 
 
 @pytest.mark.slow

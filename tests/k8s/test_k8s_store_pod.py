@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from tenplex.k8s import crd
-from tenplex.k8s.emulator import ApiServerEmulator
-from tenplex.k8s.kubelet import LocalKubelet, wait_for
+from tenplex.testing.k8s.emulator import ApiServerEmulator
+from tenplex.testing.k8s.kubelet import LocalKubelet, wait_for
 
 from .conftest import Clients
 from .test_k8s_chart import one, render

@@ -28,7 +28,6 @@ from kubernetes import client
 from tenplex.errors import InvalidConfig, InvalidInput
 from tenplex.k8s import crd
 from tenplex.k8s.backend import ANNOTATION_WORKERS, LABEL_RANKS
-from tenplex.k8s.emulator import ApiServerEmulator
 from tenplex.k8s.jobstore import ptc_configmap, state_configmap
 from tenplex.k8s.operator import (
     KubernetesScheduler,
@@ -43,6 +42,7 @@ from tenplex.scheduler.api import create_app
 from tenplex.scheduler.controller import SchedulerSettings
 from tenplex.scheduler.state import JobSpec, Phase
 from tenplex.serving import BackgroundServer
+from tenplex.testing.k8s.emulator import ApiServerEmulator
 
 from .cluster import NS, add_gpu_node, elasticjob, eventually, worker_pods
 
