@@ -276,8 +276,8 @@ class ElasticJobOperator:
             return
         log.info("%s: leading", self.settings.identity)
         sched = self.scheduler
-        sched.index.informer.start()
-        if not sched.index.informer.wait_synced(30):
+        sched.index.start()
+        if not sched.index.wait_synced(30):
             raise StoreUnavailable("the Kubernetes API did not answer the first list of ElasticJobs within 30s")
         sched.kube_backend.start()
         self._acting.set()
@@ -285,7 +285,7 @@ class ElasticJobOperator:
         if names:
             log.info("resumed jobs: %s", ", ".join(names))
         sched.kube_backend.add_listener(lambda ev: self._events.put(("cluster", ev, None)))
-        sched.index.informer.add_handler(lambda kind, obj, old: self._events.put(("elasticjob", kind, obj)))
+        sched.index.add_handler(lambda kind, obj, old: self._events.put(("elasticjob", kind, obj)))
         self.reconcile_all()
         self._spawn(self._dispatch, "operator-events")
         self._spawn(self._housekeeping, "operator-housekeeping")
@@ -314,7 +314,7 @@ class ElasticJobOperator:
         for ctl in self.scheduler.list():
             ctl.close()
         self.scheduler.kube_backend.close()
-        self.scheduler.index.informer.stop()
+        self.scheduler.index.stop()
 
     # -- ElasticJobs ----------------------------------------------------------------------------
 
@@ -353,6 +353,11 @@ class ElasticJobOperator:
         meta = obj["metadata"]
         name, ns = meta["name"], meta.get("namespace", "")
         if not self.settings.manages(ns):
+            return
+        if meta.get("deletionTimestamp"):
+            # Being deleted (finalizers, or a foreground deletion waiting for its pods): the job ends now; it is
+            # never started again, nor are new pods made that its deletion would have to wait for.
+            self._deleted(obj)
             return
         sched = self.scheduler
         generation = int(meta.get("generation") or 1)

@@ -24,24 +24,37 @@ from tenplex.launcher import ENV_POD_RANKS, parse_pod_ranks
 from tenplex.scheduler.backend import HostInfo, WorkerLaunch
 from tenplex.testing.k8s.emulator import ApiServerEmulator
 
-from .cluster import NS, add_gpu_node, elasticjob, eventually, store_pod, worker_pods
+from .cluster import (
+    NS,
+    NodeAgents,
+    add_gpu_node,
+    assert_rbac_clean,
+    elasticjob,
+    eventually,
+    scheduler_client,
+    store_daemonset,
+    store_pod,
+    worker_pods,
+)
 
 SETTINGS = KubernetesSettings(namespace=NS, identity="test", leader_election=False, auth_secret="tenplex-auth")
 
 
 @pytest.fixture
-def backend(api: ApiServerEmulator) -> Iterator[KubernetesBackend]:
-    add_gpu_node(api, "gpu-a", "127.0.0.2")
-    add_gpu_node(api, "gpu-b", "127.0.0.3", port=7171)
+def backend(api: ApiServerEmulator, agents: NodeAgents) -> Iterator[KubernetesBackend]:
+    add_gpu_node(api, "gpu-a", "127.0.0.2", agents=agents)
+    add_gpu_node(api, "gpu-b", "127.0.0.3", port=7171, agents=agents)
     api.add_node("cpu-only", gpus=0, address="127.0.0.9")
     api.create("elasticjobs", elasticjob("gpt", 2), NS)
-    with api.api_client() as api_client:
+    with scheduler_client(api) as api_client:
         be = KubernetesBackend(api_client, SETTINGS, lambda name: api.get("elasticjobs", name, NS),
                                master_ports=(29500, 29502), watch_timeout=5).start()
         try:
             yield be
         finally:
             be.close()
+    assert api.gpu_overbookings() == []
+    assert_rbac_clean(api)
 
 
 def launches(job: str, generation: int, hosts: list[str], env: dict[str, str] | None = None) -> list[WorkerLaunch]:
@@ -141,9 +154,12 @@ def test_exited_follows_pod_phases_and_deletions(api: ApiServerEmulator, backend
     assert eventually(lambda: len(backend.exited("gpt", ids)) == 3 and backend.exited("gpt", ids), "three exits") == {
         "gpt-g0-r0": 0, "gpt-g0-r1": 3, "gpt-g0-r2": None}
     kinds = sorted((e.kind, e.detail) for e in events if e.job == "gpt")
+    # The deleted pod was Running: its kubelet stopped its container (SIGTERM: 143) and reported that, then
+    # confirmed the deletion, which is when the pod left the API.
     assert kinds == [("worker-deleted", "worker pod gpt-g0-r2 was deleted"),
                      ("worker-exited", "worker pod gpt-g0-r0 Succeeded (exit code 0)"),
-                     ("worker-exited", "worker pod gpt-g0-r1 Failed (exit code 3)")]
+                     ("worker-exited", "worker pod gpt-g0-r1 Failed (exit code 3)"),
+                     ("worker-exited", "worker pod gpt-g0-r2 Failed (exit code 143)")]
 
     backend.stop("gpt", ids, grace=1)
     assert worker_pods(api, "gpt") == []
@@ -189,7 +205,7 @@ def test_watch_expiry_relists_and_replays_are_not_reported_twice(api: ApiServerE
 
 def test_store_pod_address_and_port_come_from_the_store_pod(api: ApiServerEmulator, backend: KubernetesBackend) -> None:
     api.add_node("gpu-d", gpus=4, address="10.1.0.4")
-    api.create("pods", store_pod("gpu-d", port=7272), NS)
+    api.create("pods", store_pod("gpu-d", store_daemonset(api), port=7272), NS)
     api.set_pod_running("store-gpu-d", NS, pod_ip="10.244.0.7")
     eventually(lambda: any(h.name == "gpu-d" and h.ready for h in backend.hosts()), "gpu-d ready")
     assert backend.host("gpu-d") == HostInfo("gpu-d", 4, "http://10.1.0.4:7272", "10.1.0.4")

@@ -47,8 +47,18 @@ from tenplex.serving import BackgroundServer, bind_socket
 from tenplex.store.client import StoreClient
 from tenplex.testing.k8s.emulator import ApiServerEmulator
 from tenplex.testing.k8s.kubelet import LocalKubelet
+from tenplex.testing.k8s.rbac import User
 
-from .cluster import NS, elasticjob, eventually, store_pod, worker_pods
+from .cluster import (
+    NS,
+    assert_rbac_clean,
+    elasticjob,
+    eventually,
+    scheduler_client,
+    store_daemonset,
+    store_pod,
+    worker_pods,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -100,13 +110,15 @@ class Cluster:
                                "data": {"token": base64.b64encode(TOKEN.encode()).decode()}}, NS)
         # The image's PATH: its ``tenplex`` entry point (multi-GPU pods run their ranks under it) is this venv's.
         env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+        owner = store_daemonset(api)
         for node, ip in NODES.items():
             # One GPU each by default: few processes; every change crosses nodes.
             api.add_node(node, gpus=gpus_per_node, address=ip)
-            kubelet = LocalKubelet(stack.enter_context(api.api_client()), node, ip, root / node, base_env=env, cwd=REPO)
+            kubelet = LocalKubelet(stack.enter_context(api.api_client(User.node(node))), node, ip, root / node,
+                                   base_env=env, cwd=REPO)
             self.kubelets[node] = stack.enter_context(kubelet)
             port = free_port(ip)
-            pod = store_pod(node, port=port, command=[
+            pod = store_pod(node, owner, port=port, command=[
                 sys.executable, "-m", "tenplex", "store", "serve", "--root", str(root / node / "store"),
                 "--host", ip, "--port", str(port)])
             pod["spec"]["containers"][0]["env"] = [
@@ -150,7 +162,7 @@ def scheduler(api: ApiServerEmulator, cluster: Cluster, tmp_path: Path) -> Itera
     settings = KubernetesSettings(namespace=NS, identity="scheduler-0", auth_secret="tenplex-auth",
                                   lease_duration_seconds=5, renew_deadline_seconds=4, retry_period_seconds=1)
     base = free_port_block(21)
-    sched = KubernetesScheduler(api.api_client(), settings,
+    sched = KubernetesScheduler(scheduler_client(api), settings,
                                 SchedulerSettings(url=url, token=TOKEN, heartbeat_interval=0.3), tmp_path / "sched",
                                 master_ports=(base, base + 20), watch_timeout=10,
                                 store_client=lambda url: RecordingStoreClient(url, TOKEN, retries=2, timeout=10))
@@ -166,6 +178,8 @@ def scheduler(api: ApiServerEmulator, cluster: Cluster, tmp_path: Path) -> Itera
             ctl.close()  # no failure handling while the workers are taken down
             sched.backend.stop(ctl.spec.name, [w.worker_id for w in ctl.status.workers], grace=2)
         sched.close()
+    assert api.gpu_overbookings() == [], "a node was given more GPUs than it has"
+    assert_rbac_clean(api)
 
 
 def wait_job(sched: KubernetesScheduler, name: str, pred: Any, what: str, timeout: float = 240.0,

@@ -1,45 +1,52 @@
-"""An in-process Kubernetes API server emulator for tests, spoken to over real HTTP.
+"""An in-process Kubernetes API server for tests, spoken to over real HTTP, behaving as kube-apiserver does.
 
 No kube-apiserver can be obtained on the machines this project is built on
 (see the shared notes), and ``kmock`` 0.8 lacks what the scheduler's
-Kubernetes backend relies on: resourceVersion semantics, resuming and expiring
-watches, label and field selectors, the scale and status subresources with
-their write rules, optimistic concurrency on update. This module emulates
-exactly that part of the API, as the real server behaves:
+Kubernetes backend relies on. This server emulates the part of the API an
+operator meets, as the real server behaves wherever a difference could hide
+an operator bug:
 
-* resources: pods (with ``status``, ``binding`` and ``eviction``, which honours
-  PodDisruptionBudgets), nodes, namespaces, services, configmaps, secrets, events,
-  leases (``coordination.k8s.io``), poddisruptionbudgets (``policy/v1``) and the
-  ``ElasticJob`` custom resource with its ``status`` and ``scale`` subresources;
-* create (``generateName`` too), get, list, replace (PUT), patch
-  (JSON merge patch, JSON patch, and a strategic merge patch for built-in
-  resources that merges the common keyed lists), delete (finalizers,
-  ``ownerReferences`` cascading like the garbage collector), delete collection;
-* every write bumps one cluster-wide ``resourceVersion``; ``uid``,
-  ``creationTimestamp`` and ``generation`` (bumped on spec changes only) are set;
-  a PUT or patch carrying a stale ``resourceVersion`` is a 409 Conflict;
-* writes to the main resource ignore ``status``; writes to ``/status`` touch
-  only ``status``; ``/scale`` maps ``spec.replicas`` to ``spec.gpus``;
-* ElasticJobs are validated against the CRD schema and its CEL rules
-  (422 Invalid, as the API server answers);
-* list and watch honour ``labelSelector`` (equality and set-based),
-  ``fieldSelector`` (``metadata.name``, ``metadata.namespace``, ``spec.nodeName``,
-  ``status.phase``) and ``timeoutSeconds``; a watch from a ``resourceVersion``
-  replays what happened after it, or answers 410 Gone once the history was
-  compacted; an object that stops matching a selector is sent as DELETED.
+* resources: pods (``status``, ``binding``, ``eviction`` honouring
+  PodDisruptionBudgets), nodes, namespaces, services, configmaps, secrets,
+  serviceaccounts, events, leases, poddisruptionbudgets, daemonsets, the RBAC
+  kinds, and custom resources served from their CRD (the ElasticJob, with its
+  ``status`` and ``scale`` subresources);
+* create (``generateName`` too), get, list, replace (PUT), patch (JSON merge
+  patch, JSON patch, strategic merge patch for built-in kinds with keyed lists
+  and set-merged finalizers), delete (graceful for pods, finalizers,
+  foreground/background/orphan propagation), delete collection;
+  :mod:`~tenplex.testing.k8s.store` says what each write checks and does;
+* validation of built-in kinds against Kubernetes 1.33's OpenAPI schemas and
+  the API server's semantic rules, of custom resources against their
+  structural schema and CEL rules (:mod:`~tenplex.testing.k8s.admission`);
+  unknown fields by ``fieldValidation``: ``Strict`` (kubectl's default) a 400,
+  ``Warn`` (the default) dropped with a ``Warning`` header, ``Ignore`` dropped;
+* admission: namespaces must exist, ServiceAccount admission, PodSecurity
+  admission by namespace label;
+* authentication by bearer token and RBAC authorization against the stored
+  Roles and ClusterRoles; every request is recorded with the attributes RBAC
+  decides on (:mod:`~tenplex.testing.k8s.rbac`);
+* list and watch with label selectors and the field selectors each resource
+  supports (another one is a 400), ``timeoutSeconds``, BOOKMARK events when
+  asked for (every ``bookmark_interval`` seconds and 2 s before the watch's
+  timeout), a small window of events per resource: resuming from before it is
+  410 Gone;
+* garbage collection and the namespace controller on a background thread.
 
-Test hooks (thread-safe, callable from the test thread) change the world the
-way kubelets, node controllers and operators do: :meth:`add_node`,
-:meth:`set_node_ready`, :meth:`cordon_node`, :meth:`drain_node` (evicts regardless of budgets),
-:meth:`evict_node_pods` (one budget-respecting pass of ``kubectl drain``),
-:meth:`set_pod_running`, :meth:`fail_pod`, :meth:`set_pod_succeeded`, and
-:meth:`expire_watches` / :meth:`compact` to force 410 Gone.
+Test hooks (thread-safe) change the world the way kubelets, node controllers
+and operators do: :meth:`add_node`, :meth:`set_node_ready`,
+:meth:`cordon_node`, :meth:`drain_node`, :meth:`evict_node_pods`,
+:meth:`set_pod_running`, :meth:`fail_pod`, :meth:`set_pod_succeeded`,
+:meth:`force_delete`, and :meth:`expire_watches` / :meth:`compact` to force
+410 Gone. Graceful pod deletion needs a kubelet to confirm it: run a
+:class:`~tenplex.testing.k8s.kubelet.LocalKubelet` or a
+:class:`~tenplex.testing.k8s.kubelet.NodeAgent` per node.
 
-Not emulated: authentication and RBAC, admission, server-side apply and
-dry runs (both answered with a clear 4xx), protobuf (415, so clients fall back to JSON),
-pagination (``limit`` returns everything), controllers (nothing schedules or
-runs pods unless a test does), graceful pod termination (pods are deleted at
-once). Namespaces need not exist before objects are created in them.
+Not emulated: server-side apply and dry runs (answered with a clear 4xx),
+protobuf (415, so clients fall back to JSON), pagination (``limit`` returns
+everything), controllers other than the garbage collector and the namespace
+and service-account controllers (nothing schedules or runs pods unless a test
+does), the node authorizer (nodes are trusted), aggregated discovery.
 
 Usage::
 
@@ -51,23 +58,20 @@ Usage::
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import copy
 import itertools
 import json
 import logging
-import re
 import secrets
 import socket
 import threading
-import uuid
-from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-import jsonpatch
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -76,586 +80,68 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from tenplex.k8s import crd
+from tenplex.testing.k8s import rbac
+from tenplex.testing.k8s.objects import (
+    ApiError,
+    Filter,
+    ResourceType,
+    apply_patch,
+    get_path,
+    merge_patch,
+    now,
+    parse_field_selector,
+    parse_label_selector,
+    selector_text,
+)
+from tenplex.testing.k8s.rbac import ADMIN_USER, Access, User
+from tenplex.testing.k8s.store import (
+    FIELD_VALIDATIONS,
+    WATCH_WINDOW,
+    DeleteOptions,
+    Store,
+    Watcher,
+    WriteOptions,
+    pod_gpus,
+)
 
 LOG = logging.getLogger(__name__)
 
-HISTORY_LIMIT = 20_000
-"""Watch events kept for resuming; older resourceVersions answer 410 Gone."""
-
-_NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
-
-
-# --------------------------------------------------------------------------- resource types
-
-
-@dataclass(frozen=True, slots=True)
-class ScaleMapping:
-    """Where the ``scale`` subresource reads and writes in the object (JSON paths without the dot)."""
-
-    spec_replicas: tuple[str, ...]
-    status_replicas: tuple[str, ...]
-    label_selector: tuple[str, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class ResourceType:
-    group: str
-    version: str
-    plural: str
-    kind: str
-    namespaced: bool
-    status_subresource: bool = False
-    scale: ScaleMapping | None = None
-    custom: bool = False
-    """Custom resources reject strategic merge patches, as the real server does."""
-    returns_object_on_delete: bool = False
-    validate: Callable[[Mapping[str, Any]], list[str]] | None = None
-    defaults: Callable[[dict[str, Any]], dict[str, Any]] | None = None
-    short_names: tuple[str, ...] = ()
-    printer_columns: tuple[Mapping[str, Any], ...] = ()
-    """additionalPrinterColumns; with them, ``Accept: ...;as=Table`` gets a server-side Table as from the real server."""
-
-    @property
-    def api_version(self) -> str:
-        return f"{self.group}/{self.version}" if self.group else self.version
-
-    @property
-    def key(self) -> str:
-        """``plural`` for the core group, ``plural.group`` otherwise (as kubectl spells it)."""
-        return f"{self.plural}.{self.group}" if self.group else self.plural
-
-
-def _elasticjob_defaults(obj: dict[str, Any]) -> dict[str, Any]:
-    return crd.apply_defaults(crd.openapi_schema(), obj)
-
-
-def _pod_errors(pod: Mapping[str, Any]) -> list[str]:
-    containers = (pod.get("spec") or {}).get("containers")
-    if not isinstance(containers, list) or not containers:
-        return ["spec.containers: Required value"]
-    errors = []
-    for i, c in enumerate(containers):
-        if not isinstance(c, Mapping) or not c.get("name"):
-            errors.append(f"spec.containers[{i}].name: Required value")
-        elif not c.get("image"):
-            errors.append(f"spec.containers[{i}].image: Required value")
-    return errors
+BOOKMARK_INTERVAL = 60.0
+"""Seconds between BOOKMARK events on a watch that asked for them (the real server's frequency)."""
+ADMIN_TOKEN = "emulator-admin"
+_POD_FIELDS = {f: tuple(f.split(".")) for f in (
+    "spec.nodeName", "spec.restartPolicy", "spec.schedulerName", "spec.serviceAccountName", "spec.hostNetwork",
+    "status.phase", "status.podIP", "status.nominatedNodeName")}
+_EVENT_FIELDS = {f: tuple(f.split(".")) for f in (
+    "involvedObject.kind", "involvedObject.namespace", "involvedObject.name", "involvedObject.uid",
+    "involvedObject.apiVersion", "involvedObject.resourceVersion", "involvedObject.fieldPath", "reason",
+    "reportingComponent", "source", "type")}
 
 
 def default_resources() -> tuple[ResourceType, ...]:
-    ej_scale = ScaleMapping(("spec", "gpus"), ("status", "gpus"), ("status", "selector"))
+    rbac_group = "rbac.authorization.k8s.io"
     return (
         ResourceType("", "v1", "pods", "Pod", True, status_subresource=True, returns_object_on_delete=True,
-                     validate=_pod_errors, short_names=("po",)),
-        ResourceType("", "v1", "nodes", "Node", False, status_subresource=True, short_names=("no",)),
-        ResourceType("", "v1", "namespaces", "Namespace", False, status_subresource=True, short_names=("ns",)),
+                     graceful=True, fields=_POD_FIELDS, short_names=("po",)),
+        ResourceType("", "v1", "nodes", "Node", False, status_subresource=True,
+                     fields={"spec.unschedulable": ("spec", "unschedulable")}, short_names=("no",)),
+        ResourceType("", "v1", "namespaces", "Namespace", False, status_subresource=True,
+                     fields={"status.phase": ("status", "phase")}, short_names=("ns",)),
         ResourceType("", "v1", "services", "Service", True, status_subresource=True, short_names=("svc",)),
         ResourceType("", "v1", "configmaps", "ConfigMap", True, short_names=("cm",)),
-        ResourceType("", "v1", "secrets", "Secret", True),
-        ResourceType("", "v1", "events", "Event", True, short_names=("ev",)),
+        ResourceType("", "v1", "secrets", "Secret", True, fields={"type": ("type",)}),
+        ResourceType("", "v1", "serviceaccounts", "ServiceAccount", True, short_names=("sa",)),
+        ResourceType("", "v1", "events", "Event", True, fields=_EVENT_FIELDS, short_names=("ev",)),
         ResourceType("coordination.k8s.io", "v1", "leases", "Lease", True),
         ResourceType("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget", True, status_subresource=True,
                      short_names=("pdb",)),
-        ResourceType(crd.GROUP, crd.VERSION, crd.PLURAL, crd.KIND, True, status_subresource=True, scale=ej_scale,
-                     custom=True, returns_object_on_delete=True, validate=crd.elasticjob_errors,
-                     defaults=_elasticjob_defaults, short_names=crd.SHORT_NAMES,
-                     printer_columns=crd.PRINTER_COLUMNS),
+        ResourceType("apps", "v1", "daemonsets", "DaemonSet", True, status_subresource=True, short_names=("ds",)),
+        ResourceType(rbac_group, "v1", "roles", "Role", True),
+        ResourceType(rbac_group, "v1", "rolebindings", "RoleBinding", True),
+        ResourceType(rbac_group, "v1", "clusterroles", "ClusterRole", False),
+        ResourceType(rbac_group, "v1", "clusterrolebindings", "ClusterRoleBinding", False),
+        ResourceType.from_crd(crd.crd_manifest()),
     )
-
-
-# --------------------------------------------------------------------------- errors
-
-
-class ApiError(Exception):
-    """An error answered as a Kubernetes ``Status`` object."""
-
-    def __init__(self, code: int, reason: str, message: str, details: Mapping[str, Any] | None = None) -> None:
-        super().__init__(message)
-        self.code, self.reason, self.message = code, reason, message
-        self.details = dict(details or {})
-
-    def status(self) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-            "message": self.message, "reason": self.reason, "code": self.code,
-        }
-        if self.details:
-            body["details"] = self.details
-        return body
-
-
-def _not_found(rt: ResourceType, name: str) -> ApiError:
-    return ApiError(404, "NotFound", f'{rt.key} "{name}" not found', {"name": name, "group": rt.group, "kind": rt.plural})
-
-
-def _gone(rv: int, oldest: int) -> ApiError:
-    return ApiError(410, "Expired", f"too old resource version: {rv} ({oldest})")
-
-
-# --------------------------------------------------------------------------- selectors
-
-
-@dataclass(frozen=True, slots=True)
-class _Requirement:
-    key: str
-    op: str  # "=", "!=", "in", "notin", "exists", "!exists"
-    values: frozenset[str] = frozenset()
-
-    def matches(self, labels: Mapping[str, str]) -> bool:
-        present = self.key in labels
-        if self.op == "exists":
-            return present
-        if self.op == "!exists":
-            return not present
-        if self.op in ("=", "in"):
-            return present and labels[self.key] in self.values
-        return not present or labels[self.key] not in self.values  # "!=" and "notin"
-
-
-_SET_RE = re.compile(r"^([\w./-]+)\s+(in|notin)\s+\(([^)]*)\)$")
-_EQ_RE = re.compile(r"^([\w./-]+)\s*(==|=|!=)\s*([\w.-]*)$")
-
-
-def parse_label_selector(text: str | None) -> tuple[_Requirement, ...]:
-    """Parse a label selector (``a=b,c!=d,e in (x,y),!f,g``); a bad one is a 400 as on the real server."""
-    if not text:
-        return ()
-    parts, depth, cur = [], 0, []
-    for ch in text:
-        depth += ch == "("
-        depth -= ch == ")"
-        if ch == "," and depth == 0:
-            parts.append("".join(cur))
-            cur = []
-        else:
-            cur.append(ch)
-    parts.append("".join(cur))
-    reqs = []
-    for raw in parts:
-        part = raw.strip()
-        if m := _SET_RE.match(part):
-            values = frozenset(v.strip() for v in m.group(3).split(",") if v.strip())
-            reqs.append(_Requirement(m.group(1), m.group(2), values))
-        elif m := _EQ_RE.match(part):
-            reqs.append(_Requirement(m.group(1), "!=" if m.group(2) == "!=" else "=", frozenset({m.group(3)})))
-        elif part.startswith("!") and re.fullmatch(r"[\w./-]+", part[1:]):
-            reqs.append(_Requirement(part[1:], "!exists"))
-        elif re.fullmatch(r"[\w./-]+", part):
-            reqs.append(_Requirement(part, "exists"))
-        else:
-            raise ApiError(400, "BadRequest", f"unable to parse requirement {part!r} in label selector {text!r}")
-    return tuple(reqs)
-
-
-_FIELDS: dict[str, tuple[str, ...]] = {
-    "metadata.name": ("metadata", "name"),
-    "metadata.namespace": ("metadata", "namespace"),
-    "spec.nodeName": ("spec", "nodeName"),
-    "status.phase": ("status", "phase"),
-    "spec.unschedulable": ("spec", "unschedulable"),
-}
-
-
-def parse_field_selector(text: str | None) -> tuple[tuple[tuple[str, ...], bool, str], ...]:
-    if not text:
-        return ()
-    out = []
-    for raw in text.split(","):
-        m = re.fullmatch(r"\s*([\w.]+)\s*(==|=|!=)\s*(.*?)\s*", raw)
-        if not m:
-            raise ApiError(400, "BadRequest", f"invalid field selector {raw!r} in {text!r}")
-        if m.group(1) not in _FIELDS:
-            raise ApiError(400, "BadRequest", f'field label not supported: "{m.group(1)}" (supported: {sorted(_FIELDS)})')
-        out.append((_FIELDS[m.group(1)], m.group(2) != "!=", m.group(3)))
-    return tuple(out)
-
-
-def _field_value(obj: Mapping[str, Any], path: tuple[str, ...]) -> str:
-    cur: Any = obj
-    for p in path:
-        cur = cur.get(p) if isinstance(cur, Mapping) else None
-    if cur is None:
-        return "false" if path == ("spec", "unschedulable") else ""
-    if isinstance(cur, bool):
-        return "true" if cur else "false"
-    return str(cur)
-
-
-@dataclass(frozen=True, slots=True)
-class _Filter:
-    rt: ResourceType
-    namespace: str | None
-    labels: tuple[_Requirement, ...] = ()
-    fields: tuple[tuple[tuple[str, ...], bool, str], ...] = ()
-
-    def matches(self, rt: ResourceType, obj: Mapping[str, Any] | None) -> bool:
-        if obj is None or rt is not self.rt:
-            return False
-        meta = obj.get("metadata", {})
-        if self.namespace is not None and meta.get("namespace") != self.namespace:
-            return False
-        labels = meta.get("labels") or {}
-        if not all(r.matches(labels) for r in self.labels):
-            return False
-        return all((_field_value(obj, path) == value) == equal for path, equal, value in self.fields)
-
-
-# --------------------------------------------------------------------------- patches
-
-
-_MERGE_KEYS = {
-    "conditions": "type", "containers": "name", "initContainers": "name", "env": "name", "volumes": "name",
-    "volumeMounts": "mountPath", "ports": "containerPort", "ownerReferences": "uid", "taints": "key",
-    "addresses": "type", "containerStatuses": "name", "imagePullSecrets": "name",
-}
-
-
-def merge_patch(target: Any, patch: Any) -> Any:
-    """RFC 7386 JSON merge patch (``null`` deletes, lists replace)."""
-    if not isinstance(patch, Mapping):
-        return copy.deepcopy(patch)
-    out = dict(target) if isinstance(target, Mapping) else {}
-    for key, value in patch.items():
-        if value is None:
-            out.pop(key, None)
-        else:
-            out[key] = merge_patch(out.get(key), value)
-    return out
-
-
-def strategic_merge_patch(target: Any, patch: Any, field_name: str = "") -> Any:
-    """A strategic merge patch for the keyed lists of built-in types (conditions by type, containers by name, ...).
-
-    Lists without a known merge key are replaced, as with a merge patch; an
-    item ``{"<key>": ..., "$patch": "delete"}`` removes that item.
-    """
-    if isinstance(patch, list) and field_name in _MERGE_KEYS and isinstance(target, list):
-        key = _MERGE_KEYS[field_name]
-        out = [copy.deepcopy(t) for t in target]
-        for item in patch:
-            if not isinstance(item, Mapping) or key not in item:
-                raise ApiError(422, "Invalid", f"{field_name}: every item of a strategic merge patch needs {key!r}, got {item!r}")
-            idx = next((i for i, t in enumerate(out) if isinstance(t, Mapping) and t.get(key) == item[key]), None)
-            if item.get("$patch") == "delete":
-                if idx is not None:
-                    out.pop(idx)
-            elif idx is None:
-                out.append({k: v for k, v in item.items() if k != "$patch"})
-            else:
-                out[idx] = strategic_merge_patch(out[idx], item)
-        return out
-    if not isinstance(patch, Mapping):
-        return copy.deepcopy(patch)
-    out = dict(target) if isinstance(target, Mapping) else {}
-    for k, v in patch.items():
-        if k.startswith("$"):
-            continue
-        if v is None:
-            out.pop(k, None)
-        else:
-            out[k] = strategic_merge_patch(out.get(k), v, k)
-    return out
-
-
-def _apply_patch(rt: ResourceType, current: dict[str, Any], body: Any, content_type: str) -> dict[str, Any]:
-    ctype = content_type.split(";")[0].strip().lower()
-    if ctype == "application/json-patch+json":
-        if not isinstance(body, list):
-            raise ApiError(400, "BadRequest", f"a JSON patch must be a list of operations, got {type(body).__name__}")
-        try:
-            return jsonpatch.apply_patch(current, body)
-        except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as exc:
-            raise ApiError(422, "Invalid", f"the JSON patch {body!r} cannot be applied: {exc}") from exc
-    if not isinstance(body, Mapping):
-        raise ApiError(400, "BadRequest", f"a {ctype} body must be a JSON object, got {type(body).__name__}")
-    if ctype == "application/merge-patch+json":
-        return merge_patch(current, body)
-    if ctype == "application/strategic-merge-patch+json":
-        if rt.custom:
-            raise ApiError(415, "UnsupportedMediaType",
-                           f"the body of the request was in an unknown format - accepted media types include: "
-                           f"application/json-patch+json, application/merge-patch+json (strategic merge patch "
-                           f"is not supported for custom resource {rt.key})")
-        return strategic_merge_patch(current, body)
-    raise ApiError(415, "UnsupportedMediaType", f"patch content type {content_type!r} is not supported by the emulator")
-
-
-# --------------------------------------------------------------------------- store
-
-
-@dataclass(slots=True)
-class _Event:
-    rv: int
-    rt: ResourceType
-    type: str
-    obj: dict[str, Any]
-    old: dict[str, Any] | None
-
-
-@dataclass(eq=False, slots=True)
-class _Watcher:
-    filt: _Filter
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[dict[str, Any] | None] = field(default_factory=asyncio.Queue)
-
-    def offer(self, item: dict[str, Any] | None) -> None:
-        with contextlib.suppress(RuntimeError):  # loop already closed at shutdown
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-
-
-def _now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _event_for(filt: _Filter, ev: _Event) -> dict[str, Any] | None:
-    """The watch event a watcher with ``filt`` sees for ``ev`` (an object leaving the selector is DELETED)."""
-    now = filt.matches(ev.rt, ev.obj)
-    before = filt.matches(ev.rt, ev.old) if ev.old is not None else False
-    if ev.type == "DELETED":
-        return {"type": "DELETED", "object": ev.obj} if now or before else None
-    if now and (before or ev.type == "ADDED"):
-        return {"type": ev.type, "object": ev.obj}
-    if now:
-        return {"type": "ADDED", "object": ev.obj}
-    if before:
-        return {"type": "DELETED", "object": ev.obj}
-    return None
-
-
-class _Store:
-    """Objects, the resourceVersion counter, the event history and the open watches, under one lock."""
-
-    def __init__(self, resources: Iterable[ResourceType]) -> None:
-        self.lock = threading.RLock()
-        self.types = tuple(resources)
-        self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
-        self.rv = 1  # as on a real cluster, no object is ever at "0" (which means "any" to a watch)
-        self.history: deque[_Event] = deque(maxlen=HISTORY_LIMIT)
-        self.oldest_rv = 0  # a watch may resume from any rv >= this
-        self.watchers: set[_Watcher] = set()
-
-    # -- lookup --------------------------------------------------------------
-
-    def resource(self, group: str, version: str, plural: str) -> ResourceType:
-        for rt in self.types:
-            if (rt.group, rt.version, rt.plural) == (group, version, plural):
-                return rt
-        raise ApiError(404, "NotFound", f"the server could not find the requested resource ({group or 'core'}/{version}, {plural})")
-
-    def resource_by_key(self, key: str) -> ResourceType:
-        for rt in self.types:
-            if key in (rt.key, rt.plural, rt.kind, rt.kind.lower(), *rt.short_names):
-                return rt
-        raise KeyError(f"unknown resource {key!r}; known: {[rt.key for rt in self.types]}")
-
-    def _key(self, rt: ResourceType, namespace: str | None, name: str) -> tuple[str, str, str]:
-        return (rt.key, namespace or "" if rt.namespaced else "", name)
-
-    def get(self, rt: ResourceType, namespace: str | None, name: str) -> dict[str, Any]:
-        obj = self.objects.get(self._key(rt, namespace, name))
-        if obj is None:
-            raise _not_found(rt, name)
-        return obj
-
-    def list(self, filt: _Filter) -> list[dict[str, Any]]:
-        items = [o for (k, _, _), o in self.objects.items() if k == filt.rt.key and filt.matches(filt.rt, o)]
-        return sorted(items, key=lambda o: (o["metadata"].get("namespace", ""), o["metadata"]["name"]))
-
-    # -- writes --------------------------------------------------------------
-
-    def _emit(self, rt: ResourceType, type_: str, obj: dict[str, Any], old: dict[str, Any] | None) -> None:
-        ev = _Event(self.rv, rt, type_, copy.deepcopy(obj), copy.deepcopy(old) if old is not None else None)
-        if len(self.history) == self.history.maxlen:
-            self.oldest_rv = self.history[0].rv
-        self.history.append(ev)
-        for w in list(self.watchers):
-            event = _event_for(w.filt, ev)
-            if event is not None:
-                w.offer(event)
-
-    def _next_rv(self) -> str:
-        self.rv += 1
-        return str(self.rv)
-
-    def _check(self, rt: ResourceType, obj: dict[str, Any]) -> None:
-        if rt.validate is not None:
-            errors = rt.validate(obj)
-            if errors:
-                name = obj["metadata"]["name"]
-                raise ApiError(422, "Invalid", f'{rt.kind}.{rt.group or "core"} "{name}" is invalid: ' + "; ".join(errors),
-                               {"name": name, "group": rt.group, "kind": rt.kind,
-                                "causes": [{"message": e} for e in errors]})
-
-    def create(self, rt: ResourceType, namespace: str | None, body: Mapping[str, Any]) -> dict[str, Any]:
-        if not isinstance(body, Mapping):
-            raise ApiError(400, "BadRequest", f"the body of a create must be a JSON object, got {type(body).__name__}")
-        obj = copy.deepcopy(dict(body))
-        meta = obj.setdefault("metadata", {})
-        if not meta.get("name"):
-            if not meta.get("generateName"):
-                raise ApiError(422, "Invalid", f"{rt.kind}: metadata.name or metadata.generateName is required")
-            meta["name"] = meta["generateName"] + secrets.token_hex(3)[:5]
-        name = meta["name"]
-        if not _NAME_RE.match(name) or len(name) > 253:
-            raise ApiError(422, "Invalid", f'{rt.kind} "{name}" is invalid: metadata.name must be a lowercase RFC 1123 subdomain')
-        if rt.namespaced:
-            if meta.get("namespace") not in (None, namespace):
-                raise ApiError(400, "BadRequest",
-                               f"the namespace of the object ({meta['namespace']}) does not match the namespace on the request ({namespace})")
-            meta["namespace"] = namespace
-        else:
-            meta.pop("namespace", None)
-        obj["apiVersion"], obj["kind"] = rt.api_version, rt.kind
-        if rt.status_subresource:
-            obj.pop("status", None)
-        if rt.plural == "pods":
-            obj["status"] = {"phase": "Pending"}
-        if rt.defaults is not None:
-            obj = rt.defaults(obj)
-            meta = obj["metadata"]
-        for k in ("resourceVersion", "deletionTimestamp"):
-            meta.pop(k, None)
-        meta.update(uid=str(uuid.uuid4()), creationTimestamp=_now(), generation=1)
-        self._check(rt, obj)
-        with self.lock:
-            key = self._key(rt, namespace, name)
-            if key in self.objects:
-                raise ApiError(409, "AlreadyExists", f'{rt.key} "{name}" already exists',
-                               {"name": name, "group": rt.group, "kind": rt.plural})
-            meta["resourceVersion"] = self._next_rv()
-            self.objects[key] = obj
-            self._emit(rt, "ADDED", obj, None)
-            return copy.deepcopy(obj)
-
-    def update(self, rt: ResourceType, namespace: str | None, name: str, mutate: Callable[[dict[str, Any]], dict[str, Any]],
-               subresource: str | None, expected_rv: str | None = None) -> dict[str, Any]:
-        """Replace an object by ``mutate(copy)``, keeping what that kind of write may not change."""
-        with self.lock:
-            current = self.get(rt, namespace, name)
-            proposed = mutate(copy.deepcopy(current))
-            if not isinstance(proposed, dict):
-                raise ApiError(400, "BadRequest", f"the result of the write is not an object: {proposed!r}")
-            meta = proposed.setdefault("metadata", {})
-            rv = expected_rv if expected_rv is not None else meta.get("resourceVersion")
-            if rv not in (None, "", current["metadata"]["resourceVersion"]):
-                raise ApiError(409, "Conflict",
-                               f'Operation cannot be fulfilled on {rt.key} "{name}": the object has been modified; '
-                               f"please apply your changes to the latest version and try again "
-                               f"(sent resourceVersion {rv}, current {current['metadata']['resourceVersion']})",
-                               {"name": name, "group": rt.group, "kind": rt.plural})
-            if subresource == "status":
-                new = copy.deepcopy(current)
-                if "status" in proposed:
-                    new["status"] = proposed["status"]
-                else:
-                    new.pop("status", None)
-            else:
-                new = proposed
-                if rt.status_subresource:
-                    if "status" in current:
-                        new["status"] = copy.deepcopy(current["status"])
-                    else:
-                        new.pop("status", None)
-            for k in ("uid", "creationTimestamp", "name", "namespace", "generation", "deletionTimestamp"):
-                if k in current["metadata"]:
-                    new["metadata"][k] = current["metadata"][k]
-                else:
-                    new["metadata"].pop(k, None)
-            new["apiVersion"], new["kind"] = rt.api_version, rt.kind
-            if rt.defaults is not None:
-                new = rt.defaults(new)
-            new["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
-            if new == current:
-                return copy.deepcopy(current)  # a no-op write neither bumps resourceVersion nor notifies
-            spec_changed = {k: v for k, v in new.items() if k not in ("metadata", "status")} != {
-                k: v for k, v in current.items() if k not in ("metadata", "status")}
-            if spec_changed:
-                new["metadata"]["generation"] = current["metadata"].get("generation", 1) + 1
-            self._check(rt, new)
-            new["metadata"]["resourceVersion"] = self._next_rv()
-            key = self._key(rt, namespace, name)
-            if new["metadata"].get("deletionTimestamp") and not new["metadata"].get("finalizers"):
-                del self.objects[key]
-                self._emit(rt, "DELETED", new, current)
-                self._collect_dependents(new["metadata"]["uid"])
-            else:
-                self.objects[key] = new
-                self._emit(rt, "MODIFIED", new, current)
-            return copy.deepcopy(new)
-
-    def delete(self, rt: ResourceType, namespace: str | None, name: str, propagation: str = "Background",
-               precondition_uid: str | None = None, precondition_rv: str | None = None) -> dict[str, Any]:
-        with self.lock:
-            current = self.get(rt, namespace, name)
-            meta = current["metadata"]
-            if precondition_uid and precondition_uid != meta["uid"]:
-                raise ApiError(409, "Conflict", f"Precondition failed: UID in precondition: {precondition_uid}, UID in object meta: {meta['uid']}")
-            if precondition_rv and precondition_rv != meta["resourceVersion"]:
-                raise ApiError(409, "Conflict", f"Precondition failed: ResourceVersion in precondition: {precondition_rv}, "
-                                                f"ResourceVersion in object meta: {meta['resourceVersion']}")
-            key = self._key(rt, namespace, name)
-            if meta.get("finalizers"):
-                if meta.get("deletionTimestamp"):
-                    return copy.deepcopy(current)
-                new = copy.deepcopy(current)
-                new["metadata"]["deletionTimestamp"] = _now()
-                new["metadata"]["resourceVersion"] = self._next_rv()
-                self.objects[key] = new
-                self._emit(rt, "MODIFIED", new, current)
-                return copy.deepcopy(new)
-            del self.objects[key]
-            gone = copy.deepcopy(current)
-            gone["metadata"]["resourceVersion"] = self._next_rv()
-            self._emit(rt, "DELETED", gone, current)
-            if propagation != "Orphan":
-                self._collect_dependents(meta["uid"])
-            return gone
-
-    def _collect_dependents(self, owner_uid: str) -> None:
-        """Delete what the garbage collector would: objects whose ownerReferences name ``owner_uid``."""
-        for (key, ns, name), obj in list(self.objects.items()):
-            refs = obj["metadata"].get("ownerReferences") or []
-            if any(r.get("uid") == owner_uid for r in refs):
-                rt = self.resource_by_key(key)
-                if self._key(rt, ns or None, name) in self.objects:
-                    self.delete(rt, ns or None, name)
-
-    # -- watches -------------------------------------------------------------
-
-    def open_watch(self, filt: _Filter, loop: asyncio.AbstractEventLoop, since: str | None) -> tuple[_Watcher, list[dict[str, Any]]]:
-        """Register a watcher and return the events it must see first (atomically: nothing is missed)."""
-        with self.lock:
-            if since in (None, "", "0"):
-                initial = [{"type": "ADDED", "object": copy.deepcopy(o)} for o in self.list(filt)]
-            else:
-                try:
-                    rv = int(since)
-                except ValueError as exc:
-                    raise ApiError(400, "BadRequest", f"resourceVersion must be an integer, got {since!r}") from exc
-                if rv < self.oldest_rv:
-                    raise _gone(rv, self.oldest_rv)
-                initial = [e for ev in self.history if ev.rv > rv and (e := _event_for(filt, ev)) is not None]
-            watcher = _Watcher(filt, loop)
-            self.watchers.add(watcher)
-            return watcher, initial
-
-    def close_watch(self, watcher: _Watcher) -> None:
-        with self.lock:
-            self.watchers.discard(watcher)
-
-    def compact(self) -> None:
-        with self.lock:
-            self.history.clear()
-            self.oldest_rv = self.rv
-
-    def end_watches(self, gone: bool) -> int:
-        with self.lock:
-            watchers = list(self.watchers)
-            for w in watchers:
-                if gone:
-                    w.offer({"type": "ERROR", "object": _gone(self.rv, self.oldest_rv).status()})
-                w.offer(None)
-            return len(watchers)
 
 
 # --------------------------------------------------------------------------- HTTP
@@ -742,24 +228,13 @@ def _wants_table(request: Request, rt: ResourceType) -> bool:
     return bool(rt.printer_columns) and "as=Table" in request.headers.get("accept", "")
 
 
-def selector_text(selector: Mapping[str, Any] | None) -> str:
-    """A metav1.LabelSelector (matchLabels, matchExpressions) as label-selector text."""
-    selector = selector or {}
-    parts = [f"{k}={v}" for k, v in (selector.get("matchLabels") or {}).items()]
-    for e in selector.get("matchExpressions") or []:
-        op, key, values = e.get("operator"), e.get("key"), ",".join(e.get("values") or [])
-        parts.append({"In": f"{key} in ({values})", "NotIn": f"{key} notin ({values})", "Exists": key,
-                      "DoesNotExist": f"!{key}"}[op])
-    return ",".join(parts)
-
-
 def _pod_healthy(pod: Mapping[str, Any]) -> bool:
     status = pod.get("status") or {}
     return status.get("phase") == "Running" and not pod["metadata"].get("deletionTimestamp") and any(
         c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
 
 
-def _blocking_budget(store: _Store, namespace: str, pod: Mapping[str, Any]) -> str | None:
+def _blocking_budget(store: Store, namespace: str, pod: Mapping[str, Any]) -> str | None:
     """The name of a PodDisruptionBudget that forbids evicting ``pod`` now, or None.
 
     As the disruption controller computes it: of the pods a budget selects,
@@ -772,11 +247,11 @@ def _blocking_budget(store: _Store, namespace: str, pod: Mapping[str, Any]) -> s
     pods_rt = store.resource_by_key("pods")
     pdb_rt = store.resource_by_key("poddisruptionbudgets")
     labels = pod["metadata"].get("labels") or {}
-    for pdb in store.list(_Filter(pdb_rt, namespace)):
+    for pdb in store.list(Filter(pdb_rt, namespace)):
         reqs = parse_label_selector(selector_text(pdb.get("spec", {}).get("selector")))
         if not reqs or not all(r.matches(labels) for r in reqs):
             continue
-        selected = store.list(_Filter(pods_rt, namespace, reqs))
+        selected = store.list(Filter(pods_rt, namespace, reqs))
         healthy = sum(1 for p in selected if _pod_healthy(p))
         spec = pdb.get("spec") or {}
         if "maxUnavailable" in spec:
@@ -788,10 +263,26 @@ def _blocking_budget(store: _Store, namespace: str, pod: Mapping[str, Any]) -> s
     return None
 
 
+def _verb(method: str, target: _Target, watch: bool) -> str:
+    if method == "GET":
+        return "get" if target.name is not None else ("watch" if watch else "list")
+    return {"POST": "create", "PUT": "update", "PATCH": "patch",
+            "DELETE": "delete" if target.name is not None else "deletecollection"}.get(method, method.lower())
+
+
+def _int_param(value: Any, what: str) -> int | None:
+    if value in (None, ""):
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError) as exc:
+        raise ApiError(400, "BadRequest", f"{what} must be an integer, got {value!r}") from exc
+
+
 class _App:
-    def __init__(self, store: _Store, stopping: threading.Event) -> None:
-        self.store = store
-        self.stopping = stopping
+    def __init__(self, server: ApiServerEmulator) -> None:
+        self.server = server
+        self.store = server.store
         routes = [
             Route("/version", self.version, methods=["GET"]),
             Route("/api", self.api_versions, methods=["GET"]),
@@ -824,13 +315,19 @@ class _App:
                 continue
             verbs = ["create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"]
             resources.append({"name": rt.plural, "singularName": rt.kind.lower(), "namespaced": rt.namespaced,
-                              "kind": rt.kind, "verbs": verbs, "shortNames": list(rt.short_names)})
+                              "kind": rt.kind, "verbs": verbs, "shortNames": list(rt.short_names),
+                              "categories": list(rt.categories)})
             if rt.status_subresource:
                 resources.append({"name": f"{rt.plural}/status", "singularName": "", "namespaced": rt.namespaced,
                                   "kind": rt.kind, "verbs": ["get", "patch", "update"]})
             if rt.scale is not None:
                 resources.append({"name": f"{rt.plural}/scale", "singularName": "", "namespaced": rt.namespaced,
                                   "group": "autoscaling", "version": "v1", "kind": "Scale", "verbs": ["get", "patch", "update"]})
+            if rt.plural == "pods":
+                resources.append({"name": "pods/binding", "singularName": "", "namespaced": True, "kind": "Binding",
+                                  "verbs": ["create"]})
+                resources.append({"name": "pods/eviction", "singularName": "", "namespaced": True, "group": "policy",
+                                  "version": "v1", "kind": "Eviction", "verbs": ["create"]})
         if not resources:
             raise ApiError(404, "NotFound", f"the server could not find the requested resource {group}/{version}")
         return {"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": f"{group}/{version}" if group else version,
@@ -865,14 +362,51 @@ class _App:
             raise ApiError(404, "NotFound", f"{rt.key} has no {sub} subresource")
         return _Target(rt, namespace, name, sub)
 
+    def _user(self, request: Request) -> User:
+        auth = request.headers.get("authorization", "")
+        if not auth:
+            # kubectl (client-go) sends no token over plain HTTP: such requests act as the admin, as on the API
+            # server's old insecure port. Every client this project writes sends its token.
+            return ADMIN_USER
+        token = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+        user = self.server.user_of(token)
+        if user is None:
+            raise ApiError(401, "Unauthorized", "Unauthorized")
+        return user
+
+    def _authorize(self, user: User, t: _Target, verb: str) -> None:
+        access = Access(user.name, verb, t.rt.group, t.rt.plural, t.subresource or "", t.namespace or "", t.name or "")
+        with self.store.lock:
+            allowed = rbac.authorize(self.store.rbac_objects(), user, access)
+        self.server.record(access, allowed)
+        if not allowed:
+            res = f"{t.rt.plural}/{t.subresource}" if t.subresource else t.rt.plural
+            scope = f'in the namespace "{t.namespace}"' if t.namespace else "at the cluster scope"
+            named = f'"{t.name}" ' if t.name is not None else ""
+            raise ApiError(403, "Forbidden", f'{t.rt.key} {named}is forbidden: User "{user.name}" cannot {verb} '
+                           f'resource "{res}" in API group "{t.rt.group}" {scope}',
+                           {"name": t.name or "", "group": t.rt.group, "kind": t.rt.plural})
+
     async def dispatch(self, request: Request) -> Response | _WatchResponse:
+        warnings: list[str] = []
         try:
             target = self._target(request.path_params["path"])
             if isinstance(target, dict):
                 return JSONResponse(target)
-            return await self._serve(request, target)
+            user = self._user(request)
+            q = request.query_params
+            self._authorize(user, target, _verb(request.method, target, q.get("watch") in ("true", "1")))
+            field_validation = q.get("fieldValidation") or "Warn"
+            if field_validation not in FIELD_VALIDATIONS:
+                raise ApiError(400, "BadRequest", f"fieldValidation must be one of {', '.join(FIELD_VALIDATIONS)}, "
+                                                  f"got {field_validation!r}")
+            opts = WriteOptions(user=user, field_validation=field_validation, warnings=warnings)
+            response = await self._serve(request, target, opts)
         except ApiError as err:
-            return JSONResponse(err.status(), status_code=err.code)
+            response = JSONResponse(err.status(), status_code=err.code)
+        if warnings and isinstance(response, Response):
+            response.headers["Warning"] = ", ".join(f'299 - "{w.replace(chr(34), chr(92) + chr(34))}"' for w in warnings)
+        return response
 
     async def _body(self, request: Request) -> Any:
         raw = await request.body()
@@ -887,25 +421,36 @@ class _App:
         except json.JSONDecodeError as exc:
             raise ApiError(400, "BadRequest", f"the request body is not JSON: {exc}") from exc
 
-    async def _delete_options(self, request: Request) -> Mapping[str, Any]:
-        """DeleteOptions of a DELETE; kubectl sends them as protobuf, which the emulator reads as the defaults."""
+    async def _delete_options(self, request: Request) -> DeleteOptions:
+        """DeleteOptions from the body (JSON) and the query; kubectl's protobuf bodies read as the defaults."""
         ctype = request.headers.get("content-type", "application/json")
-        if "json" not in ctype:
+        body: Any = {}
+        if "json" in ctype:
+            body = await self._body(request) or {}
+        else:
             await request.body()
-            return {}
-        body = await self._body(request)
-        return body if isinstance(body, Mapping) else {}
+        if not isinstance(body, Mapping):
+            body = {}
+        q = request.query_params
+        propagation = q.get("propagationPolicy") or body.get("propagationPolicy")
+        orphan = q.get("orphanDependents") or body.get("orphanDependents")
+        if propagation is None and orphan is not None:
+            propagation = "Orphan" if str(orphan).lower() == "true" else "Background"
+        grace = _int_param(q.get("gracePeriodSeconds", body.get("gracePeriodSeconds")), "gracePeriodSeconds")
+        pre = body.get("preconditions") or {}
+        return DeleteOptions(propagation, grace, pre.get("uid"), pre.get("resourceVersion"))
 
-    async def _serve(self, request: Request, t: _Target) -> Response | _WatchResponse:
+    async def _serve(self, request: Request, t: _Target, opts: WriteOptions) -> Response | _WatchResponse:
         method, q, store = request.method, request.query_params, self.store
         if q.get("dryRun") and method != "GET":
             # Refused rather than ignored: an ignored dry run would change the state a test relies on.
             raise ApiError(400, "BadRequest", f"dryRun={q.get('dryRun')} is not supported by the emulator")
         if t.name is None:
-            filt = _Filter(t.rt, t.namespace, parse_label_selector(q.get("labelSelector")),
-                           parse_field_selector(q.get("fieldSelector")))
+            filt = Filter(t.rt, t.namespace, parse_label_selector(q.get("labelSelector")),
+                          parse_field_selector(t.rt, q.get("fieldSelector")))
             if method == "GET" and q.get("watch") in ("true", "1"):
-                return self._watch(filt, q.get("resourceVersion"), q.get("timeoutSeconds"))
+                return self._watch(filt, q.get("resourceVersion"), q.get("timeoutSeconds"),
+                                   q.get("allowWatchBookmarks") in ("true", "1"))
             if method == "GET":
                 with store.lock:
                     items, rv = copy.deepcopy(store.list(filt)), store.rv
@@ -914,18 +459,19 @@ class _App:
                 return JSONResponse({"kind": f"{t.rt.kind}List", "apiVersion": t.rt.api_version,
                                      "metadata": {"resourceVersion": str(rv)}, "items": items})
             if method == "POST":
-                return JSONResponse(store.create(t.rt, t.namespace, await self._body(request)), status_code=201)
+                return JSONResponse(store.create(t.rt, t.namespace, await self._body(request), opts), status_code=201)
             if method == "DELETE":
+                options = await self._delete_options(request)
                 with store.lock:
                     names = [(o["metadata"].get("namespace"), o["metadata"]["name"]) for o in store.list(filt)]
                     for ns, name in names:
-                        store.delete(t.rt, ns, name)
+                        store.delete(t.rt, ns, name, options)
                 return JSONResponse({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success",
                                      "details": {"kind": t.rt.plural, "group": t.rt.group}})
             raise ApiError(405, "MethodNotAllowed", f"{method} is not allowed on a collection")
 
         if t.subresource == "scale":
-            return await self._scale(request, t)
+            return await self._scale(request, t, opts)
         if t.subresource == "binding":
             if method != "POST":
                 raise ApiError(405, "MethodNotAllowed", "bindings are created with POST")
@@ -933,27 +479,22 @@ class _App:
             target = (body or {}).get("target") or {}
             if target.get("kind", "Node") != "Node" or not target.get("name"):
                 raise ApiError(400, "BadRequest", f"a Binding needs target.kind Node and target.name, got {target!r}")
-
-            def bind(cur: dict[str, Any]) -> dict[str, Any]:
-                bound = cur.get("spec", {}).get("nodeName")
-                if bound:
-                    raise ApiError(409, "Conflict", f'pod {t.name} is already assigned to node "{bound}"')
-                cur.setdefault("spec", {})["nodeName"] = target["name"]
-                return cur
-
-            store.update(t.rt, t.namespace, t.name, bind, None)
+            store.bind(t.namespace or "", t.name, target["name"])
             return JSONResponse({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201},
                                 status_code=201)
         if t.subresource == "eviction":
             if method != "POST":
                 raise ApiError(405, "MethodNotAllowed", "evictions are created with POST")
+            body = await self._body(request) or {}
+            del_opts = (body.get("deleteOptions") or {}) if isinstance(body, Mapping) else {}
             with store.lock:
                 blocking = _blocking_budget(store, t.namespace or "", store.get(t.rt, t.namespace, t.name))
                 if blocking is not None:
                     raise ApiError(429, "TooManyRequests", "Cannot evict pod as it would violate the pod's disruption "
                                    "budget.", {"causes": [{"reason": "DisruptionBudget",
                                                             "message": f"The disruption budget {blocking} is not met"}]})
-                store.delete(t.rt, t.namespace, t.name)
+                store.delete(t.rt, t.namespace, t.name, DeleteOptions(
+                    grace_period=_int_param(del_opts.get("gracePeriodSeconds"), "gracePeriodSeconds")))
             return JSONResponse({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success", "code": 201},
                                 status_code=201)
         if method == "GET":
@@ -962,52 +503,45 @@ class _App:
             return JSONResponse(_table(t.rt, [obj], rv) if _wants_table(request, t.rt) else obj)
         if method == "PUT":
             body = await self._body(request)
-            if not isinstance(body, Mapping):
+            if not isinstance(body, dict):
                 raise ApiError(400, "BadRequest", "the body of an update must be a JSON object")
             meta = body.get("metadata") or {}
             if meta.get("name") not in (None, t.name):
                 raise ApiError(400, "BadRequest", f"the name of the object ({meta.get('name')}) does not match the name on the URL ({t.name})")
-            return JSONResponse(store.update(t.rt, t.namespace, t.name, lambda _cur: copy.deepcopy(dict(body)), t.subresource))
+            return JSONResponse(store.update(t.rt, t.namespace, t.name, lambda _cur: copy.deepcopy(body), t.subresource,
+                                             opts=opts))
         if method == "PATCH":
             body = await self._body(request)
             ctype = request.headers.get("content-type", "")
             return JSONResponse(store.update(t.rt, t.namespace, t.name,
-                                             lambda cur: _apply_patch(t.rt, cur, body, ctype), t.subresource))
+                                             lambda cur: apply_patch(t.rt, cur, body, ctype), t.subresource, opts=opts))
         if method == "DELETE":
             if t.subresource:
                 raise ApiError(405, "MethodNotAllowed", f"DELETE is not allowed on /{t.subresource}")
-            opts = await self._delete_options(request)
-            propagation = q.get("propagationPolicy") or opts.get("propagationPolicy") or "Background"
-            pre = opts.get("preconditions") or {}
-            gone = store.delete(t.rt, t.namespace, t.name, propagation, pre.get("uid"), pre.get("resourceVersion"))
-            if t.rt.returns_object_on_delete:
-                return JSONResponse(gone)
+            after = store.delete(t.rt, t.namespace, t.name, await self._delete_options(request))
+            with store.lock:
+                pending = store.find(t.rt, t.namespace, t.name) is not None
+            if t.rt.returns_object_on_delete or pending:  # a deletion still pending answers the object as it is
+                return JSONResponse(after)
             return JSONResponse({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success",
                                  "details": {"name": t.name, "group": t.rt.group, "kind": t.rt.plural,
-                                             "uid": gone["metadata"]["uid"]}})
+                                             "uid": after["metadata"]["uid"]}})
         raise ApiError(405, "MethodNotAllowed", f"{method} is not allowed here")
 
     # -- scale -----------------------------------------------------------------
 
-    @staticmethod
-    def _get_path(obj: Mapping[str, Any], path: tuple[str, ...]) -> Any:
-        cur: Any = obj
-        for p in path:
-            cur = cur.get(p) if isinstance(cur, Mapping) else None
-        return cur
-
     def _scale_view(self, rt: ResourceType, obj: Mapping[str, Any]) -> dict[str, Any]:
         assert rt.scale is not None
         meta = obj["metadata"]
-        status: dict[str, Any] = {"replicas": self._get_path(obj, rt.scale.status_replicas) or 0}
-        selector = self._get_path(obj, rt.scale.label_selector)
+        status: dict[str, Any] = {"replicas": get_path(obj, rt.scale.status_replicas) or 0}
+        selector = get_path(obj, rt.scale.label_selector)
         if selector:
             status["selector"] = selector
         return {"kind": "Scale", "apiVersion": "autoscaling/v1",
                 "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion", "creationTimestamp") if k in meta},
-                "spec": {"replicas": self._get_path(obj, rt.scale.spec_replicas) or 0}, "status": status}
+                "spec": {"replicas": get_path(obj, rt.scale.spec_replicas) or 0}, "status": status}
 
-    async def _scale(self, request: Request, t: _Target) -> Response:
+    async def _scale(self, request: Request, t: _Target, opts: WriteOptions) -> Response:
         rt, store = t.rt, self.store
         assert rt.scale is not None and t.name is not None
         if request.method == "GET":
@@ -1025,11 +559,11 @@ class _App:
                     raise ApiError(400, "BadRequest", "the body of a scale update must be a Scale object")
                 new_view = dict(body)
             else:
-                new_view = _apply_patch(rt, view, body, ctype)
+                new_view = apply_patch(rt, view, body, ctype)
             replicas = (new_view.get("spec") or {}).get("replicas")
             if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0:
-                raise ApiError(422, "Invalid", f'Scale.autoscaling "{t.name}" is invalid: spec.replicas must be a '
-                                               f"non-negative integer, got {replicas!r}")
+                raise ApiError(422, "Invalid", f'Scale.autoscaling "{t.name}" is invalid: spec.replicas: Invalid value: '
+                                               f"{replicas!r}: must be greater than or equal to 0")
 
             def mutate(cur: dict[str, Any]) -> dict[str, Any]:
                 target = cur
@@ -1040,19 +574,19 @@ class _App:
 
             # A Scale carrying a stale resourceVersion is a conflict, as for the object itself.
             sent_rv = (new_view.get("metadata") or {}).get("resourceVersion")
-            updated = store.update(rt, t.namespace, t.name, mutate, None, expected_rv=sent_rv)
+            updated = store.update(rt, t.namespace, t.name, mutate, None, expected_rv=sent_rv, opts=opts)
         return JSONResponse(self._scale_view(rt, updated))
 
     # -- watch -----------------------------------------------------------------
 
-    def _watch(self, filt: _Filter, since: str | None, timeout: str | None) -> _WatchResponse:
+    def _watch(self, filt: Filter, since: str | None, timeout: str | None, bookmarks: bool) -> _WatchResponse:
         try:
             seconds = float(timeout) if timeout else None
         except ValueError as exc:
             raise ApiError(400, "BadRequest", f"timeoutSeconds must be a number, got {timeout!r}") from exc
         loop = asyncio.get_running_loop()
         try:
-            watcher, initial = self.store.open_watch(filt, loop, since)
+            watcher, initial = self.store.open_watch(filt, loop, since, bookmarks)
         except ApiError as err:
             if err.code != 410:
                 raise
@@ -1065,20 +599,33 @@ class _App:
             return _WatchResponse(once())
         return _WatchResponse(self._stream(watcher, initial, seconds))
 
-    async def _stream(self, watcher: _Watcher, initial: list[dict[str, Any]], seconds: float | None) -> AsyncIterator[bytes]:
+    async def _stream(self, watcher: Watcher, initial: list[dict[str, Any]], seconds: float | None) -> AsyncIterator[bytes]:
         loop = asyncio.get_running_loop()
         deadline = None if seconds is None else loop.time() + seconds
+        interval = self.server.bookmark_interval
+        next_bookmark = loop.time() + interval
+        if deadline is not None and seconds is not None and seconds > 2:  # one 2 s before the end, as the real server
+            next_bookmark = min(next_bookmark, deadline - 2)
         try:
             for event in initial:
                 yield json.dumps(event).encode() + b"\n"
-            while not self.stopping.is_set():
-                remaining = None if deadline is None else deadline - loop.time()
+            while not self.server.stopping.is_set():
+                current = loop.time()
+                remaining = None if deadline is None else deadline - current
                 if remaining is not None and remaining <= 0:
                     return
+                if watcher.bookmarks and current >= next_bookmark:
+                    self.store.bookmark(watcher)
+                    next_bookmark = current + interval
+                    if deadline is not None and deadline - 2 > current:
+                        next_bookmark = min(next_bookmark, deadline - 2)
+                wait = remaining
+                if watcher.bookmarks:
+                    wait = next_bookmark - current if wait is None else min(wait, max(0.0, next_bookmark - current))
                 try:
-                    item = await asyncio.wait_for(watcher.queue.get(), remaining)
+                    item = await asyncio.wait_for(watcher.queue.get(), wait)
                 except TimeoutError:
-                    return
+                    continue
                 if item is None:
                     return
                 yield json.dumps(item).encode() + b"\n"
@@ -1092,12 +639,21 @@ class _App:
 
 
 class ApiServerEmulator:
-    """The emulator's HTTP server on ``host``:ephemeral port in a background thread, plus test hooks."""
+    """The emulator's HTTP server on ``host``:ephemeral port in a background thread, plus test hooks.
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, resources: Iterable[ResourceType] | None = None) -> None:
-        self._store = _Store(resources if resources is not None else default_resources())
-        self._stopping = threading.Event()
-        self._app = _App(self._store, self._stopping)
+    ``watch_window``: watch events kept per resource (resuming from before them is 410 Gone);
+    ``bookmark_interval``: seconds between BOOKMARKs on watches that ask for them.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, resources: Iterable[ResourceType] | None = None, *,
+                 watch_window: int = WATCH_WINDOW, bookmark_interval: float = BOOKMARK_INTERVAL) -> None:
+        self.store = Store(resources if resources is not None else default_resources(), watch_window=watch_window)
+        self.bookmark_interval = bookmark_interval
+        self.stopping = threading.Event()
+        self._tokens: dict[str, User] = {ADMIN_TOKEN: ADMIN_USER}
+        self._accesses: list[Access] = []
+        self._access_lock = threading.Lock()
+        self._app = _App(self)
         self._host, self._port = host, port
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
@@ -1122,12 +678,14 @@ class ApiServerEmulator:
                 raise RuntimeError(f"the API server emulator did not start on {self.url} within {timeout}s")
             threading.Event().wait(0.01)
             waited += 0.01
+        self.store.start_controllers()
         LOG.info("Kubernetes API server emulator listening on %s", self.url)
         return self
 
     def stop(self) -> None:
-        self._stopping.set()
-        self._store.end_watches(gone=False)
+        self.stopping.set()
+        self.store.stop_controllers()
+        self.store.end_watches(gone_=False)
         if self._server is not None:
             self._server.should_exit = True
         if self._thread is not None:
@@ -1149,64 +707,137 @@ class ApiServerEmulator:
         try:
             yield
         finally:
-            self._stopping.clear()
+            self.stopping.clear()
             self.start()
 
     @property
     def url(self) -> str:
         return f"http://{self._host}:{self._port}"
 
-    def client_configuration(self) -> Any:
-        """A ``kubernetes.client.Configuration`` pointing at the emulator."""
+    # -- users and what they did -----------------------------------------------------
+
+    def token_for(self, user: User) -> str:
+        """A bearer token that authenticates as ``user`` (a new one each call)."""
+        token = secrets.token_urlsafe(16)
+        self._tokens[token] = user
+        return token
+
+    def user_of(self, token: str) -> User | None:
+        return self._tokens.get(token)
+
+    def record(self, access: Access, allowed: bool) -> None:
+        entry = Access(access.user, access.verb, access.group, access.resource, access.subresource, access.namespace,
+                       access.name, allowed)
+        with self._access_lock:
+            self._accesses.append(entry)
+
+    def accesses(self, user: str | None = None) -> list[Access]:
+        """Every request made so far (of ``user``), with its RBAC attributes and whether RBAC allowed it."""
+        with self._access_lock:
+            return [a for a in self._accesses if user is None or a.user == user]
+
+    def warnings(self, user: str | None = None) -> list[str]:
+        """The unknown-field warnings the server answered (to ``user``)."""
+        with self.store.lock:
+            return [w for u, w in self.store.warnings if user is None or u == user]
+
+    def gpu_overbookings(self) -> list[str]:
+        """Every time a node was given more GPUs than it has (its Terminating pods' GPUs count until they are gone)."""
+        with self.store.lock:
+            return list(self.store.overbooked)
+
+    def client_configuration(self, user: User | None = None) -> Any:
+        """A ``kubernetes.client.Configuration`` pointing at the emulator, authenticated as ``user`` (admin by default)."""
         from kubernetes import client
 
         cfg = client.Configuration(host=self.url)
         cfg.verify_ssl = False
+        cfg.api_key = {"authorization": self.token_for(user) if user is not None else ADMIN_TOKEN}
+        cfg.api_key_prefix = {"authorization": "Bearer"}
         return cfg
 
-    def api_client(self) -> Any:
+    def api_client(self, user: User | None = None) -> Any:
         """A fresh ``kubernetes.client.ApiClient`` for the emulator (close it when done)."""
         from kubernetes import client
 
-        return client.ApiClient(self.client_configuration())
+        return client.ApiClient(self.client_configuration(user))
 
-    def kubeconfig(self) -> dict[str, Any]:
+    def kubeconfig(self, user: User | None = None) -> dict[str, Any]:
         """A kubeconfig (as data) for tools such as kubectl."""
+        token = self.token_for(user) if user is not None else ADMIN_TOKEN
         return {"apiVersion": "v1", "kind": "Config", "current-context": "emulator",
                 "clusters": [{"name": "emulator", "cluster": {"server": self.url}}],
-                "users": [{"name": "test", "user": {"token": "emulator"}}],
+                "users": [{"name": "test", "user": {"token": token}}],
                 "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "test", "namespace": "default"}}]}
 
-    # -- direct state access (bypasses HTTP, same rules) ------------------------------
+    # -- direct state access (bypasses HTTP, same rules, as the admin) ------------------
 
     @property
     def resource_version(self) -> int:
-        with self._store.lock:
-            return self._store.rv
+        with self.store.lock:
+            return self.store.rv
 
     def get(self, resource: str, name: str, namespace: str | None = None) -> dict[str, Any]:
-        rt = self._store.resource_by_key(resource)
-        with self._store.lock:
-            return copy.deepcopy(self._store.get(rt, namespace, name))
+        rt = self.store.resource_by_key(resource)
+        with self.store.lock:
+            return copy.deepcopy(self.store.get(rt, namespace, name))
+
+    def find(self, resource: str, name: str, namespace: str | None = None) -> dict[str, Any] | None:
+        rt = self.store.resource_by_key(resource)
+        with self.store.lock:
+            obj = self.store.find(rt, namespace, name)
+            return copy.deepcopy(obj) if obj is not None else None
 
     def list(self, resource: str, namespace: str | None = None, label_selector: str | None = None) -> list[dict[str, Any]]:
-        rt = self._store.resource_by_key(resource)
-        with self._store.lock:
-            return copy.deepcopy(self._store.list(_Filter(rt, namespace, parse_label_selector(label_selector))))
+        rt = self.store.resource_by_key(resource)
+        with self.store.lock:
+            return copy.deepcopy(self.store.list(Filter(rt, namespace, parse_label_selector(label_selector))))
 
     def create(self, resource: str, obj: Mapping[str, Any], namespace: str | None = None) -> dict[str, Any]:
-        rt = self._store.resource_by_key(resource)
+        rt = self.store.resource_by_key(resource)
         ns = namespace or (obj.get("metadata") or {}).get("namespace") or ("default" if rt.namespaced else None)
-        return self._store.create(rt, ns, obj)
+        return self.store.create(rt, ns, copy.deepcopy(dict(obj)))
+
+    def apply(self, manifests: Iterable[Mapping[str, Any]], namespace: str = "default") -> list[dict[str, Any]]:
+        """Create rendered manifests (``helm template`` output) of kinds this server serves, as ``helm install`` would;
+        returns what was created."""
+        out = []
+        for doc in manifests:
+            rt = self.store.resource_by_kind(str(doc.get("apiVersion")), str(doc.get("kind")))
+            if rt is None:
+                continue
+            ns = (doc.get("metadata") or {}).get("namespace") or namespace
+            if rt.namespaced and self.find("namespaces", ns) is None:
+                self.create_namespace(ns)
+            out.append(self.store.create(rt, ns if rt.namespaced else None, copy.deepcopy(dict(doc))))
+        return out
+
+    def create_namespace(self, name: str, labels: Mapping[str, str] | None = None) -> dict[str, Any]:
+        meta: dict[str, Any] = {"name": name}
+        if labels:
+            meta["labels"] = dict(labels)
+        return self.create("namespaces", {"metadata": meta})
 
     def patch(self, resource: str, name: str, patch: Mapping[str, Any], namespace: str | None = None,
               subresource: str | None = None) -> dict[str, Any]:
         """JSON-merge-patch an object (``subresource="status"`` to write its status)."""
-        rt = self._store.resource_by_key(resource)
-        return self._store.update(rt, namespace, name, lambda cur: merge_patch(cur, patch), subresource)
+        rt = self.store.resource_by_key(resource)
+        return self.store.update(rt, namespace, name, lambda cur: merge_patch(cur, patch), subresource)
 
-    def delete(self, resource: str, name: str, namespace: str | None = None) -> dict[str, Any]:
-        return self._store.delete(self._store.resource_by_key(resource), namespace, name)
+    def delete(self, resource: str, name: str, namespace: str | None = None, *, grace_period: int | None = None,
+               propagation: str | None = None) -> dict[str, Any]:
+        """Delete as ``kubectl delete`` does (a bound pod is deleted gracefully: its kubelet must confirm)."""
+        return self.store.delete(self.store.resource_by_key(resource), namespace, name,
+                                 DeleteOptions(propagation=propagation, grace_period=grace_period))
+
+    def force_delete(self, resource: str, name: str, namespace: str | None = None) -> dict[str, Any]:
+        """``kubectl delete --grace-period=0 --force``: gone at once, whatever its kubelet is doing."""
+        return self.delete(resource, name, namespace, grace_period=0)
+
+    def collect_garbage(self) -> None:
+        """Run the garbage collector and the namespace controller until they have nothing left to do."""
+        while self.store.collect_once():
+            pass
 
     # -- the world: nodes --------------------------------------------------------------
 
@@ -1226,12 +857,12 @@ class ApiServerEmulator:
     def _ready_condition(ready: bool | None) -> dict[str, Any]:
         status = {True: "True", False: "False", None: "Unknown"}[ready]
         reason = {True: "KubeletReady", False: "KubeletNotReady", None: "NodeStatusUnknown"}[ready]
-        return {"type": "Ready", "status": status, "reason": reason, "lastTransitionTime": _now(), "lastHeartbeatTime": _now(),
+        return {"type": "Ready", "status": status, "reason": reason, "lastTransitionTime": now(), "lastHeartbeatTime": now(),
                 "message": "kubelet is posting ready status" if ready else "Kubelet stopped posting node status."}
 
     def set_node_ready(self, name: str, ready: bool | None) -> dict[str, Any]:
         """Set the node's Ready condition: True, False, or None for Unknown (the node controller's view of a lost node)."""
-        with self._store.lock:
+        with self.store.lock:
             node = self.get("nodes", name)
             conds = [c for c in node.get("status", {}).get("conditions", []) if c.get("type") != "Ready"]
             conds.append(self._ready_condition(ready))
@@ -1239,27 +870,29 @@ class ApiServerEmulator:
             updated = self.patch("nodes", name, patch, subresource="status")
             taints = [t for t in updated.get("spec", {}).get("taints", []) if t.get("key") != "node.kubernetes.io/not-ready"]
             if ready is not True:
-                taints.append({"key": "node.kubernetes.io/not-ready", "effect": "NoExecute", "timeAdded": _now()})
+                taints.append({"key": "node.kubernetes.io/not-ready", "effect": "NoExecute", "timeAdded": now()})
             return self.patch("nodes", name, {"spec": {"taints": taints or None}})
 
     def cordon_node(self, name: str, cordoned: bool = True) -> dict[str, Any]:
         """``kubectl cordon``/``uncordon``: spec.unschedulable and its taint."""
-        with self._store.lock:
+        with self.store.lock:
             node = self.get("nodes", name)
             taints = [t for t in node.get("spec", {}).get("taints", []) if t.get("key") != "node.kubernetes.io/unschedulable"]
             if cordoned:
-                taints.append({"key": "node.kubernetes.io/unschedulable", "effect": "NoSchedule", "timeAdded": _now()})
+                taints.append({"key": "node.kubernetes.io/unschedulable", "effect": "NoSchedule", "timeAdded": now()})
             return self.patch("nodes", name, {"spec": {"unschedulable": True if cordoned else None, "taints": taints or None}})
 
     def drain_node(self, name: str) -> list[str]:
-        """``kubectl drain``: cordon, then evict every pod bound to the node; returns ``ns/name`` of the evicted pods."""
+        """``kubectl drain`` with budgets disregarded: cordon, then delete every pod bound to the node (gracefully:
+        they stay Terminating until their kubelet confirms); returns ``ns/name`` of those pods."""
         self.cordon_node(name)
         evicted = []
-        with self._store.lock:
+        with self.store.lock:
             pods = [p for p in self.list("pods") if p.get("spec", {}).get("nodeName") == name]
             for pod in pods:
                 meta = pod["metadata"]
-                self.delete("pods", meta["name"], meta["namespace"])
+                if not meta.get("deletionTimestamp"):
+                    self.delete("pods", meta["name"], meta["namespace"])
                 evicted.append(f"{meta['namespace']}/{meta['name']}")
         return evicted
 
@@ -1271,15 +904,16 @@ class ApiServerEmulator:
         """
         self.cordon_node(name)
         evicted, blocked = [], []
-        with self._store.lock:
+        with self.store.lock:
             pods = [p for p in self.list("pods") if p.get("spec", {}).get("nodeName") == name
                     and not any(o.get("kind") == "DaemonSet" for o in p["metadata"].get("ownerReferences") or [])]
             for pod in pods:
                 meta = pod["metadata"]
-                if _blocking_budget(self._store, meta["namespace"], pod) is not None:
+                if _blocking_budget(self.store, meta["namespace"], pod) is not None:
                     blocked.append(f"{meta['namespace']}/{meta['name']}")
                     continue
-                self.delete("pods", meta["name"], meta["namespace"])
+                if not meta.get("deletionTimestamp"):
+                    self.delete("pods", meta["name"], meta["namespace"])
                 evicted.append(f"{meta['namespace']}/{meta['name']}")
         return evicted, blocked
 
@@ -1293,8 +927,9 @@ class ApiServerEmulator:
 
     def set_pod_running(self, name: str, namespace: str = "default", node: str | None = None,
                         pod_ip: str | None = None) -> dict[str, Any]:
-        """Bind the pod to ``node`` (unless already bound) and report it Running and Ready."""
-        with self._store.lock:
+        """Bind the pod to ``node`` (through the binding subresource, unless already bound) and report it Running
+        and Ready."""
+        with self.store.lock:
             pod = self.get("pods", name, namespace)
             bound = pod.get("spec", {}).get("nodeName")
             if node is not None and bound not in (None, node):
@@ -1303,33 +938,23 @@ class ApiServerEmulator:
             if node is None:
                 raise ValueError(f"pod {namespace}/{name} is not bound to a node; pass node=")
             if not bound:
-                self.patch("pods", name, {"spec": {"nodeName": node}}, namespace)
+                self.store.bind(namespace, name, node)
             containers = pod.get("spec", {}).get("containers", [])
             status = {
                 "phase": "Running", "hostIP": self.node_address(node), "podIP": pod_ip or self.node_address(node),
-                "startTime": _now(),
-                "conditions": [{"type": t, "status": "True", "lastTransitionTime": _now()}
+                "startTime": now(),
+                "conditions": [{"type": t, "status": "True", "lastTransitionTime": now()}
                                for t in ("PodScheduled", "Initialized", "ContainersReady", "Ready")],
                 "containerStatuses": [{"name": c["name"], "image": c.get("image", ""), "imageID": "", "ready": True,
                                        "restartCount": 0, "started": True,
-                                       "state": {"running": {"startedAt": _now()}}} for c in containers],
+                                       "state": {"running": {"startedAt": now()}}} for c in containers],
             }
             return self.patch("pods", name, {"status": status}, namespace, subresource="status")
 
     def _terminate_pod(self, name: str, namespace: str, phase: str, exit_code: int, reason: str, message: str) -> dict[str, Any]:
-        with self._store.lock:
+        with self.store.lock:
             pod = self.get("pods", name, namespace)
-            containers = pod.get("spec", {}).get("containers", [])
-            status = dict(pod.get("status", {}))
-            status.update(phase=phase, reason=reason, message=message)
-            status["conditions"] = [{"type": t, "status": "False" if t in ("Ready", "ContainersReady") else "True",
-                                     "lastTransitionTime": _now()}
-                                    for t in ("PodScheduled", "Initialized", "ContainersReady", "Ready")]
-            status["containerStatuses"] = [
-                {"name": c["name"], "image": c.get("image", ""), "imageID": "", "ready": False, "restartCount": 0,
-                 "started": False, "state": {"terminated": {"exitCode": exit_code, "reason": reason, "message": message,
-                                                            "finishedAt": _now()}}}
-                for c in containers]
+            status = terminated_status(pod, phase, exit_code, reason, message)
             return self.patch("pods", name, {"status": status}, namespace, subresource="status")
 
     def fail_pod(self, name: str, namespace: str = "default", *, exit_code: int = 137, reason: str = "Error",
@@ -1340,21 +965,50 @@ class ApiServerEmulator:
     def set_pod_succeeded(self, name: str, namespace: str = "default") -> dict[str, Any]:
         return self._terminate_pod(name, namespace, "Succeeded", 0, "Completed", "")
 
+    def gpus_in_use(self, node: str) -> int:
+        """GPUs the node's pods hold (every pod not terminated, Terminating ones included)."""
+        return sum(pod_gpus(p) for p in self.list("pods") if (p.get("spec") or {}).get("nodeName") == node
+                   and (p.get("status") or {}).get("phase") not in ("Succeeded", "Failed"))
+
     # -- watches -----------------------------------------------------------------------
 
     def compact(self) -> None:
         """Forget the watch history: resuming from any resourceVersion seen so far answers 410 Gone."""
-        self._store.compact()
+        self.store.compact()
 
     def expire_watches(self) -> int:
         """Compact, and end every open watch with an ERROR 410 Gone event; returns how many were open."""
-        self._store.compact()
-        return self._store.end_watches(gone=True)
+        self.store.compact()
+        return self.store.end_watches(gone_=True)
 
     def close_watches(self) -> int:
         """End every open watch normally (as a server-side timeout does); returns how many were open."""
-        return self._store.end_watches(gone=False)
+        return self.store.end_watches(gone_=False)
 
     def open_watches(self) -> int:
-        with self._store.lock:
-            return len(self._store.watchers)
+        with self.store.lock:
+            return len(self.store.watchers)
+
+
+def terminated_status(pod: Mapping[str, Any], phase: str, exit_code: int, reason: str, message: str = "") -> dict[str, Any]:
+    """A pod's status once its containers ended (what a kubelet reports)."""
+    containers = (pod.get("spec") or {}).get("containers") or []
+    status = dict(pod.get("status") or {})
+    status.update(phase=phase, reason=reason, message=message)
+    if not message:
+        status.pop("message", None)
+    status["conditions"] = [{"type": t, "status": "False" if t in ("Ready", "ContainersReady") else "True",
+                             "lastTransitionTime": now()}
+                            for t in ("PodScheduled", "Initialized", "ContainersReady", "Ready")]
+    status["containerStatuses"] = [
+        {"name": c["name"], "image": c.get("image", ""), "imageID": "", "ready": False, "restartCount": 0,
+         "started": False, "state": {"terminated": {"exitCode": exit_code, "reason": reason,
+                                                    **({"message": message} if message else {}),
+                                                    "finishedAt": now()}}}
+        for c in containers]
+    return status
+
+
+def secret_data(values: Mapping[str, str]) -> dict[str, str]:
+    """A Secret's ``data`` from plain strings (base64, as the API stores them)."""
+    return {k: base64.b64encode(v.encode()).decode() for k, v in values.items()}
