@@ -53,14 +53,14 @@ def store_daemonset(api: ApiServerEmulator, namespace: str = NS) -> dict[str, An
             "controller": True, "blockOwnerDeletion": True}
 
 
-def store_pod(node: str, owner: dict[str, Any], *, port: int = crd.STORE_PORT,
-              command: list[str] | None = None) -> dict[str, Any]:
+def store_pod(node: str, owner: dict[str, Any], *, port: int = crd.STORE_PORT, command: list[str] | None = None,
+              namespace: str = NS) -> dict[str, Any]:
     """A store pod as the chart's DaemonSet makes it (bound to ``node``, publishing the ``store`` port)."""
     container: dict[str, Any] = {"name": "store", "image": "tenplex:test",
                                  "ports": [{"name": "store", "containerPort": port, "hostPort": port}]}
     if command is not None:
         container["command"] = command
-    return {"metadata": {"name": f"store-{node}", "namespace": owner.get("namespace", NS), "labels": dict(STORE_LABELS),
+    return {"metadata": {"name": f"store-{node}", "namespace": namespace, "labels": dict(STORE_LABELS),
                          "ownerReferences": [owner]},
             "spec": {"nodeName": node, "containers": [container], "automountServiceAccountToken": False}}
 

@@ -439,14 +439,20 @@ def data_errors(rt: ResourceType, obj: Mapping[str, Any]) -> tuple[list[str], li
     return decode, invalid
 
 
-def semantic_errors(rt: ResourceType, obj: Mapping[str, Any], old: Mapping[str, Any] | None) -> tuple[list[str], list[str]]:
-    """(decode errors, invalid fields) beyond the schema, for the kinds the scheduler and the tests write."""
+def semantic_errors(rt: ResourceType, obj: Mapping[str, Any], old: Mapping[str, Any] | None,
+                    previous: Mapping[str, Any] | None = None) -> tuple[list[str], list[str]]:
+    """(decode errors, invalid fields) beyond the schema, for the kinds the scheduler and the tests write; ``old`` is
+    the stored object on a spec update, ``previous`` on any update (a terminated pod stays terminated)."""
     decode: list[str] = []
     invalid = metadata_errors(rt, obj)
     if rt.kind == "Pod":
         invalid += pod_spec_errors(obj.get("spec") or {})
         if old is not None:
             invalid += pod_update_errors(old, obj)
+        before = ((previous or {}).get("status") or {}).get("phase")
+        after = (obj.get("status") or {}).get("phase")
+        if before in ("Succeeded", "Failed") and after != before:
+            invalid.append(f'status.phase: Forbidden: cannot transition from terminal phase "{before}" to "{after}"')
     elif rt.kind in ("ConfigMap", "Secret"):
         d, i = data_errors(rt, obj)
         decode += d

@@ -600,12 +600,19 @@ class _App:
         return _WatchResponse(self._stream(watcher, initial, seconds))
 
     async def _stream(self, watcher: Watcher, initial: list[dict[str, Any]], seconds: float | None) -> AsyncIterator[bytes]:
+        """The watch's events, with BOOKMARKs when asked for, until its timeout, an ERROR or the server's stop.
+
+        One pending ``queue.get()`` is kept across the waits (``asyncio.wait`` with a timeout never cancels it):
+        cancelling a get that has just taken an item, as ``asyncio.wait_for`` does on Python 3.11, would lose that
+        event, and a later BOOKMARK would carry the client's resourceVersion past it.
+        """
         loop = asyncio.get_running_loop()
         deadline = None if seconds is None else loop.time() + seconds
         interval = self.server.bookmark_interval
         next_bookmark = loop.time() + interval
         if deadline is not None and seconds is not None and seconds > 2:  # one 2 s before the end, as the real server
             next_bookmark = min(next_bookmark, deadline - 2)
+        getter: asyncio.Future[dict[str, Any] | None] | None = None
         try:
             for event in initial:
                 yield json.dumps(event).encode() + b"\n"
@@ -622,16 +629,20 @@ class _App:
                 wait = remaining
                 if watcher.bookmarks:
                     wait = next_bookmark - current if wait is None else min(wait, max(0.0, next_bookmark - current))
-                try:
-                    item = await asyncio.wait_for(watcher.queue.get(), wait)
-                except TimeoutError:
+                if getter is None:
+                    getter = asyncio.ensure_future(watcher.queue.get())
+                done, _ = await asyncio.wait({getter}, timeout=wait)
+                if not done:
                     continue
+                item, getter = getter.result(), None
                 if item is None:
                     return
                 yield json.dumps(item).encode() + b"\n"
                 if item["type"] == "ERROR":
                     return
         finally:
+            if getter is not None:
+                getter.cancel()
             self.store.close_watch(watcher)
 
 

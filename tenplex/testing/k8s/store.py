@@ -251,7 +251,7 @@ class Store:
             kind_text = f'{rt.kind} in version "{rt.version}" cannot be handled as a {rt.kind}'
             if not verdict.decode:
                 try:
-                    decode, semantic = admission.semantic_errors(rt, obj, old if subresource is None else None)
+                    decode, semantic = admission.semantic_errors(rt, obj, old if subresource is None else None, old)
                 except (AttributeError, TypeError) as exc:  # a null where the checks expect an object
                     decode, semantic = [f"{kind_text}: {exc}"], []
                 verdict.decode += decode
