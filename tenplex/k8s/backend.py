@@ -204,8 +204,10 @@ class KubernetesBackend(Backend):
 
     def __init__(self, api_client: client.ApiClient, settings: KubernetesSettings,
                  elasticjob: Callable[[str], Mapping[str, Any]], *, master_ports: tuple[int, int] = (29500, 29999),
-                 watch_timeout: int = 60, sync_timeout: float = 30.0, gpu_resource: str = crd.GPU_RESOURCE) -> None:
-        """``elasticjob(name)`` returns the ElasticJob object of a job (raises NotFound for none)."""
+                 watch_timeout: int = 60, sync_timeout: float = 30.0, gpu_resource: str = crd.GPU_RESOURCE,
+                 stop_margin: float = STOP_MARGIN_SECONDS) -> None:
+        """``elasticjob(name)`` returns the ElasticJob object of a job (raises NotFound for none); ``stop_margin``:
+        how long past a deleted pod's grace period :meth:`stop` waits for its kubelet's confirmation."""
         lo, hi = master_ports
         if not 0 < lo <= hi < 65536:
             raise InvalidConfig(f"master port range must be within 1..65535 and ordered, got {lo}-{hi}")
@@ -215,6 +217,7 @@ class KubernetesBackend(Backend):
         self._ports = (lo, hi)
         self._gpu = gpu_resource
         self._sync_timeout = sync_timeout
+        self._stop_margin = stop_margin
         self._lock = threading.Lock()
         self._listeners: list[Listener] = []
         self._reserved: dict[tuple[str, int], float] = {}
@@ -540,12 +543,12 @@ class KubernetesBackend(Backend):
         margin at most); a Conflict if it is not gone by then."""
         meta = terminating["metadata"]
         grace = float(meta.get("deletionGracePeriodSeconds") or 0)
-        deadline = time.monotonic() + grace + STOP_MARGIN_SECONDS
+        deadline = time.monotonic() + grace + self._stop_margin
         log.info("pod %s/%s is still terminating; waiting for it to go before creating its successor",
                  meta["namespace"], meta["name"])
         while self._live_pod(terminating) is not None:
             if time.monotonic() > deadline:
-                raise Conflict(f"pod {meta['namespace']}/{meta['name']} is still terminating {grace + STOP_MARGIN_SECONDS:.0f}s "
+                raise Conflict(f"pod {meta['namespace']}/{meta['name']} is still terminating {grace + self._stop_margin:.0f}s "
                                "after its deletion: its successor of the same name cannot be created yet")
             time.sleep(0.05)
         try:
@@ -588,7 +591,7 @@ class KubernetesBackend(Backend):
             except client.ApiException as exc:
                 if exc.status != 404:
                     log.warning("job %s: deleting pod %s failed: %s %s", job, meta["name"], exc.status, _api_message(exc))
-        deadline = time.monotonic() + seconds + STOP_MARGIN_SECONDS
+        deadline = time.monotonic() + seconds + self._stop_margin
         left: list[str] = []
         while time.monotonic() < deadline:
             ready = {h.name for h in self.hosts() if h.ready}
@@ -602,7 +605,7 @@ class KubernetesBackend(Backend):
                 return
             time.sleep(0.05)
         log.warning("job %s: pods %s still terminating %.0fs after deletion; their GPUs stay held until they are gone",
-                    job, left, seconds + STOP_MARGIN_SECONDS)
+                    job, left, seconds + self._stop_margin)
 
     def _live_pod(self, pod: Mapping[str, Any]) -> dict[str, Any] | None:
         """The cached pod with the same namespace, name and uid as ``pod`` (None once it is gone)."""

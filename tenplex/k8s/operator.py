@@ -43,7 +43,7 @@ from kubernetes.leaderelection.resourcelock.leaselock import LeaseLock
 
 from tenplex.errors import InvalidConfig, NotFound, StoreUnavailable, TenplexError
 from tenplex.k8s import crd
-from tenplex.k8s.backend import ClusterEvent, KubernetesBackend
+from tenplex.k8s.backend import STOP_MARGIN_SECONDS, ClusterEvent, KubernetesBackend
 from tenplex.k8s.jobstore import ElasticJobIndex, KubeJobStore
 from tenplex.k8s.settings import ENV_ADVERTISE_URL, KubernetesSettings
 from tenplex.ptc import DatasetState, ParallelConfig
@@ -137,11 +137,12 @@ class KubernetesScheduler(Scheduler):
     def __init__(self, api_client: client.ApiClient, settings: KubernetesSettings,
                  scheduler_settings: SchedulerSettings, state_root: Path, *,
                  master_ports: tuple[int, int] = (29500, 29999), watch_timeout: int = 60,
-                 exit_on_lost_leadership: bool = False, store_client: Callable[[str], Any] | None = None) -> None:
+                 exit_on_lost_leadership: bool = False, store_client: Callable[[str], Any] | None = None,
+                 stop_margin: float = STOP_MARGIN_SECONDS) -> None:
         self.k8s_settings = settings
         self.index = ElasticJobIndex(api_client, settings, watch_timeout=watch_timeout)
         backend = KubernetesBackend(api_client, settings, self.index.get, master_ports=master_ports,
-                                    watch_timeout=watch_timeout)
+                                    watch_timeout=watch_timeout, stop_margin=stop_margin)
         self.jobstore = KubeJobStore(api_client, self.index, state_root)
         super().__init__(backend, self.jobstore, scheduler_settings, store_client=store_client)  # type: ignore[arg-type]
         self.kube_backend = backend

@@ -170,7 +170,9 @@ class _Kubelet:
     # -- fault injection ---------------------------------------------------------------
 
     def freeze(self, name: str, namespace: str = "default") -> None:
-        """Ignore the deletion of this pod (its containers keep running, its GPUs stay held) until :meth:`thaw`."""
+        """Hang this pod's container runtime until :meth:`thaw`: its deletion is not acted on (no signal), and
+        whatever happens to it is neither reported nor confirmed, so a deleted pod stays Terminating past its
+        grace period with its GPUs held."""
         with self._lock:
             self._frozen.add((namespace, name))
 
@@ -179,7 +181,11 @@ class _Kubelet:
         with self._lock:
             self._frozen.discard((namespace, name))
             pod = next((p for p in self._pods.values() if (p.namespace, p.name) == (namespace, name)), None)
-        if pod is not None and pod.deleting:
+        if pod is None:
+            return
+        if pod.exit_code is not None and not pod.ended.is_set():  # it ended while frozen: report it now
+            self._ended(pod, pod.exit_code)
+        elif pod.deleting:
             self._begin_termination(pod)
 
     def used_gpus(self) -> int:
@@ -290,8 +296,11 @@ class _Kubelet:
         }
 
     def _ended(self, entry: _Pod, code: int) -> None:
-        """The pod's containers ended with ``code``: report it, and confirm a deletion in progress."""
+        """The pod's containers ended with ``code``: report it, and confirm a deletion in progress (a frozen
+        kubelet reports nothing until it is thawed)."""
         entry.exit_code = code
+        if self._frozen_now(entry):
+            return
         entry.ended.set()
         LOG.info("kubelet %s: pod %s/%s ended with %d%s", self.node, entry.namespace, entry.name, code,
                  " (being deleted)" if entry.deleting else "")
