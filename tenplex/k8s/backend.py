@@ -335,8 +335,9 @@ class KubernetesBackend(Backend):
         held: dict[str, int] = {}
         for pod in self._pods():
             node = (pod.get("spec") or {}).get("nodeName")
-            if node and _phase(pod) not in ("Succeeded", "Failed"):
-                held[node] = held.get(node, 0) + pod_gpus(pod, self._gpu)
+            gpus = pod_gpus(pod, self._gpu)
+            if node and gpus and _phase(pod) not in ("Succeeded", "Failed"):
+                held[node] = held.get(node, 0) + gpus
         return held
 
     def hosts(self) -> list[HostInfo]:
@@ -505,6 +506,8 @@ class KubernetesBackend(Backend):
         if not command:
             raise InvalidConfig(f"job {job!r} has no worker command")
         job_obj = self._elasticjob(job)
+        if (job_obj.get("metadata") or {}).get("deletionTimestamp"):
+            raise InvalidConfig(f"job {job}: its ElasticJob is being deleted: no new worker pods")
         namespace = job_obj["metadata"].get("namespace") or "default"
         informer = self._informer_for(namespace)
         groups = pod_groups(workers, crd.ElasticJobSpec.from_object(job_obj).gpus_per_pod)

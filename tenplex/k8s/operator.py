@@ -466,8 +466,12 @@ class ElasticJobOperator:
             self._delete_job(name, "its ElasticJob was deleted")
 
     def _delete_job(self, name: str, why: str) -> None:
-        if self.scheduler.find(name) is None:
+        ctl = self.scheduler.find(name)
+        if ctl is None:
             return
+        # Its controller first: a tick already waiting for the job's lock could otherwise still recover from a
+        # "failure" (the pods the deletion removes) and make new pods after the job is gone.
+        ctl.close()
         try:
             self.scheduler.delete(name)
         except NotFound:

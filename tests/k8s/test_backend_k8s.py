@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -48,7 +50,7 @@ def backend(api: ApiServerEmulator, agents: NodeAgents) -> Iterator[KubernetesBa
     api.create("elasticjobs", elasticjob("gpt", 2), NS)
     with scheduler_client(api) as api_client:
         be = KubernetesBackend(api_client, SETTINGS, lambda name: api.get("elasticjobs", name, NS),
-                               master_ports=(29500, 29502), watch_timeout=5).start()
+                               master_ports=(29500, 29502), watch_timeout=5, stop_margin=2.0).start()
         try:
             yield be
         finally:
@@ -318,3 +320,41 @@ def test_worker_pods_mount_the_node_store_when_configured(api: ApiServerEmulator
     ]
     with pytest.raises(InvalidConfig, match="TENPLEX_STORE_HOST_PATH must be an absolute path"):
         replace(SETTINGS, store_host_path="relative/dir")
+
+
+def test_placement_counts_the_gpus_of_pods_still_running_or_terminating(api: ApiServerEmulator,
+                                                                         backend: KubernetesBackend,
+                                                                         agents: NodeAgents, tmp_path: Path) -> None:
+    backend.launch("gpt", ["python"], launches("gpt", 0, ["gpu-a"]), tmp_path)
+    api.set_pod_running("gpt-g0-r0", NS)
+    eventually(lambda: backend.host("gpu-a").gpus == 1, "gpu-a: one of two GPUs held")
+    assert backend.held_gpus() == {"gpu-a": 1}
+    agents["gpu-a"].freeze("gpt-g0-r0")  # its runtime hangs: the deleted pod stays Terminating
+    started = time.monotonic()
+    backend.stop("gpt", ["gpt-g0-r0"], grace=1)  # gives up after the grace period and the margin (2 s here)
+    assert 3.0 <= time.monotonic() - started < 8
+    assert api.get("pods", "gpt-g0-r0", NS)["metadata"]["deletionTimestamp"]
+    assert backend.host("gpu-a").gpus == 1, "a Terminating pod still holds its GPU"
+    # Relaunching a worker of that name waits for the old pod to go (not taken as already launched).
+    threading.Timer(0.5, agents["gpu-a"].thaw, args=("gpt-g0-r0", NS)).start()
+    backend.launch("gpt", ["python"], launches("gpt", 0, ["gpu-a"]), tmp_path)
+    new = api.get("pods", "gpt-g0-r0", NS)
+    assert not new["metadata"].get("deletionTimestamp") and new["status"]["phase"] == "Pending"
+    # Worker pods carry no API token: they do not talk to the API server.
+    assert new["spec"]["automountServiceAccountToken"] is False
+    assert not [v for v in new["spec"].get("volumes") or [] if v["name"].startswith("kube-api-access-")]
+
+
+def test_stop_does_not_wait_for_pods_on_a_node_that_is_not_ready(api: ApiServerEmulator, backend: KubernetesBackend,
+                                                                  agents: NodeAgents, tmp_path: Path) -> None:
+    backend.launch("gpt", ["python"], launches("gpt", 0, ["gpu-a", "gpu-b"]), tmp_path)
+    for name in ("gpt-g0-r0", "gpt-g0-r1"):
+        api.set_pod_running(name, NS)
+    agents["gpu-b"].stop()  # the node's kubelet is gone...
+    api.set_node_ready("gpu-b", False)  # ... and the node controller notices
+    eventually(lambda: not backend.host("gpu-b").ready, "gpu-b NotReady")
+    started = time.monotonic()
+    backend.stop("gpt", ["gpt-g0-r0", "gpt-g0-r1"], grace=30)
+    assert time.monotonic() - started < 10
+    assert [p["metadata"]["name"] for p in worker_pods(api, "gpt")] == ["gpt-g0-r1"]  # Terminating on gpu-b
+    assert backend.held_gpus() == {"gpu-b": 1}

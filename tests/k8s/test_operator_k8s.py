@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -562,3 +563,47 @@ def test_a_failure_while_suspending_still_ends_suspended(cluster: ApiServerEmula
     eventually(lambda: wanted <= {(e["type"], e["reason"]) for e in cluster.list("events", NS)
                                   if e["involvedObject"]["name"] == "gpt"}, "the interruption and the suspend as Events")
     assert "gpt-g0-r1" in (failure.error or "")
+
+
+def test_an_elasticjob_being_deleted_stops_its_job_and_makes_no_more_pods(
+        cluster: ApiServerEmulator, sched: KubernetesScheduler) -> None:
+    """An ElasticJob that is being deleted (a finalizer of another controller holds it, or ``kubectl delete
+    --cascade=foreground`` waits for its pods) is the end of the job for the scheduler, not a failure to recover
+    from with new pods that its deletion would then have to wait for."""
+    cluster.create("elasticjobs", elasticjob("gpt", 2), NS)
+    for pod in running_pods(cluster, "gpt", 2):
+        cluster.set_pod_running(pod["metadata"]["name"], NS)
+    ctl = sched.get("gpt")
+    eventually(lambda: ctl.status.phase == Phase.RUNNING, "Running")
+    cluster.patch("elasticjobs", "gpt", {"metadata": {"finalizers": ["example.com/audit"]}}, NS)
+    cluster.delete("elasticjobs", "gpt", NS, propagation="Foreground")
+    assert cluster.get("elasticjobs", "gpt", NS)["metadata"]["finalizers"] == ["example.com/audit", "foregroundDeletion"]
+    eventually(lambda: not sched.list(), "the job stopped")
+    eventually(lambda: worker_pods(cluster, "gpt") == [], "its pods gone")
+    time.sleep(3)  # long enough for a failure recovery to have made new pods
+    creates = [a for a in cluster.accesses(scheduler_user().name) if a.verb == "create" and a.resource == "pods"]
+    assert len(creates) == 2 and worker_pods(cluster, "gpt") == []
+    assert cluster.get("elasticjobs", "gpt", NS)["metadata"]["deletionTimestamp"]
+    kept = [f for f in cluster.get("elasticjobs", "gpt", NS)["metadata"].get("finalizers", []) if f != "example.com/audit"]
+    cluster.patch("elasticjobs", "gpt", {"metadata": {"finalizers": kept or None}}, NS)  # the other controller is done
+    eventually(lambda: cluster.find("elasticjobs", "gpt", NS) is None, "the ElasticJob gone")
+    eventually(lambda: cluster.list("configmaps", NS) == [], "its state collected")
+
+
+def test_a_namespace_that_forbids_host_networking_fails_the_job_saying_why(
+        api: ApiServerEmulator, agents: NodeAgents, tmp_path: Path) -> None:
+    """Worker pods use the host network (and hostPath for the node's store): PodSecurity level baseline or
+    restricted refuses them. The job fails with the API server's reason in its status."""
+    add_gpu_node(api, "gpu-a", "127.0.0.2", agents=agents)
+    api.create_namespace("locked", {"pod-security.kubernetes.io/enforce": "baseline"})
+    sched = make_scheduler(api, tmp_path / "a")
+    sched.recover()
+    try:
+        api.create("elasticjobs", elasticjob("gpt", 2, namespace="locked"), "locked")
+        status = eventually(lambda: (s := api.get("elasticjobs", "gpt", "locked").get("status") or {})
+                            .get("phase") == "Failed" and s, "the job failed", timeout=30)
+        message = condition(status, "Failed")["message"]
+        assert 'violates PodSecurity "baseline:latest": host namespaces (hostNetwork=true)' in message, message
+        assert api.list("pods", "locked") == []
+    finally:
+        sched.close()

@@ -384,6 +384,11 @@ def pod_spec_errors(spec: Mapping[str, Any]) -> list[str]:
     node = spec.get("nodeName")
     if node and not DNS_SUBDOMAIN.match(str(node)):
         errors.append(f'spec.nodeName: Invalid value: "{node}": a lowercase RFC 1123 subdomain')
+    for key, allowed in (("restartPolicy", ("Always", "OnFailure", "Never")),
+                         ("dnsPolicy", ("ClusterFirstWithHostNet", "ClusterFirst", "Default", "None"))):
+        if key in spec and spec[key] not in allowed:
+            supported = ", ".join(f'"{a}"' for a in allowed)
+            errors.append(f'spec.{key}: Unsupported value: {_json(spec[key])}: supported values: {supported}')
     grace = spec.get("terminationGracePeriodSeconds")
     if isinstance(grace, int) and grace < 0:
         errors.append(f"spec.terminationGracePeriodSeconds: Invalid value: {grace}: must be greater than or equal to 0")
