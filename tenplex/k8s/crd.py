@@ -3,9 +3,10 @@
 This module is the single source of truth for the resource. The chart's
 ``crds/elasticjobs.tenplex.io.yaml`` is generated from :func:`crd_manifest`
 (``tenplex k8s crd > deploy/helm/tenplex/crds/elasticjobs.tenplex.io.yaml``;
-a test keeps them equal), the API emulator validates ElasticJobs with the same
-schema, and the scheduler's Kubernetes backend reads spec and writes status
-through :class:`ElasticJobSpec` and :class:`ElasticJobStatus`.
+a test keeps them equal), the test API server serves the resource from that
+manifest, its cross-field CEL rules are evaluated from the manifest's own
+strings (:mod:`tenplex.k8s.cel`), and the scheduler's Kubernetes backend reads
+spec and writes status through :class:`ElasticJobSpec` and :class:`ElasticJobStatus`.
 
 Contracts with the rest of the deployment (the chart implements them):
 

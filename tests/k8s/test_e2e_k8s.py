@@ -209,6 +209,15 @@ class Deployment:
 
 
 @pytest.fixture
+def api() -> Iterator[ApiServerEmulator]:
+    """A small window of watch events per resource (the real server keeps about 100 per resource type, for a
+    cluster much busier than this one): a watch resumed without a recent BOOKMARK (the kubelets ask for none)
+    after a reconfiguration's events went by answers 410 Gone and lists again."""
+    with ApiServerEmulator(watch_window=8) as emulator:
+        yield emulator
+
+
+@pytest.fixture
 def deployment(api: ApiServerEmulator, cluster: Cluster, tmp_path: Path) -> Iterator[Deployment]:
     RecordingStoreClient.calls = []
     deployed = Deployment(api, tmp_path, stop_margin=3.0)
