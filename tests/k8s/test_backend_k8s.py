@@ -10,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from kubernetes import client
 
 from tenplex.errors import Conflict, InvalidConfig, NotFound
 from tenplex.k8s import crd
@@ -21,6 +22,7 @@ from tenplex.k8s.backend import (
     KubernetesBackend,
     pod_groups,
 )
+from tenplex.k8s.informer import Informer
 from tenplex.k8s.settings import KubernetesSettings
 from tenplex.launcher import ENV_POD_RANKS, parse_pod_ranks
 from tenplex.scheduler.backend import HostInfo, WorkerLaunch
@@ -358,3 +360,24 @@ def test_stop_does_not_wait_for_pods_on_a_node_that_is_not_ready(api: ApiServerE
     assert time.monotonic() - started < 10
     assert [p["metadata"]["name"] for p in worker_pods(api, "gpt")] == ["gpt-g0-r1"]  # Terminating on gpu-b
     assert backend.held_gpus() == {"gpu-b": 1}
+
+
+def test_bookmarks_keep_an_informer_resumable_where_a_busy_resource_would_expire_it() -> None:
+    """Other pods' events fill the pods' small watch window while the informer's selector sees none of them; the
+    BOOKMARKs it asks for carry its resourceVersion forward, so its resumed watches need no 410 relist."""
+    with ApiServerEmulator(watch_window=3, bookmark_interval=0.2) as api, api.api_client() as api_client:
+        core = client.CoreV1Api(api_client)
+        informer = Informer("workers", core.list_pod_for_all_namespaces, watch_timeout=1,
+                            label_selector=crd.worker_selector("gpt")).start()
+        try:
+            assert informer.wait_synced(10)
+            for i in range(12):
+                api.create("pods", {"metadata": {"name": f"other-{i}", "labels": {"app": "other"}},
+                                    "spec": {"containers": [{"name": "c", "image": "x"}]}}, NS)
+                time.sleep(0.25)  # the informer's 1 s watches end and resume meanwhile
+            api.create("pods", {"metadata": {"name": "gpt-g0-r0", "labels": crd.job_labels("gpt")},
+                                "spec": {"containers": [{"name": "c", "image": "x"}]}}, NS)
+            eventually(lambda: informer.get(NS, "gpt-g0-r0") is not None, "the worker pod seen")
+            assert informer.relists == 1
+        finally:
+            informer.stop()
