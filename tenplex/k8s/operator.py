@@ -43,7 +43,7 @@ from kubernetes.leaderelection.resourcelock.leaselock import LeaseLock
 
 from tenplex.errors import InvalidConfig, NotFound, StoreUnavailable, TenplexError
 from tenplex.k8s import crd
-from tenplex.k8s.backend import ClusterEvent, KubernetesBackend
+from tenplex.k8s.backend import STOP_MARGIN_SECONDS, ClusterEvent, KubernetesBackend
 from tenplex.k8s.jobstore import ElasticJobIndex, KubeJobStore
 from tenplex.k8s.settings import ENV_ADVERTISE_URL, KubernetesSettings
 from tenplex.ptc import DatasetState, ParallelConfig
@@ -140,11 +140,12 @@ class KubernetesScheduler(Scheduler):
     def __init__(self, api_client: client.ApiClient, settings: KubernetesSettings,
                  scheduler_settings: SchedulerSettings, state_root: Path, *,
                  master_ports: tuple[int, int] = (29500, 29999), watch_timeout: int = 60,
-                 exit_on_lost_leadership: bool = False, store_client: Callable[[str], Any] | None = None) -> None:
+                 exit_on_lost_leadership: bool = False, store_client: Callable[[str], Any] | None = None,
+                 stop_margin: float = STOP_MARGIN_SECONDS) -> None:
         self.k8s_settings = settings
         self.index = ElasticJobIndex(api_client, settings, watch_timeout=watch_timeout)
         backend = KubernetesBackend(api_client, settings, self.index.get, master_ports=master_ports,
-                                    watch_timeout=watch_timeout)
+                                    watch_timeout=watch_timeout, stop_margin=stop_margin)
         self.jobstore = KubeJobStore(api_client, self.index, state_root)
         super().__init__(backend, self.jobstore, scheduler_settings, store_client=store_client)  # type: ignore[arg-type]
         self.kube_backend = backend
@@ -279,8 +280,8 @@ class ElasticJobOperator:
             return
         log.info("%s: leading", self.settings.identity)
         sched = self.scheduler
-        sched.index.informer.start()
-        if not sched.index.informer.wait_synced(30):
+        sched.index.start()
+        if not sched.index.wait_synced(30):
             raise StoreUnavailable("the Kubernetes API did not answer the first list of ElasticJobs within 30s")
         sched.kube_backend.start()
         self._acting.set()
@@ -288,7 +289,7 @@ class ElasticJobOperator:
         if names:
             log.info("resumed jobs: %s", ", ".join(names))
         sched.kube_backend.add_listener(lambda ev: self._events.put(("cluster", ev, None)))
-        sched.index.informer.add_handler(lambda kind, obj, old: self._events.put(("elasticjob", kind, obj)))
+        sched.index.add_handler(lambda kind, obj, old: self._events.put(("elasticjob", kind, obj)))
         self.reconcile_all()
         self._spawn(self._dispatch, "operator-events")
         self._spawn(self._housekeeping, "operator-housekeeping")
@@ -317,7 +318,7 @@ class ElasticJobOperator:
         for ctl in self.scheduler.list():
             ctl.close()
         self.scheduler.kube_backend.close()
-        self.scheduler.index.informer.stop()
+        self.scheduler.index.stop()
 
     # -- ElasticJobs ----------------------------------------------------------------------------
 
@@ -356,6 +357,11 @@ class ElasticJobOperator:
         meta = obj["metadata"]
         name, ns = meta["name"], meta.get("namespace", "")
         if not self.settings.manages(ns):
+            return
+        if meta.get("deletionTimestamp"):
+            # Being deleted (finalizers, or a foreground deletion waiting for its pods): the job ends now; it is
+            # never started again, nor are new pods made that its deletion would have to wait for.
+            self._deleted(obj)
             return
         sched = self.scheduler
         generation = int(meta.get("generation") or 1)
@@ -463,8 +469,12 @@ class ElasticJobOperator:
             self._delete_job(name, "its ElasticJob was deleted")
 
     def _delete_job(self, name: str, why: str) -> None:
-        if self.scheduler.find(name) is None:
+        ctl = self.scheduler.find(name)
+        if ctl is None:
             return
+        # Its controller first: a tick already waiting for the job's lock could otherwise still recover from a
+        # "failure" (the pods the deletion removes) and make new pods after the job is gone.
+        ctl.close()
         try:
             self.scheduler.delete(name)
         except NotFound:
