@@ -41,7 +41,7 @@ from kubernetes import client
 from kubernetes.leaderelection import electionconfig, leaderelection
 from kubernetes.leaderelection.resourcelock.leaselock import LeaseLock
 
-from tenplex.errors import InvalidConfig, NotFound, StoreUnavailable, TenplexError
+from tenplex.errors import InvalidConfig, NotFound, NotLeader, StoreUnavailable, TenplexError
 from tenplex.k8s import crd
 from tenplex.k8s.backend import ClusterEvent, KubernetesBackend
 from tenplex.k8s.jobstore import ElasticJobIndex, KubeJobStore
@@ -119,16 +119,6 @@ def advertise_url(settings: KubernetesSettings, port: int, fallback: str,
     log.warning("cannot derive the scheduler Service from pod name %r; workers will use %s (set %s)",
                 settings.identity, fallback, ENV_ADVERTISE_URL)
     return fallback
-
-
-class NotLeader(TenplexError):
-    """This scheduler replica does not hold the Lease (or is still resuming the jobs): ask again.
-
-    503, so that workers retry, and a retry through the scheduler's Service can
-    reach the leader; a 404 would tell them their job is gone."""
-
-    code = "not_leader"
-    http_status = 503
 
 
 class KubernetesScheduler(Scheduler):

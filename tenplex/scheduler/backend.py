@@ -85,60 +85,70 @@ class Backend(ABC):
     def adopt(self, job: str, pids: Mapping[str, int]) -> None:  # noqa: B027 - optional hook
         """Take over workers started by a previous scheduler process (after a restart)."""
 
+    @abstractmethod
     def master_port(self, host: HostInfo) -> int:
-        """A free TCP port on ``host`` for torch.distributed's rendezvous, below the ephemeral range.
-
-        Not port 0's answer: that is an ephemeral port, and until rank 0 binds
-        it (seconds later, after the workers start) any outgoing connection on
-        the machine may take it, which fails the rendezvous with EADDRINUSE.
-        A port below the kernel's ephemeral range is only ever taken by a bind;
-        the ones handed out recently are not handed out again for a while.
-        """
-        low = _ephemeral_low()
-        if low is None:  # no room below the ephemeral range: the kernel's choice, raced as it is
-            with socket.socket() as s:
-                s.bind((host.address, 0))
-                return s.getsockname()[1]
-        now = time.monotonic()
-        with _MASTER_PORTS_LOCK:
-            for key, when in list(_MASTER_PORTS.items()):
-                if now - when > _MASTER_PORT_HOLD_S:
-                    del _MASTER_PORTS[key]
-            start = random.randrange(_MASTER_PORT_FLOOR, low)
-            for i in range(low - _MASTER_PORT_FLOOR):
-                port = _MASTER_PORT_FLOOR + (start - _MASTER_PORT_FLOOR + i) % (low - _MASTER_PORT_FLOOR)
-                if (host.address, port) in _MASTER_PORTS:
-                    continue
-                with socket.socket() as s:
-                    try:
-                        s.bind((host.address, port))
-                    except OSError as exc:
-                        # Not an address of this machine (a host elsewhere, or in another network namespace):
-                        # its ports cannot be probed from here; the ones handed out recently are still avoided.
-                        if exc.errno != errno.EADDRNOTAVAIL:
-                            continue
-                _MASTER_PORTS[(host.address, port)] = now
-                return port
-        raise InvalidConfig(f"no free rendezvous port on {host.address} in {_MASTER_PORT_FLOOR}-{low - 1}")
+        """A TCP port on ``host`` for torch.distributed's rendezvous of a new generation's rank 0."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release what the backend holds (not the workers: they outlive a scheduler restart)."""
 
 
-_MASTER_PORT_FLOOR = 20000
-_MASTER_PORT_HOLD_S = 120.0
-_MASTER_PORTS: dict[tuple[str, int], float] = {}  # (address, port) -> when it was handed out
-_MASTER_PORTS_LOCK = threading.Lock()
+class RendezvousPorts:
+    """Hands out rendezvous ports on hosts whose ports this machine can probe (the local backend).
+
+    Not port 0's answer: that is an ephemeral port, and until rank 0 binds it
+    (seconds later, after the workers start) any outgoing connection on the
+    machine may take it, which fails the rendezvous with EADDRINUSE. A port
+    below the kernel's ephemeral range is only ever taken by a bind; the ones
+    handed out recently (``hold`` seconds) are not handed out again, so two
+    generations launched back to back never share one.
+    """
+
+    FLOOR = 20000
+
+    def __init__(self, *, hold: float = 120.0) -> None:
+        self.hold = hold
+        self._given: dict[tuple[str, int], float] = {}  # (address, port) -> when it was handed out
+        self._lock = threading.Lock()
+
+    def pick(self, address: str) -> int:
+        low = _ephemeral_low()
+        if low is None:  # no room below the ephemeral range: the kernel's choice, raced as it is
+            with socket.socket() as s:
+                s.bind((address, 0))
+                return s.getsockname()[1]
+        floor = self.FLOOR
+        now = time.monotonic()
+        with self._lock:
+            for key, when in list(self._given.items()):
+                if now - when > self.hold:
+                    del self._given[key]
+            start = random.randrange(floor, low)
+            for i in range(low - floor):
+                port = floor + (start - floor + i) % (low - floor)
+                if (address, port) in self._given:
+                    continue
+                with socket.socket() as s:
+                    try:
+                        s.bind((address, port))
+                    except OSError as exc:
+                        # Not an address of this machine (a host elsewhere, or in another network namespace):
+                        # its ports cannot be probed from here; the ones handed out recently are still avoided.
+                        if exc.errno != errno.EADDRNOTAVAIL:
+                            continue
+                self._given[(address, port)] = now
+                return port
+        raise InvalidConfig(f"no free rendezvous port on {address} in {floor}-{low - 1}")
 
 
 def _ephemeral_low() -> int | None:
     """The first port of the kernel's ephemeral range (32768 where it cannot be read); None when it
-    leaves fewer than 1000 ports above :data:`_MASTER_PORT_FLOOR` below it."""
+    leaves fewer than 1000 ports above :attr:`RendezvousPorts.FLOOR` below it."""
     try:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         low = 32768
-    return low if low > _MASTER_PORT_FLOOR + 1000 else None
+    return low if low > RendezvousPorts.FLOOR + 1000 else None
 
 
 # -- the local backend -------------------------------------------------------------
@@ -437,6 +447,7 @@ class LocalBackend(Backend):
         self._procs: dict[tuple[str, str], subprocess.Popen] = {}
         self._adopted: dict[tuple[str, str], int] = {}
         self._lock = threading.Lock()
+        self._ports = RendezvousPorts()
         if host_timeout is not None:
             cluster.watch(interval=min(1.0, host_timeout / 3), lost_after=host_timeout)
 
@@ -445,6 +456,9 @@ class LocalBackend(Backend):
 
     def hosts(self) -> list[HostInfo]:
         return self.cluster.hosts()
+
+    def master_port(self, host: HostInfo) -> int:
+        return self._ports.pick(host.address)
 
     def launch(self, job: str, command: Sequence[str], workers: Sequence[WorkerLaunch], log_dir: Path) -> dict[str, int | None]:
         if not command:

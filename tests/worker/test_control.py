@@ -19,10 +19,10 @@ import uvicorn
 from fastapi import FastAPI, Header, HTTPException, Request
 from fastapi.responses import JSONResponse
 
-from tenplex.errors import InvalidInput, NotFound, Unauthorized
+from tenplex.errors import InvalidInput, NotFound, SchedulerUnavailable, Unauthorized
 from tenplex.ptc import PTC, Device, Region, TensorKind, build_tensor
 from tenplex.scheduler import protocol as p
-from tenplex.worker.control import ControlClient, Heartbeat, SchedulerUnavailable, agree_stop
+from tenplex.worker.control import ControlClient, Heartbeat, agree_stop
 
 TOKEN = "s3cret"
 
