@@ -133,7 +133,7 @@ class KubernetesScheduler(Scheduler):
         backend = KubernetesBackend(api_client, settings, self.index.get, master_ports=master_ports,
                                     watch_timeout=watch_timeout)
         self.jobstore = KubeJobStore(api_client, self.index, state_root)
-        super().__init__(backend, self.jobstore, scheduler_settings, store_client=store_client)  # type: ignore[arg-type]
+        super().__init__(backend, self.jobstore, scheduler_settings, store_client=store_client)
         self.kube_backend = backend
         self.operator = ElasticJobOperator(self, api_client, settings, exit_on_lost_leadership=exit_on_lost_leadership)
 

@@ -60,10 +60,10 @@ from tenplex.scheduler.protocol import (
 from tenplex.scheduler.state import (
     JobSpec,
     JobStatus,
+    JobStore,
     Phase,
     Reconfiguration,
     Stage,
-    StateDir,
     WorkerRecord,
 )
 from tenplex.store.version import Version
@@ -98,7 +98,7 @@ class SchedulerSettings:
 class JobController:
     """Owns one job: its status, its workers, and the thread that drives its state machine."""
 
-    def __init__(self, spec: JobSpec, status: JobStatus, *, backend: Backend, state: StateDir,
+    def __init__(self, spec: JobSpec, status: JobStatus, *, backend: Backend, state: JobStore,
                  settings: SchedulerSettings, clients: Callable[[str], Any], metrics: Any = None) -> None:
         self.spec = spec
         self.status = status
@@ -902,5 +902,5 @@ def job_view(spec: JobSpec, status: JobStatus) -> Mapping[str, Any]:
     return {"spec": spec.to_json(), "status": status.to_json()}
 
 
-def log_dir_for(state: StateDir, job: str) -> Path:
+def log_dir_for(state: JobStore, job: str) -> Path:
     return state.root / "logs" / job

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from tenplex.errors import Conflict, NotFound
 from tenplex.scheduler.backend import Backend
 from tenplex.scheduler.controller import JobController, SchedulerSettings
-from tenplex.scheduler.state import JobSpec, JobStatus, Phase, StateDir
+from tenplex.scheduler.state import JobSpec, JobStatus, JobStore, Phase
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,7 @@ class SchedulerMetrics:
 class Scheduler:
     """Creates, recovers and removes job controllers."""
 
-    def __init__(self, backend: Backend, state: StateDir, settings: SchedulerSettings, *,
+    def __init__(self, backend: Backend, state: JobStore, settings: SchedulerSettings, *,
                  store_client: Callable[[str], Any] | None = None) -> None:
         self.backend = backend
         self.state = state

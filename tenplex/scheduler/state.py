@@ -1,11 +1,13 @@
 """Job records and their crash-safe persistence.
 
 A job is its immutable :class:`JobSpec` (what the user asked for) plus its
-mutable :class:`JobStatus` (where the state machine stands). The status is
-written atomically (temp file, fsync, rename) at every transition, together
-with the PTC of every generation still referenced, so a scheduler killed at
-any point restarts into the same phase and stage and resumes from there. On
-Kubernetes the same JSON lives in the ElasticJob's status.
+mutable :class:`JobStatus` (where the state machine stands). A
+:class:`JobStore` keeps both, written at every transition, together with the
+PTC of every generation still referenced, so a scheduler killed at any point
+restarts into the same phase and stage and resumes from there. Two
+implementations: :class:`StateDir` (a directory; each write atomic: temp
+file, fsync, rename) and, on Kubernetes, ``tenplex.k8s.jobstore.KubeJobStore``
+(the ElasticJob's status and ConfigMaps it owns).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 import re
 import tempfile
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
@@ -275,7 +278,40 @@ class JobStatus:
         return cls(**data)
 
 
-class StateDir:
+class JobStore(ABC):
+    """Where a scheduler keeps its jobs: what the job controllers write and a restarted scheduler reads.
+
+    Every method is safe to call from several job controllers' threads at once
+    (each controller writes only its own job). A write that returns is durable:
+    a scheduler killed right after it finds that record on its restart.
+    """
+
+    root: Path
+    """A directory on the scheduler's own machine for its files that are not job state (the local backend's
+    worker logs); it exists."""
+
+    @abstractmethod
+    def save(self, spec: JobSpec, status: JobStatus) -> None:
+        """Record the job's spec and status (``status.updated_at`` is set to now), replacing the last record."""
+
+    @abstractmethod
+    def save_ptc(self, name: str, generation: int, ptc: PTC) -> None:
+        """Record the PTC of one generation of the job (written once per generation)."""
+
+    @abstractmethod
+    def load_ptc(self, name: str, generation: int) -> PTC:
+        """The PTC recorded for ``generation``; :class:`NotFound` when there is none."""
+
+    @abstractmethod
+    def load_all(self) -> list[tuple[JobSpec, JobStatus]]:
+        """Every recorded job, each with its newest record (what a restarted scheduler resumes)."""
+
+    @abstractmethod
+    def delete(self, name: str) -> None:
+        """Forget the job and its PTCs (nothing happens when nothing is recorded)."""
+
+
+class StateDir(JobStore):
     """One directory per scheduler: ``jobs/<name>.json`` plus ``jobs/<name>/ptc-g<N>.json``."""
 
     def __init__(self, root: str | Path) -> None:

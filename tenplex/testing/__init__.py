@@ -9,4 +9,6 @@ this package imports it.
 - :mod:`tenplex.testing.netcluster`: a multi-host cluster emulated on one Linux
   machine with network namespaces, veth links into a bridge, ``tc`` shaping and
   per-link byte counters (needs root).
+- :mod:`tenplex.testing.jobstore`: the conformance suite every
+  :class:`~tenplex.scheduler.state.JobStore` passes (subclassed per implementation).
 """
