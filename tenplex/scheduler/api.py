@@ -202,10 +202,7 @@ def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
         else:
             if body.host is None:
                 raise InvalidInput(f"a {body.kind} event needs a host")
-            cluster = getattr(scheduler.backend, "cluster", None)
-            if cluster is None:
-                raise InvalidInput(f"the {scheduler.backend.name} backend takes {body.kind} from the cluster itself")
-            cluster.set_schedulable(body.host, body.kind == "uncordon")
+            scheduler.backend.set_schedulable(body.host, body.kind == "uncordon")
             if body.kind == "cordon":
                 ctl.request_redeploy("redeploy")
         return _view(ctl)
@@ -240,9 +237,7 @@ def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
 
     @app.get(P.ASSIGNMENT_PATH, tags=["workers"], summary="A worker's current assignment", dependencies=[Auth])
     def assignment(job: P.JobName, worker_id: P.WorkerId) -> P.Assignment:
-        ctl = scheduler.get(job)
-        with ctl.lock:
-            return ctl.assignment(ctl._worker(worker_id))
+        return scheduler.get(job).worker_assignment(worker_id)
 
     @app.post(P.HEARTBEAT_PATH, tags=["workers"], summary="Heartbeat with the last completed step",
               dependencies=[Auth])

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from tenplex.errors import InvalidConfig, NotFound, StoreUnavailable
+from tenplex.errors import InvalidConfig, InvalidInput, NotFound, StoreUnavailable
 from tenplex.scheduler.protocol import ENV_STORE_ROOT
 
 log = logging.getLogger(__name__)
@@ -84,6 +84,15 @@ class Backend(ABC):
 
     def adopt(self, job: str, pids: Mapping[str, int]) -> None:  # noqa: B027 - optional hook
         """Take over workers started by a previous scheduler process (after a restart)."""
+
+    def set_schedulable(self, host: str, schedulable: bool) -> None:
+        """Cordon (False) or uncordon (True) ``host`` for the scheduler's own API.
+
+        Backends whose cluster has its own way (``kubectl cordon`` on Kubernetes)
+        refuse: the cluster is the truth, and the backend follows it.
+        """
+        raise InvalidInput(f"the {self.name} backend takes {'uncordon' if schedulable else 'cordon'} from the "
+                           "cluster itself, not from the scheduler's API")
 
     @abstractmethod
     def master_port(self, host: HostInfo) -> int:
@@ -459,6 +468,9 @@ class LocalBackend(Backend):
 
     def master_port(self, host: HostInfo) -> int:
         return self._ports.pick(host.address)
+
+    def set_schedulable(self, host: str, schedulable: bool) -> None:
+        self.cluster.set_schedulable(host, schedulable)
 
     def launch(self, job: str, command: Sequence[str], workers: Sequence[WorkerLaunch], log_dir: Path) -> dict[str, int | None]:
         if not command:

@@ -214,6 +214,11 @@ class JobController:
             heartbeat_interval_s=self.settings.heartbeat_interval,
         )
 
+    def worker_assignment(self, worker_id: str) -> Assignment:
+        """The current assignment of one worker of this generation (NotFound for another)."""
+        with self.lock:
+            return self.assignment(self._worker(worker_id))
+
     def heartbeat(self, worker_id: str, req: HeartbeatRequest) -> HeartbeatReply:
         with self.lock:
             w = self._worker(worker_id, req.generation)
