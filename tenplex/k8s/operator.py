@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from kubernetes import client
 from kubernetes.leaderelection import electionconfig, leaderelection
@@ -50,7 +51,7 @@ from tenplex.ptc import DatasetState, ParallelConfig
 from tenplex.scheduler.controller import JobController, SchedulerSettings
 from tenplex.scheduler.layouts import LayoutSpec
 from tenplex.scheduler.policy import Policy
-from tenplex.scheduler.service import Scheduler
+from tenplex.scheduler.service import Scheduler, SchedulerOptions
 from tenplex.scheduler.state import JobSpec, Phase
 
 log = logging.getLogger(__name__)
@@ -525,3 +526,12 @@ def build_kubernetes_scheduler(state_dir: Path, url: str, token: str | None, *, 
     sched_settings = SchedulerSettings(url=advertise_url(settings, port, url, environ), token=token,
                                        heartbeat_interval=heartbeat_interval)
     return KubernetesScheduler(api_client, settings, sched_settings, state_dir, exit_on_lost_leadership=True)
+
+
+def kubernetes_scheduler(options: SchedulerOptions) -> KubernetesScheduler:
+    """The ``kubernetes`` backend (registered in Tenplex's entry points): jobs are ElasticJobs, state lives in
+    the API server (in-cluster, or ``$KUBECONFIG``)."""
+    Path(options.state_dir).mkdir(parents=True, exist_ok=True)
+    return build_kubernetes_scheduler(Path(options.state_dir), options.url, options.token,
+                                      port=urlsplit(options.url).port or 0,
+                                      heartbeat_interval=options.heartbeat_interval)

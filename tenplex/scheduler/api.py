@@ -20,12 +20,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tenplex import __version__
+from tenplex import __version__, registry
 from tenplex.errors import InvalidInput, NotFound, TenplexError, Unauthorized
 from tenplex.ptc import DatasetState
 from tenplex.scheduler import protocol as P
 from tenplex.scheduler.controller import JobController, job_view
-from tenplex.scheduler.layouts import LayoutSpec
+from tenplex.scheduler.layouts import LayoutSpec, registered_providers
 from tenplex.scheduler.service import Scheduler
 from tenplex.scheduler.state import JobSpec, policy_from_json
 
@@ -41,8 +41,11 @@ class _Body(BaseModel):
 
 
 class LayoutBody(_Body):
-    provider: Literal["megatron-gpt", "example-gpt", "example-torchtitan", "example-hf"]
-    model: dict[str, Any] = Field(description="The provider's model fields (GPTSpec, GPTConfig, TitanConfig or HFConfig).")
+    provider: str = Field(
+        min_length=1, max_length=253, pattern=f"^(?:{registry.REFERENCE_PATTERN})$",
+        description="A layout provider registered under the entry points 'tenplex.layouts' (this scheduler has "
+                    f"{', '.join(registered_providers()) or 'none'}), or 'package.module:function' naming one.")
+    model: dict[str, Any] = Field(description="The provider's model fields (e.g. megatron-gpt's GPTSpec).")
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
 
 

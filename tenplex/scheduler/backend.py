@@ -264,17 +264,6 @@ class LocalCluster:
     def host_env(self, name: str) -> Mapping[str, str]:
         return self._host(name).env
 
-    def kill_host(self, name: str) -> None:
-        """Lose a host: its store daemon dies (its workers are killed by the caller or the test)."""
-        h = self._host(name)
-        with self._lock:
-            h.info = replace(h.info, ready=False)
-            pid = h.pid
-        if pid is not None:
-            _kill_group(pid, signal.SIGKILL)
-        if h.process is not None:
-            h.process.wait(timeout=10)
-
     def set_schedulable(self, name: str, schedulable: bool) -> None:
         """Cordon (False) or uncordon (True) a host."""
         h = self._host(name)
@@ -539,15 +528,6 @@ class LocalBackend(Backend):
                 else:
                     out[wid] = None
         return out
-
-    def kill_worker(self, job: str, worker_id: str, sig: int = signal.SIGKILL) -> None:
-        """Fault injection for the demo and tests: kill one worker process."""
-        with self._lock:
-            proc = self._procs.get((job, worker_id))
-            pid = proc.pid if proc is not None else self._adopted.get((job, worker_id))
-        if pid is None:
-            raise NotFound(f"job {job!r} has no running worker {worker_id!r}")
-        os.kill(pid, sig)
 
 
 def _running(pid: int, proc: subprocess.Popen | None) -> bool:

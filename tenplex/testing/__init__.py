@@ -11,4 +11,8 @@ this package imports it.
   per-link byte counters (needs root).
 - :mod:`tenplex.testing.jobstore`: the conformance suite every
   :class:`~tenplex.scheduler.state.JobStore` passes (subclassed per implementation).
+- :mod:`tenplex.testing.faults`: fault injection from outside (a worker killed by
+  its pid, a host's daemon and workers killed), as real failures come.
+- :mod:`tenplex.testing.layouts`: a user's own layout provider (the README's), named
+  by ``module:function`` in tests.
 """

@@ -66,7 +66,11 @@ def test_health_needs_no_token_everything_else_does(scheduler):
         ({"gpus": 0}, "gpus"),
         ({"min_gpus": 4, "max_gpus": 2}, "min_gpus <= max_gpus"),
         ({"gpus": 9}, "gpus must be an integer in [1, 8]"),
-        ({"layout": {"provider": "nope", "model": {}}}, "layout.provider"),
+        ({"layout": {"provider": "nope", "model": {}}}, "unknown layout provider 'nope'; registered"),
+        ({"layout": {"provider": "Not A Provider!", "model": {}}}, "layout.provider"),
+        ({"layout": {"provider": "no_such_module:layout", "model": {}}}, "cannot import 'no_such_module'"),
+        ({"layout": {"provider": "tenplex.errors:NotFound", "model": {}}}, "not a layout provider"),
+        ({"layout": {"provider": "tenplex.testing.layouts:mlp_layout", "model": {"layers": 2}}}, "dim"),
         ({"layout": {"provider": "megatron-gpt", "model": {"hidden": 32}}}, "megatron-gpt model"),
         ({"dataset": {"num_samples": 0, "global_batch_size": 8}}, "dataset.num_samples"),
         ({"command": [], "image": None}, "worker command"),
@@ -80,6 +84,16 @@ def test_bad_job_specs_are_400_with_a_reason(scheduler, patch, fragment):
     assert status == 400, body
     assert body["error"] in ("invalid_input", "invalid_config")
     assert fragment in body["detail"]
+
+
+def test_a_users_own_provider_is_named_by_module_and_function(scheduler):
+    """No registration needed: the provider's module and function name it (the README's worked example)."""
+    job = {**JOB, "name": "mlp", "layout": {"provider": "tenplex.testing.layouts:mlp_layout", "precision": "bf16",
+                                            "model": {"layers": 3, "dim": 8}}}
+    status, view = call(scheduler.url, "POST", "/v1/jobs", job)
+    assert status == 201, view
+    assert view["spec"]["layout"] == job["layout"]
+    assert call(scheduler.url, "DELETE", "/v1/jobs/mlp") == (200, {"deleted": "mlp"})
 
 
 def test_malformed_json_is_400(scheduler):
