@@ -10,7 +10,9 @@ are 4xx, never 5xx.
 from __future__ import annotations
 
 import hmac
+import threading
 import time
+from collections import OrderedDict
 from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Query, Request
@@ -24,7 +26,7 @@ from tenplex import __version__, registry
 from tenplex.errors import InvalidInput, NotFound, TenplexError, Unauthorized
 from tenplex.ptc import DatasetState
 from tenplex.scheduler import protocol as P
-from tenplex.scheduler.controller import JobController, job_view
+from tenplex.scheduler.controller import JobController
 from tenplex.scheduler.layouts import LayoutSpec, registered_providers
 from tenplex.scheduler.service import Scheduler
 from tenplex.scheduler.state import JobSpec, policy_from_json
@@ -131,14 +133,7 @@ def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return JSONResponse({"error": code, "detail": str(exc.detail)}, status_code=exc.status_code)
 
-    @app.middleware("http")
-    async def _timing(request: Request, call_next: Any) -> Any:
-        start = time.perf_counter()
-        response = await call_next(request)
-        route = request.scope.get("route")
-        path = getattr(route, "path", "unmatched")
-        metrics.requests.labels(path, request.method, str(response.status_code)).observe(time.perf_counter() - start)
-        return response
+    app.add_middleware(_Timing, metrics=metrics)
 
     # -- health and metrics ----------------------------------------------------
 
@@ -220,12 +215,29 @@ def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
             raise NotFound(f"job {job!r} has not been reconfigured yet")
         return {"explain": plan["explain"], "plan": plan["plan"]}
 
+    # A generation's PTC never changes: its JSON is made once (every worker of a generation fetches it when it is
+    # too large to inline; a thousand workers would otherwise serialize it a thousand times).
+    ptc_texts: OrderedDict[tuple[int, int], tuple[Any, bytes]] = OrderedDict()
+    ptc_lock = threading.Lock()
+
     @app.get("/v1/jobs/{job}/ptc", tags=["jobs"], summary="The PTC of a generation (default: current)",
              dependencies=[Auth])
     def get_ptc(job: P.JobName, generation: Annotated[int | None, Query(ge=0, le=1 << 30)] = None) -> Response:
         ctl = scheduler.get(job)
         gen = ctl.status.generation if generation is None else generation
-        return Response(ctl.ptc(gen).dumps(), media_type="application/json")
+        ptc = ctl.ptc(gen)
+        key = (id(ctl), gen)
+        with ptc_lock:
+            cached = ptc_texts.get(key)
+            if cached is not None and cached[0] is ptc:
+                ptc_texts.move_to_end(key)
+                return Response(cached[1], media_type="application/json")
+        text = ptc.dumps().encode()
+        with ptc_lock:
+            ptc_texts[key] = (ptc, text)  # the PTC object itself is kept: its id, and so the key, stays its own
+            while len(ptc_texts) > 16:
+                ptc_texts.popitem(last=False)
+        return Response(text, media_type="application/json")
 
     @app.get("/v1/hosts", tags=["cluster"], summary="Hosts known to the backend", dependencies=[Auth])
     def hosts() -> dict[str, Any]:
@@ -266,9 +278,38 @@ def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
 
 
 def _view(ctl: JobController) -> dict[str, Any]:
+    """A job's spec and status without its last plan (large; served by /plan), copied under the job's lock."""
     with ctl.lock:
-        view = dict(job_view(ctl.spec, ctl.status))
-        status = dict(view["status"])
-        status.pop("last_plan", None)  # large; served by /plan
-        view["status"] = status
-        return view
+        return {"spec": ctl.spec.to_json(), "status": ctl.status.to_json(plan=False)}
+
+
+class _Timing:
+    """Request latency per route into the scheduler's Prometheus histogram.
+
+    A plain ASGI middleware: Starlette's ``BaseHTTPMiddleware`` (what
+    ``@app.middleware("http")`` makes) runs every request through extra tasks
+    and streams, which costs more than a worker's heartbeat itself.
+    """
+
+    def __init__(self, app: Any, metrics: Any) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = [500]
+
+        async def sending(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            route = scope.get("route")
+            path = getattr(route, "path", "unmatched")
+            self.metrics.requests.labels(path, scope["method"], str(status[0])).observe(time.perf_counter() - start)

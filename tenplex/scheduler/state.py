@@ -19,7 +19,7 @@ import tempfile
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,8 @@ from tenplex.scheduler.policy import Policy
 from tenplex.scheduler.protocol import JOB_NAME_PATTERN
 
 _NAME = re.compile(JOB_NAME_PATTERN)
+PLAN_FILE = "last-plan.json"
+"""The state directory keeps a job's last plan in ``jobs/<job>/last-plan.json``; the record names it."""
 
 
 class Phase(StrEnum):
@@ -262,11 +264,40 @@ class JobStatus:
     def parallel_config(self) -> ParallelConfig | None:
         return ParallelConfig.from_json(self.parallel) if self.parallel else None
 
-    def to_json(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["phase"] = self.phase.value
-        out["stage"] = self.stage.value if self.stage else None
-        return out
+    def to_json(self, *, plan: bool = True) -> dict[str, Any]:
+        """The status as JSON-ready data, in fresh containers (a view can be serialized after the lock is let
+        go), except ``last_plan``: the controller replaces it, never changes it, so it is shared (``plan=False``
+        leaves it out: it is large, and views serve it apart). Field by field, not ``asdict``: that deep-copies
+        the plan, and a job of a thousand workers is read many times a second."""
+        return {
+            "phase": self.phase.value,
+            "stage": self.stage.value if self.stage else None,
+            "generation": self.generation,
+            "gpus": self.gpus,
+            "parallel": dict(self.parallel) if self.parallel is not None else None,
+            "hosts": list(self.hosts),
+            "gpus_per_node": self.gpus_per_node,
+            "step": self.step,
+            "version": self.version,
+            "committed": {v: list(hosts) for v, hosts in self.committed.items()},
+            "version_generation": dict(self.version_generation),
+            "requested_gpus": self.requested_gpus,
+            "pending_reason": self.pending_reason,
+            "target_gpus": self.target_gpus,
+            "master_addr": self.master_addr,
+            "master_port": self.master_port,
+            "downtime_started_at": self.downtime_started_at,
+            "restored_step": self.restored_step,
+            "stop_at_step": self.stop_at_step,
+            "restore_version": self.restore_version,
+            "failures_without_progress": self.failures_without_progress,
+            "workers": [dict(vars(w)) for w in self.workers],
+            "history": [{**vars(h), "from_hosts": list(h.from_hosts), "to_hosts": list(h.to_hosts)}
+                        for h in self.history],
+            "message": self.message,
+            **({"last_plan": self.last_plan} if plan else {}),
+            "updated_at": self.updated_at,
+        }
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> JobStatus:
@@ -317,16 +348,34 @@ class StateDir(JobStore):
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
         (self.root / "jobs").mkdir(parents=True, exist_ok=True)
+        self._plans: dict[str, dict[str, Any] | None] = {}
+        """Job -> the plan object its plan file holds (written again only for another object)."""
 
     def _job_file(self, name: str) -> Path:
         return self.root / "jobs" / f"{check_job_name(name)}.json"
+
+    def _plan_file(self, name: str) -> Path:
+        return self.root / "jobs" / check_job_name(name) / PLAN_FILE
 
     def _ptc_file(self, name: str, generation: int) -> Path:
         return self.root / "jobs" / check_job_name(name) / f"ptc-g{generation}.json"
 
     def save(self, spec: JobSpec, status: JobStatus) -> None:
+        """The record, and the last plan in a file of its own, written only when the status holds another one.
+
+        A plan is large (a job of a thousand workers: megabytes) and changes once
+        per reconfiguration, while the status changes at every worker's
+        registration; the plan's file is written before the record that names it.
+        """
         status.updated_at = time.time()
-        atomic_write(self._job_file(spec.name), json.dumps({"spec": spec.to_json(), "status": status.to_json()}, indent=1))
+        record = status.to_json(plan=False)
+        plan = status.last_plan
+        if plan is not None:
+            if self._plans.get(spec.name) is not plan:
+                atomic_write(self._plan_file(spec.name), json.dumps(plan, separators=(",", ":")))
+                self._plans[spec.name] = plan
+            record["last_plan"] = PLAN_FILE
+        atomic_write(self._job_file(spec.name), json.dumps({"spec": spec.to_json(), "status": record}, indent=1))
 
     def save_ptc(self, name: str, generation: int, ptc: PTC) -> None:
         atomic_write(self._ptc_file(name, generation), ptc.dumps())
@@ -341,11 +390,18 @@ class StateDir(JobStore):
         out = []
         for path in sorted((self.root / "jobs").glob("*.json")):
             obj = json.loads(path.read_text())
-            out.append((JobSpec.from_json(obj["spec"]), JobStatus.from_json(obj["status"])))
+            spec = JobSpec.from_json(obj["spec"])
+            record = dict(obj["status"])
+            if record.get("last_plan") == PLAN_FILE:
+                record["last_plan"] = json.loads(self._plan_file(spec.name).read_text())
+            status = JobStatus.from_json(record)
+            self._plans[spec.name] = status.last_plan
+            out.append((spec, status))
         return out
 
     def delete(self, name: str) -> None:
         self._job_file(name).unlink(missing_ok=True)
+        self._plans.pop(name, None)
         folder = self.root / "jobs" / check_job_name(name)
         if folder.exists():
             for p in folder.iterdir():

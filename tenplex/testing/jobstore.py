@@ -10,6 +10,7 @@ saved (on Kubernetes their ElasticJobs exist).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -46,7 +47,8 @@ def busy_status(step: int) -> JobStatus:
                      parallel=ParallelConfig(dp=2).to_json(), hosts=["h0"], step=step, version=f"s{step}-g1",
                      committed={f"s{step}-g1": ["h0"]}, version_generation={f"s{step}-g1": 1},
                      workers=[WorkerRecord("alpha-g1-r0", 0, "h0", 0, 1, pid=7)],
-                     history=[Reconfiguration(reason="scale", started_at=1.0, from_config="dp1 x tp1 x pp1")])
+                     history=[Reconfiguration(reason="scale", started_at=1.0, from_config="dp1 x tp1 x pp1")],
+                     last_plan={"plan": {"format": "tenplex.plan/v1", "hosts": {}}, "parallel": {"dp": 2}})
 
 
 class JobStoreTests:
@@ -54,6 +56,10 @@ class JobStoreTests:
 
     def test_root_is_an_existing_directory(self, store: JobStore) -> None:
         assert store.root.is_dir()
+
+    def test_the_status_json_has_every_field(self, store: JobStore) -> None:
+        assert set(busy_status(1).to_json()) == {f.name for f in dataclasses.fields(JobStatus)}
+        assert "last_plan" not in busy_status(1).to_json(plan=False)
 
     def test_a_saved_job_loads_back_as_saved(self, store: JobStore) -> None:
         spec, status = job_spec("alpha"), busy_status(17)
@@ -67,10 +73,13 @@ class JobStoreTests:
     def test_the_newest_record_of_each_job_wins(self, store: JobStore) -> None:
         store.save(job_spec("alpha"), busy_status(3))
         store.save(job_spec("beta", gpus=4), JobStatus())
-        store.save(job_spec("alpha"), busy_status(9))
+        newest = busy_status(9)
+        newest.last_plan = {"plan": {"format": "tenplex.plan/v1", "hosts": {"h9": {}}}}
+        store.save(job_spec("alpha"), newest)
         loaded = {spec.name: (spec, status) for spec, status in store.load_all()}
         assert sorted(loaded) == ["alpha", "beta"]
         assert loaded["alpha"][1].step == 9 and loaded["alpha"][1].version == "s9-g1"
+        assert loaded["alpha"][1].last_plan == newest.last_plan and loaded["beta"][1].last_plan is None
         assert loaded["beta"][0].gpus == 4 and loaded["beta"][1].phase == Phase.PENDING
 
     def test_ptcs_are_kept_per_generation(self, store: JobStore) -> None:
