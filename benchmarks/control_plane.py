@@ -293,6 +293,7 @@ def main() -> None:
     if args.role == "scheduler":
         return role_scheduler(args)
 
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so that the children are stopped (finally) on a timeout
     gpus = args.hosts * args.gpus_per_host
     tp, pp = args.gpus_per_host, 4
     dp, dp_to = gpus // (tp * pp), args.scale_to // (tp * pp)

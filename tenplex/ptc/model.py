@@ -242,8 +242,15 @@ class PTC:
         }
 
     def dumps(self, indent: int | None = None) -> str:
-        separators = (",", ":") if indent is None else None
-        return json.dumps(self.to_json(), indent=indent, separators=separators)
+        if indent is None:
+            return self._compact_json
+        return json.dumps(self.to_json(), indent=indent)
+
+    @cached_property
+    def _compact_json(self) -> str:
+        """The compact JSON, made once: a PTC never changes, and the scheduler hands the same one to every worker
+        of a generation (a thousand workers: a thousand times)."""
+        return json.dumps(self.to_json(), separators=(",", ":"))
 
     def save(self, path: str | Path) -> None:
         """Write the JSON atomically: a reader never sees a half-written layout, and a failed

@@ -10,9 +10,7 @@ are 4xx, never 5xx.
 from __future__ import annotations
 
 import hmac
-import threading
 import time
-from collections import OrderedDict
 from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Query, Request
@@ -215,29 +213,12 @@ def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
             raise NotFound(f"job {job!r} has not been reconfigured yet")
         return {"explain": plan["explain"], "plan": plan["plan"]}
 
-    # A generation's PTC never changes: its JSON is made once (every worker of a generation fetches it when it is
-    # too large to inline; a thousand workers would otherwise serialize it a thousand times).
-    ptc_texts: OrderedDict[tuple[int, int], tuple[Any, bytes]] = OrderedDict()
-    ptc_lock = threading.Lock()
-
     @app.get("/v1/jobs/{job}/ptc", tags=["jobs"], summary="The PTC of a generation (default: current)",
              dependencies=[Auth])
     def get_ptc(job: P.JobName, generation: Annotated[int | None, Query(ge=0, le=1 << 30)] = None) -> Response:
         ctl = scheduler.get(job)
         gen = ctl.status.generation if generation is None else generation
-        ptc = ctl.ptc(gen)
-        key = (id(ctl), gen)
-        with ptc_lock:
-            cached = ptc_texts.get(key)
-            if cached is not None and cached[0] is ptc:
-                ptc_texts.move_to_end(key)
-                return Response(cached[1], media_type="application/json")
-        text = ptc.dumps().encode()
-        with ptc_lock:
-            ptc_texts[key] = (ptc, text)  # the PTC object itself is kept: its id, and so the key, stays its own
-            while len(ptc_texts) > 16:
-                ptc_texts.popitem(last=False)
-        return Response(text, media_type="application/json")
+        return Response(ctl.ptc(gen).dumps(), media_type="application/json")  # the PTC keeps its JSON
 
     @app.get("/v1/hosts", tags=["cluster"], summary="Hosts known to the backend", dependencies=[Auth])
     def hosts() -> dict[str, Any]:

@@ -375,7 +375,10 @@ class StateDir(JobStore):
                 atomic_write(self._plan_file(spec.name), json.dumps(plan, separators=(",", ":")))
                 self._plans[spec.name] = plan
             record["last_plan"] = PLAN_FILE
-        atomic_write(self._job_file(spec.name), json.dumps({"spec": spec.to_json(), "status": record}, indent=1))
+        # Compact: json's C encoder serves only indent=None (indented output is encoded in Python, ten times slower,
+        # and a record is rewritten at every worker's registration).
+        atomic_write(self._job_file(spec.name),
+                     json.dumps({"spec": spec.to_json(), "status": record}, separators=(",", ":")))
 
     def save_ptc(self, name: str, generation: int, ptc: PTC) -> None:
         atomic_write(self._ptc_file(name, generation), ptc.dumps())
