@@ -207,6 +207,10 @@ class _Generation:
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     done: asyncio.Event = field(default_factory=asyncio.Event)
     snapshot: asyncio.Task[dict[str, bool]] | None = None
+    finished: int = 0
+    restore_checks: dict[str, asyncio.Future[Any]] = field(default_factory=dict)
+    timeline: dict[str, float] = field(default_factory=dict)
+    """Wall-clock times of what the generation went through (launched, registered, stop_heard, ...)."""
 
 
 class Agent:
@@ -245,6 +249,7 @@ class Agent:
                 _Rank(w["worker_id"], int(w["rank"]), w["host"], dict(w["env"]), w["store_root"]))
         for gen, ranks in by_generation.items():
             g = _Generation(job, gen, {r.worker_id: r for r in ranks})
+            g.timeline["launched"] = time.time()
             self.generations[(job, gen)] = g
             for r in ranks:
                 r.task = asyncio.get_running_loop().create_task(self._run_rank(g, r))
@@ -317,6 +322,7 @@ class Agent:
             g.stop_at = a.stop_at_step if g.stop_at is None else min(g.stop_at, a.stop_at_step)
         g.registered += 1
         if g.registered == len(g.ranks):
+            g.timeline["registered"] = time.time()
             g.ready.set()
         beat = asyncio.get_running_loop().create_task(self._heartbeats(g, r, a))
         try:
@@ -332,6 +338,9 @@ class Agent:
                 committed=committed.get(r.worker_id, False)), "snapshot")
         await self._post(r, P.EXIT_PATH, P.ExitReport(generation=g.generation, step=g.step, status=status,
                                                       exit_code=0), "exit")
+        g.finished += 1
+        if g.finished == len(g.ranks):
+            g.timeline["reported"] = time.time()
         return 0
 
     async def _fetch_ptc(self, g: _Generation, r: _Rank, a: P.Assignment) -> None:
@@ -353,8 +362,13 @@ class Agent:
                     self._io, lambda: PTC.loads(raw) if raw is not None else PTC.from_json(a.ptc))
 
     async def _check_restorable(self, g: _Generation, r: _Rank, version: str) -> None:
-        store = self.store(r.store_root)
-        infos = await asyncio.get_running_loop().run_in_executor(self._io, store.versions, g.job)
+        """The version to restore is committed in the rank's host store (looked at once per host)."""
+        check = g.restore_checks.get(r.store_root)
+        if check is None:
+            store = self.store(r.store_root)
+            check = g.restore_checks[r.store_root] = asyncio.get_running_loop().run_in_executor(
+                self._io, store.versions, g.job)
+        infos = await check
         if not any(str(v.version) == version and v.committed for v in infos):
             raise TenplexError(f"{r.worker_id}: version {version} is not committed in {r.store_root}")
 
@@ -368,6 +382,7 @@ class Agent:
                 g.abort = True
                 g.done.set()
             if reply.stop_at_step is not None:
+                g.timeline.setdefault("stop_heard", time.time())
                 g.stop_at = reply.stop_at_step if g.stop_at is None else min(g.stop_at, reply.stop_at_step)
             await asyncio.sleep(interval)
 
@@ -385,8 +400,10 @@ class Agent:
             if total is not None and g.step >= total:
                 break
             if g.stop_at is not None and g.step >= g.stop_at:
+                g.timeline["stop_step"] = time.time()
                 g.snapshot = asyncio.get_running_loop().create_task(self._snapshot(g))
                 await g.snapshot
+                g.timeline["snapshot_written"] = time.time()
                 break
         g.done.set()
 
@@ -504,6 +521,10 @@ def agent_app(agent: Agent) -> FastAPI:
     @app.get("/counts")
     async def counts() -> dict[str, int]:
         return dict(agent.counts)
+
+    @app.get("/timeline")
+    async def timeline() -> dict[str, dict[str, float]]:
+        return {f"{job}/g{gen}": dict(g.timeline) for (job, gen), g in agent.generations.items()}
 
     return app
 
