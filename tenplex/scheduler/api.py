@@ -10,7 +10,9 @@ are 4xx, never 5xx.
 from __future__ import annotations
 
 import hmac
+import threading
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
@@ -169,12 +171,14 @@ def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
 
     @app.get("/v1/jobs", tags=["jobs"], summary="List jobs with their status", dependencies=[Auth])
     def list_jobs() -> dict[str, Any]:
-        return {"jobs": [_view(c) for c in scheduler.list()]}
+        return {"jobs": [_view(c, wait=VIEW_WAIT_S) for c in scheduler.list()]}
 
     @app.get("/v1/jobs/{job}", tags=["jobs"], summary="A job: configuration, step, workers, history",
-             dependencies=[Auth])
+             dependencies=[Auth], description=(
+                 "Never waits on a busy job controller for more than 50 ms: while it holds the job (planning a "
+                 "large job, recording a registration), the answer is the job's last consistent view."))
     def get_job(job: P.JobName) -> dict[str, Any]:
-        return _view(scheduler.get(job))
+        return _view(scheduler.get(job), wait=VIEW_WAIT_S)
 
     @app.delete("/v1/jobs/{job}", tags=["jobs"], summary="Stop a job's workers and forget it", dependencies=[Auth])
     def delete_job(job: P.JobName) -> dict[str, Any]:
@@ -286,10 +290,34 @@ def _json_body(model: type[BaseModel]) -> dict[str, Any]:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
 
 
-def _view(ctl: JobController) -> dict[str, Any]:
-    """A job's spec and status without its last plan (large; served by /plan), copied under the job's lock."""
-    with ctl.lock:
-        return {"spec": ctl.spec.to_json(), "status": ctl.status.to_json(plan=False)}
+VIEW_WAIT_S = 0.05
+"""How long a read of a job waits for its controller's lock before it answers with the job's last view."""
+
+_views: weakref.WeakKeyDictionary[JobController, dict[str, Any]] = weakref.WeakKeyDictionary()
+_views_lock = threading.Lock()
+
+
+def _view(ctl: JobController, *, wait: float | None = None) -> dict[str, Any]:
+    """A job's spec and status without its last plan (large; served by /plan), copied under the job's lock.
+
+    With ``wait``, a controller that holds its lock longer (planning a large
+    job, recording a worker's registration) is not waited for: the answer is
+    the job's last view, a consistent copy taken under the lock at most as old
+    as that hold (every view this API built, a write's included, renews it).
+    """
+    if not ctl.lock.acquire(timeout=-1 if wait is None else wait):
+        with _views_lock:
+            last = _views.get(ctl)
+        if last is not None:
+            return last
+        ctl.lock.acquire()
+    try:
+        view = {"spec": ctl.spec.to_json(), "status": ctl.status.to_json(plan=False)}
+    finally:
+        ctl.lock.release()
+    with _views_lock:
+        _views[ctl] = view
+    return view
 
 
 class _Timing:

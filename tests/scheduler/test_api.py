@@ -96,6 +96,37 @@ def test_a_users_own_provider_is_named_by_module_and_function(scheduler):
     assert call(scheduler.url, "DELETE", "/v1/jobs/mlp") == (200, {"deleted": "mlp"})
 
 
+def test_a_read_does_not_wait_for_a_busy_controller(scheduler):
+    """While the controller holds the job (planning a large job, say), GET answers at once with the last view."""
+    import threading
+    import time
+
+    status, created = call(scheduler.url, "POST", "/v1/jobs", {**JOB, "name": "busy"})
+    assert status == 201
+    ctl = scheduler.scheduler.get("busy")
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with ctl.lock:
+            ctl.status.message = "changed while busy"
+            held.set()
+            release.wait(10)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    try:
+        held.wait(5)
+        start = time.monotonic()
+        status, view = call(scheduler.url, "GET", "/v1/jobs/busy")
+        assert time.monotonic() - start < 2.0 and status == 200
+        assert view["status"]["message"] != "changed while busy"  # the last consistent view
+        assert view["spec"] == created["spec"]
+    finally:
+        release.set()
+        t.join()
+    assert call(scheduler.url, "DELETE", "/v1/jobs/busy")[0] == 200
+
+
 def test_malformed_json_is_400(scheduler):
     status, body = call(scheduler.url, "POST", "/v1/jobs", raw=b"{not json")
     assert status == 400 and body["error"] == "invalid_input"
