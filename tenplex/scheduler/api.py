@@ -10,6 +10,8 @@ are 4xx, never 5xx.
 from __future__ import annotations
 
 import hmac
+import json
+import re
 import threading
 import time
 import weakref
@@ -132,6 +134,7 @@ def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
         return JSONResponse({"error": code, "detail": str(exc.detail)}, status_code=exc.status_code)
 
     app.add_middleware(_Timing, metrics=metrics)
+    app.add_middleware(_Heartbeats, scheduler=scheduler, token=token, metrics=metrics)
 
     # -- health and metrics ----------------------------------------------------
 
@@ -238,26 +241,11 @@ def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
         return scheduler.get(job).worker_assignment(worker_id)
 
     @app.post(P.HEARTBEAT_PATH, tags=["workers"], summary="Heartbeat with the last completed step",
-              response_model=P.HeartbeatReply, openapi_extra=_json_body(P.HeartbeatRequest))
+              response_model=P.HeartbeatReply, openapi_extra=_json_body(P.HeartbeatRequest),
+              description="Answered by the API's heartbeat path (see `_Heartbeats`) before routing; same contract.")
     async def heartbeat(job: P.JobName, worker_id: P.WorkerId, request: Request) -> Response:
-        # The one request every worker sends every few seconds (a thousand workers: hundreds a second), so it
-        # takes the short way: the body parsed by pydantic from the raw bytes, the reply serialized by it, and
-        # the controller called on the event loop when its lock is free (it is held only briefly then: a
-        # heartbeat is a few dictionary updates); when the lock is busy, from a worker thread as other routes.
         auth(request)
-        try:
-            body = P.HeartbeatRequest.model_validate_json(await request.body())
-        except ValidationError as exc:
-            raise InvalidInput(_validation_detail(exc.errors(), ("body",))) from None
-        ctl = scheduler.get(job)
-        if ctl.lock.acquire(blocking=False):
-            try:
-                reply = ctl.heartbeat(worker_id, body)
-            finally:
-                ctl.lock.release()
-        else:
-            reply = await run_in_threadpool(ctl.heartbeat, worker_id, body)
-        return Response(reply.model_dump_json(), media_type="application/json")
+        return Response(await _heartbeat(scheduler, job, worker_id, await request.body()), media_type="application/json")
 
     @app.post(P.SNAPSHOT_PATH, tags=["workers"], summary="A worker wrote its part of a version", dependencies=[Auth])
     def snapshot(job: P.JobName, worker_id: P.WorkerId, body: P.SnapshotReport) -> P.Ack:
@@ -318,6 +306,78 @@ def _view(ctl: JobController, *, wait: float | None = None) -> dict[str, Any]:
     with _views_lock:
         _views[ctl] = view
     return view
+
+
+async def _heartbeat(scheduler: Scheduler, job: str, worker_id: str, raw: bytes) -> bytes:
+    """A heartbeat's reply: the body parsed by pydantic from the raw bytes, the reply serialized by it, and the
+    controller called on the event loop when its lock is free (held only briefly then: a heartbeat is a few
+    dictionary updates), else from a worker thread as other routes are."""
+    try:
+        body = P.HeartbeatRequest.model_validate_json(raw)
+    except ValidationError as exc:
+        raise InvalidInput(_validation_detail(exc.errors(), ("body",))) from None
+    ctl = scheduler.get(job)
+    if ctl.lock.acquire(blocking=False):
+        try:
+            reply = ctl.heartbeat(worker_id, body)
+        finally:
+            ctl.lock.release()
+    else:
+        reply = await run_in_threadpool(ctl.heartbeat, worker_id, body)
+    return reply.model_dump_json().encode()
+
+
+_HEARTBEAT = re.compile(r"^/v1/jobs/([^/]+)/workers/([^/]+)/heartbeat$")
+_JOB_NAME = re.compile(P.JOB_NAME_PATTERN)
+_WORKER_ID = re.compile(P.WORKER_ID_PATTERN)
+
+
+class _Heartbeats:
+    """Worker heartbeats answered before routing: the one request every worker sends every second or so.
+
+    A thousand workers send a thousand a second; through the framework's
+    routing, dependencies and request objects each cost several times the
+    work of the heartbeat itself (``benchmarks/control_plane.py``). This
+    ASGI layer answers ``POST /v1/jobs/{job}/workers/{worker_id}/heartbeat``
+    itself, with the route's contract (bearer token, body and reply models,
+    errors as ``{"error", "detail"}``, latency in the request histogram);
+    anything else, and a path whose names are malformed, goes on to the app.
+    """
+
+    def __init__(self, app: Any, scheduler: Scheduler, token: str | None, metrics: Any) -> None:
+        self.app = app
+        self.scheduler = scheduler
+        self.token = token.encode() if token is not None else None
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        m = _HEARTBEAT.match(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if m is None or not _JOB_NAME.match(m.group(1)) or not _WORKER_ID.match(m.group(2)):
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        headers: list[tuple[bytes, bytes]] = [(b"content-type", b"application/json")]
+        try:
+            if self.token is not None:
+                given = dict(scope["headers"]).get(b"authorization", b"")
+                scheme, _, value = given.partition(b" ")
+                if scheme.lower() != b"bearer" or not hmac.compare_digest(value, self.token):
+                    raise Unauthorized("missing or wrong bearer token")
+            chunks = []
+            while True:
+                message = await receive()
+                chunks.append(message.get("body", b""))
+                if not message.get("more_body"):
+                    break
+            status, body = 200, await _heartbeat(self.scheduler, m.group(1), m.group(2), b"".join(chunks))
+        except TenplexError as exc:
+            status, body = exc.http_status, json.dumps(exc.to_json()).encode()
+            if isinstance(exc, Unauthorized):
+                headers.append((b"www-authenticate", b"Bearer"))
+        headers.append((b"content-length", str(len(body)).encode()))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+        self.metrics.requests.labels(P.HEARTBEAT_PATH, "POST", str(status)).observe(time.perf_counter() - start)
 
 
 class _Timing:

@@ -152,6 +152,15 @@ def test_job_lifecycle_errors(scheduler):
     # Worker protocol: unknown workers are 404, bodies are validated.
     assert call(url, "POST", "/v1/jobs/life/workers/register", {"worker_id": "w-0"})[0] == 404
     assert call(url, "POST", "/v1/jobs/life/workers/w-0/heartbeat", {"generation": 0, "step": -1})[0] == 400
+    # Heartbeats take their own path through the API (before routing), with the route's contract.
+    assert call(url, "POST", "/v1/jobs/life/workers/w-0/heartbeat", {"generation": 0, "step": 1}) == (
+        404, {"error": "not_found", "detail": "job 'life' has no worker 'w-0' in generation 0"})
+    assert call(url, "POST", "/v1/jobs/life/workers/w-0/heartbeat", {"generation": 0, "step": 1},
+                token="wrong")[1]["error"] == "unauthorized"
+    assert call(url, "POST", "/v1/jobs/nope/workers/w-0/heartbeat", {"generation": 0, "step": 1})[0] == 404
+    status, body = call(url, "POST", "/v1/jobs/life/workers/w-0/heartbeat", raw=b"{not json")
+    assert status == 400 and body["error"] == "invalid_input" and body["detail"].startswith("body")
+    assert call(url, "POST", "/v1/jobs/life/workers/-bad-/heartbeat", {"generation": 0, "step": 1})[0] == 400
     assert call(url, "DELETE", "/v1/jobs/life") == (200, {"deleted": "life"})
     assert call(url, "GET", "/v1/jobs/life")[0] == 404
 
