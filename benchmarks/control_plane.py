@@ -33,6 +33,7 @@ import logging
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -401,13 +402,32 @@ def main() -> None:
         for gen, marks_of in sorted(timeline.items()):
             print(f"  workers of {gen}: " + ", ".join(f"{k} {v - t_req:+.2f} s" for k, v in sorted(
                 marks_of.items(), key=lambda kv: kv[1]) if v >= t_req - 1))
+        hosts_json = json.loads((out / "hosts.json").read_text())
+        records = []
+        for h in hosts_json:
+            with contextlib.suppress(OSError):
+                records.append(request(f"{h['store_url']}/v1/jobs/{JOB}/transforms/{rec['version_to']}"))
+        busy = (0.0, 0.0)
+        if records:
+            submitted = [r["submitted_at"] for r in records]
+            started = [r["started_at"] for r in records if r.get("started_at")]
+            finished = [r["finished_at"] for r in records if r.get("finished_at")]
+            busy = (min(started), max(finished))
+            print(f"  transforms on {len(records)} daemons: submitted {min(submitted) - t_req:+.2f} .. "
+                  f"{max(submitted) - t_req:+.2f} s, started {busy[0] - t_req:+.2f} .. {max(started) - t_req:+.2f} s, "
+                  f"the last committed {busy[1] - t_req:+.2f} s (each {statistics.median(r['finished_at'] - r['started_at'] for r in records):.2f} s median)")
         entered = {what: ta for ta, what in stages}
         planning = entered.get("Reconfiguring/transferring", t_req) - entered.get("Reconfiguring/planning", t_req)
         transfer = entered.get("Reconfiguring/restarting", t_req) - entered.get("Reconfiguring/transferring", t_req)
         launched = next((ta for ta, what in stages if what == "Running"), t_done)
+        g0 = timeline.get(f"{JOB}/g0", {})
+        writes = g0.get("snapshot_written", t_req) - g0.get("stop_step", t_req)
+        data = (busy[1] - busy[0]) + writes
         print(f"  orchestration to the launch of the new workers: {launched - t_req:.2f} s, of which planning "
-              f"{planning:.2f} s and the daemons' transforms {transfer:.2f} s: {launched - t_req - planning:.2f} s "
-              f"beyond planning; until they train: {t_done - t_req:.2f} s")
+              f"{planning:.2f} s (stage), the transfer stage {transfer:.2f} s (the daemons busy {busy[1] - busy[0]:.2f} s of it), "
+              f"the workers writing their snapshot {writes:.2f} s: {launched - t_req - planning:.2f} s beyond planning, "
+              f"{launched - t_req - planning - data:.2f} s beyond planning and moving data; until they train: "
+              f"{t_done - t_req:.2f} s")
         print(f"  state: {rec['bytes_remote']} B over the network (lower bound {rec['lower_bound_bytes']} B), "
               f"{rec['bytes_local']} B local; workers: "
               + ", ".join(f"{k} {counts3[k] - counts2[k]}" for k in ("register", "ptc", "snapshot", "exit", "heartbeat"))
