@@ -108,6 +108,7 @@ def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
         responses=ERROR_RESPONSES,
     )
     metrics = scheduler.metrics
+    _view = _Views()
 
     def auth(request: Request) -> None:
         if token is None:
@@ -281,31 +282,35 @@ def _json_body(model: type[BaseModel]) -> dict[str, Any]:
 VIEW_WAIT_S = 0.05
 """How long a read of a job waits for its controller's lock before it answers with the job's last view."""
 
-_views: weakref.WeakKeyDictionary[JobController, dict[str, Any]] = weakref.WeakKeyDictionary()
-_views_lock = threading.Lock()
 
+class _Views:
+    """Jobs as the API shows them: spec and status without the last plan (large; served by /plan).
 
-def _view(ctl: JobController, *, wait: float | None = None) -> dict[str, Any]:
-    """A job's spec and status without its last plan (large; served by /plan), copied under the job's lock.
-
-    With ``wait``, a controller that holds its lock longer (planning a large
-    job, recording a worker's registration) is not waited for: the answer is
-    the job's last view, a consistent copy taken under the lock at most as old
-    as that hold (every view this API built, a write's included, renews it).
+    A view is a copy taken under the job's lock. With ``wait``, a controller
+    that holds its lock longer (planning a large job, recording a worker's
+    registration) is not waited for: the answer is the job's last view, a
+    consistent copy at most as old as that hold (every view built, a write's
+    included, renews it). One per app: no state is shared between schedulers.
     """
-    if not ctl.lock.acquire(timeout=-1 if wait is None else wait):
-        with _views_lock:
-            last = _views.get(ctl)
-        if last is not None:
-            return last
-        ctl.lock.acquire()
-    try:
-        view = {"spec": ctl.spec.to_json(), "status": ctl.status.to_json(plan=False)}
-    finally:
-        ctl.lock.release()
-    with _views_lock:
-        _views[ctl] = view
-    return view
+
+    def __init__(self) -> None:
+        self._last: weakref.WeakKeyDictionary[JobController, dict[str, Any]] = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    def __call__(self, ctl: JobController, *, wait: float | None = None) -> dict[str, Any]:
+        if not ctl.lock.acquire(timeout=-1 if wait is None else wait):
+            with self._lock:
+                last = self._last.get(ctl)
+            if last is not None:
+                return last
+            ctl.lock.acquire()
+        try:
+            view = {"spec": ctl.spec.to_json(), "status": ctl.status.to_json(plan=False)}
+        finally:
+            ctl.lock.release()
+        with self._lock:
+            self._last[ctl] = view
+        return view
 
 
 async def _heartbeat(scheduler: Scheduler, job: str, worker_id: str, raw: bytes) -> bytes:
