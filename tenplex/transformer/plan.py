@@ -931,8 +931,8 @@ def _make_plan(
     _check_compatible(old, new)
     sources = _sources(old, ov, holders, alive)
     if alive is not None:
-        alive_set = set(alive)
-        dead_targets = [h for h in new.hosts if h in set(old.hosts) and h not in alive_set]
+        alive_set, old_set = set(alive), set(old.hosts)
+        dead_targets = [h for h in new.hosts if h in old_set and h not in alive_set]
         if dead_targets:
             raise InvalidInput(f"the new layout places devices on hosts that are not alive: {dead_targets}")
     dataset = carry_dataset(old, new)
