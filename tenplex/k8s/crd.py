@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from tenplex import registry
 from tenplex.errors import InvalidInput
 from tenplex.k8s import cel
 
@@ -57,7 +58,6 @@ ENV_STORE_URL = "TENPLEX_STORE_URL"
 ENV_TOKEN = "TENPLEX_TOKEN"
 GPU_RESOURCE = "nvidia.com/gpu"
 LEADER_LEASE = "tenplex-scheduler"
-LAYOUT_PROVIDERS = ("megatron-gpt", "example-gpt", "example-torchtitan", "example-hf")
 POLICY_TYPES = ("builtin", "table")
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -180,7 +180,10 @@ def _spec_schema() -> dict[str, Any]:
                 "description": "How the training state is laid out: a layout provider and its model description.",
                 "required": ["provider"],
                 "properties": {
-                    "provider": _str(enum=list(LAYOUT_PROVIDERS)),
+                    "provider": _str("A layout provider registered with the scheduler (entry points "
+                                     "'tenplex.layouts', e.g. megatron-gpt, example-gpt), or 'package.module:function' "
+                                     "naming one the scheduler can import.",
+                                     pattern=f"^(?:{registry.REFERENCE_PATTERN})$", maxLength=253),
                     "model": {
                         "type": "object",
                         "description": "The model as the provider expects it: dimensions (layers, hidden size, ...) and, "

@@ -1,9 +1,9 @@
 """Job state on Kubernetes: the ElasticJob's status, plus ConfigMaps the job owns.
 
-:class:`KubeJobStore` has the interface of :class:`tenplex.scheduler.state.StateDir`
-(``save``, ``save_ptc``, ``load_ptc``, ``load_all``, ``delete``, ``root``), so the
-job controllers run unchanged on Kubernetes and a restarted (or newly elected)
-scheduler resumes every job from the API server alone:
+:class:`KubeJobStore` is a :class:`tenplex.scheduler.state.JobStore`, as the state
+directory of the local backend is, so the job controllers run unchanged on
+Kubernetes and a restarted (or newly elected) scheduler resumes every job from
+the API server alone:
 
 * ``status`` of the ElasticJob (the status subresource) is what people and
   tools read: phase, GPUs, parallel configuration, step, version, the worker
@@ -52,7 +52,7 @@ from tenplex.k8s import crd
 from tenplex.k8s.informer import Handler, Informer
 from tenplex.k8s.settings import KubernetesSettings
 from tenplex.ptc import PTC
-from tenplex.scheduler.state import JobSpec, JobStatus, Phase, check_job_name
+from tenplex.scheduler.state import JobSpec, JobStatus, JobStore, Phase, check_job_name
 
 log = logging.getLogger(__name__)
 
@@ -142,16 +142,15 @@ class ElasticJobIndex:
         return obj
 
 
-class KubeJobStore:
-    """StateDir's interface over the API server (see the module docstring)."""
+class KubeJobStore(JobStore):
+    """The job store in the API server (see the module docstring)."""
 
     def __init__(self, api_client: client.ApiClient, jobs: ElasticJobIndex, root: str | Path) -> None:
         self.core = client.CoreV1Api(api_client)
         self.custom = client.CustomObjectsApi(api_client)
         self.jobs = jobs
         self.root = Path(root)
-        """A local directory: worker logs are not kept here on Kubernetes (``kubectl logs``), but the
-        controllers expect one."""
+        """A local directory (the interface's): worker logs are not kept here on Kubernetes (``kubectl logs``)."""
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._observed: dict[str, int] = {}
@@ -178,7 +177,7 @@ class KubeJobStore:
     def has_job(self, name: str) -> bool:
         return self.jobs.find(name) is not None
 
-    # -- StateDir's interface ----------------------------------------------------------------
+    # -- the JobStore interface ----------------------------------------------------------------
 
     def _job(self, name: str) -> dict[str, Any]:
         check_job_name(name)

@@ -36,12 +36,13 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from kubernetes import client
 from kubernetes.leaderelection import electionconfig, leaderelection
 from kubernetes.leaderelection.resourcelock.leaselock import LeaseLock
 
-from tenplex.errors import InvalidConfig, NotFound, StoreUnavailable, TenplexError
+from tenplex.errors import InvalidConfig, NotFound, NotLeader, StoreUnavailable, TenplexError
 from tenplex.k8s import crd
 from tenplex.k8s.backend import STOP_MARGIN_SECONDS, ClusterEvent, KubernetesBackend
 from tenplex.k8s.jobstore import ElasticJobIndex, KubeJobStore
@@ -50,7 +51,7 @@ from tenplex.ptc import DatasetState, ParallelConfig
 from tenplex.scheduler.controller import JobController, SchedulerSettings
 from tenplex.scheduler.layouts import LayoutSpec
 from tenplex.scheduler.policy import Policy
-from tenplex.scheduler.service import Scheduler
+from tenplex.scheduler.service import Scheduler, SchedulerOptions
 from tenplex.scheduler.state import CheckpointSpec, JobSpec, Phase
 
 log = logging.getLogger(__name__)
@@ -124,16 +125,6 @@ def advertise_url(settings: KubernetesSettings, port: int, fallback: str,
     return fallback
 
 
-class NotLeader(TenplexError):
-    """This scheduler replica does not hold the Lease (or is still resuming the jobs): ask again.
-
-    503, so that workers retry, and a retry through the scheduler's Service can
-    reach the leader; a 404 would tell them their job is gone."""
-
-    code = "not_leader"
-    http_status = 503
-
-
 class KubernetesScheduler(Scheduler):
     """The scheduler service on Kubernetes: jobs come from ElasticJobs, state lives in the API server."""
 
@@ -147,7 +138,7 @@ class KubernetesScheduler(Scheduler):
         backend = KubernetesBackend(api_client, settings, self.index.get, master_ports=master_ports,
                                     watch_timeout=watch_timeout, stop_margin=stop_margin)
         self.jobstore = KubeJobStore(api_client, self.index, state_root)
-        super().__init__(backend, self.jobstore, scheduler_settings, store_client=store_client)  # type: ignore[arg-type]
+        super().__init__(backend, self.jobstore, scheduler_settings, store_client=store_client)
         self.kube_backend = backend
         self.operator = ElasticJobOperator(self, api_client, settings, exit_on_lost_leadership=exit_on_lost_leadership)
 
@@ -548,3 +539,12 @@ def build_kubernetes_scheduler(state_dir: Path, url: str, token: str | None, *, 
     sched_settings = SchedulerSettings(url=advertise_url(settings, port, url, environ), token=token,
                                        heartbeat_interval=heartbeat_interval)
     return KubernetesScheduler(api_client, settings, sched_settings, state_dir, exit_on_lost_leadership=True)
+
+
+def kubernetes_scheduler(options: SchedulerOptions) -> KubernetesScheduler:
+    """The ``kubernetes`` backend (registered in Tenplex's entry points): jobs are ElasticJobs, state lives in
+    the API server (in-cluster, or ``$KUBECONFIG``)."""
+    Path(options.state_dir).mkdir(parents=True, exist_ok=True)
+    return build_kubernetes_scheduler(Path(options.state_dir), options.url, options.token,
+                                      port=urlsplit(options.url).port or 0,
+                                      heartbeat_interval=options.heartbeat_interval)

@@ -12,4 +12,10 @@ this package imports it.
 - :mod:`tenplex.testing.netcluster`: a multi-host cluster emulated on one Linux
   machine with network namespaces, veth links into a bridge, ``tc`` shaping and
   per-link byte counters (needs root).
+- :mod:`tenplex.testing.jobstore`: the conformance suite every
+  :class:`~tenplex.scheduler.state.JobStore` passes (subclassed per implementation).
+- :mod:`tenplex.testing.faults`: fault injection from outside (a worker killed by
+  its pid, a host's daemon and workers killed), as real failures come.
+- :mod:`tenplex.testing.layouts`: a user's own layout provider (the README's), named
+  by ``module:function`` in tests.
 """

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from kubernetes import client
 
-from tenplex.errors import Conflict, InvalidConfig, NotFound
+from tenplex.errors import Conflict, InvalidConfig, InvalidInput, NotFound
 from tenplex.k8s import crd
 from tenplex.k8s.backend import (
     ANNOTATION_MASTER_PORT,
@@ -67,6 +67,12 @@ def launches(job: str, generation: int, hosts: list[str], env: dict[str, str] | 
                           "LOCAL_WORLD_SIZE": "2", "TENPLEX_TOKEN": "s3cret",
                           "TENPLEX_GENERATION": str(generation), **(env or {})})
             for rank, host in enumerate(hosts)]
+
+
+def test_cordon_comes_from_the_cluster_not_from_the_schedulers_api(backend: KubernetesBackend) -> None:
+    with pytest.raises(InvalidInput, match="kubernetes backend takes cordon from the cluster itself"):
+        backend.set_schedulable("gpu-a", False)
+    assert backend.host("gpu-a").schedulable
 
 
 def test_hosts_are_gpu_nodes_with_a_running_store(api: ApiServerEmulator, backend: KubernetesBackend) -> None:

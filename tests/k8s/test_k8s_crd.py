@@ -126,6 +126,10 @@ def test_validation_reports_every_error_with_its_values() -> None:
     assert unknown == ["spec.policy: Additional properties are not allowed ('gpuMemory' was unexpected)"]
     # The model block is the provider's business: unknown fields pass through.
     assert crd.elasticjob_errors(job(layout={"provider": "megatron-gpt", "model": {"anything": 1}})) == []
+    # A provider is a registered name or a module:function spec (the scheduler resolves it when it creates the job).
+    assert crd.elasticjob_errors(job(layout={"provider": "mypackage.layout:my_layout"})) == []
+    [bad_provider] = crd.elasticjob_errors(job(layout={"provider": "Not A Provider"}))
+    assert bad_provider.startswith("spec.layout.provider: 'Not A Provider' does not match"), bad_provider
 
 
 def test_spec_view_applies_defaults_and_reads_everything() -> None:

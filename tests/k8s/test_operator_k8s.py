@@ -26,13 +26,12 @@ import pytest
 import yaml
 from kubernetes import client
 
-from tenplex.errors import InvalidConfig, InvalidInput
+from tenplex.errors import InvalidConfig, InvalidInput, NotLeader
 from tenplex.k8s import crd
 from tenplex.k8s.backend import ANNOTATION_WORKERS, LABEL_RANKS
 from tenplex.k8s.jobstore import ptc_configmap, state_configmap
 from tenplex.k8s.operator import (
     KubernetesScheduler,
-    NotLeader,
     advertise_url,
     budget_name,
     job_spec_from_elasticjob,
