@@ -340,6 +340,17 @@ class KubernetesBackend(Backend):
                 held[node] = held.get(node, 0) + gpus
         return held
 
+    def gpus_held_by(self, job: str, worker_ids: Sequence[str]) -> dict[str, int]:
+        """Node -> GPUs held by the live pods of these workers (a multi-rank pod once)."""
+        pods = {p["metadata"]["uid"]: p for wid in worker_ids if (p := self._worker_pod(job, wid)) is not None}
+        held: dict[str, int] = {}
+        for pod in pods.values():
+            node = (pod.get("spec") or {}).get("nodeName")
+            gpus = pod_gpus(pod, self._gpu)
+            if node and gpus and _phase(pod) not in ("Succeeded", "Failed"):
+                held[node] = held.get(node, 0) + gpus
+        return held
+
     def hosts(self) -> list[HostInfo]:
         """The GPU nodes; each one's ``gpus`` are those no pod holds (see :meth:`held_gpus`), so that a new
         placement never counts on the GPUs of a pod that is still running or still terminating."""

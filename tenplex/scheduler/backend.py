@@ -87,6 +87,12 @@ class Backend(ABC):
     def adopt(self, job: str, pids: Mapping[str, int]) -> None:  # noqa: B027 - optional hook
         """Take over workers started by a previous scheduler process (after a restart)."""
 
+    def gpus_held_by(self, job: str, worker_ids: Sequence[str]) -> dict[str, int]:
+        """Host -> GPUs that :meth:`hosts` counts as taken by these workers of ``job`` (empty for a backend
+        whose hosts report all their GPUs). A reconfiguration places its new workers on them: the launch
+        stops the old workers, and waits until they are gone, before it starts the new ones."""
+        return {}
+
     supports_standby: bool = False
     """Whether :meth:`keep_standby` keeps warm standbys (see :mod:`tenplex.standby`)."""
 

@@ -23,13 +23,13 @@ class TestKubeJobStore(JobStoreTests):
         settings = KubernetesSettings(namespace=NS, identity="test", leader_election=False)
         with api.api_client() as api_client:
             index = ElasticJobIndex(api_client, settings, watch_timeout=5)
-            index.informer.start()
+            index.start()
             try:
-                assert index.informer.wait_synced(10)
+                assert index.wait_synced(10)
                 eventually(lambda: all(index.find(n) for n in JOBS), "the ElasticJobs in the index")
                 yield KubeJobStore(api_client, index, tmp_path / "root")
             finally:
-                index.informer.stop()
+                index.stop()
 
     def test_the_record_lives_in_configmaps_owned_by_the_elasticjob(self, api: ApiServerEmulator,
                                                                      store: KubeJobStore) -> None:
