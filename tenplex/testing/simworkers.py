@@ -46,7 +46,7 @@ from fastapi import FastAPI
 
 from tenplex.core import protocol as P
 from tenplex.core.version import Version
-from tenplex.errors import InvalidConfig, TenplexError
+from tenplex.errors import InvalidConfig, NotFound, TenplexError
 from tenplex.ptc import PTC, Region, dtypes
 from tenplex.scheduler.backend import LocalBackend, LocalCluster, WorkerLaunch
 from tenplex.scheduler.controller import SchedulerSettings
@@ -59,6 +59,9 @@ from tenplex.store.local import LocalStore
 log = logging.getLogger(__name__)
 
 ENV_AGENT = "TENPLEX_SIM_AGENT"
+COMMIT_WAIT_S = 600.0
+"""How long a rank waits for its version to be committed on its host (the real worker's wait, shorter)."""
+COMMIT_POLL_S = 0.05
 """The agent's URL, for :func:`simulated_scheduler`."""
 EXIT_CANCELLED = -15
 """The exit code of a rank the backend stopped (as a process killed by SIGTERM reads)."""
@@ -362,15 +365,29 @@ class Agent:
                     self._io, lambda: PTC.loads(raw) if raw is not None else PTC.from_json(a.ptc))
 
     async def _check_restorable(self, g: _Generation, r: _Rank, version: str) -> None:
-        """The version to restore is committed in the rank's host store (looked at once per host)."""
+        """Wait until the version to restore is committed in the rank's host store, as real workers do (they
+        start while the daemons still build it); looked at by one poller per host."""
         check = g.restore_checks.get(r.store_root)
         if check is None:
-            store = self.store(r.store_root)
-            check = g.restore_checks[r.store_root] = asyncio.get_running_loop().run_in_executor(
-                self._io, store.versions, g.job)
-        infos = await check
-        if not any(str(v.version) == version and v.committed for v in infos):
-            raise TenplexError(f"{r.worker_id}: version {version} is not committed in {r.store_root}")
+            check = g.restore_checks[r.store_root] = asyncio.ensure_future(
+                self._wait_committed(g.job, r.store_root, version))
+        if not await check:
+            raise TenplexError(f"{r.worker_id}: version {version} was not committed in {r.store_root} within "
+                               f"{COMMIT_WAIT_S:.0f} s")
+
+    async def _wait_committed(self, job: str, store_root: Any, version: str) -> bool:
+        store = self.store(store_root)
+        loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + COMMIT_WAIT_S
+        while time.monotonic() < deadline:
+            try:
+                infos = await loop.run_in_executor(self._io, store.versions, job)
+            except NotFound:
+                infos = []
+            if any(str(v.version) == version and v.committed for v in infos):
+                return True
+            await asyncio.sleep(COMMIT_POLL_S)
+        return False
 
     async def _heartbeats(self, g: _Generation, r: _Rank, a: P.Assignment) -> None:
         interval = a.heartbeat_interval_s
