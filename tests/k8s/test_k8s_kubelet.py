@@ -157,12 +157,14 @@ def test_graceful_deletion_sigterm_report_then_confirm(api: ApiServerEmulator, k
                                                         tmp_path: Path) -> None:
     """The pod stays (Terminating) while its process handles SIGTERM; the kubelet reports the exit, then deletes the
     pod with grace period 0; a process ignoring SIGTERM gets SIGKILL once the grace period is over."""
-    marker = tmp_path / "terminated"
+    marker, handling = tmp_path / "terminated", tmp_path / "handling"
     code = (f"import pathlib, signal, sys, time\n"
             f"def bye(*_):\n    time.sleep(0.5); pathlib.Path({str(marker)!r}).touch(); sys.exit(143)\n"
-            f"signal.signal(signal.SIGTERM, bye)\nwhile True: time.sleep(0.05)")
+            f"signal.signal(signal.SIGTERM, bye)\npathlib.Path({str(handling)!r}).touch()\n"
+            f"while True: time.sleep(0.05)")
     k8s.core.create_namespaced_pod(NS, python_pod("polite", code, grace=10))
     wait_for(lambda: phase(k8s, "polite") == "Running", what="pod polite Running")
+    wait_for(handling.exists, what="pod polite handling SIGTERM")  # (its interpreter may still be starting)
     k8s.core.delete_namespaced_pod("polite", NS)
     assert k8s.core.read_namespaced_pod("polite", NS).metadata.deletion_timestamp is not None
     wait_for(lambda: not k8s.core.list_namespaced_pod(NS, field_selector="metadata.name=polite").items, timeout=15,
