@@ -623,7 +623,8 @@ class KubernetesBackend(Backend):
         deadline = time.monotonic() + seconds + self._stop_margin
         left: list[str] = []
         while time.monotonic() < deadline:
-            ready = {h.name for h in self.hosts() if h.ready}
+            # Node readiness, not the host's: the kubelet of a Ready node whose store hangs still confirms.
+            ready = {n["metadata"]["name"] for n in self.nodes.items() if node_ready(n)}
             live = [p for p in pods if self._live_pod(p) is not None]
             left = [p["metadata"]["name"] for p in live if (p.get("spec") or {}).get("nodeName") in ready]
             if not left:
