@@ -2,11 +2,17 @@
 
 Hosts are the nodes with allocatable ``nvidia.com/gpu``. A host is *ready*
 when its NodeReady condition is True and its store pod (the DaemonSet's, label
-``tenplex.io/role=store``) is Running; the store is reached at the store pod's
-``hostIP`` and the port its container publishes as ``store`` (the chart's
-hostPort). A host is *schedulable* unless cordoned (``spec.unschedulable``).
-A node that disappears from the API stays known as lost, so the jobs that had
-workers on it fail over instead of waiting for it.
+``tenplex.io/role=store``) is Running, not being deleted, and Ready: its
+kubelet sets the pod's Ready condition False once the store's readiness probe
+(``GET /healthz``, the chart's: every 5 s, 2 failures) goes unanswered, so a
+daemon that hangs or stops answering while its process lives makes its host
+lost as surely as a NotReady node does, and the jobs with workers there
+recover from the other nodes' stores (the store pod's status change wakes
+them). The store is reached at the store pod's ``hostIP`` and the port its
+container publishes as ``store`` (the chart's hostPort). A host is
+*schedulable* unless cordoned (``spec.unschedulable``). A node that
+disappears from the API stays known as lost, so the jobs that had workers on
+it fail over instead of waiting for it.
 
 Worker pods are pinned to their planned node with ``nodeName`` (the
 scheduler has already placed them; the kube-scheduler has nothing left to
@@ -93,7 +99,8 @@ class ClusterEvent:
     """Something a watch saw that job controllers should react to now rather than at their next poll."""
 
     kind: str
-    """worker-exited, worker-deleted, node-lost, node-unschedulable, node-changed or store-changed."""
+    """worker-exited, worker-deleted, node-lost, node-unschedulable, node-changed, store-lost (a node's store pod
+    stopped being usable: deleted, no longer Running, or not Ready) or store-changed."""
     job: str | None = None
     node: str | None = None
     detail: str = ""
@@ -294,7 +301,15 @@ class KubernetesBackend(Backend):
         name = pod["metadata"]["name"]
         node = (pod.get("spec") or {}).get("nodeName")
         if labels.get(crd.LABEL_ROLE) == crd.ROLE_STORE:
-            self._emit(ClusterEvent("store-changed", node=node, detail=f"store pod {name}: {kind} {_phase(pod)}"))
+            if old is not None and _store_usable(old) and (kind == "DELETED" or not _store_usable(pod)):
+                why = "was deleted" if kind == "DELETED" else (
+                    "is not Ready (its daemon does not answer its readiness probe)"
+                    if _phase(pod) == "Running" and not pod_ready(pod) else f"is {_phase(pod)}")
+                self._emit(ClusterEvent("store-lost", node=node, detail=f"store pod {name} of node {node} {why}"))
+            else:
+                ready = "Ready" if pod_ready(pod) else "not Ready"
+                self._emit(ClusterEvent("store-changed", node=node,
+                                        detail=f"store pod {name}: {kind} {_phase(pod)}, {ready}"))
             return
         job = labels.get(crd.LABEL_JOB)
         if kind == "DELETED":
@@ -310,7 +325,7 @@ class KubernetesBackend(Backend):
         return [p for inf in self.pods for p in inf.items()]
 
     def _store_pods(self) -> dict[str, dict[str, Any]]:
-        """Node -> its best store pod (a Running one that is not being deleted, else any)."""
+        """Node -> its best store pod (a usable one, see :func:`_store_usable`, else any)."""
         best: dict[str, dict[str, Any]] = {}
         for pod in self._pods():
             if _labels(pod).get(crd.LABEL_ROLE) != crd.ROLE_STORE:
@@ -608,7 +623,8 @@ class KubernetesBackend(Backend):
         deadline = time.monotonic() + seconds + self._stop_margin
         left: list[str] = []
         while time.monotonic() < deadline:
-            ready = {h.name for h in self.hosts() if h.ready}
+            # Node readiness, not the host's: the kubelet of a Ready node whose store hangs still confirms.
+            ready = {n["metadata"]["name"] for n in self.nodes.items() if node_ready(n)}
             live = [p for p in pods if self._live_pod(p) is not None]
             left = [p["metadata"]["name"] for p in live if (p.get("spec") or {}).get("nodeName") in ready]
             if not left:
@@ -708,8 +724,15 @@ def _is_worker_of(pod: Mapping[str, Any], job: str) -> bool:
     return labels.get(crd.LABEL_JOB) == job and labels.get(crd.LABEL_ROLE) == crd.ROLE_WORKER
 
 
+def pod_ready(pod: Mapping[str, Any]) -> bool:
+    """Whether the pod's Ready condition is True (its kubelet's readiness probes pass)."""
+    conds = (pod.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
+
+
 def _store_usable(pod: Mapping[str, Any]) -> bool:
-    return _phase(pod) == "Running" and not (pod.get("metadata") or {}).get("deletionTimestamp")
+    """A store pod whose daemon serves: Running, not being deleted, and Ready (its /healthz probe answers)."""
+    return _phase(pod) == "Running" and not (pod.get("metadata") or {}).get("deletionTimestamp") and pod_ready(pod)
 
 
 def _api_message(exc: client.ApiException) -> str:

@@ -490,7 +490,7 @@ class ElasticJobOperator:
                 log.info("job %s: %s; redeploying off it", ctl.spec.name, ev.detail)
                 ctl.request_redeploy("node-drain")
             elif ev.node is None or ev.node in hosts or ev.kind in ("store-changed", "node-changed"):
-                if ev.kind in ("node-lost", "worker-exited", "worker-deleted"):
+                if ev.kind in ("node-lost", "store-lost", "worker-exited", "worker-deleted"):
                     log.info("job %s: %s", ctl.spec.name, ev.detail)
                 ctl.wake()
 

@@ -98,6 +98,30 @@ def test_hosts_are_gpu_nodes_with_a_running_store(api: ApiServerEmulator, backen
         backend.host("cpu-only")
 
 
+def test_a_host_whose_store_pod_is_not_ready_is_lost_until_it_is_ready_again(api: ApiServerEmulator,
+                                                                             backend: KubernetesBackend) -> None:
+    """A store daemon that stops answering its readiness probe while its pod stays Running: its kubelet reports
+    the pod not Ready, and the host is lost (not ready) until the pod is Ready again."""
+    events: list[ClusterEvent] = []
+    backend.add_listener(events.append)
+    api.set_pod_ready("store-gpu-b", False, NS)
+    eventually(lambda: not backend.host("gpu-b").ready, "gpu-b lost")
+    assert api.get("pods", "store-gpu-b", NS)["status"]["phase"] == "Running"
+    assert backend.host("gpu-a").ready and backend.host("gpu-b").schedulable
+    assert [(e.kind, e.node, e.detail) for e in events if e.node == "gpu-b"] == [
+        ("store-lost", "gpu-b", "store pod store-gpu-b of node gpu-b is not Ready (its daemon does not answer its "
+                                "readiness probe)")]
+    api.set_pod_ready("store-gpu-b", True, NS)
+    eventually(lambda: backend.host("gpu-b").ready, "gpu-b ready again")
+    assert [(e.kind, e.detail) for e in events if e.node == "gpu-b"][1:] == [
+        ("store-changed", "store pod store-gpu-b: MODIFIED Running, Ready")]
+
+    # A store pod that is being deleted is not usable either (a DaemonSet's rolling update).
+    api.delete("pods", "store-gpu-a", NS)
+    eventually(lambda: not backend.host("gpu-a").ready, "gpu-a lost while its store pod is deleted")
+    assert ("store-lost", "gpu-a") in [(e.kind, e.node) for e in events]
+
+
 def test_worker_pods_are_pinned_owned_and_get_the_worker_environment(api: ApiServerEmulator,
                                                                      backend: KubernetesBackend, tmp_path: Path) -> None:
     ids = backend.launch("gpt", ["python", "-m", "examples.gpt.train", "--steps", "5"],

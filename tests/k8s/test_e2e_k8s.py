@@ -15,6 +15,11 @@ workers), then one worker's process is killed: the kubelet reports its pod
 Failed, and the job resumes from the newest version held by the node stores
 and runs to the last step.
 
+A store daemon that stops answering (its process stopped) while its pod stays
+Running: its kubelet's readiness probe (the chart's) fails, the pod turns not
+Ready, the node is lost, and the dp2 job on it recovers from the surviving
+replica onto the nodes whose stores answer.
+
 A second run gives the nodes two GPUs each and the job ``gpusPerPod: 2``: its
 worker pods run two ranks each under ``tenplex worker launch``, one pod on one
 node, then, scaled to 4 GPUs, one pod on each of two nodes, to the last step.
@@ -23,10 +28,13 @@ node, then, scaled to 4 GPUs, one pod on each of two nodes, to the last step.
 from __future__ import annotations
 
 import base64
+import json
 import os
 import random
+import signal
 import socket
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -67,6 +75,10 @@ TOKEN = "e2e-token"
 NODES = {"node-0": "127.0.7.2", "node-1": "127.0.7.3", "node-2": "127.0.7.4"}
 MODEL = {"vocab": 64, "dim": 32, "n_layers": 4, "n_heads": 4, "seq_len": 16}
 SNAPSHOT_EVERY = 3
+STORE_READINESS = {"httpGet": {"path": "/healthz", "port": "store"}, "periodSeconds": 5, "failureThreshold": 2}
+"""The chart's readiness probe of the store container."""
+PROBE_PERIOD_SCALE = 0.2
+"""The kubelets probe every second instead of every 5 (the timeouts stay the kubelet's 1 s)."""
 STEPS = 30
 WORKER = [sys.executable, "-m", "examples.gpt.train", "--layers", "4", "--dim", "32", "--heads", "4", "--vocab", "64",
           "--seq-len", "16", "--samples", "4096", "--global-batch", "8", "--snapshot-every", str(SNAPSHOT_EVERY)]
@@ -115,7 +127,7 @@ class Cluster:
             # One GPU each by default: few processes; every change crosses nodes.
             api.add_node(node, gpus=gpus_per_node, address=ip)
             kubelet = LocalKubelet(stack.enter_context(api.api_client(User.node(node))), node, ip, root / node,
-                                   base_env=env, cwd=REPO)
+                                   base_env=env, cwd=REPO, probe_period_scale=PROBE_PERIOD_SCALE)
             self.kubelets[node] = stack.enter_context(kubelet)
             port = free_port(ip)
             pod = store_pod(node, owner, port=port, command=[
@@ -123,11 +135,18 @@ class Cluster:
                 "--host", ip, "--port", str(port)])
             pod["spec"]["containers"][0]["env"] = [
                 {"name": "TENPLEX_TOKEN", "valueFrom": {"secretKeyRef": {"name": "tenplex-auth", "key": "token"}}}]
+            pod["spec"]["containers"][0]["readinessProbe"] = dict(STORE_READINESS)
             api.create("pods", pod, NS)
         for node, ip in NODES.items():
             port = api.get("pods", f"store-{node}", NS)["spec"]["containers"][0]["ports"][0]["hostPort"]
             store = StoreClient(f"http://{ip}:{port}", TOKEN, retries=0, timeout=2)
             eventually(lambda s=store: _healthy(s), f"the store daemon of {node}", timeout=60, interval=0.2)
+            eventually(lambda n=node: self.store_ready(n), f"the store pod of {node} Ready", timeout=30, interval=0.1)
+
+    def store_ready(self, node: str) -> bool:
+        """Whether the node's store pod is Ready (its kubelet's readiness probe passes)."""
+        conditions = (self.api.get("pods", f"store-{node}", NS).get("status") or {}).get("conditions") or []
+        return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
 
 
     def worker_logs(self, job: str, lines: int = 15) -> str:
@@ -373,6 +392,62 @@ class RecordingStoreClient(StoreClient):
     def _call(self, method: str, path: str, handle: Any, **kwargs: Any) -> Any:
         RecordingStoreClient.calls.append((method, path))
         return super()._call(method, path, handle, **kwargs)
+
+
+def test_a_store_daemon_that_stops_answering_loses_its_host(api: ApiServerEmulator, cluster: Cluster,
+                                                            scheduler: KubernetesScheduler) -> None:
+    """node-1's store daemon hangs (SIGSTOP) while its pod stays Running: the kubelet's readiness probe fails,
+    the store pod turns not Ready, node-1 is lost, its worker is stopped, and the dp2 job recovers from node-0's
+    replica onto node-0 and node-2 well within its heartbeat timeout; no error reads "internal error"."""
+    steps = 18
+    job = elasticjob("gpt", 2, provider="example-gpt", model=MODEL, command=WORKER, steps=steps,
+                     snapshot_every=SNAPSHOT_EVERY, max_gpus=2,
+                     env=[{"name": "OMP_NUM_THREADS", "value": "1"}, {"name": "GLOO_SOCKET_IFNAME", "value": "lo"}])
+    heartbeat_timeout = job["spec"]["training"]["heartbeatTimeoutSeconds"]
+    api.create("elasticjobs", job, NS)
+    st = wait_job(scheduler, "gpt", lambda s: s.phase == Phase.RUNNING and s.version is not None
+                  and s.step >= 2 * SNAPSHOT_EVERY, "training dp2 with a committed snapshot", cluster=cluster)
+    assert st.gpus == 2 and st.hosts == ["node-0", "node-1"]
+
+    pid = cluster.kubelets["node-1"].pid("store-node-1")
+    assert pid is not None
+    stopped = time.monotonic()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        eventually(lambda: not cluster.store_ready("node-1"), "node-1's store pod not Ready", timeout=30)
+        store_pod_now = api.get("pods", "store-node-1", NS)
+        assert store_pod_now["status"]["phase"] == "Running" and not store_pod_now["metadata"].get("deletionTimestamp")
+        st = wait_job(scheduler, "gpt", lambda s: s.phase == Phase.RUNNING and s.generation >= 1 and s.history
+                      and s.history[-1].finished_at is not None, "recovering off node-1", timeout=heartbeat_timeout,
+                      cluster=cluster)
+        recovered = time.monotonic() - stopped
+        assert sorted(st.hosts) == ["node-0", "node-2"], st.hosts
+        assert recovered < heartbeat_timeout
+        assert not scheduler.kube_backend.host("node-1").ready
+        # Its worker was stopped: node-1's kubelet (its node is Ready) ended it and confirmed the deletion.
+        assert not [p["metadata"]["name"] for p in worker_pods(api, "gpt") if p["spec"]["nodeName"] == "node-1"]
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    # The daemon answers again: its pod is Ready and node-1 a host like the others.
+    eventually(lambda: cluster.store_ready("node-1"), "node-1's store pod Ready again", timeout=30)
+    eventually(lambda: scheduler.kube_backend.host("node-1").ready, "node-1 ready again", timeout=30)
+
+    st = wait_job(scheduler, "gpt", lambda s: s.phase == Phase.SUCCEEDED, "finishing", cluster=cluster)
+    assert st.step == steps
+    (failure,) = st.history
+    assert failure.reason == "failure" and failure.error is not None
+    assert failure.error == "host node-1 lost", failure.error  # and nothing else went wrong on the way back
+    assert (failure.from_hosts, sorted(failure.to_hosts), failure.to_gpus) == (["node-0", "node-1"],
+                                                                               ["node-0", "node-2"], 2)
+    # From node-0's replica: the steps since its newest snapshot are lost (at most two intervals), and node-2,
+    # which had nothing, pulled exactly the lower bound from node-0's store.
+    assert failure.version_from is not None and 0 <= failure.steps_lost < 2 * SNAPSHOT_EVERY
+    assert failure.bytes_remote == failure.lower_bound_bytes > 0
+    errors = [r.error or "" for r in st.history] + [st.message or ""]
+    errors.append(json.dumps(api.get("elasticjobs", "gpt", NS).get("status") or {}))
+    errors += [e.get("message", "") for e in api.list("events", NS) if e["involvedObject"]["name"] == "gpt"]
+    assert not [e for e in errors if "internal error" in e], errors
+    _assert_the_daemons_moved_the_state(api, st.history, RecordingStoreClient.calls)
 
 
 @pytest.mark.parametrize("cluster", [2], indirect=True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import base64
 import os
+import signal
+import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -11,10 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kubernetes import client
 
 from tenplex.k8s import crd
 from tenplex.testing.k8s.emulator import ApiServerEmulator
-from tenplex.testing.k8s.kubelet import LocalKubelet, expand, wait_for
+from tenplex.testing.k8s.kubelet import LocalKubelet, ReadinessProbe, expand, wait_for
 
 from .conftest import Clients
 
@@ -211,3 +214,123 @@ def test_a_hung_runtime_keeps_the_pod_terminating_and_its_gpus(api: ApiServerEmu
         assert kl.used_gpus() == 0
         k8s.core.create_namespaced_pod(NS, {**first, "metadata": {"name": "third"}})
         wait_for(lambda: phase(k8s, "third") == "Running", what="pod third admitted on the freed GPU")
+
+
+# -- readiness probes ----------------------------------------------------------------------------------
+
+HEALTH_SERVER = """
+import http.server, os
+go, log = os.environ['GO'], os.environ['PROBES']
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        code = 200 if self.path == '/healthz' and os.path.exists(go) else 503
+        with open(log, 'a') as f:
+            f.write(f'{code}\\n')
+        self.send_response(code)
+        self.send_header('Content-Length', '0')
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+http.server.ThreadingHTTPServer((os.environ['HOST'], int(os.environ['PORT'])), Health).serve_forever()
+"""
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def ready_state(k8s: Clients, name: str) -> tuple[str, dict[str, str], bool]:
+    """The pod's phase, its conditions (type -> status) and its container's ``ready``."""
+    status = k8s.core.read_namespaced_pod(name, NS).status
+    conditions = {c.type: c.status for c in status.conditions or []}
+    return status.phase, conditions, bool(status.container_statuses and status.container_statuses[0].ready)
+
+
+def is_ready(k8s: Clients, name: str) -> bool:
+    phase_, conditions, container_ready = ready_state(k8s, name)
+    assert phase_ == "Running", f"pod {name} is {phase_}: a readiness change must leave it Running"
+    assert conditions.get("Ready") == conditions.get("ContainersReady"), conditions
+    assert (conditions.get("Ready") == "True") == container_ready, (conditions, container_ready)
+    return conditions.get("Ready") == "True"
+
+
+def answers(log: Path) -> list[str]:
+    return log.read_text().split() if log.exists() else []
+
+
+def test_readiness_probe_thresholds_and_a_hung_server(api: ApiServerEmulator, k8s: Clients, tmp_path: Path) -> None:
+    """A real HTTP server as the pod's container, probed on its named port: not Ready until successThreshold
+    probes passed, not Ready again after failureThreshold failed (answered 503, or not answered at all while the
+    process is stopped), Ready once it answers again; the pod stays Running throughout."""
+    host = "127.0.0.6"
+    port, go, log = free_port(host), tmp_path / "go", tmp_path / "probes.log"
+    api.add_node("node-p", address=host)
+    container = {"name": "server", "image": "ignored", "command": [sys.executable, "-c", HEALTH_SERVER],
+                 "env": [{"name": "GO", "value": str(go)}, {"name": "PROBES", "value": str(log)},
+                         {"name": "HOST", "value": host}, {"name": "PORT", "value": str(port)}],
+                 "ports": [{"name": "health", "containerPort": port, "hostPort": port}],
+                 "readinessProbe": {"httpGet": {"path": "/healthz", "port": "health"}, "periodSeconds": 5,
+                                    "timeoutSeconds": 1, "successThreshold": 2, "failureThreshold": 3}}
+    pod = {"metadata": {"name": "health"}, "spec": {"nodeName": "node-p", "containers": [container]}}
+    # Periods of 5 s scaled to 0.2 s; the timeouts stay 1 s.
+    with LocalKubelet(k8s.api_client, "node-p", host, tmp_path / "kl", probe_period_scale=0.04) as kl:
+        k8s.core.create_namespaced_pod(NS, pod)
+        pid = wait_for(lambda: kl.pid("health"), what="the server's process")
+        try:
+            # Probed and failing (503): Running, not Ready.
+            wait_for(lambda: answers(log).count("503") >= 3, timeout=30, what="three failed probes")
+            assert not is_ready(k8s, "health")
+            assert ready_state(k8s, "health")[1]["PodScheduled"] == "True"
+
+            go.touch()
+            wait_for(lambda: is_ready(k8s, "health"), timeout=30, what="Ready once the probes pass")
+            assert answers(log).count("200") >= 2, "Ready after successThreshold=2 passed probes, not before"
+
+            before = len(answers(log))
+            go.unlink()
+            wait_for(lambda: not is_ready(k8s, "health"), timeout=30, what="not Ready once the probes fail")
+            assert answers(log)[before:].count("503") >= 3, "not Ready after failureThreshold=3 failed probes"
+            go.touch()
+            wait_for(lambda: is_ready(k8s, "health"), timeout=30, what="Ready again")
+
+            # A server that hangs (its process stopped): the probes time out and the pod is not Ready.
+            os.kill(pid, signal.SIGSTOP)
+            wait_for(lambda: not is_ready(k8s, "health"), timeout=30, what="not Ready while the server is stopped")
+            assert kl.pid("health") == pid
+            os.kill(pid, signal.SIGCONT)
+            wait_for(lambda: is_ready(k8s, "health"), timeout=30, what="Ready once the server answers again")
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        k8s.core.delete_namespaced_pod("health", NS, grace_period_seconds=1)
+        wait_for(lambda: not k8s.core.list_namespaced_pod(NS, field_selector="metadata.name=health").items,
+                 timeout=15, what="the pod gone")
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_readiness_probe_resolution(k8s: Clients, kubelet: LocalKubelet) -> None:
+    """Ports by number or name, the kubelet's defaults, the node's address; a pod without a probe is Ready as it
+    runs; a probe naming a port the container lacks is a configuration error."""
+    named = client.V1Container(name="c", ports=[client.V1ContainerPort(name="store", container_port=7070)],
+                               readiness_probe=client.V1Probe(http_get=client.V1HTTPGetAction(port="store")))
+    assert ReadinessProbe.of(named, "10.0.0.1") == ReadinessProbe(scheme="HTTP", host="10.0.0.1", port=7070, path="/")
+    numbered = client.V1Container(name="c", readiness_probe=client.V1Probe(
+        tcp_socket=client.V1TCPSocketAction(port=8080), period_seconds=5, failure_threshold=2, timeout_seconds=3))
+    assert ReadinessProbe.of(numbered, "10.0.0.1") == ReadinessProbe(
+        scheme="TCP", host="10.0.0.1", port=8080, timeout=3.0, period=5.0, failure_threshold=2)
+    assert ReadinessProbe.of(client.V1Container(name="c"), "10.0.0.1") is None
+    with pytest.raises(ValueError, match="exec"):
+        ReadinessProbe.of(client.V1Container(name="c", readiness_probe=client.V1Probe(
+            _exec=client.V1ExecAction(command=["true"]))), "10.0.0.1")
+
+    k8s.core.create_namespaced_pod(NS, python_pod("plain", "import time; time.sleep(600)"))
+    wait_for(lambda: phase(k8s, "plain") == "Running", what="pod plain Running")
+    assert is_ready(k8s, "plain")
+    bad = python_pod("badport", "import time; time.sleep(600)")
+    bad["spec"]["containers"][0]["readinessProbe"] = {"httpGet": {"path": "/healthz", "port": "nope"}}
+    k8s.core.create_namespaced_pod(NS, bad)
+    wait_for(lambda: phase(k8s, "badport") == "Failed", what="pod badport Failed")
+    status = k8s.core.read_namespaced_pod("badport", NS).status
+    assert status.reason == "CreateContainerConfigError" and "'nope'" in status.message

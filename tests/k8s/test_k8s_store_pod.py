@@ -54,7 +54,8 @@ def test_rendered_store_pod_serves_health_and_metrics(api: ApiServerEmulator, k8
 
     api.add_node("node-a", address="127.0.0.2")
     entrypoint = [str(Path(sys.executable).parent / "tenplex")]  # the image's ENTRYPOINT ["tenplex"]
-    with LocalKubelet(k8s.api_client, "node-a", "127.0.0.2", tmp_path / "kubelet", entrypoints={IMAGE: entrypoint}) as kubelet:
+    with LocalKubelet(k8s.api_client, "node-a", "127.0.0.2", tmp_path / "kubelet", entrypoints={IMAGE: entrypoint},
+                      probe_period_scale=0.2) as kubelet:
         k8s.core.create_namespaced_pod(NS, pod)
         base = f"http://127.0.0.2:{port}"
         try:
@@ -66,6 +67,10 @@ def test_rendered_store_pod_serves_health_and_metrics(api: ApiServerEmulator, k8
         assert root.is_dir()
         running = k8s.core.read_namespaced_pod("store-node-a", NS)
         assert running.status.phase == "Running" and running.metadata.labels[crd.LABEL_ROLE] == crd.ROLE_STORE
+        # The chart's readiness probe (/healthz on the port named "store") passes: the kubelet reports it Ready.
+        wait_for(lambda: any(c.type == "Ready" and c.status == "True" for c in
+                             k8s.core.read_namespaced_pod("store-node-a", NS).status.conditions or []),
+                 timeout=30, what="the store pod Ready by its readiness probe")
 
         k8s.core.delete_namespaced_pod("store-node-a", NS)
         wait_for(lambda: kubelet.pid("store-node-a", NS) is None, timeout=30, what="the store to stop")

@@ -259,6 +259,23 @@ def test_a_not_ready_node_is_a_lost_host(cluster: ApiServerEmulator, sched: Kube
     assert ctl.status.history[-1].reason == "failure"
 
 
+def test_a_store_pod_that_is_not_ready_is_a_lost_host(cluster: ApiServerEmulator, sched: KubernetesScheduler) -> None:
+    """The store daemon of gpu-b stops answering its readiness probe: its pod stays Running but turns not Ready,
+    which loses the host as a NotReady node does; the workers are stopped (no internal error on the way)."""
+    cluster.create("elasticjobs", elasticjob("gpt", 4, table=[{"gpus": 4, "dp": 4, "tp": 1, "pp": 1}]), NS)
+    for pod in running_pods(cluster, "gpt", 4):
+        cluster.set_pod_running(pod["metadata"]["name"], NS)
+    ctl = sched.get("gpt")
+    eventually(lambda: ctl.status.phase == Phase.RUNNING, "Running")
+    cluster.set_pod_ready("store-gpu-b", False, NS)
+    eventually(lambda: ctl.status.phase == Phase.FAILED, "failure handling", timeout=30)
+    assert "host gpu-b lost" in ctl.status.message and "internal error" not in ctl.status.message
+    assert ctl.status.history[-1].reason == "failure"
+    assert (ctl.status.history[-1].error or "").startswith("host gpu-b lost; ")  # then: nowhere to restart
+    # The workers were stopped, gpu-b's included: its kubelet confirmed their end (its node is Ready).
+    assert worker_pods(cluster, "gpt") == []
+
+
 def test_a_drain_waits_while_the_scheduler_redeploys_off_the_node(cluster: ApiServerEmulator,
                                                                   sched: KubernetesScheduler) -> None:
     cluster.create("elasticjobs", elasticjob("gpt", 2), NS)

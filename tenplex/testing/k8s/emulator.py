@@ -962,6 +962,20 @@ class ApiServerEmulator:
             }
             return self.patch("pods", name, {"status": status}, namespace, subresource="status")
 
+    def set_pod_ready(self, name: str, ready: bool, namespace: str = "default") -> dict[str, Any]:
+        """Report a Running pod's Ready and ContainersReady conditions (and its containers' ``ready``) as
+        ``ready``, as its kubelet does when its readiness probes start or stop passing; its phase stays."""
+        with self.store.lock:
+            status = self.get("pods", name, namespace).get("status") or {}
+            if status.get("phase") != "Running":
+                raise ValueError(f"pod {namespace}/{name} is {status.get('phase')}, not Running")
+            value = "True" if ready else "False"
+            conditions = [{**c, "status": value, "lastTransitionTime": now()}
+                          if c.get("type") in ("Ready", "ContainersReady") else c for c in status.get("conditions") or []]
+            containers = [{**c, "ready": ready} for c in status.get("containerStatuses") or []]
+            return self.patch("pods", name, {"status": {"conditions": conditions, "containerStatuses": containers}},
+                              namespace, subresource="status")
+
     def _terminate_pod(self, name: str, namespace: str, phase: str, exit_code: int, reason: str, message: str) -> dict[str, Any]:
         with self.store.lock:
             pod = self.get("pods", name, namespace)

@@ -29,6 +29,19 @@ runs with this machine's Python, and a container without ``command`` runs the
 local stand-in given for its image's ENTRYPOINT. A node is emulated by an
 address such as 127.0.0.2, where the test also runs that node's store daemon.
 
+Readiness probes run as a kubelet runs them: a container with a
+``readinessProbe`` (``httpGet``, its port a number or the name of one of the
+container's ports, or ``tcpSocket``) starts not Ready; it is probed at the
+pod's IP (the node's address: the pods use the host network or hostPorts)
+after ``initialDelaySeconds`` and then every ``periodSeconds``, each probe
+given ``timeoutSeconds`` (an HTTP answer 200-399 is a success). After
+``successThreshold`` consecutive successes the pod's Ready and
+ContainersReady conditions (and the container's ``ready``) are reported
+True, after ``failureThreshold`` consecutive failures False; the phase stays
+Running. ``probe_period_scale`` scales the periods and initial delays (not the
+timeouts) so that tests need not wait out production periods. Liveness and
+startup probes are not run (a container is never restarted).
+
 :class:`NodeAgent` is the same kubelet without a container runtime, for tests
 that play the containers through the emulator's hooks (``set_pod_running``,
 ``fail_pod``): it admits pods, optionally reports them Running, and confirms
@@ -47,10 +60,13 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import http.client
 import logging
 import os
 import re
 import signal
+import socket
+import ssl
 import subprocess
 import threading
 import time
@@ -116,6 +132,87 @@ class _Pod:
     exit_code: int | None = None
     process: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
+    ready: bool = True
+    """What was last reported of its readiness (a container with a readiness probe starts not Ready)."""
+    started_at: str = field(default_factory=lambda: _now())
+    ready_since: str = field(default_factory=lambda: _now())
+    report_lock: threading.Lock = field(default_factory=threading.Lock)
+    """Held while reporting its status, so that a readiness report never lands after the report of its end."""
+
+
+@dataclass(frozen=True)
+class ReadinessProbe:
+    """A container's readinessProbe, resolved against its pod (see the module docstring)."""
+
+    scheme: str
+    """HTTP, HTTPS or TCP (a tcpSocket probe: the connection is the answer)."""
+    host: str
+    port: int
+    path: str = "/"
+    headers: tuple[tuple[str, str], ...] = ()
+    timeout: float = 1.0
+    period: float = 10.0
+    initial_delay: float = 0.0
+    success_threshold: int = 1
+    failure_threshold: int = 3
+
+    @classmethod
+    def of(cls, container: client.V1Container, host_ip: str) -> ReadinessProbe | None:
+        """The container's readiness probe (None without one); ValueError for a kind this kubelet cannot run."""
+        probe = container.readiness_probe
+        if probe is None:
+            return None
+        common = {
+            "timeout": float(probe.timeout_seconds or 1), "period": float(probe.period_seconds or 10),
+            "initial_delay": float(probe.initial_delay_seconds or 0),
+            "success_threshold": int(probe.success_threshold or 1),
+            "failure_threshold": int(probe.failure_threshold or 3),
+        }
+        if probe.http_get is not None:
+            get = probe.http_get
+            return cls(scheme=(get.scheme or "HTTP").upper(), host=get.host or host_ip,
+                       port=_container_port(container, get.port), path=get.path or "/",
+                       headers=tuple((h.name, h.value) for h in get.http_headers or []), **common)  # type: ignore[arg-type]
+        if probe.tcp_socket is not None:
+            sock = probe.tcp_socket
+            return cls(scheme="TCP", host=sock.host or host_ip, port=_container_port(container, sock.port),
+                       **common)  # type: ignore[arg-type]
+        kind = "exec" if probe._exec is not None else "grpc" if probe.grpc is not None else "empty"
+        raise ValueError(f"container {container.name}: its readiness probe is {kind}; the test kubelet runs only "
+                         "httpGet and tcpSocket probes")
+
+    def check(self) -> bool:
+        """One probe: True when it succeeded."""
+        try:
+            if self.scheme == "TCP":
+                with socket.create_connection((self.host, self.port), timeout=self.timeout):
+                    return True
+            if self.scheme == "HTTPS":  # the kubelet does not verify the certificate
+                conn: http.client.HTTPConnection = http.client.HTTPSConnection(
+                    self.host, self.port, timeout=self.timeout, context=ssl._create_unverified_context())
+            else:
+                conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
+            try:
+                conn.request("GET", self.path, headers={"User-Agent": "kube-probe/1.30", "Accept": "*/*",
+                                                        **dict(self.headers)})
+                response = conn.getresponse()
+                response.read()
+                return 200 <= response.status < 400
+            finally:
+                conn.close()
+        except (OSError, http.client.HTTPException):
+            return False
+
+
+def _container_port(container: client.V1Container, port: int | str | None) -> int:
+    """A probe's port: a number, or the name of one of the container's ports (its containerPort)."""
+    if isinstance(port, int) or (isinstance(port, str) and port.isdigit()):
+        return int(port)
+    for p in container.ports or []:
+        if p.name == port:
+            return int(p.container_port)
+    raise ValueError(f"container {container.name}: the probe's port {port!r} is not one of its named ports "
+                     f"({[p.name for p in container.ports or []]})")
 
 
 def terminated(container: str, image: str, code: int) -> dict[str, Any]:
@@ -287,24 +384,30 @@ class _Kubelet:
     # -- reports ---------------------------------------------------------------------
 
     def _running_status(self, entry: _Pod) -> dict[str, Any]:
+        """Running, Ready as far as its readiness probe says (see the module docstring)."""
+        ready = "True" if entry.ready else "False"
         return {
-            "phase": "Running", "hostIP": self.host_ip, "podIP": self.host_ip, "startTime": _now(),
-            "conditions": [{"type": t, "status": "True", "lastTransitionTime": _now()}
-                           for t in ("PodScheduled", "Initialized", "ContainersReady", "Ready")],
-            "containerStatuses": [{"name": entry.container, "image": entry.image, "imageID": "", "ready": True,
-                                   "restartCount": 0, "started": True, "state": {"running": {"startedAt": _now()}}}],
+            "phase": "Running", "hostIP": self.host_ip, "podIP": self.host_ip, "startTime": entry.started_at,
+            "conditions": [{"type": t, "status": "True", "lastTransitionTime": entry.started_at}
+                           for t in ("PodScheduled", "Initialized")]
+                          + [{"type": t, "status": ready, "lastTransitionTime": entry.ready_since}
+                             for t in ("ContainersReady", "Ready")],
+            "containerStatuses": [{"name": entry.container, "image": entry.image, "imageID": "", "ready": entry.ready,
+                                   "restartCount": 0, "started": True,
+                                   "state": {"running": {"startedAt": entry.started_at}}}],
         }
 
     def _ended(self, entry: _Pod, code: int) -> None:
         """The pod's containers ended with ``code``: report it, and confirm a deletion in progress (a frozen
         kubelet reports nothing until it is thawed)."""
-        entry.exit_code = code
-        if self._frozen_now(entry):
-            return
-        entry.ended.set()
-        LOG.info("kubelet %s: pod %s/%s ended with %d%s", self.node, entry.namespace, entry.name, code,
-                 " (being deleted)" if entry.deleting else "")
-        self._report(entry.namespace, entry.name, terminated(entry.container, entry.image, code))
+        with entry.report_lock:
+            entry.exit_code = code
+            if self._frozen_now(entry):
+                return
+            entry.ended.set()
+            LOG.info("kubelet %s: pod %s/%s ended with %d%s", self.node, entry.namespace, entry.name, code,
+                     " (being deleted)" if entry.deleting else "")
+            self._report(entry.namespace, entry.name, terminated(entry.container, entry.image, code))
         if entry.deleting:
             self._confirm_deletion(entry.uid, entry.namespace, entry.name)
 
@@ -411,10 +514,14 @@ class LocalKubelet(_Kubelet):
 
     def __init__(self, api_client: client.ApiClient, node: str, host_ip: str, workdir: Path,
                  base_env: Mapping[str, str] | None = None, cwd: Path | None = None,
-                 entrypoints: Mapping[str, Sequence[str]] | None = None) -> None:
+                 entrypoints: Mapping[str, Sequence[str]] | None = None, probe_period_scale: float = 1.0) -> None:
         """``entrypoints`` maps an image to the local command standing in for its ENTRYPOINT,
-        used when a container gives only ``args`` (e.g. ``{"tenplex:0.1.0": [".venv/bin/tenplex"]}``)."""
+        used when a container gives only ``args`` (e.g. ``{"tenplex:0.1.0": [".venv/bin/tenplex"]}``);
+        ``probe_period_scale`` multiplies the readiness probes' periods and initial delays."""
+        if not probe_period_scale > 0:
+            raise ValueError(f"probe_period_scale must be > 0, got {probe_period_scale}")
         super().__init__(api_client, node, host_ip)
+        self.probe_period_scale = probe_period_scale
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self._base_env = dict(base_env if base_env is not None else os.environ)
@@ -475,6 +582,7 @@ class LocalKubelet(_Kubelet):
                                      f"local entry point (known: {sorted(self._entrypoints)})")
                 command = self._entrypoints[container.image]
             argv = [expand(a, env) for a in [*command, *(container.args or [])]]
+            probe = ReadinessProbe.of(container, self.host_ip)
         except (ValueError, KeyError, client.ApiException) as exc:
             LOG.error("kubelet %s: cannot start pod %s/%s: %s", self.node, meta.namespace, meta.name, exc)
             entry.ended.set()
@@ -486,10 +594,49 @@ class LocalKubelet(_Kubelet):
             process = subprocess.Popen(argv, env={**self._base_env, **env}, stdout=log, stderr=subprocess.STDOUT,
                                        cwd=self._cwd, start_new_session=True)
         entry.process, entry.log_path, entry.started = process, log_path, True
+        entry.started_at = entry.ready_since = _now()
+        entry.ready = probe is None  # with a readiness probe, Ready once it has passed
         LOG.info("kubelet %s: pod %s/%s started as pid %d: %s", self.node, meta.namespace, meta.name, process.pid, argv)
-        self._report(meta.namespace, meta.name, self._running_status(entry))
+        with entry.report_lock:
+            self._report(meta.namespace, meta.name, self._running_status(entry))
         threading.Thread(target=self._reap, args=(entry,), name=f"kubelet-{self.node}-reap-{meta.name}",
                          daemon=True).start()
+        if probe is not None:
+            threading.Thread(target=self._probe_readiness, args=(entry, probe),
+                             name=f"kubelet-{self.node}-probe-{meta.name}", daemon=True).start()
+
+    def _probe_readiness(self, entry: _Pod, probe: ReadinessProbe) -> None:
+        """Probe until the container ends (or is being deleted, or the kubelet stops); report each change of its
+        readiness once the thresholds are met."""
+        scale = self.probe_period_scale
+        if self._stop.wait(probe.initial_delay * scale):
+            return
+        successes = failures = 0
+        while not (entry.ended.is_set() or entry.deleting or entry.exit_code is not None):
+            began = time.monotonic()
+            if probe.check():
+                successes, failures = successes + 1, 0
+            else:
+                successes, failures = 0, failures + 1
+            if not entry.ready and successes >= probe.success_threshold:
+                self._set_ready(entry, True, f"{successes} probe(s) of {probe.scheme} {probe.host}:{probe.port} passed")
+            elif entry.ready and failures >= probe.failure_threshold:
+                self._set_ready(entry, False, f"{failures} probes of {probe.scheme} {probe.host}:{probe.port}"
+                                              f"{probe.path if probe.scheme != 'TCP' else ''} failed")
+            if self._stop.wait(max(0.0, probe.period * scale - (time.monotonic() - began))):
+                return
+
+    def _set_ready(self, entry: _Pod, ready: bool, why: str) -> None:
+        """Report the pod Running with its Ready conditions ``ready`` (not once it has ended or is being
+        deleted, nor while its runtime is frozen: the change is then reported at the next probe)."""
+        with entry.report_lock:
+            if entry.ended.is_set() or entry.deleting or entry.exit_code is not None or self._frozen_now(entry) \
+                    or entry.process is None or entry.process.poll() is not None:
+                return
+            entry.ready, entry.ready_since = ready, _now()
+            LOG.info("kubelet %s: pod %s/%s %s: %s", self.node, entry.namespace, entry.name,
+                     "Ready" if ready else "not Ready", why)
+            self._report(entry.namespace, entry.name, self._running_status(entry))
 
     def _reap(self, entry: _Pod) -> None:
         assert entry.process is not None
