@@ -45,6 +45,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="destination buffers of all running transforms together, e.g. 2Gi (default 1Gi)")
     serve.add_argument("--transform-max-running", type=int, default=2, metavar="N",
                        help="transforms running at once; more wait in state queued (default 2)")
+    serve.add_argument("--upload-concurrency", type=int, default=4, metavar="N",
+                       help="shards in flight per upload to the persistent tier (default 4)")
+    serve.add_argument("--upload-memory", type=_size, default=512 << 20, metavar="SIZE",
+                       help="read buffers of all running uploads together, e.g. 1Gi (default 512Mi)")
+    serve.add_argument("--upload-max-running", type=int, default=2, metavar="N",
+                       help="uploads running at once; more wait in state queued (default 2)")
+    serve.add_argument("--upload-retry-for", type=float, default=900.0, metavar="SECONDS",
+                       help="how long an upload keeps retrying after its first error, with exponential backoff (default 900)")
     serve.set_defaults(func=_serve)
 
     ls = cmds.add_parser("ls", help="list the jobs of a store daemon, or the versions of one job")
@@ -87,10 +95,15 @@ def _size(text: str) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from tenplex.node import serve
     from tenplex.transformer.service import TransformSettings
+    from tenplex.transformer.uploads import UploadSettings
 
     transforms = TransformSettings(
         concurrency=args.transform_concurrency, memory_bytes=args.transform_memory,
         max_running=args.transform_max_running,
+    )
+    uploads = UploadSettings(
+        concurrency=args.upload_concurrency, memory_bytes=args.upload_memory, max_running=args.upload_max_running,
+        retry_for_s=args.upload_retry_for,
     )
     serve(
         args.root,
@@ -101,6 +114,7 @@ def _serve(args: argparse.Namespace) -> int:
         chunk_bytes=args.chunk_bytes,
         workers=args.workers,
         transforms=transforms,
+        uploads=uploads,
         log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
     )
     return 0
