@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from tenplex.ptc.dtypes import storage_dtype
 from tenplex.ptc.region import Region
 from tenplex.store.buffers import DEFAULT_CHUNK_BYTES
 from tenplex.store.client import StoreClient
+from tenplex.store.locations import check_options
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +55,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="uploads running at once; more wait in state queued (default 2)")
     serve.add_argument("--upload-retry-for", type=float, default=900.0, metavar="SECONDS",
                        help="how long an upload keeps retrying after its first error, with exponential backoff (default 900)")
+    serve.add_argument("--s3-endpoint", metavar="URL", default=None,
+                       help="endpoint of the S3-compatible store of persistent checkpoints (MinIO, Ceph, ...), e.g. "
+                            "http://minio.storage:9000; default $AWS_ENDPOINT_URL, else AWS. Credentials come from the "
+                            "environment only (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN)")
+    serve.add_argument("--s3-region", metavar="REGION", default=None,
+                       help="region of that store (default $AWS_REGION, else us-east-1)")
     serve.set_defaults(func=_serve)
 
     ls = cmds.add_parser("ls", help="list the jobs of a store daemon, or the versions of one job")
@@ -97,6 +105,14 @@ def _serve(args: argparse.Namespace) -> int:
     from tenplex.transformer.service import TransformSettings
     from tenplex.transformer.uploads import UploadSettings
 
+    # The persistent tier is opened by uploads and by transforms reading a checkpoint, in this process and in
+    # its uvicorn workers: the flags become the standard AWS environment they all read.
+    if args.s3_endpoint is not None:
+        check_options({"endpoint": args.s3_endpoint})
+        os.environ["AWS_ENDPOINT_URL"] = args.s3_endpoint
+    if args.s3_region is not None:
+        check_options({"region": args.s3_region})
+        os.environ["AWS_REGION"] = args.s3_region
     transforms = TransformSettings(
         concurrency=args.transform_concurrency, memory_bytes=args.transform_memory,
         max_running=args.transform_max_running,

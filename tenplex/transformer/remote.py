@@ -421,6 +421,7 @@ class UploadStatus:
             "bytes_done": self.bytes_done, "attempts": self.attempts, "submitted_at": self.submitted_at,
             "started_at": self.started_at, "finished_at": self.finished_at, "seconds": round(self.seconds, 6),
             "rate_bytes_per_s": round(self.rate, 1), "last_error": self.last_error, "error_code": self.error_code,
+            "error": self.last_error if self.state in (FAILED, CANCELLED, INTERRUPTED) else None,
             "next_attempt_at": self.next_attempt_at,
             "options": dict(self.options) if self.options is not None else None,
         }
@@ -442,17 +443,20 @@ class UploadStatus:
 
 @dataclass(frozen=True)
 class CommitRequest:
-    """``POST /v1/jobs/{job}/uploads/{version}/commit``: check that the persistent version holds every expected
-    shard intact (``expect``: tensor, region and, when known, the crc32c the node stores recorded) and write its
-    commit marker."""
+    """``POST /v1/jobs/{job}/uploads/{version}/commit``: ``{"uri": ..., "shards": [[tensor, region], ...]}``.
+
+    Check that the persistent version holds every expected shard intact (each one present, every chunk there,
+    its data matching the crc32c recorded with it when it was uploaded; a third element per shard, when given,
+    is the checksum the node stores recorded, which must match too) and write its commit marker, last.
+    """
 
     uri: str
-    expect: tuple[tuple[str, Region, str | None], ...]
+    shards: tuple[tuple[str, Region, str | None], ...]
     options: Mapping[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"uri": self.uri, "expect": [[t, r.format(), c] if c is not None else [t, r.format()]
-                                                           for t, r, c in self.expect]}
+        out: dict[str, Any] = {"uri": self.uri, "shards": [[t, r.format(), c] if c is not None else [t, r.format()]
+                                                           for t, r, c in self.shards]}
         if self.options is not None:
             out["options"] = dict(self.options)
         return out
@@ -461,14 +465,16 @@ class CommitRequest:
     def from_json(cls, obj: Any) -> CommitRequest:
         if not isinstance(obj, dict):
             raise InvalidInput(f"a commit request is a JSON object, got {type(obj).__name__}")
-        unknown = sorted(set(obj) - {"uri", "expect", "options"})
+        unknown = sorted(set(obj) - {"uri", "shards", "options"})
         if unknown:
             raise InvalidInput(f"unknown fields in the commit request: {', '.join(unknown)}")
-        expect = obj.get("expect")
-        if not isinstance(expect, list) or not expect:
-            raise InvalidInput("'expect' must be a non-empty list of [tensor, region] or [tensor, region, checksum]")
+        if "uri" not in obj:
+            raise InvalidInput("the commit request needs 'uri'")
+        shards = obj.get("shards")
+        if not isinstance(shards, list) or not shards:
+            raise InvalidInput("'shards' must be a non-empty list of [tensor, region] or [tensor, region, checksum]")
         items = []
-        for item in expect:
+        for item in shards:
             if (not isinstance(item, list) or len(item) not in (2, 3) or not isinstance(item[0], str)
                     or (len(item) == 3 and not isinstance(item[2], str))):
                 raise InvalidInput(f"expected shard {item!r} is not [tensor, region] or [tensor, region, checksum]")
@@ -476,9 +482,9 @@ class CommitRequest:
                 parse_checksum(item[2])
             items.append((check_tensor(item[0]), parse_region_text(item[1]), item[2] if len(item) == 3 else None))
         if len({(t, r) for t, r, _ in items}) != len(items):
-            raise InvalidInput("'expect' names a shard twice")
+            raise InvalidInput("'shards' names a shard twice")
         options = obj.get("options")
-        return cls(uri=check_uri(obj.get("uri", "")), expect=tuple(items),
+        return cls(uri=check_uri(obj["uri"]), shards=tuple(items),
                    options=check_options(options) if options is not None else None)
 
 

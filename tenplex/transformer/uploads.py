@@ -308,6 +308,7 @@ class UploadService:
                 record = self._read_record(job, version)
                 if record is not None and record.state == UPLOADED:
                     os.close(fd)
+                    fd = -1
                     return self._same(record, digest), False
                 shards = self._local_shards(job, request)  # checked before anything is recorded
                 self._cancel_path(job, version).unlink(missing_ok=True)
@@ -319,7 +320,8 @@ class UploadService:
                 )
                 self._write_record(status)
             except BaseException:
-                os.close(fd)
+                if fd >= 0:
+                    os.close(fd)
                 raise
             run = _Run(request, status, fd, shards)
             self._runs[(job, version)] = run
@@ -449,8 +451,8 @@ class UploadService:
         v = check_version(version)
         check_job(job)
         with self.persistent(request.uri, dict(request.options or {})) as store:
-            manifest = store.commit(job, v, expect=request.expect)
-        log.info("version %s of job %s committed at %s (%d shards checked)", v, job, request.uri, len(request.expect))
+            manifest = store.commit(job, v, expect=request.shards)
+        log.info("version %s of job %s committed at %s (%d shards checked)", v, job, request.uri, len(request.shards))
         return manifest.to_json()
 
     # -- running ------------------------------------------------------------------------------
