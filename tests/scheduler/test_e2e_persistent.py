@@ -136,4 +136,7 @@ def test_a_region_missing_everywhere_fails_the_job_naming_it(tmp_path: Path) -> 
             time.sleep(0.3)
     assert deadline_status is not None and deadline_status["phase"] == "Failed", deadline_status
     message = deadline_status["message"]
-    assert "host-1" in message and uri in message and "no version yet" in message, message
+    # where it looked, and what is missing from there: the regions only the dead host held
+    assert uri in message and "(it holds no version yet)" in message, message
+    assert "surviving hosts ['host-0', 'host-2']" in message, message
+    assert "they lack" in message and "(held by host-1)" in message, message
