@@ -67,7 +67,7 @@ import numpy as np
 from anyio import to_thread
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from tenplex.errors import (
     Conflict,
@@ -155,6 +155,10 @@ class UploadMetrics:
         self.uploads = Counter("tenplex_uploads", "Uploads finished, by outcome", ["outcome"], registry=self.registry)
         self.failures = Counter("tenplex_upload_failures", "Upload attempts that ended in an error", registry=self.registry)
         self.retries = Counter("tenplex_upload_retries", "Upload attempts started after an error", registry=self.registry)
+        self.active = Gauge("tenplex_uploads_active", "Uploads on this node not finished, by state (queued, running)",
+                            ["state"], registry=self.registry, multiprocess_mode="livesum")
+        for state in (QUEUED, RUNNING):
+            self.active.labels(state)
         self.seconds = Histogram("tenplex_upload_seconds", "Duration of finished uploads",
                                  buckets=(1, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200), registry=self.registry)
 
@@ -325,6 +329,7 @@ class UploadService:
                 raise
             run = _Run(request, status, fd, shards)
             self._runs[(job, version)] = run
+            self.metrics.active.labels(QUEUED).inc()
             run.thread = threading.Thread(target=self._execute, args=(run,), daemon=True,
                                           name=f"tenplex-upload-{job}-{version}")
             run.thread.start()
@@ -485,6 +490,8 @@ class UploadService:
             with self._slots:
                 self._check_cancel(run)
                 self._update(run, state=RUNNING, started_at=time.time())
+                self.metrics.active.labels(QUEUED).dec()
+                self.metrics.active.labels(RUNNING).inc()
                 self._attempts(run)
             self._update(run, write=False, state=UPLOADED, finished_at=time.time(), next_attempt_at=None)
         except _Cancelled:
@@ -512,6 +519,7 @@ class UploadService:
                 os.close(run.lock_fd)
                 self._finished.notify_all()
             self.metrics.uploads.labels(final.state).inc()
+            self.metrics.active.labels(RUNNING if final.started_at is not None else QUEUED).dec()
             if final.state == UPLOADED:
                 self.metrics.seconds.observe(final.seconds)
                 log.info("upload of %s of job %s to %s done: %d bytes in %.2f s (%d attempts)", version, job, req.uri,

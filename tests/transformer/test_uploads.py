@@ -203,6 +203,7 @@ def test_an_unreachable_object_store_is_retried_until_it_is_back(tmp_path: Path,
                 assert time.monotonic() < deadline, rec
                 time.sleep(0.1)
             assert rec["state"] == "running" and rec["last_error"] and rec["error_code"] == "store_unavailable", rec
+            assert 'tenplex_uploads_active{state="running"} 1.0' in _metrics_text(node.url)
         finally:
             moto.start()  # the same port: the store is back, with its objects
         rec = _wait(c, timeout=90)
@@ -211,6 +212,7 @@ def test_an_unreachable_object_store_is_retried_until_it_is_back(tmp_path: Path,
         text = _metrics_text(node.url)
     assert 'tenplex_uploads_total{outcome="uploaded"} 1.0' in text
     assert "tenplex_upload_retries_total" in text and "tenplex_upload_bytes_total" in text
+    assert 'tenplex_uploads_active{state="running"} 0.0' in text and 'tenplex_uploads_active{state="queued"} 0.0' in text
 
 
 def _metrics_text(url: str) -> str:
