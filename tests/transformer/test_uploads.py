@@ -288,3 +288,44 @@ def test_a_daemon_killed_mid_upload_leaves_no_persistent_version_and_a_resubmiss
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+
+
+def test_the_daemons_persist_a_version_and_a_reconfiguration_reads_the_lost_regions_back(
+    cluster, location: str
+) -> None:
+    """The whole daemon side: each holder uploads its regions (each once), one commits, a host dies, and the
+    new hosts' daemons take what no survivor holds from the persistent location (opened with open_store, the
+    daemons' own AWS environment for s3://), bit for bit."""
+    from tenplex.ptc import ParallelConfig
+    from tenplex.scheduler.persist import assign_uploads
+    from tenplex.transformer.plan import CHECKPOINT, make_plan
+
+    from .conftest import check_new_state, populate, random_state, transform_on_daemons
+    from .test_transform_e2e import layout
+
+    old_v, new_v = "s7-g0", "s7-g1"
+    old = layout(ParallelConfig(tp=2, pp=2), 2, ["h0", "h1"], "bf16")  # no replicas: h1 holds stage 1 alone
+    new = layout(ParallelConfig(dp=2, tp=2), 2, ["h2", "h3"], "bf16")
+    state = random_state(old, seed=21)
+    populate(cluster, old, state, "lost", old_v)
+    parts = assign_uploads(old, ["h0", "h1"])
+    assert sorted(parts) == ["h0", "h1"]
+    for host, shards in parts.items():
+        cluster.clients[host].request_json("POST", "/v1/jobs/lost/uploads",
+                                           {"version": old_v, "uri": location, "shards": [list(s) for s in shards]})
+    for host in parts:
+        deadline = time.monotonic() + 60
+        while (rec := cluster.clients[host].request_json("GET", f"/v1/jobs/lost/uploads/{old_v}"))["state"] != "uploaded":
+            assert rec["state"] in ("queued", "running") and time.monotonic() < deadline, rec
+            time.sleep(0.05)
+    expected = [[t.name, s.region.format()] for t in old.tensors for s in t.shards]
+    cluster.clients["h0"].request_json("POST", f"/v1/jobs/lost/uploads/{old_v}/commit",
+                                       {"uri": location, "shards": expected})
+    cluster.stop("h1")
+    plan = make_plan(old, new, job="lost", old_version=old_v, new_version=new_v, alive={"h0", "h2", "h3"},
+                     checkpoint=location)
+    from_ckpt = sum(t.nbytes for hp in plan.hosts.values() for t in hp.transfers if t.source == CHECKPOINT)
+    assert from_ckpt > 0
+    reports = transform_on_daemons(cluster, plan, hosts=["h0", "h2", "h3"])
+    assert sum(r.bytes_checkpoint for r in reports.values()) == from_ckpt
+    check_new_state(cluster, new, state, "lost", new_v)
