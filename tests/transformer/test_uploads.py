@@ -223,14 +223,14 @@ def _metrics_text(url: str) -> str:
         return r.read().decode()
 
 
-def _start_daemon(root: Path, *extra: str) -> tuple[subprocess.Popen, str]:
+def _start_daemon(root: Path, *extra: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     port_file = root.parent / f"{root.name}.port"
     port_file.unlink(missing_ok=True)
     proc = subprocess.Popen(
         [sys.executable, "-m", "tenplex", "--log-level", "WARNING", "store", "serve", "--root", str(root),
          "--host", "127.0.0.1", "--port", "0", "--port-file", str(port_file), *extra],
         start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        env={**os.environ, "TENPLEX_TOKEN": "tok"},
+        env={**(env if env is not None else os.environ), "TENPLEX_TOKEN": "tok"},
     )
     deadline = time.monotonic() + 60
     while not (port_file.exists() and port_file.read_text().strip()):
@@ -239,8 +239,21 @@ def _start_daemon(root: Path, *extra: str) -> tuple[subprocess.Popen, str]:
     return proc, f"http://127.0.0.1:{port_file.read_text().strip()}"
 
 
-def test_a_daemon_killed_mid_upload_leaves_no_persistent_version_and_a_resubmission_finishes(tmp_path: Path) -> None:
-    root, uri = tmp_path / "node", (tmp_path / "ckpt").as_uri()
+@pytest.mark.parametrize("backend", ["file", "s3"])
+def test_a_daemon_killed_mid_upload_leaves_no_persistent_version_and_a_resubmission_finishes(
+    tmp_path: Path, backend: str, request: pytest.FixtureRequest
+) -> None:
+    root = tmp_path / "node"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    flags: tuple[str, ...] = ()
+    options = None
+    if backend == "file":
+        uri = (tmp_path / "ckpt").as_uri()
+    else:  # the endpoint as the daemon's flag (the chart's store.persistent.endpoint), credentials in its env
+        moto = request.getfixturevalue("moto")
+        uri, options = f"s3://{BUCKET}/torn", moto.options
+        env.update(AWS_ACCESS_KEY_ID=moto.options["access_key_id"], AWS_SECRET_ACCESS_KEY=moto.options["secret_access_key"])
+        flags = ("--s3-endpoint", moto.endpoint, "--s3-region", moto.options["region"])
     store = LocalStore(root, durable=False)
     shards = []
     for i in range(300):  # many small shards, one at a time: the kill lands between them
@@ -250,7 +263,7 @@ def test_a_daemon_killed_mid_upload_leaves_no_persistent_version_and_a_resubmiss
         shards.append(["emb", r.format()])
     store.commit(JOB, V)
     store.close()
-    proc, url = _start_daemon(root, "--upload-concurrency", "1")
+    proc, url = _start_daemon(root, "--upload-concurrency", "1", *flags, env=env)
     try:
         with StoreClient(url, "tok", retries=0, timeout=10) as c:
             c.request_json("POST", _uploads(), {"version": V, "uri": uri, "shards": shards})
@@ -261,11 +274,11 @@ def test_a_daemon_killed_mid_upload_leaves_no_persistent_version_and_a_resubmiss
         proc.wait(10)
         assert rec["shards_done"] < len(shards), "the upload finished before the kill: make it longer"
         # torn: some shards are there, no commit marker; nothing lists it as a persistent version
-        with PersistentStore(uri) as p:
+        with PersistentStore(uri, options=options) as p:
             assert [v for v in p.versions(JOB) if v.committed] == []
             with pytest.raises(NotFound):
                 p.read_into(JOB, V, "emb", Region(((0, 64),)), np.empty(64, np.float32))
-        proc, url = _start_daemon(root, "--upload-concurrency", "4")
+        proc, url = _start_daemon(root, "--upload-concurrency", "4", *flags, env=env)
         with StoreClient(url, "tok", retries=1, timeout=10) as c:
             rec = c.request_json("GET", _uploads(V))
             assert rec["state"] == "interrupted" and "stopped" in rec["error"], rec
@@ -280,7 +293,7 @@ def test_a_daemon_killed_mid_upload_leaves_no_persistent_version_and_a_resubmiss
         skipped = float(next(line.split()[-1] for line in metrics.splitlines()
                              if line.startswith("tenplex_upload_skipped_bytes_total")))
         assert skipped >= 5 * 64 * 4, metrics
-        with PersistentStore(uri) as p:
+        with PersistentStore(uri, options=options) as p:
             got = np.empty(64, np.float32)
             p.read_into(JOB, V, "emb", Region(((64 * 7, 64 * 8),)), got)
             assert (got == 7).all()
