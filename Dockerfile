@@ -33,8 +33,9 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY tenplex ./tenplex
 COPY examples ./examples
-# torch==2.13.0 is already satisfied by the wheel above, so pip does not fetch another build.
-RUN pip install --no-cache-dir . \
+# torch==2.13.0 is already satisfied by the wheel above, so pip does not fetch another build. The example
+# jobs are their own distribution (tenplex-examples), registering their layout providers by entry points.
+RUN pip install --no-cache-dir . ./examples \
     && python -c "import tenplex.cli, examples.gpt.train"
 
 # ---------------------------------------------------------------- runtime: slim, non-root

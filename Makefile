@@ -21,10 +21,12 @@ TORCHTITAN := torchtitan==0.3.0
 MOTO := moto==5.2.5 boto3==1.44.8 botocore==1.44.8 s3transfer==0.19.3
 
 # Reinstall only when the dependency list changes. torchtitan without its declared dependencies
-# (see the `clients` extra in pyproject.toml for what it really imports).
-$(STAMP): pyproject.toml Makefile | $(PY)
+# (see the `clients` extra in pyproject.toml for what it really imports). The example jobs are their own
+# distribution (examples/pyproject.toml), registering their layout providers as a user's package would.
+$(STAMP): pyproject.toml examples/pyproject.toml Makefile | $(PY)
 	$(PIP) install --quiet "torch==2.13.0"
 	$(PIP) install --quiet -e ".[test,clients]"
+	$(PIP) install --quiet --no-deps -e ./examples
 	$(PIP) install --quiet --no-deps "$(TORCHTITAN)"
 	$(PIP) install --quiet --no-deps $(MOTO)
 	touch $(STAMP)

@@ -1,67 +1,130 @@
-"""Planning time at GPT-3 175B scale (target: <= 1 s per plan; network / lower bound = 1.000).
+"""Planning time at the scale of today's largest jobs (target: <= 1 s per plan; network / lower bound = 1.000).
 
-Scenarios, both from tp8 x pp16 x dp8 (1024 GPUs, 128 hosts of 8):
+GPT-3 175B (ZeRO-0), from tp8 x pp16 x dp8 (1024 GPUs, 128 hosts of 8):
   scale-down: to tp8 x pp12 x dp8 (768 GPUs, the first 96 hosts);
   host loss:  node-3 and node-77 fail; to tp8 x pp16 x dp7 (896 GPUs) on the first 112 survivors.
 
-The PTCs are built by the Megatron layout provider before timing (the scheduler
-builds them anyway); the timed part is make_plan, lower bound and checks included.
+A 405B GPT (Llama-3.1-405B's shape: 126 layers, hidden 16384, 128 heads with 8
+KV heads, SwiGLU width 53248, vocab 128256, RMSNorm, no biases, rotary), bf16
+parameters with fp32 Adam state and ZeRO-1 (megatron-core's distributed
+optimizer: fp32 master weights and moments cut over the dp ranks), from
+tp8 x pp16 x dp128 (16,384 GPUs, 2,048 hosts of 8):
+  host loss:  node-777 (stage 6, dp rank 9) fails; to dp127 (16,256 GPUs) on the survivors, each host
+              keeping its pipeline stage and tensor-parallel slice (dp rank 9's hosts of the other stages
+              leave the job). Its optimizer shards had no replica (ZeRO-1), so they are read from the
+              persistent checkpoint; those reads count as network bytes, in the plan and in the lower bound;
+  scale-down: to dp120 (15,360 GPUs), dp ranks 120-127 of every stage leaving.
 
-Run: .venv/bin/python benchmarks/plan_scale.py [--repeat 5]
+The PTCs are built by the Megatron layout provider before timing (the scheduler
+builds them anyway; their build time is printed separately); the timed part is
+make_plan, lower bound and checks included. The first plan of a scenario is
+timed on its own (cold) besides the median; CPU time (time.process_time) is
+printed too, as the machine is shared. Serializing every host's part (what the
+scheduler sends to the daemons) is timed apart: it is orchestration, not planning.
+
+Run: .venv/bin/python benchmarks/plan_scale.py [--repeat 5] [--cases 175b,405b] [--serialize]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import time
 
-from tenplex.ptc import ParallelConfig
+from tenplex.ptc import PTC, ParallelConfig
 from tenplex.ptc.megatron import GPTSpec, megatron_gpt_ptc
 from tenplex.transformer.plan import make_plan, plan_summary
 
 GPT3_175B = GPTSpec(num_layers=96, hidden=12288, heads=96, vocab=50257, seq_len=2048)
+GPT_405B = GPTSpec(num_layers=126, hidden=16384, heads=128, kv_heads=8, vocab=128256, ffn_hidden=53248,
+                   gated_mlp=True, normalization="RMSNorm", bias=False, seq_len=0)
+
+
+def timed_build(what: str, *args: object, **kwargs: object) -> PTC:
+    start = time.perf_counter()
+    ptc = megatron_gpt_ptc(*args, **kwargs)  # type: ignore[arg-type]
+    print(f"  PTC {what}: built in {time.perf_counter() - start:.2f} s, {len(ptc.devices)} devices, "
+          f"{sum(len(t.shards) for t in ptc.tensors)} shards")
+    return ptc
+
+
+def scenarios_175b() -> tuple[str, PTC, dict[str, tuple[PTC, set[str] | None, str | None]]]:
+    hosts = [f"node-{i}" for i in range(128)]
+    old = timed_build("175B tp8 x pp16 x dp8", GPT3_175B, ParallelConfig(dp=8, tp=8, pp=16), hosts=hosts)
+    dead = {"node-3", "node-77"}
+    survivors = [h for h in hosts if h not in dead]
+    return "GPT-3 175B", old, {
+        "175B scale-down pp16->pp12 (1024->768 GPUs)": (
+            timed_build("175B tp8 x pp12 x dp8", GPT3_175B, ParallelConfig(dp=8, tp=8, pp=12), hosts=hosts[:96]),
+            None, None),
+        "175B loss of 2 hosts, dp8->dp7 (1024->896 GPUs)": (
+            timed_build("175B tp8 x pp16 x dp7", GPT3_175B, ParallelConfig(dp=7, tp=8, pp=16),
+                        hosts=survivors[:112]),
+            set(survivors), None),
+    }
+
+
+def scenarios_405b() -> tuple[str, PTC, dict[str, tuple[PTC, set[str] | None, str | None]]]:
+    dp, pp = 128, 16
+    hosts = [f"node-{i}" for i in range(dp * pp)]  # host s*dp + d runs stage s, dp rank d (tp inside the host)
+    old = timed_build("405B tp8 x pp16 x dp128", GPT_405B, ParallelConfig(dp=dp, tp=8, pp=pp, zero=1), hosts=hosts,
+                      precision="bf16")
+    lost_rank, lost_stage = 9, 6
+    lost = hosts[lost_stage * dp + lost_rank]
+    kept = [hosts[s * dp + d] for s in range(pp) for d in range(dp) if d != lost_rank]
+    down = [hosts[s * dp + d] for s in range(pp) for d in range(120)]
+    return "405B GPT", old, {
+        f"405B loss of {lost}, dp128->dp127 (16384->16256 GPUs)": (
+            timed_build("405B tp8 x pp16 x dp127", GPT_405B, ParallelConfig(dp=127, tp=8, pp=pp, zero=1),
+                        hosts=kept, precision="bf16"),
+            set(hosts) - {lost}, "http://checkpoint.invalid:7070"),
+        "405B scale-down dp128->dp120 (16384->15360 GPUs)": (
+            timed_build("405B tp8 x pp16 x dp120", GPT_405B, ParallelConfig(dp=120, tp=8, pp=pp, zero=1),
+                        hosts=down, precision="bf16"),
+            None, None),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5, help="timed runs per scenario (median reported)")
+    parser.add_argument("--cases", default="175b,405b", help="comma-separated: 175b, 405b")
+    parser.add_argument("--serialize", action="store_true",
+                        help="also time building and serializing every host's part (JSON), as sent to the daemons")
     args = parser.parse_args()
-
-    hosts = [f"node-{i}" for i in range(128)]
-    old = megatron_gpt_ptc(GPT3_175B, ParallelConfig(dp=8, tp=8, pp=16), hosts=hosts)
-    dead = {"node-3", "node-77"}
-    survivors = [h for h in hosts if h not in dead]
-    scenarios = {
-        "scale-down pp16->pp12 (1024->768 GPUs)": (
-            megatron_gpt_ptc(GPT3_175B, ParallelConfig(dp=8, tp=8, pp=12), hosts=hosts[:96]),
-            None,
-        ),
-        "loss of 2 hosts, dp8->dp7 (1024->896 GPUs)": (
-            megatron_gpt_ptc(GPT3_175B, ParallelConfig(dp=7, tp=8, pp=16), hosts=survivors[:112]),
-            set(survivors),
-        ),
-    }
-    print(f"machine: nproc={os.cpu_count()}; model GPT-3 175B, {len(old.tensors)} tensors, "
-          f"{sum(len(t.shards) for t in old.tensors)} old shards, {old.total_bytes / 2**40:.2f} TiB of state")
-    for name, (new, alive) in scenarios.items():
-        times = []
-        plan = None
-        for _ in range(args.repeat):
-            start = time.perf_counter()
-            plan = make_plan(old, new, job="gpt3", old_version="s100-g0", new_version="s100-g1", alive=alive)
-            times.append(time.perf_counter() - start)
-        assert plan is not None
-        s = plan_summary(plan)
-        ratio = s["network_bytes"] / s["lower_bound_bytes"]
-        print(
-            f"{name}: plan median {statistics.median(times):.3f} s (min {min(times):.3f}, max {max(times):.3f}, "
-            f"n={len(times)}); {s['transfers']} transfers to {s['hosts']} hosts; network "
-            f"{s['network_bytes'] / 2**30:.1f} GiB, lower bound {s['lower_bound_bytes'] / 2**30:.1f} GiB, "
-            f"ratio {ratio:.3f}; local {s['local_bytes'] / 2**30:.1f} GiB; max send "
-            f"{s['max_send_bytes'] / 2**30:.2f} GiB, max receive {s['max_receive_bytes'] / 2**30:.2f} GiB"
-        )
+    print(f"machine: nproc={os.cpu_count()}, load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    builders = {"175b": scenarios_175b, "405b": scenarios_405b}
+    for case in args.cases.split(","):
+        model, old, scenarios = builders[case.strip()]()
+        print(f"{model}: {len(old.tensors)} tensors, {sum(len(t.shards) for t in old.tensors)} old shards, "
+              f"{old.total_bytes / 2**40:.2f} TiB of state")
+        for name, (new, alive, checkpoint) in scenarios.items():
+            walls, cpus = [], []
+            plan = None
+            for _ in range(args.repeat):
+                wall, cpu = time.perf_counter(), time.process_time()
+                plan = make_plan(old, new, job="big", old_version="s100-g0", new_version="s100-g1", alive=alive,
+                                 checkpoint=checkpoint)
+                walls.append(time.perf_counter() - wall)
+                cpus.append(time.process_time() - cpu)
+            assert plan is not None
+            s = plan_summary(plan)
+            ratio = s["network_bytes"] / s["lower_bound_bytes"]
+            print(
+                f"{name}: plan median {statistics.median(walls):.3f} s (cold {walls[0]:.3f}, min {min(walls):.3f}, "
+                f"max {max(walls):.3f}, n={len(walls)}; CPU median {statistics.median(cpus):.3f} s); "
+                f"load {os.getloadavg()[0]:.1f}; {s['transfers']} transfers to {s['hosts']} hosts; network "
+                f"{s['network_bytes'] / 2**30:.1f} GiB, lower bound {s['lower_bound_bytes'] / 2**30:.1f} GiB, "
+                f"ratio {ratio:.3f}; local {s['local_bytes'] / 2**30:.1f} GiB; max send "
+                f"{s['max_send_bytes'] / 2**30:.2f} GiB, max receive {s['max_receive_bytes'] / 2**30:.2f} GiB"
+            )
+            if args.serialize:
+                start = time.perf_counter()
+                size = sum(len(json.dumps(plan.host(h).to_json(), separators=(",", ":"))) for h in plan.hosts)
+                print(f"  every host's part built and serialized: {time.perf_counter() - start:.2f} s, "
+                      f"{size / 2**20:.0f} MiB of JSON")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import signal
 import sys
@@ -110,8 +111,9 @@ class Demo:
             self.wait(client, job, lambda v: _running_gen_past(v, 2, 3 * third), "training on 2 GPUs")
 
             victim = client.job(job)["status"]["workers"][-1]
-            self.event(client, job, f"kill worker {victim['worker_id']} (SIGKILL)",
-                       lambda: sched.scheduler.backend.kill_worker(job, victim["worker_id"], signal.SIGKILL))  # type: ignore[union-attr,attr-defined]
+            # From outside, as a real failure comes: the worker's pid from the job status, SIGKILL.
+            self.event(client, job, f"kill worker {victim['worker_id']} (pid {victim['pid']}, SIGKILL)",
+                       lambda: os.kill(victim["pid"], signal.SIGKILL))
             self.wait(client, job, lambda v: _running_gen_past(v, 3, 4 * third), "recovering from the survivors")
 
             hosts_now = client.job(job)["status"]["hosts"]

@@ -94,6 +94,23 @@ class StateLost(TenplexError):
     http_status = 409
 
 
+class SchedulerUnavailable(TenplexError):
+    """The scheduler could not be reached, or kept failing, after the retries (a worker's view)."""
+
+    code = "scheduler_unavailable"
+    http_status = 503
+
+
+class NotLeader(TenplexError):
+    """This scheduler replica does not hold the leader Lease (or is still resuming the jobs): ask again.
+
+    503, so that workers retry, and a retry through the scheduler's Service can
+    reach the leader; a 404 would tell them their job is gone."""
+
+    code = "not_leader"
+    http_status = 503
+
+
 class TransformFailed(TenplexError):
     """A state transformation could not complete; the old version is intact."""
 

@@ -38,6 +38,7 @@ from transformers.distributed import DistributedConfig  # noqa: E402
 
 from tenplex.errors import InvalidConfig  # noqa: E402
 from tenplex.ptc import PTC, DatasetState, ParallelConfig, Placement  # noqa: E402
+from tenplex.ptc.provider import layout_provider  # noqa: E402
 from tenplex.ptc.torch_layout import TRANSFORMERS_MESH_ROLES, derive_ptc_from_stages  # noqa: E402
 
 MESH_ROLES = {name: role.value for name, role in TRANSFORMERS_MESH_ROLES.items()}
@@ -181,3 +182,10 @@ def hf_ptc(
         model={"name": "examples.hf", "library": "transformers==5.24.0", **cfg.to_json()},
         mesh_roles=MESH_ROLES,
     )
+
+
+@layout_provider(HFConfig)
+def example_hf_layout(cfg: HFConfig, parallel: ParallelConfig, placement: Placement, dataset: DatasetState | None,
+                      precision: str) -> PTC:
+    """The ``example-hf`` layout provider (the job trains in fp32)."""
+    return hf_ptc(cfg, parallel, placement, dataset=dataset)

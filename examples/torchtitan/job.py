@@ -49,6 +49,7 @@ from torch import nn
 from examples.torchtitan import cpu
 from tenplex.errors import InvalidConfig
 from tenplex.ptc import PTC, DatasetState, ParallelConfig, Placement
+from tenplex.ptc.provider import layout_provider
 from tenplex.ptc.torch_layout import derive_ptc_from_stages
 
 cpu.apply()  # before torchtitan builds anything; changes nothing on GPU machines
@@ -310,3 +311,10 @@ def titan_ptc(
         model={"name": "examples.torchtitan", "library": "torchtitan==0.3.0", **cfg.to_json()},
         mesh_roles=MESH_ROLES,
     )
+
+
+@layout_provider(TitanConfig)
+def example_torchtitan_layout(cfg: TitanConfig, parallel: ParallelConfig, placement: Placement,
+                              dataset: DatasetState | None, precision: str) -> PTC:
+    """The ``example-torchtitan`` layout provider (the job trains in fp32)."""
+    return titan_ptc(cfg, parallel, placement, dataset=dataset)

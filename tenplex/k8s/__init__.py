@@ -1,4 +1,4 @@
-"""Kubernetes integration: the ElasticJob custom resource, and a cluster to test against without one.
+"""Kubernetes integration: the ElasticJob custom resource, the scheduler's Kubernetes backend and its operator.
 
 * ``tenplex.k8s.crd``: the ElasticJob CRD as data (the chart's ``crds/`` file is
   generated from it), validation with the same schema and CEL rules the API
@@ -7,8 +7,9 @@
   the scheduler's Kubernetes backend.
 * ``tenplex.k8s.settings``: what the chart tells the scheduler's Kubernetes backend
   through its environment (namespace, identity, leader election, store port, ...).
-* ``tenplex.k8s.emulator``: an in-process API server that the official client
-  and kubectl talk to over real HTTP (test-only; needs the ``test`` extras).
-* ``tenplex.k8s.kubelet``: a test kubelet that runs a node's pods as local processes.
-* ``tenplex.k8s.binder``: a test stand-in for kube-scheduler that binds pending pods.
+* ``tenplex.k8s.backend``, ``informer``, ``jobstore``, ``operator``: worker pods on GPU nodes,
+  watched; job state in the API server; the ElasticJob operator with leader election.
+
+The API server emulator, the test kubelet and the pod binder the tests run
+this against are test machinery: :mod:`tenplex.testing.k8s`.
 """

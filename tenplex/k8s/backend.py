@@ -84,6 +84,8 @@ LAUNCHER_COMMAND = ("tenplex", "worker", "launch", "--")
 RANK_ENV = (ENV_RANK, ENV_LOCAL_RANK, ENV_WORKER_ID)
 """Per-rank variables: always in a multi-rank pod's TENPLEX_POD_RANKS, never in its shared environment."""
 PORT_RESERVATION_SECONDS = 120.0
+STOP_MARGIN_SECONDS = 15.0
+"""How long past a deleted pod's grace period :meth:`KubernetesBackend.stop` waits for its kubelet to confirm."""
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,19 @@ def node_address(node: Mapping[str, Any]) -> str | None:
             if a.get("type") == kind and a.get("address"):
                 return str(a["address"])
     return None
+
+
+def pod_gpus(pod: Mapping[str, Any], resource: str = crd.GPU_RESOURCE) -> int:
+    """GPUs a pod asks for (its containers' limits, else requests, of ``resource``)."""
+    total = 0
+    for c in (pod.get("spec") or {}).get("containers") or []:
+        res = c.get("resources") or {}
+        value = (res.get("limits") or {}).get(resource) or (res.get("requests") or {}).get(resource) or 0
+        try:
+            total += int(str(value))
+        except ValueError:
+            log.warning("pod %s: %s %r is not an integer", pod["metadata"]["name"], resource, value)
+    return total
 
 
 def pod_exit_code(pod: Mapping[str, Any], container: str | None = None) -> int | None:
@@ -189,8 +204,10 @@ class KubernetesBackend(Backend):
 
     def __init__(self, api_client: client.ApiClient, settings: KubernetesSettings,
                  elasticjob: Callable[[str], Mapping[str, Any]], *, master_ports: tuple[int, int] = (29500, 29999),
-                 watch_timeout: int = 60, sync_timeout: float = 30.0, gpu_resource: str = crd.GPU_RESOURCE) -> None:
-        """``elasticjob(name)`` returns the ElasticJob object of a job (raises NotFound for none)."""
+                 watch_timeout: int = 60, sync_timeout: float = 30.0, gpu_resource: str = crd.GPU_RESOURCE,
+                 stop_margin: float = STOP_MARGIN_SECONDS) -> None:
+        """``elasticjob(name)`` returns the ElasticJob object of a job (raises NotFound for none); ``stop_margin``:
+        how long past a deleted pod's grace period :meth:`stop` waits for its kubelet's confirmation."""
         lo, hi = master_ports
         if not 0 < lo <= hi < 65536:
             raise InvalidConfig(f"master port range must be within 1..65535 and ordered, got {lo}-{hi}")
@@ -200,6 +217,7 @@ class KubernetesBackend(Backend):
         self._ports = (lo, hi)
         self._gpu = gpu_resource
         self._sync_timeout = sync_timeout
+        self._stop_margin = stop_margin
         self._lock = threading.Lock()
         self._listeners: list[Listener] = []
         self._reserved: dict[tuple[str, int], float] = {}
@@ -311,15 +329,41 @@ class KubernetesBackend(Backend):
                     return int(p.get("hostPort") or p.get("containerPort") or self.settings.store_port)
         return self.settings.store_port
 
+    def held_gpus(self) -> dict[str, int]:
+        """Node -> GPUs that the pods bound to it hold: every watched pod not terminated, a Terminating one
+        included (its containers may still run; the device plugin frees its GPUs only once they have ended)."""
+        held: dict[str, int] = {}
+        for pod in self._pods():
+            node = (pod.get("spec") or {}).get("nodeName")
+            gpus = pod_gpus(pod, self._gpu)
+            if node and gpus and _phase(pod) not in ("Succeeded", "Failed"):
+                held[node] = held.get(node, 0) + gpus
+        return held
+
+    def gpus_held_by(self, job: str, worker_ids: Sequence[str]) -> dict[str, int]:
+        """Node -> GPUs held by the live pods of these workers (a multi-rank pod once)."""
+        pods = {p["metadata"]["uid"]: p for wid in worker_ids if (p := self._worker_pod(job, wid)) is not None}
+        held: dict[str, int] = {}
+        for pod in pods.values():
+            node = (pod.get("spec") or {}).get("nodeName")
+            gpus = pod_gpus(pod, self._gpu)
+            if node and gpus and _phase(pod) not in ("Succeeded", "Failed"):
+                held[node] = held.get(node, 0) + gpus
+        return held
+
     def hosts(self) -> list[HostInfo]:
+        """The GPU nodes; each one's ``gpus`` are those no pod holds (see :meth:`held_gpus`), so that a new
+        placement never counts on the GPUs of a pod that is still running or still terminating."""
         stores = self._store_pods()
+        held = self.held_gpus()
         out: list[HostInfo] = []
         present: set[str] = set()
         for node in sorted(self.nodes.items(), key=lambda n: n["metadata"]["name"]):
             name = node["metadata"]["name"]
-            gpus = node_gpus(node, self._gpu)
-            if gpus <= 0:
+            allocatable = node_gpus(node, self._gpu)
+            if allocatable <= 0:
                 continue
+            gpus = max(0, allocatable - held.get(name, 0))
             present.add(name)
             address = node_address(node) or name
             store = stores.get(name)
@@ -440,6 +484,8 @@ class KubernetesBackend(Backend):
             "hostNetwork": True,
             "dnsPolicy": "ClusterFirstWithHostNet",
             "enableServiceLinks": False,
+            # Workers do not talk to the API server: no token in their filesystem (least privilege).
+            "automountServiceAccountToken": False,
             "terminationGracePeriodSeconds": 30,
             "containers": [container],
         }
@@ -471,6 +517,8 @@ class KubernetesBackend(Backend):
         if not command:
             raise InvalidConfig(f"job {job!r} has no worker command")
         job_obj = self._elasticjob(job)
+        if (job_obj.get("metadata") or {}).get("deletionTimestamp"):
+            raise InvalidConfig(f"job {job}: its ElasticJob is being deleted: no new worker pods")
         namespace = job_obj["metadata"].get("namespace") or "default"
         informer = self._informer_for(namespace)
         groups = pod_groups(workers, crd.ElasticJobSpec.from_object(job_obj).gpus_per_pod)
@@ -492,6 +540,10 @@ class KubernetesBackend(Backend):
                                         f"{exc.status} {_api_message(exc)}") from None
                 existing = self._worker_pod(job, w.worker_id)
                 want = manifest["metadata"]["labels"][LABEL_GENERATION]
+                if existing is not None and (existing.get("metadata") or {}).get("deletionTimestamp"):
+                    # An earlier pod of that name, still terminating: the new one can only be created once it is gone.
+                    self._create_after(existing, manifest, informer)
+                    continue
                 if existing is None or _labels(existing).get(LABEL_GENERATION) != want:
                     raise Conflict(f"job {job}: pod {namespace}/{w.worker_id} already exists and is not "
                                    f"generation {want}'s worker") from None
@@ -499,6 +551,26 @@ class KubernetesBackend(Backend):
             log.info("job %s: created pod %s/%s (ranks %s on node %s)", job, namespace, w.worker_id,
                      ", ".join(str(x.rank) for x in group), w.host)
         return {w.worker_id: None for w in workers}
+
+    def _create_after(self, terminating: Mapping[str, Any], manifest: dict[str, Any], informer: Informer) -> None:
+        """Create ``manifest`` once the pod of that name that is being deleted is gone (its grace period and a
+        margin at most); a Conflict if it is not gone by then."""
+        meta = terminating["metadata"]
+        grace = float(meta.get("deletionGracePeriodSeconds") or 0)
+        deadline = time.monotonic() + grace + self._stop_margin
+        log.info("pod %s/%s is still terminating; waiting for it to go before creating its successor",
+                 meta["namespace"], meta["name"])
+        while self._live_pod(terminating) is not None:
+            if time.monotonic() > deadline:
+                raise Conflict(f"pod {meta['namespace']}/{meta['name']} is still terminating {grace + self._stop_margin:.0f}s "
+                               "after its deletion: its successor of the same name cannot be created yet")
+            time.sleep(0.05)
+        try:
+            resp = self.core.create_namespaced_pod(meta["namespace"], manifest, _preload_content=False)
+        except client.ApiException as exc:
+            raise InvalidConfig(f"the API server refused worker pod {meta['namespace']}/{meta['name']}: "
+                                f"{exc.status} {_api_message(exc)}") from None
+        informer.add_created(json.loads(resp.data))
 
     def _remove_finished(self, job: str, generations: set[str]) -> None:
         """Delete the terminated worker pods of earlier generations (a planned stop leaves them Succeeded)."""
@@ -515,7 +587,13 @@ class KubernetesBackend(Backend):
                     log.warning("job %s: could not remove finished pod %s: %s", job, meta["name"], _api_message(exc))
 
     def stop(self, job: str, worker_ids: Sequence[str], *, grace: float = 10.0) -> None:
-        """Delete the pods (the kubelet sends SIGTERM, then SIGKILL after ``grace``) and wait until they are gone."""
+        """Delete the pods (the kubelet sends SIGTERM, then SIGKILL after ``grace``) and wait until they are gone.
+
+        A pod is gone once its kubelet has confirmed that its containers ended. The wait covers the pods on
+        Ready nodes; a NotReady node's kubelet cannot confirm, so its pods stay Terminating (and keep their GPUs
+        in :meth:`hosts`) without holding the caller up. A pod still there after the grace period and a margin
+        is left Terminating with a warning: its GPUs stay counted as held until it is gone.
+        """
         found = {p["metadata"]["name"]: p for wid in worker_ids if (p := self._worker_pod(job, wid)) is not None}
         pods = list(found.values())  # a multi-rank pod once, whichever of its workers were named
         seconds = max(0, math.ceil(grace))
@@ -527,13 +605,21 @@ class KubernetesBackend(Backend):
             except client.ApiException as exc:
                 if exc.status != 404:
                     log.warning("job %s: deleting pod %s failed: %s %s", job, meta["name"], exc.status, _api_message(exc))
-        deadline = time.monotonic() + seconds + 15.0
+        deadline = time.monotonic() + seconds + self._stop_margin
+        left: list[str] = []
         while time.monotonic() < deadline:
-            left = [p["metadata"]["name"] for p in pods if self._live_pod(p) is not None]
+            ready = {h.name for h in self.hosts() if h.ready}
+            live = [p for p in pods if self._live_pod(p) is not None]
+            left = [p["metadata"]["name"] for p in live if (p.get("spec") or {}).get("nodeName") in ready]
             if not left:
+                lost = [p["metadata"]["name"] for p in live]
+                if lost:
+                    log.warning("job %s: pods %s are on nodes that are not Ready: they stay Terminating (their GPUs "
+                                "held) until their kubelets confirm", job, lost)
                 return
             time.sleep(0.05)
-        log.warning("job %s: pods %s still terminating %.0fs after deletion", job, left, seconds + 15.0)
+        log.warning("job %s: pods %s still terminating %.0fs after deletion; their GPUs stay held until they are gone",
+                    job, left, seconds + self._stop_margin)
 
     def _live_pod(self, pod: Mapping[str, Any]) -> dict[str, Any] | None:
         """The cached pod with the same namespace, name and uid as ``pod`` (None once it is gone)."""

@@ -3,9 +3,10 @@
 This module is the single source of truth for the resource. The chart's
 ``crds/elasticjobs.tenplex.io.yaml`` is generated from :func:`crd_manifest`
 (``tenplex k8s crd > deploy/helm/tenplex/crds/elasticjobs.tenplex.io.yaml``;
-a test keeps them equal), the API emulator validates ElasticJobs with the same
-schema, and the scheduler's Kubernetes backend reads spec and writes status
-through :class:`ElasticJobSpec` and :class:`ElasticJobStatus`.
+a test keeps them equal), the test API server serves the resource from that
+manifest, its cross-field CEL rules are evaluated from the manifest's own
+strings (:mod:`tenplex.k8s.cel`), and the scheduler's Kubernetes backend reads
+spec and writes status through :class:`ElasticJobSpec` and :class:`ElasticJobStatus`.
 
 Contracts with the rest of the deployment (the chart implements them):
 
@@ -25,12 +26,14 @@ from __future__ import annotations
 import copy
 import enum
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from tenplex import registry
 from tenplex.errors import InvalidInput
+from tenplex.k8s import cel
 
 GROUP = "tenplex.io"
 VERSION = "v1alpha1"
@@ -55,7 +58,6 @@ ENV_STORE_URL = "TENPLEX_STORE_URL"
 ENV_TOKEN = "TENPLEX_TOKEN"
 GPU_RESOURCE = "nvidia.com/gpu"
 LEADER_LEASE = "tenplex-scheduler"
-LAYOUT_PROVIDERS = ("megatron-gpt", "example-gpt", "example-torchtitan", "example-hf")
 POLICY_TYPES = ("builtin", "table")
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -107,43 +109,30 @@ _SIDE = {
     "properties": {"gpus": _int(0), "dp": _int(1), "tp": _int(1), "pp": _int(1)},
 }
 
-# CEL rules with the Python predicate that checks the same thing, so that the
-# emulator and ``validate_elasticjob`` enforce what a real API server enforces.
-# Keyed by (schema location, rule). ``has`` is CEL's field-presence test.
-_RULES: dict[tuple[str, str], tuple[str, Callable[[Mapping[str, Any]], bool]]] = {
-    ("spec", "!has(self.minGpus) || !has(self.maxGpus) || self.minGpus <= self.maxGpus"): (
-        "minGpus must not exceed maxGpus",
-        lambda s: "minGpus" not in s or "maxGpus" not in s or s["minGpus"] <= s["maxGpus"],
+# The CRD's cross-field rules (x-kubernetes-validations), by schema location. They are evaluated from these
+# strings, by the API server and by tenplex.k8s.cel (cel-python) for `tenplex k8s validate`, the scheduler and the
+# test API server; their estimated cost is checked against the API server's limits (tenplex.k8s.cel.estimate).
+_RULES: dict[str, tuple[tuple[str, str], ...]] = {
+    "spec": (
+        ("!has(self.minGpus) || !has(self.maxGpus) || self.minGpus <= self.maxGpus", "minGpus must not exceed maxGpus"),
+        ("self.gpus % self.gpusPerPod == 0", "gpus must be a multiple of gpusPerPod"),
+        ("self.gpus == 0 || !has(self.minGpus) || self.gpus >= self.minGpus",
+         "gpus must be 0 (suspended) or at least minGpus"),
+        ("!has(self.maxGpus) || self.gpus <= self.maxGpus", "gpus must not exceed maxGpus"),
     ),
-    ("spec", "self.gpus % self.gpusPerPod == 0"): (
-        "gpus must be a multiple of gpusPerPod",
-        lambda s: s["gpus"] % s["gpusPerPod"] == 0,
+    "spec.policy": (
+        ("self.type != 'table' || (has(self.table) && size(self.table) > 0)",
+         "a policy of type table needs a non-empty table"),
+        ("!has(self.stateMemoryFraction) || self.stateMemoryFraction > 0.0", "stateMemoryFraction must be greater than 0"),
     ),
-    ("spec", "self.gpus == 0 || !has(self.minGpus) || self.gpus >= self.minGpus"): (
-        "gpus must be 0 (suspended) or at least minGpus",
-        lambda s: s["gpus"] == 0 or "minGpus" not in s or s["gpus"] >= s["minGpus"],
-    ),
-    ("spec", "!has(self.maxGpus) || self.gpus <= self.maxGpus"): (
-        "gpus must not exceed maxGpus",
-        lambda s: "maxGpus" not in s or s["gpus"] <= s["maxGpus"],
-    ),
-    ("spec.policy", "self.type != 'table' || (has(self.table) && size(self.table) > 0)"): (
-        "a policy of type table needs a non-empty table",
-        lambda p: p.get("type", "builtin") != "table" or bool(p.get("table")),
-    ),
-    ("spec.policy", "!has(self.stateMemoryFraction) || self.stateMemoryFraction > 0.0"): (
-        "stateMemoryFraction must be greater than 0",
-        lambda p: p.get("stateMemoryFraction", 0.5) > 0,
-    ),
-    ("spec.policy.table[]", "self.dp * self.tp * self.pp == self.gpus"): (
-        "dp * tp * pp must equal gpus in every table entry",
-        lambda e: e["dp"] * e["tp"] * e["pp"] == e["gpus"],
+    "spec.policy.table[]": (
+        ("self.dp * self.tp * self.pp == self.gpus", "dp * tp * pp must equal gpus in every table entry"),
     ),
 }
 
 
 def _rules_at(location: str) -> list[dict[str, str]]:
-    return [{"rule": rule, "message": message} for (loc, rule), (message, _) in _RULES.items() if loc == location]
+    return [{"rule": rule, "message": message} for rule, message in _RULES[location]]
 
 
 def _spec_schema() -> dict[str, Any]:
@@ -191,7 +180,10 @@ def _spec_schema() -> dict[str, Any]:
                 "description": "How the training state is laid out: a layout provider and its model description.",
                 "required": ["provider"],
                 "properties": {
-                    "provider": _str(enum=list(LAYOUT_PROVIDERS)),
+                    "provider": _str("A layout provider registered with the scheduler (entry points "
+                                     "'tenplex.layouts', e.g. megatron-gpt, example-gpt), or 'package.module:function' "
+                                     "naming one the scheduler can import.",
+                                     pattern=f"^(?:{registry.REFERENCE_PATTERN})$", maxLength=253),
                     "model": {
                         "type": "object",
                         "description": "The model as the provider expects it: dimensions (layers, hidden size, ...) and, "
@@ -441,24 +433,17 @@ def _metadata_free(schema: dict[str, Any]) -> dict[str, Any]:
     return schema
 
 
-def _cel_errors(spec: Mapping[str, Any]) -> list[str]:
-    errors = []
-    for (location, rule), (message, check) in _RULES.items():
-        if location == "spec":
-            targets: Iterable[tuple[str, Mapping[str, Any]]] = [("spec", spec)]
-        elif location == "spec.policy":
-            targets = [("spec.policy", spec["policy"])] if "policy" in spec else []
-        elif location == "spec.policy.table[]":
-            table = spec.get("policy", {}).get("table", [])
-            targets = [(f"spec.policy.table[{i}]", e) for i, e in enumerate(table)]
-        else:  # pragma: no cover - guarded by a test over _RULES
-            raise AssertionError(f"no evaluator for CEL location {location}")
-        for path, target in targets:
-            if not check(target):
-                fields = dict.fromkeys(re.findall(r"self\.(\w+)", rule))
-                got = ", ".join(f"{f}={target[f]!r}" for f in fields if f in target)
-                errors.append(f"{path}: {message} (got {got}; rule {rule!r})")
-    return errors
+def rule_failures(obj: Mapping[str, Any]) -> list[cel.Failure]:
+    """The CRD's CEL rules that ``obj`` (schema-valid, defaults applied) breaks, evaluated from the schema's strings."""
+    return cel.evaluate(openapi_schema(), obj)
+
+
+def _explained(failure: cel.Failure) -> str:
+    """A failure with the values its rule reads, for people (the API server says only the message)."""
+    target = failure.value if isinstance(failure.value, Mapping) else {}
+    fields = dict.fromkeys(re.findall(r"self\.(\w+)", failure.rule))
+    got = ", ".join(f"{f}={target[f]!r}" for f in fields if f in target)
+    return f"{failure} (got {got}; rule {failure.rule!r})"
 
 
 def elasticjob_errors(obj: Mapping[str, Any], *, defaults: bool = True) -> list[str]:
@@ -482,8 +467,8 @@ def elasticjob_errors(obj: Mapping[str, Any], *, defaults: bool = True) -> list[
     for err in sorted(validator.iter_errors(obj), key=lambda e: list(map(str, e.absolute_path))):
         where = ".".join(str(p) for p in err.absolute_path) or "<root>"
         errors.append(f"{where}: {err.message}")
-    if not errors and isinstance(obj.get("spec"), Mapping):
-        errors.extend(_cel_errors(obj["spec"]))
+    if not errors:
+        errors.extend(_explained(f) for f in rule_failures(obj))
     return errors
 
 

@@ -17,13 +17,16 @@ once and may assume nothing about how many watches it took.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import socket
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kubernetes import client, watch
+from kubernetes import client
+from kubernetes.watch.watch import iter_resp_lines
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +69,8 @@ class Informer:
         self._handlers: list[Handler] = []
         self._stop = threading.Event()
         self._synced = threading.Event()
-        self._watch: watch.Watch | None = None
+        self._resp: Any = None
+        """The open watch's HTTP response (urllib3), while one is open."""
         self._thread: threading.Thread | None = None
         self.relists = 0
         """How many times the informer listed (1 + the watches it could not resume): for tests and metrics."""
@@ -85,9 +89,12 @@ class Informer:
 
     def stop(self) -> None:
         self._stop.set()
-        w = self._watch
-        if w is not None:
-            w.stop()
+        resp = self._resp
+        if resp is not None:  # unblock a read on a quiet stream: shut the socket down under it
+            sock = getattr(getattr(resp, "connection", None), "sock", None)
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
         if self._thread is not None:
             # A watch blocked on a quiet stream notices the flag at its next event or server timeout;
             # the thread is a daemon, so do not hold the caller up for that.
@@ -171,21 +178,40 @@ class Informer:
         return str(listed.get("metadata", {}).get("resourceVersion", ""))
 
     def _watch_from(self, rv: str) -> str:
-        self._watch = w = watch.Watch()
-        for event in w.stream(self._list_fn, resource_version=rv, timeout_seconds=self._watch_timeout,
-                              allow_watch_bookmarks=True, deserialize=False, **self._kwargs):
-            if self._stop.is_set():
-                break
-            kind, obj = event.get("type"), event.get("object") or {}
-            new_rv = _rv(obj)
-            if kind == "BOOKMARK":
+        """One watch from ``rv`` until the server ends it; returns the resourceVersion to resume from.
+
+        The watch's lines are read here rather than through ``kubernetes.watch.Watch``: with
+        ``deserialize=False`` that client (37.0.2) fails on an ERROR event with a KeyError
+        instead of raising its status, so a 410 Gone would look like a broken connection
+        (a warning and a retry delay) instead of a plain relist.
+        """
+        resp = self._list_fn(watch=True, resource_version=rv, timeout_seconds=self._watch_timeout,
+                             allow_watch_bookmarks=True, _preload_content=False, **self._kwargs)
+        self._resp = resp
+        try:
+            for line in iter_resp_lines(resp):
+                if self._stop.is_set():
+                    break
+                if not line:
+                    continue
+                event = json.loads(line)
+                kind, obj = event.get("type"), event.get("object") or {}
+                if kind == "ERROR":
+                    raise client.ApiException(status=int(obj.get("code") or 500),
+                                              reason=f"{obj.get('reason')}: {obj.get('message')}")
+                new_rv = _rv(obj)
+                if kind == "BOOKMARK":
+                    rv = new_rv or rv
+                    continue
+                if kind not in ("ADDED", "MODIFIED", "DELETED"):
+                    log.warning("informer %s: unexpected watch event %r", self.name, kind)
+                    continue
+                self._apply(kind, obj)
                 rv = new_rv or rv
-                continue
-            if kind not in ("ADDED", "MODIFIED", "DELETED"):
-                log.warning("informer %s: unexpected watch event %r", self.name, kind)
-                continue
-            self._apply(kind, obj)
-            rv = new_rv or rv
+        finally:
+            self._resp = None
+            resp.close()
+            resp.release_conn()
         return rv
 
     def _apply(self, kind: str, obj: dict[str, Any]) -> None:

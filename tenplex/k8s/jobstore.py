@@ -1,9 +1,9 @@
 """Job state on Kubernetes: the ElasticJob's status, plus ConfigMaps the job owns.
 
-:class:`KubeJobStore` has the interface of :class:`tenplex.scheduler.state.StateDir`
-(``save``, ``save_ptc``, ``load_ptc``, ``load_all``, ``delete``, ``root``), so the
-job controllers run unchanged on Kubernetes and a restarted (or newly elected)
-scheduler resumes every job from the API server alone:
+:class:`KubeJobStore` is a :class:`tenplex.scheduler.state.JobStore`, as the state
+directory of the local backend is, so the job controllers run unchanged on
+Kubernetes and a restarted (or newly elected) scheduler resumes every job from
+the API server alone:
 
 * ``status`` of the ElasticJob (the status subresource) is what people and
   tools read: phase, GPUs, parallel configuration, step, version, the worker
@@ -31,6 +31,7 @@ ElasticJob's status, so the view never runs ahead of the truth.
 from __future__ import annotations
 
 import base64
+import functools
 import gzip
 import json
 import logging
@@ -48,10 +49,10 @@ from tenplex.core.units import human_bytes
 from tenplex.core.version import Version
 from tenplex.errors import InvalidConfig, NotFound
 from tenplex.k8s import crd
-from tenplex.k8s.informer import Informer
+from tenplex.k8s.informer import Handler, Informer
 from tenplex.k8s.settings import KubernetesSettings
 from tenplex.ptc import PTC
-from tenplex.scheduler.state import JobSpec, JobStatus, Phase, check_job_name
+from tenplex.scheduler.state import JobSpec, JobStatus, JobStore, Phase, check_job_name
 
 log = logging.getLogger(__name__)
 
@@ -91,19 +92,41 @@ class ElasticJobIndex:
     def __init__(self, api_client: client.ApiClient, settings: KubernetesSettings, *, watch_timeout: int = 60) -> None:
         self.custom = client.CustomObjectsApi(api_client)
         self.settings = settings
-        if settings.watch_namespaces and len(settings.watch_namespaces) == 1:
-            ns = settings.watch_namespaces[0]
-            list_fn: Any = lambda **kw: self.custom.list_namespaced_custom_object(  # noqa: E731
-                crd.GROUP, crd.VERSION, ns, crd.PLURAL, **kw)
+        if settings.watch_namespaces:
+            # One watch per namespace: with a Role in each (the chart's namespaced mode) a cluster-wide list is forbidden.
+            self.informers = [
+                Informer(f"elasticjobs-{ns}", functools.partial(self.custom.list_namespaced_custom_object, crd.GROUP,
+                                                                 crd.VERSION, ns, crd.PLURAL), watch_timeout=watch_timeout)
+                for ns in sorted(set(settings.watch_namespaces))]
         else:
-            # Several namespaces: watch all and filter (a Role per namespace is still needed for writes).
-            list_fn = lambda **kw: self.custom.list_cluster_custom_object(  # noqa: E731
-                crd.GROUP, crd.VERSION, crd.PLURAL, **kw)
-        self.informer = Informer("elasticjobs", list_fn, watch_timeout=watch_timeout)
+            self.informers = [Informer("elasticjobs", functools.partial(
+                self.custom.list_cluster_custom_object, crd.GROUP, crd.VERSION, crd.PLURAL), watch_timeout=watch_timeout)]
+
+    def start(self) -> None:
+        for inf in self.informers:
+            inf.start()
+
+    def stop(self) -> None:
+        for inf in self.informers:
+            inf.stop()
+
+    def wait_synced(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        return all(inf.wait_synced(max(0.0, deadline - time.monotonic())) for inf in self.informers)
+
+    def add_handler(self, handler: Handler) -> None:
+        for inf in self.informers:
+            inf.add_handler(handler)
+
+    @property
+    def relists(self) -> int:
+        """Lists made by the ElasticJob watches (one each at the start, one more per watch that could not resume)."""
+        return sum(inf.relists for inf in self.informers)
 
     def all(self) -> list[dict[str, Any]]:
         """Managed ElasticJobs, oldest first (the first of two with one name keeps it)."""
-        items = [o for o in self.informer.items() if self.settings.manages(o["metadata"].get("namespace", ""))]
+        items = [o for inf in self.informers for o in inf.items()
+                 if self.settings.manages(o["metadata"].get("namespace", ""))]
         return sorted(items, key=lambda o: (o["metadata"].get("creationTimestamp") or "", o["metadata"]["namespace"]))
 
     def find(self, name: str) -> dict[str, Any] | None:
@@ -119,16 +142,15 @@ class ElasticJobIndex:
         return obj
 
 
-class KubeJobStore:
-    """StateDir's interface over the API server (see the module docstring)."""
+class KubeJobStore(JobStore):
+    """The job store in the API server (see the module docstring)."""
 
     def __init__(self, api_client: client.ApiClient, jobs: ElasticJobIndex, root: str | Path) -> None:
         self.core = client.CoreV1Api(api_client)
         self.custom = client.CustomObjectsApi(api_client)
         self.jobs = jobs
         self.root = Path(root)
-        """A local directory: worker logs are not kept here on Kubernetes (``kubectl logs``), but the
-        controllers expect one."""
+        """A local directory (the interface's): worker logs are not kept here on Kubernetes (``kubectl logs``)."""
         self.root.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._observed: dict[str, int] = {}
@@ -155,7 +177,7 @@ class KubeJobStore:
     def has_job(self, name: str) -> bool:
         return self.jobs.find(name) is not None
 
-    # -- StateDir's interface ----------------------------------------------------------------
+    # -- the JobStore interface ----------------------------------------------------------------
 
     def _job(self, name: str) -> dict[str, Any]:
         check_job_name(name)

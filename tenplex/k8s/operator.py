@@ -36,21 +36,22 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from kubernetes import client
 from kubernetes.leaderelection import electionconfig, leaderelection
 from kubernetes.leaderelection.resourcelock.leaselock import LeaseLock
 
-from tenplex.errors import InvalidConfig, NotFound, StoreUnavailable, TenplexError
+from tenplex.errors import InvalidConfig, NotFound, NotLeader, StoreUnavailable, TenplexError
 from tenplex.k8s import crd
-from tenplex.k8s.backend import ClusterEvent, KubernetesBackend
+from tenplex.k8s.backend import STOP_MARGIN_SECONDS, ClusterEvent, KubernetesBackend
 from tenplex.k8s.jobstore import ElasticJobIndex, KubeJobStore
 from tenplex.k8s.settings import ENV_ADVERTISE_URL, KubernetesSettings
 from tenplex.ptc import DatasetState, ParallelConfig
 from tenplex.scheduler.controller import JobController, SchedulerSettings
 from tenplex.scheduler.layouts import LayoutSpec
 from tenplex.scheduler.policy import Policy
-from tenplex.scheduler.service import Scheduler
+from tenplex.scheduler.service import Scheduler, SchedulerOptions
 from tenplex.scheduler.state import CheckpointSpec, JobSpec, Phase
 
 log = logging.getLogger(__name__)
@@ -124,29 +125,20 @@ def advertise_url(settings: KubernetesSettings, port: int, fallback: str,
     return fallback
 
 
-class NotLeader(TenplexError):
-    """This scheduler replica does not hold the Lease (or is still resuming the jobs): ask again.
-
-    503, so that workers retry, and a retry through the scheduler's Service can
-    reach the leader; a 404 would tell them their job is gone."""
-
-    code = "not_leader"
-    http_status = 503
-
-
 class KubernetesScheduler(Scheduler):
     """The scheduler service on Kubernetes: jobs come from ElasticJobs, state lives in the API server."""
 
     def __init__(self, api_client: client.ApiClient, settings: KubernetesSettings,
                  scheduler_settings: SchedulerSettings, state_root: Path, *,
                  master_ports: tuple[int, int] = (29500, 29999), watch_timeout: int = 60,
-                 exit_on_lost_leadership: bool = False, store_client: Callable[[str], Any] | None = None) -> None:
+                 exit_on_lost_leadership: bool = False, store_client: Callable[[str], Any] | None = None,
+                 stop_margin: float = STOP_MARGIN_SECONDS) -> None:
         self.k8s_settings = settings
         self.index = ElasticJobIndex(api_client, settings, watch_timeout=watch_timeout)
         backend = KubernetesBackend(api_client, settings, self.index.get, master_ports=master_ports,
-                                    watch_timeout=watch_timeout)
+                                    watch_timeout=watch_timeout, stop_margin=stop_margin)
         self.jobstore = KubeJobStore(api_client, self.index, state_root)
-        super().__init__(backend, self.jobstore, scheduler_settings, store_client=store_client)  # type: ignore[arg-type]
+        super().__init__(backend, self.jobstore, scheduler_settings, store_client=store_client)
         self.kube_backend = backend
         self.operator = ElasticJobOperator(self, api_client, settings, exit_on_lost_leadership=exit_on_lost_leadership)
 
@@ -279,8 +271,8 @@ class ElasticJobOperator:
             return
         log.info("%s: leading", self.settings.identity)
         sched = self.scheduler
-        sched.index.informer.start()
-        if not sched.index.informer.wait_synced(30):
+        sched.index.start()
+        if not sched.index.wait_synced(30):
             raise StoreUnavailable("the Kubernetes API did not answer the first list of ElasticJobs within 30s")
         sched.kube_backend.start()
         self._acting.set()
@@ -288,7 +280,7 @@ class ElasticJobOperator:
         if names:
             log.info("resumed jobs: %s", ", ".join(names))
         sched.kube_backend.add_listener(lambda ev: self._events.put(("cluster", ev, None)))
-        sched.index.informer.add_handler(lambda kind, obj, old: self._events.put(("elasticjob", kind, obj)))
+        sched.index.add_handler(lambda kind, obj, old: self._events.put(("elasticjob", kind, obj)))
         self.reconcile_all()
         self._spawn(self._dispatch, "operator-events")
         self._spawn(self._housekeeping, "operator-housekeeping")
@@ -317,7 +309,7 @@ class ElasticJobOperator:
         for ctl in self.scheduler.list():
             ctl.close()
         self.scheduler.kube_backend.close()
-        self.scheduler.index.informer.stop()
+        self.scheduler.index.stop()
 
     # -- ElasticJobs ----------------------------------------------------------------------------
 
@@ -356,6 +348,11 @@ class ElasticJobOperator:
         meta = obj["metadata"]
         name, ns = meta["name"], meta.get("namespace", "")
         if not self.settings.manages(ns):
+            return
+        if meta.get("deletionTimestamp"):
+            # Being deleted (finalizers, or a foreground deletion waiting for its pods): the job ends now; it is
+            # never started again, nor are new pods made that its deletion would have to wait for.
+            self._deleted(obj)
             return
         sched = self.scheduler
         generation = int(meta.get("generation") or 1)
@@ -463,8 +460,12 @@ class ElasticJobOperator:
             self._delete_job(name, "its ElasticJob was deleted")
 
     def _delete_job(self, name: str, why: str) -> None:
-        if self.scheduler.find(name) is None:
+        ctl = self.scheduler.find(name)
+        if ctl is None:
             return
+        # Its controller first: a tick already waiting for the job's lock could otherwise still recover from a
+        # "failure" (the pods the deletion removes) and make new pods after the job is gone.
+        ctl.close()
         try:
             self.scheduler.delete(name)
         except NotFound:
@@ -538,3 +539,12 @@ def build_kubernetes_scheduler(state_dir: Path, url: str, token: str | None, *, 
     sched_settings = SchedulerSettings(url=advertise_url(settings, port, url, environ), token=token,
                                        heartbeat_interval=heartbeat_interval)
     return KubernetesScheduler(api_client, settings, sched_settings, state_dir, exit_on_lost_leadership=True)
+
+
+def kubernetes_scheduler(options: SchedulerOptions) -> KubernetesScheduler:
+    """The ``kubernetes`` backend (registered in Tenplex's entry points): jobs are ElasticJobs, state lives in
+    the API server (in-cluster, or ``$KUBECONFIG``)."""
+    Path(options.state_dir).mkdir(parents=True, exist_ok=True)
+    return build_kubernetes_scheduler(Path(options.state_dir), options.url, options.token,
+                                      port=urlsplit(options.url).port or 0,
+                                      heartbeat_interval=options.heartbeat_interval)

@@ -97,7 +97,8 @@ from typing import Any
 from tenplex.errors import InvalidConfig, InvalidInput
 from tenplex.ptc.dataset import DatasetState
 from tenplex.ptc.model import PTC, Device, Shard, Tensor, TensorKind
-from tenplex.ptc.parallel import ParallelConfig, hosts_from
+from tenplex.ptc.parallel import ParallelConfig, Placement, hosts_from
+from tenplex.ptc.provider import layout_provider
 from tenplex.ptc.region import Region, flat_range_boxes
 
 log = logging.getLogger(__name__)
@@ -600,3 +601,11 @@ def _partitioned_shards(
             devs = tuple(sorted(rank(d, t, s) for s, d in owners for t in ts))
             out.extend(Shard(r, devs) for r in _local_boxes(boxes, a, b))
     return tuple(out)
+
+
+@layout_provider(GPTSpec)
+def megatron_gpt_layout(model: GPTSpec, parallel: ParallelConfig, placement: Placement,
+                        dataset: DatasetState | None, precision: str) -> PTC:
+    """The ``megatron-gpt`` layout provider (registered in Tenplex's own entry points)."""
+    return megatron_gpt_ptc(model, parallel, gpus_per_node=placement.gpus_per_node, hosts=placement.hosts,
+                            precision=precision, dataset=dataset)

@@ -242,8 +242,15 @@ class PTC:
         }
 
     def dumps(self, indent: int | None = None) -> str:
-        separators = (",", ":") if indent is None else None
-        return json.dumps(self.to_json(), indent=indent, separators=separators)
+        if indent is None:
+            return self._compact_json
+        return json.dumps(self.to_json(), indent=indent)
+
+    @cached_property
+    def _compact_json(self) -> str:
+        """The compact JSON, made once: a PTC never changes, and the scheduler hands the same one to every worker
+        of a generation (a thousand workers: a thousand times)."""
+        return json.dumps(self.to_json(), separators=(",", ":"))
 
     def save(self, path: str | Path) -> None:
         """Write the JSON atomically: a reader never sees a half-written layout, and a failed
@@ -316,23 +323,28 @@ def _validate_tensor(t: Tensor, device_ids: set[int]) -> None:
     ndim = len(t.shape)
     total = 0
     numel = t.numel
+    shape = t.shape
+    known = device_ids.issuperset
     for s in t.shards:
         r = s.region
-        if r.ndim != ndim:
+        bounds = r.bounds
+        if len(bounds) != ndim:
             raise InvalidPTC(f"{where}: shard {r} has rank {r.ndim}, expected {ndim}")
-        for dim, ((_a, b), n) in enumerate(zip(r.bounds, t.shape, strict=True)):
+        vol = 1
+        for dim, ((a, b), n) in enumerate(zip(bounds, shape, strict=True)):
             if b > n:
                 raise InvalidPTC(f"{where}: shard {r} is out of bounds in dimension {dim} (stop {b} > {n})")
-        vol = r.volume
+            vol *= b - a
         if vol == 0 and numel != 0:
             raise InvalidPTC(f"{where}: shard {r} is empty")
-        if not s.devices:
+        devices = s.devices
+        if not devices:
             raise InvalidPTC(f"{where}: shard {r} is held by no device")
-        if len(set(s.devices)) != len(s.devices):
-            raise InvalidPTC(f"{where}: shard {r} lists a device twice: {list(s.devices)}")
-        for d in s.devices:
-            if d not in device_ids:
-                raise InvalidPTC(f"{where}: shard {r} names device {d}, which does not exist")
+        if len(devices) > 1 and len(set(devices)) != len(devices):
+            raise InvalidPTC(f"{where}: shard {r} lists a device twice: {list(devices)}")
+        if not known(devices):
+            d = next(d for d in devices if d not in device_ids)
+            raise InvalidPTC(f"{where}: shard {r} names device {d}, which does not exist")
         total += vol
     if len(t.shards) > 1:
         _check_disjoint(t, where)
@@ -353,16 +365,18 @@ def _check_disjoint(t: Tensor, where: str) -> None:
     """
     if not t.shape:
         raise InvalidPTC(f"{where}: a 0-d tensor has {len(t.shards)} shards, expected 1")
-    dim = max(range(len(t.shape)), key=lambda d: len({s.region.bounds[d][0] for s in t.shards}))
-    order = sorted(t.shards, key=lambda s: s.region.bounds[dim][0])
-    for i, s in enumerate(order):
-        stop0 = s.region.bounds[dim][1]
-        for other in order[i + 1 :]:
-            if other.region.bounds[dim][0] >= stop0:
+    boxes = [s.region.bounds for s in t.shards]
+    dim = max(range(len(t.shape)), key=lambda d: len({b[d][0] for b in boxes}))
+    order = sorted(boxes, key=lambda b: b[dim][0])
+    for i, box in enumerate(order):
+        stop0 = box[dim][1]
+        for j in range(i + 1, len(order)):
+            other = order[j]
+            if other[dim][0] >= stop0:
                 break
-            common = s.region.intersect(other.region)
-            if common is not None:
-                raise InvalidPTC(f"{where}: shards {s.region} and {other.region} overlap in {common}")
+            if all(a0 < b1 and b0 < a1 for (a0, a1), (b0, b1) in zip(box, other, strict=True)):
+                common = Region(box).intersect(Region(other))
+                raise InvalidPTC(f"{where}: shards {Region(box)} and {Region(other)} overlap in {common}")
 
 
 def _find_gap(t: Tensor) -> Region | None:

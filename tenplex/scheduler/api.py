@@ -10,22 +10,28 @@ are 4xx, never 5xx.
 from __future__ import annotations
 
 import hmac
+import json
+import re
+import threading
 import time
+import weakref
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Query, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tenplex import __version__
+from tenplex import __version__, registry
 from tenplex.core import protocol as P
 from tenplex.errors import InvalidInput, NotFound, TenplexError, Unauthorized
 from tenplex.ptc import DatasetState, ParallelConfig
-from tenplex.scheduler.controller import JobController, job_view
-from tenplex.scheduler.layouts import LayoutSpec
+from tenplex.scheduler.controller import JobController
+from tenplex.scheduler.layouts import LayoutSpec, registered_providers
 from tenplex.scheduler.service import Scheduler
 from tenplex.scheduler.state import CheckpointSpec, JobSpec, policy_from_json
 from tenplex.transformer.plan import Plan
@@ -42,8 +48,11 @@ class _Body(BaseModel):
 
 
 class LayoutBody(_Body):
-    provider: Literal["megatron-gpt", "example-gpt", "example-torchtitan", "example-hf"]
-    model: dict[str, Any] = Field(description="The provider's model fields (GPTSpec, GPTConfig, TitanConfig or HFConfig).")
+    provider: str = Field(
+        min_length=1, max_length=253, pattern=f"^(?:{registry.REFERENCE_PATTERN})$",
+        description="A layout provider registered under the entry points 'tenplex.layouts' (this scheduler has "
+                    f"{', '.join(registered_providers()) or 'none'}), or 'package.module:function' naming one.")
+    model: dict[str, Any] = Field(description="The provider's model fields (e.g. megatron-gpt's GPTSpec).")
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
 
 
@@ -123,6 +132,7 @@ def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
         responses=ERROR_RESPONSES,
     )
     metrics = scheduler.metrics
+    _view = _Views()
 
     def auth(request: Request) -> None:
         if token is None:
@@ -141,25 +151,15 @@ def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        parts = []
-        for e in exc.errors()[:5]:
-            where = ".".join(str(x) for x in e.get("loc", ()))
-            parts.append(f"{where}: {e.get('msg')}")
-        return JSONResponse({"error": "invalid_input", "detail": "; ".join(parts)}, status_code=400)
+        return JSONResponse({"error": "invalid_input", "detail": _validation_detail(exc.errors())}, status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
         return JSONResponse({"error": code, "detail": str(exc.detail)}, status_code=exc.status_code)
 
-    @app.middleware("http")
-    async def _timing(request: Request, call_next: Any) -> Any:
-        start = time.perf_counter()
-        response = await call_next(request)
-        route = request.scope.get("route")
-        path = getattr(route, "path", "unmatched")
-        metrics.requests.labels(path, request.method, str(response.status_code)).observe(time.perf_counter() - start)
-        return response
+    app.add_middleware(_Timing, metrics=metrics)
+    app.add_middleware(_Heartbeats, scheduler=scheduler, token=token, metrics=metrics)
 
     # -- health and metrics ----------------------------------------------------
 
@@ -201,12 +201,14 @@ def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
 
     @app.get("/v1/jobs", tags=["jobs"], summary="List jobs with their status", dependencies=[Auth])
     def list_jobs() -> dict[str, Any]:
-        return {"jobs": [_view(c) for c in scheduler.list()]}
+        return {"jobs": [_view(c, wait=VIEW_WAIT_S) for c in scheduler.list()]}
 
     @app.get("/v1/jobs/{job}", tags=["jobs"], summary="A job: configuration, step, workers, history",
-             dependencies=[Auth])
+             dependencies=[Auth], description=(
+                 "Never waits on a busy job controller for more than 50 ms: while it holds the job (planning a "
+                 "large job, recording a registration), the answer is the job's last consistent view."))
     def get_job(job: P.JobName) -> dict[str, Any]:
-        return _view(scheduler.get(job))
+        return _view(scheduler.get(job), wait=VIEW_WAIT_S)
 
     @app.delete("/v1/jobs/{job}", tags=["jobs"], summary="Stop a job's workers and forget it", dependencies=[Auth])
     def delete_job(job: P.JobName) -> dict[str, Any]:
@@ -229,10 +231,7 @@ def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
         else:
             if body.host is None:
                 raise InvalidInput(f"a {body.kind} event needs a host")
-            cluster = getattr(scheduler.backend, "cluster", None)
-            if cluster is None:
-                raise InvalidInput(f"the {scheduler.backend.name} backend takes {body.kind} from the cluster itself")
-            cluster.set_schedulable(body.host, body.kind == "uncordon")
+            scheduler.backend.set_schedulable(body.host, body.kind == "uncordon")
             if body.kind == "cordon":
                 ctl.request_redeploy("redeploy")
         return _view(ctl)
@@ -253,7 +252,7 @@ def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
     def get_ptc(job: P.JobName, generation: Annotated[int | None, Query(ge=0, le=1 << 30)] = None) -> Response:
         ctl = scheduler.get(job)
         gen = ctl.status.generation if generation is None else generation
-        return Response(ctl.ptc(gen).dumps(), media_type="application/json")
+        return Response(ctl.ptc(gen).dumps(), media_type="application/json")  # the PTC keeps its JSON
 
     @app.get("/v1/hosts", tags=["cluster"], summary="Hosts known to the backend", dependencies=[Auth])
     def hosts() -> dict[str, Any]:
@@ -268,14 +267,14 @@ def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
 
     @app.get(P.ASSIGNMENT_PATH, tags=["workers"], summary="A worker's current assignment", dependencies=[Auth])
     def assignment(job: P.JobName, worker_id: P.WorkerId) -> P.Assignment:
-        ctl = scheduler.get(job)
-        with ctl.lock:
-            return ctl.assignment_of(worker_id)
+        return scheduler.get(job).worker_assignment(worker_id)
 
     @app.post(P.HEARTBEAT_PATH, tags=["workers"], summary="Heartbeat with the last completed step",
-              dependencies=[Auth])
-    def heartbeat(job: P.JobName, worker_id: P.WorkerId, body: P.HeartbeatRequest) -> P.HeartbeatReply:
-        return scheduler.get(job).heartbeat(worker_id, body)
+              response_model=P.HeartbeatReply, openapi_extra=_json_body(P.HeartbeatRequest),
+              description="Answered by the API's heartbeat path (see `_Heartbeats`) before routing; same contract.")
+    async def heartbeat(job: P.JobName, worker_id: P.WorkerId, request: Request) -> Response:
+        auth(request)
+        return Response(await _heartbeat(scheduler, job, worker_id, await request.body()), media_type="application/json")
 
     @app.post(P.SNAPSHOT_PATH, tags=["workers"], summary="A worker wrote its part of a version", dependencies=[Auth])
     def snapshot(job: P.JobName, worker_id: P.WorkerId, body: P.SnapshotReport) -> P.Ack:
@@ -295,10 +294,152 @@ def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
     return app
 
 
-def _view(ctl: JobController) -> dict[str, Any]:
-    with ctl.lock:
-        view = dict(job_view(ctl.spec, ctl.status))
-        status = dict(view["status"])
-        status.pop("last_plan", None)  # large; served by /plan
-        view["status"] = status
+def _validation_detail(errors: Sequence[Any], prefix: tuple[str, ...] = ()) -> str:
+    parts = []
+    for e in errors[:5]:
+        where = ".".join(str(x) for x in (*prefix, *e.get("loc", ())))
+        parts.append(f"{where}: {e.get('msg')}")
+    return "; ".join(parts)
+
+
+def _json_body(model: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAPI request body of a route that parses ``model`` from the raw body itself."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
+
+
+VIEW_WAIT_S = 0.05
+"""How long a read of a job waits for its controller's lock before it answers with the job's last view."""
+
+
+class _Views:
+    """Jobs as the API shows them: spec and status without the last plan (large; served by /plan).
+
+    A view is a copy taken under the job's lock. With ``wait``, a controller
+    that holds its lock longer (planning a large job, recording a worker's
+    registration) is not waited for: the answer is the job's last view, a
+    consistent copy at most as old as that hold (every view built, a write's
+    included, renews it). One per app: no state is shared between schedulers.
+    """
+
+    def __init__(self) -> None:
+        self._last: weakref.WeakKeyDictionary[JobController, dict[str, Any]] = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    def __call__(self, ctl: JobController, *, wait: float | None = None) -> dict[str, Any]:
+        if not ctl.lock.acquire(timeout=-1 if wait is None else wait):
+            with self._lock:
+                last = self._last.get(ctl)
+            if last is not None:
+                return last
+            ctl.lock.acquire()
+        try:
+            view = {"spec": ctl.spec.to_json(), "status": ctl.status.to_json(plan=False)}
+        finally:
+            ctl.lock.release()
+        with self._lock:
+            self._last[ctl] = view
         return view
+
+
+async def _heartbeat(scheduler: Scheduler, job: str, worker_id: str, raw: bytes) -> bytes:
+    """A heartbeat's reply: the body parsed by pydantic from the raw bytes, the reply serialized by it, and the
+    controller called on the event loop when its lock is free (held only briefly then: a heartbeat is a few
+    dictionary updates), else from a worker thread as other routes are."""
+    try:
+        body = P.HeartbeatRequest.model_validate_json(raw)
+    except ValidationError as exc:
+        raise InvalidInput(_validation_detail(exc.errors(), ("body",))) from None
+    ctl = scheduler.get(job)
+    if ctl.lock.acquire(blocking=False):
+        try:
+            reply = ctl.heartbeat(worker_id, body)
+        finally:
+            ctl.lock.release()
+    else:
+        reply = await run_in_threadpool(ctl.heartbeat, worker_id, body)
+    return reply.model_dump_json().encode()
+
+
+_HEARTBEAT = re.compile(r"^/v1/jobs/([^/]+)/workers/([^/]+)/heartbeat$")
+_JOB_NAME = re.compile(P.JOB_NAME_PATTERN)
+_WORKER_ID = re.compile(P.WORKER_ID_PATTERN)
+
+
+class _Heartbeats:
+    """Worker heartbeats answered before routing: the one request every worker sends every second or so.
+
+    A thousand workers send a thousand a second; through the framework's
+    routing, dependencies and request objects each cost several times the
+    work of the heartbeat itself (``benchmarks/control_plane.py``). This
+    ASGI layer answers ``POST /v1/jobs/{job}/workers/{worker_id}/heartbeat``
+    itself, with the route's contract (bearer token, body and reply models,
+    errors as ``{"error", "detail"}``, latency in the request histogram);
+    anything else, and a path whose names are malformed, goes on to the app.
+    """
+
+    def __init__(self, app: Any, scheduler: Scheduler, token: str | None, metrics: Any) -> None:
+        self.app = app
+        self.scheduler = scheduler
+        self.token = token.encode() if token is not None else None
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        m = _HEARTBEAT.match(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if m is None or not _JOB_NAME.match(m.group(1)) or not _WORKER_ID.match(m.group(2)):
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        headers: list[tuple[bytes, bytes]] = [(b"content-type", b"application/json")]
+        try:
+            if self.token is not None:
+                given = dict(scope["headers"]).get(b"authorization", b"")
+                scheme, _, value = given.partition(b" ")
+                if scheme.lower() != b"bearer" or not hmac.compare_digest(value, self.token):
+                    raise Unauthorized("missing or wrong bearer token")
+            chunks = []
+            while True:
+                message = await receive()
+                chunks.append(message.get("body", b""))
+                if not message.get("more_body"):
+                    break
+            status, body = 200, await _heartbeat(self.scheduler, m.group(1), m.group(2), b"".join(chunks))
+        except TenplexError as exc:
+            status, body = exc.http_status, json.dumps(exc.to_json()).encode()
+            if isinstance(exc, Unauthorized):
+                headers.append((b"www-authenticate", b"Bearer"))
+        headers.append((b"content-length", str(len(body)).encode()))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+        self.metrics.requests.labels(P.HEARTBEAT_PATH, "POST", str(status)).observe(time.perf_counter() - start)
+
+
+class _Timing:
+    """Request latency per route into the scheduler's Prometheus histogram.
+
+    A plain ASGI middleware: Starlette's ``BaseHTTPMiddleware`` (what
+    ``@app.middleware("http")`` makes) runs every request through extra tasks
+    and streams, which costs more than a worker's heartbeat itself.
+    """
+
+    def __init__(self, app: Any, metrics: Any) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = [500]
+
+        async def sending(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            route = scope.get("route")
+            path = getattr(route, "path", "unmatched")
+            self.metrics.requests.labels(path, scope["method"], str(status[0])).observe(time.perf_counter() - start)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from tenplex.core.commands import STANDBY_READY, PythonCommand
 from tenplex.core.protocol import ENV_STORE_ROOT
-from tenplex.errors import InvalidConfig, NotFound, StoreUnavailable, TenplexError
+from tenplex.errors import InvalidConfig, InvalidInput, NotFound, StoreUnavailable, TenplexError
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +87,12 @@ class Backend(ABC):
     def adopt(self, job: str, pids: Mapping[str, int]) -> None:  # noqa: B027 - optional hook
         """Take over workers started by a previous scheduler process (after a restart)."""
 
+    def gpus_held_by(self, job: str, worker_ids: Sequence[str]) -> dict[str, int]:
+        """Host -> GPUs that :meth:`hosts` counts as taken by these workers of ``job`` (empty for a backend
+        whose hosts report all their GPUs). A reconfiguration places its new workers on them: the launch
+        stops the old workers, and waits until they are gone, before it starts the new ones."""
+        return {}
+
     supports_standby: bool = False
     """Whether :meth:`keep_standby` keeps warm standbys (see :mod:`tenplex.standby`)."""
 
@@ -103,60 +109,79 @@ class Backend(ABC):
         """How many standbys of ``job`` have their imports done."""
         return 0
 
-    def master_port(self, host: HostInfo) -> int:
-        """A free TCP port on ``host`` for torch.distributed's rendezvous, below the ephemeral range.
+    def set_schedulable(self, host: str, schedulable: bool) -> None:
+        """Cordon (False) or uncordon (True) ``host`` for the scheduler's own API.
 
-        Not port 0's answer: that is an ephemeral port, and until rank 0 binds
-        it (seconds later, after the workers start) any outgoing connection on
-        the machine may take it, which fails the rendezvous with EADDRINUSE.
-        A port below the kernel's ephemeral range is only ever taken by a bind;
-        the ones handed out recently are not handed out again for a while.
+        Backends whose cluster has its own way (``kubectl cordon`` on Kubernetes)
+        refuse: the cluster is the truth, and the backend follows it.
         """
-        low = _ephemeral_low()
-        if low is None:  # no room below the ephemeral range: the kernel's choice, raced as it is
-            with socket.socket() as s:
-                s.bind((host.address, 0))
-                return s.getsockname()[1]
-        now = time.monotonic()
-        with _MASTER_PORTS_LOCK:
-            for key, when in list(_MASTER_PORTS.items()):
-                if now - when > _MASTER_PORT_HOLD_S:
-                    del _MASTER_PORTS[key]
-            start = random.randrange(_MASTER_PORT_FLOOR, low)
-            for i in range(low - _MASTER_PORT_FLOOR):
-                port = _MASTER_PORT_FLOOR + (start - _MASTER_PORT_FLOOR + i) % (low - _MASTER_PORT_FLOOR)
-                if (host.address, port) in _MASTER_PORTS:
-                    continue
-                with socket.socket() as s:
-                    try:
-                        s.bind((host.address, port))
-                    except OSError as exc:
-                        # Not an address of this machine (a host elsewhere, or in another network namespace):
-                        # its ports cannot be probed from here; the ones handed out recently are still avoided.
-                        if exc.errno != errno.EADDRNOTAVAIL:
-                            continue
-                _MASTER_PORTS[(host.address, port)] = now
-                return port
-        raise InvalidConfig(f"no free rendezvous port on {host.address} in {_MASTER_PORT_FLOOR}-{low - 1}")
+        raise InvalidInput(f"the {self.name} backend takes {'uncordon' if schedulable else 'cordon'} from the "
+                           "cluster itself, not from the scheduler's API")
+
+    @abstractmethod
+    def master_port(self, host: HostInfo) -> int:
+        """A TCP port on ``host`` for torch.distributed's rendezvous of a new generation's rank 0."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release what the backend holds (not the workers: they outlive a scheduler restart)."""
 
 
-_MASTER_PORT_FLOOR = 20000
-_MASTER_PORT_HOLD_S = 120.0
-_MASTER_PORTS: dict[tuple[str, int], float] = {}  # (address, port) -> when it was handed out
-_MASTER_PORTS_LOCK = threading.Lock()
+class RendezvousPorts:
+    """Hands out rendezvous ports on hosts whose ports this machine can probe (the local backend).
+
+    Not port 0's answer: that is an ephemeral port, and until rank 0 binds it
+    (seconds later, after the workers start) any outgoing connection on the
+    machine may take it, which fails the rendezvous with EADDRINUSE. A port
+    below the kernel's ephemeral range is only ever taken by a bind; the ones
+    handed out recently (``hold`` seconds) are not handed out again, so two
+    generations launched back to back never share one.
+    """
+
+    FLOOR = 20000
+
+    def __init__(self, *, hold: float = 120.0) -> None:
+        self.hold = hold
+        self._given: dict[tuple[str, int], float] = {}  # (address, port) -> when it was handed out
+        self._lock = threading.Lock()
+
+    def pick(self, address: str) -> int:
+        low = _ephemeral_low()
+        if low is None:  # no room below the ephemeral range: the kernel's choice, raced as it is
+            with socket.socket() as s:
+                s.bind((address, 0))
+                return s.getsockname()[1]
+        floor = self.FLOOR
+        now = time.monotonic()
+        with self._lock:
+            for key, when in list(self._given.items()):
+                if now - when > self.hold:
+                    del self._given[key]
+            start = random.randrange(floor, low)
+            for i in range(low - floor):
+                port = floor + (start - floor + i) % (low - floor)
+                if (address, port) in self._given:
+                    continue
+                with socket.socket() as s:
+                    try:
+                        s.bind((address, port))
+                    except OSError as exc:
+                        # Not an address of this machine (a host elsewhere, or in another network namespace):
+                        # its ports cannot be probed from here; the ones handed out recently are still avoided.
+                        if exc.errno != errno.EADDRNOTAVAIL:
+                            continue
+                self._given[(address, port)] = now
+                return port
+        raise InvalidConfig(f"no free rendezvous port on {address} in {floor}-{low - 1}")
 
 
 def _ephemeral_low() -> int | None:
     """The first port of the kernel's ephemeral range (32768 where it cannot be read); None when it
-    leaves fewer than 1000 ports above :data:`_MASTER_PORT_FLOOR` below it."""
+    leaves fewer than 1000 ports above :attr:`RendezvousPorts.FLOOR` below it."""
     try:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         low = 32768
-    return low if low > _MASTER_PORT_FLOOR + 1000 else None
+    return low if low > RendezvousPorts.FLOOR + 1000 else None
 
 
 # -- the local backend -------------------------------------------------------------
@@ -262,17 +287,6 @@ class LocalCluster:
 
     def host_env(self, name: str) -> Mapping[str, str]:
         return self._host(name).env
-
-    def kill_host(self, name: str) -> None:
-        """Lose a host: its store daemon dies (its workers are killed by the caller or the test)."""
-        h = self._host(name)
-        with self._lock:
-            h.info = replace(h.info, ready=False)
-            pid = h.pid
-        if pid is not None:
-            _kill_group(pid, signal.SIGKILL)
-        if h.process is not None:
-            h.process.wait(timeout=10)
 
     def set_schedulable(self, name: str, schedulable: bool) -> None:
         """Cordon (False) or uncordon (True) a host."""
@@ -458,6 +472,7 @@ class LocalBackend(Backend):
         self._forked: dict[tuple[str, str], tuple[_ForkServer, int]] = {}  # (job, worker) -> its standby, pid
         self._gone_since: dict[tuple[str, str], float] = {}
         self._lock = threading.Lock()
+        self._ports = RendezvousPorts()
         if host_timeout is not None:
             cluster.watch(interval=min(1.0, host_timeout / 3), lost_after=host_timeout)
 
@@ -515,6 +530,11 @@ class LocalBackend(Backend):
                 del self._standby[key]
         for srv in servers:
             srv.close()
+    def master_port(self, host: HostInfo) -> int:
+        return self._ports.pick(host.address)
+
+    def set_schedulable(self, host: str, schedulable: bool) -> None:
+        self.cluster.set_schedulable(host, schedulable)
 
     def launch(self, job: str, command: Sequence[str], workers: Sequence[WorkerLaunch], log_dir: Path) -> dict[str, int | None]:
         if not command:
@@ -606,16 +626,6 @@ class LocalBackend(Backend):
                 else:
                     out[wid] = None
         return out
-
-    def kill_worker(self, job: str, worker_id: str, sig: int = signal.SIGKILL) -> None:
-        """Fault injection for the demo and tests: kill one worker process."""
-        with self._lock:
-            proc = self._procs.get((job, worker_id))
-            forked = self._forked.get((job, worker_id))
-            pid = proc.pid if proc is not None else forked[1] if forked is not None else self._adopted.get((job, worker_id))
-        if pid is None:
-            raise NotFound(f"job {job!r} has no running worker {worker_id!r}")
-        os.kill(pid, sig)
 
 
 _EXIT_REPORT_WAIT_S = 2.0

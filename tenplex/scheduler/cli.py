@@ -15,6 +15,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from tenplex import registry
 from tenplex.core.units import human_bytes
 from tenplex.errors import InvalidInput, StoreUnavailable, TenplexError, error_class
 from tenplex.scheduler.state import DATA_PHASES
@@ -26,8 +27,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     sched = sub.add_parser("scheduler", help="run the scheduler (control plane)")
     cmds = sched.add_subparsers(dest="scheduler_command", metavar="SUBCOMMAND", required=True)
     serve = cmds.add_parser("serve", help="serve the scheduler's REST API and drive the jobs")
-    serve.add_argument("--backend", choices=["local", "kubernetes"], default="local",
-                       help="cluster backend: local emulated hosts, or kubernetes (ElasticJobs, in-cluster or "
+    serve.add_argument("--backend", default="local", metavar="NAME",
+                       help="cluster backend, registered (entry points 'tenplex.backends'; installed: "
+                            f"{', '.join(registry.registered(registry.BACKENDS)) or 'none'}) or module:function: "
+                            "local (emulated hosts, or a hosts file), kubernetes (ElasticJobs, in-cluster or "
                             "$KUBECONFIG; settings from the chart's environment) (default local)")
     serve.add_argument("--state-dir", type=Path, default=Path(".tenplex"), help="where job state survives restarts")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")

@@ -23,7 +23,7 @@ from tenplex.core.protocol import ExitReport
 from tenplex.core.version import Version
 from tenplex.ptc import PTC
 from tenplex.scheduler.backend import Backend
-from tenplex.scheduler.state import JobSpec, JobStatus, Phase, Stage, StateDir, phase_split
+from tenplex.scheduler.state import JobSpec, JobStatus, JobStore, Phase, Stage, phase_split
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class JobContext:
     spec: JobSpec
     status: JobStatus
     backend: Backend
-    state: StateDir
+    state: JobStore
     settings: SchedulerSettings
     client_for: Callable[[str], Any]
     """A store daemon's client by URL (the scheduler's pool; control messages only)."""

@@ -46,7 +46,7 @@ from tenplex.scheduler.decide import Observations, decide_running, decide_stoppi
 from tenplex.scheduler.launcher import WorkerLauncher
 from tenplex.scheduler.persist import Housekeeper
 from tenplex.scheduler.reconfigure import STOP_MARGIN_STEPS, Orchestrator
-from tenplex.scheduler.state import JobSpec, JobStatus, Phase, Stage, StateDir, WorkerRecord
+from tenplex.scheduler.state import JobSpec, JobStatus, JobStore, Phase, Stage, WorkerRecord
 
 __all__ = ["STOP_MARGIN_STEPS", "JobController", "SchedulerSettings", "job_view", "log_dir_for"]
 
@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 class JobController:
     """Owns one job: its record, its workers, and the thread that drives its state machine."""
 
-    def __init__(self, spec: JobSpec, status: JobStatus, *, backend: Backend, state: StateDir,
+    def __init__(self, spec: JobSpec, status: JobStatus, *, backend: Backend, state: JobStore,
                  settings: SchedulerSettings, clients: Callable[[str], Any], metrics: Any = None) -> None:
         self.ctx = JobContext(spec, status, backend, state, settings, clients, metrics)
         self.launcher = WorkerLauncher(self.ctx)
@@ -153,8 +153,8 @@ class JobController:
             self.ctx.touch()
             return self.launcher.assignment(w)
 
-    def assignment_of(self, worker_id: str) -> Assignment:
-        """What worker ``worker_id`` of the current generation was assigned (it may ask again)."""
+    def worker_assignment(self, worker_id: str) -> Assignment:
+        """The current assignment of one worker of this generation (NotFound for another; it may ask again)."""
         with self.lock:
             return self.launcher.assignment(self._worker(worker_id))
 
@@ -328,5 +328,5 @@ def job_view(spec: JobSpec, status: JobStatus) -> Mapping[str, Any]:
     return {"spec": spec.to_json(), "status": status.to_json()}
 
 
-def log_dir_for(state: StateDir, job: str) -> Path:
+def log_dir_for(state: JobStore, job: str) -> Path:
     return state.root / "logs" / job

@@ -1,17 +1,21 @@
 """From a job's layout spec to the PTC of any configuration.
 
-The scheduler must know the PTC of a configuration *before* its workers
-start, so it can plan the state transformation while they launch. A layout
-spec names a provider and its model parameters:
+A layout spec names a layout provider (:mod:`tenplex.ptc.provider`) and gives
+it the model's description::
 
-``{"provider": "megatron-gpt", "model": {"num_layers": 24, ...}, "precision": "bf16"}``
-``{"provider": "example-gpt", "model": {"vocab": 64, "dim": 32, ...}}``
-``{"provider": "example-torchtitan", "model": {"flavor": "debugmodel", "n_layers": 2, "seq_len": 32}}``
-``{"provider": "example-hf", "model": {"vocab_size": 128, "hidden_size": 64, ...}}``
+    {"provider": "megatron-gpt", "model": {"num_layers": 24, ...}, "precision": "bf16"}
+    {"provider": "example-gpt", "model": {"vocab": 64, "dim": 32, ...}}
+    {"provider": "mypackage.layout:my_layout", "model": {...}}
 
-The providers are imported lazily: the example provider builds the model on
-the meta device and so imports torch, which the rest of the scheduler does
-not need.
+The provider is a name registered under the ``tenplex.layouts`` entry points
+(Tenplex registers ``megatron-gpt``; the example jobs' distribution,
+``tenplex-examples``, registers ``example-gpt``, ``example-torchtitan`` and
+``example-hf``), or a ``module:function`` spec naming a provider directly.
+Either is resolved when the spec is made (job creation, or a scheduler
+reading its records back), so an unknown provider or bad model fields are
+refused at once, with the reason. Resolving imports the provider's module
+(a provider that builds its model on the meta device imports torch then, which
+the rest of the scheduler does not need).
 """
 
 from __future__ import annotations
@@ -20,10 +24,24 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from tenplex import registry
 from tenplex.errors import InvalidConfig
 from tenplex.ptc import PTC, DatasetState, ParallelConfig, Placement
+from tenplex.ptc.provider import PRECISIONS, LayoutProvider
 
-PROVIDERS = ("megatron-gpt", "example-gpt", "example-torchtitan", "example-hf")
+
+def registered_providers() -> list[str]:
+    """The names of the installed layout providers (nothing is imported)."""
+    return list(registry.registered(registry.LAYOUTS))
+
+
+def resolve_provider(reference: str) -> LayoutProvider:
+    """The :class:`LayoutProvider` a registered name or a ``module:function`` spec stands for."""
+    obj = registry.resolve(registry.LAYOUTS, reference, "layout provider")
+    if not isinstance(obj, LayoutProvider):
+        raise InvalidConfig(f"layout provider {reference!r} is a {type(obj).__name__}, not a layout provider: "
+                            "make it with @tenplex.ptc.provider.layout_provider(ModelType)")
+    return obj
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,60 +51,28 @@ class LayoutSpec:
     precision: str = "fp32"
 
     def __post_init__(self) -> None:
-        if self.provider not in PROVIDERS:
-            raise InvalidConfig(f"unknown layout provider {self.provider!r}; known: {', '.join(PROVIDERS)}")
-        if not isinstance(self.model, Mapping):
-            raise InvalidConfig(f"layout model must be an object, got {type(self.model).__name__}")
-        if self.precision not in ("fp32", "bf16", "fp16"):
-            raise InvalidConfig(f"precision must be fp32, bf16 or fp16, got {self.precision!r}")
-        # Fail at job creation, not at the first scale event.
+        if self.precision not in PRECISIONS:
+            raise InvalidConfig(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        # Fail at job creation, not at the first scale event: the provider must resolve, the model must fit it.
         self.model_config()
+
+    @property
+    def layout_provider(self) -> LayoutProvider:
+        return resolve_provider(self.provider)
 
     def model_config(self) -> Any:
         """The provider's typed model description (raises InvalidConfig on bad fields)."""
-        if self.provider == "megatron-gpt":
-            from tenplex.ptc.megatron import GPTSpec
-
-            return _construct(GPTSpec, self.model, "megatron-gpt model")
-        if self.provider == "example-torchtitan":
-            from examples.torchtitan.job import TitanConfig
-
-            return _construct(TitanConfig, self.model, "example-torchtitan model")
-        if self.provider == "example-hf":
-            from examples.hf.job import HFConfig
-
-            return _construct(HFConfig, self.model, "example-hf model")
-        from examples.gpt.model import GPTConfig
-
-        return _construct(GPTConfig, self.model, "example-gpt model")
+        return self.layout_provider.model_config(self.model, f"{self.provider} model")
 
     def build(self, parallel: ParallelConfig, placement: Placement, dataset: DatasetState | None) -> PTC:
         """The PTC of this model in ``parallel`` on ``placement``."""
         if dataset is not None:
             dataset.check_dp(parallel.dp)
-        model = self.model_config()
-        if self.provider == "megatron-gpt":
-            from tenplex.ptc.megatron import megatron_gpt_ptc
-
-            return megatron_gpt_ptc(
-                model,
-                parallel,
-                gpus_per_node=placement.gpus_per_node,
-                hosts=placement.hosts,
-                precision=self.precision,
-                dataset=dataset,
-            )
-        if self.provider == "example-torchtitan":
-            from examples.torchtitan.job import titan_ptc
-
-            return titan_ptc(model, parallel, placement, dataset=dataset)
-        if self.provider == "example-hf":
-            from examples.hf.job import hf_ptc
-
-            return hf_ptc(model, parallel, placement, dataset=dataset)
-        from examples.gpt.layout import gpt_ptc
-
-        return gpt_ptc(model, parallel, placement, dataset=dataset)  # derive_ptc serializes its own fake group
+        provider = self.layout_provider
+        ptc = provider(self.model_config(), parallel, placement, dataset, self.precision)
+        if not isinstance(ptc, PTC):
+            raise InvalidConfig(f"layout provider {self.provider!r} returned a {type(ptc).__name__}, not a PTC")
+        return ptc
 
     def to_json(self) -> dict[str, Any]:
         return {"provider": self.provider, "model": dict(self.model), "precision": self.precision}
@@ -101,16 +87,3 @@ class LayoutSpec:
         if "provider" not in obj:
             raise InvalidConfig("layout needs a 'provider'")
         return cls(provider=obj["provider"], model=obj.get("model", {}), precision=obj.get("precision", "fp32"))
-
-
-def _construct(cls: type, fields: Mapping[str, Any], what: str) -> Any:
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(fields) - names
-    if unknown:
-        raise InvalidConfig(f"{what}: unknown fields {', '.join(sorted(unknown))}; known: {', '.join(sorted(names))}")
-    try:
-        return cls(**fields)
-    except InvalidConfig:
-        raise
-    except (TypeError, ValueError) as exc:
-        raise InvalidConfig(f"{what}: {exc}") from None

@@ -21,6 +21,7 @@ plans; the node daemons move the bytes (:mod:`tenplex.transformer.service`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -72,8 +73,12 @@ class Orchestrator:
 
     def _usable_hosts(self, reachable: set[str] | None = None) -> list[HostInfo]:
         """Ready, schedulable hosts (and, given ``reachable``, only those whose store answered just now: a
-        host whose daemon has died is not placed on before the backend notices it is lost)."""
-        return [h for h in self.ctx.backend.hosts()
+        host whose daemon has died is not placed on before the backend notices it is lost), with the GPUs
+        the job's own current workers hold counted as free: they are stopped before the new ones start."""
+        ctx = self.ctx
+        own = ctx.backend.gpus_held_by(ctx.name, ctx.worker_ids())
+        return [dataclasses.replace(h, gpus=h.gpus + own.get(h.name, 0)) if own.get(h.name) else h
+                for h in ctx.backend.hosts()
                 if h.ready and h.schedulable and (reachable is None or h.name in reachable)]
 
     def _slots(self, host: HostInfo) -> int:

@@ -16,7 +16,8 @@ from tenplex.errors import InvalidConfig
 from tenplex.scheduler.api import create_app
 from tenplex.scheduler.backend import LocalBackend, LocalCluster
 from tenplex.scheduler.controller import SchedulerSettings
-from tenplex.scheduler.service import Scheduler
+from tenplex.scheduler.service import Scheduler, SchedulerOptions
+from tenplex.scheduler.service import build_scheduler as build_service
 from tenplex.scheduler.state import StateDir, atomic_write
 from tenplex.serving import BackgroundServer, bind_socket, serve_forever, url_for, write_port_file
 
@@ -53,24 +54,24 @@ def save_cluster(state_dir: Path, cluster: LocalCluster) -> None:
     atomic_write(state_dir / "cluster.json", json.dumps(cluster.describe(), indent=1))
 
 
+def local_scheduler(options: SchedulerOptions) -> Scheduler:
+    """The ``local`` backend (registered in Tenplex's entry points): emulated hosts or a hosts file, job records
+    in the state directory."""
+    state_dir = Path(options.state_dir)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    settings = SchedulerSettings(url=options.url, token=options.token, heartbeat_interval=options.heartbeat_interval)
+    cluster = local_cluster(state_dir, options.hosts, options.gpus_per_host, options.token, options.hosts_file)
+    backend = LocalBackend(cluster, cwd=Path.cwd(), host_timeout=options.host_timeout)
+    return Scheduler(backend, StateDir(state_dir), settings)
+
+
 def build_scheduler(backend_name: str, state_dir: Path, url: str, token: str | None, *, hosts: int = 2,
                     gpus_per_host: int = 2, heartbeat_interval: float = 1.0, hosts_file: Path | None = None,
                     host_timeout: float = 10.0) -> Scheduler:
-    state_dir.mkdir(parents=True, exist_ok=True)
-    settings = SchedulerSettings(url=url, token=token, heartbeat_interval=heartbeat_interval)
-    if backend_name == "local":
-        backend = LocalBackend(local_cluster(state_dir, hosts, gpus_per_host, token, hosts_file), cwd=Path.cwd(),
-                               host_timeout=host_timeout)
-    elif backend_name == "kubernetes":  # jobs are ElasticJobs; state lives in the API server (tenplex.k8s)
-        from urllib.parse import urlsplit
-
-        from tenplex.k8s.operator import build_kubernetes_scheduler
-
-        return build_kubernetes_scheduler(state_dir, url, token, port=urlsplit(url).port or 0,
-                                          heartbeat_interval=heartbeat_interval)
-    else:
-        raise InvalidConfig(f"unknown backend {backend_name!r}")
-    return Scheduler(backend, StateDir(state_dir), settings)
+    """The scheduler on the registered backend ``backend_name`` (see :func:`tenplex.scheduler.service.build_scheduler`)."""
+    return build_service(backend_name, SchedulerOptions(
+        state_dir=Path(state_dir), url=url, token=token, heartbeat_interval=heartbeat_interval, hosts=hosts,
+        gpus_per_host=gpus_per_host, hosts_file=hosts_file, host_timeout=host_timeout))
 
 
 def serve(backend_name: str, state_dir: Path, host: str, port: int, token: str | None, *, hosts: int,

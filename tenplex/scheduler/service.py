@@ -1,21 +1,70 @@
-"""The scheduler service: all jobs of one scheduler process, their controllers and metrics."""
+"""The scheduler service: all jobs of one scheduler process, their controllers and metrics.
+
+Which cluster it runs on is a plug-in: a backend registers (entry points
+``tenplex.backends``, see :mod:`tenplex.registry`) a function that builds a
+:class:`Scheduler` on it from :class:`SchedulerOptions`. Tenplex registers
+``local`` (:func:`tenplex.scheduler.server.local_scheduler`) and ``kubernetes``
+(:func:`tenplex.k8s.operator.kubernetes_scheduler`).
+"""
 
 from __future__ import annotations
 
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from tenplex import registry
 from tenplex.core.commands import PythonCommand
 from tenplex.errors import Conflict, InvalidConfig, NotFound
 from tenplex.scheduler.backend import Backend
 from tenplex.scheduler.controller import JobController, SchedulerSettings
-from tenplex.scheduler.state import JobSpec, JobStatus, Phase, StateDir
+from tenplex.scheduler.state import JobSpec, JobStatus, JobStore, Phase
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SchedulerOptions:
+    """What ``tenplex scheduler serve`` tells the backend's scheduler factory."""
+
+    state_dir: Path
+    """The scheduler's own directory (job records on the local backend, logs)."""
+    url: str
+    """The scheduler's URL as its listening socket has it (a backend may advertise another one to workers)."""
+    token: str | None = None
+    heartbeat_interval: float = 1.0
+    hosts: int = 2
+    """Local backend: emulated hosts to start."""
+    gpus_per_host: int = 2
+    """Local backend: GPUs per emulated host."""
+    hosts_file: Path | None = None
+    """Local backend: hosts whose store daemons run already, instead of starting ``hosts``."""
+    host_timeout: float = 10.0
+    """Local backend: a host whose daemon does not answer for this long is lost."""
+
+
+SchedulerFactory = Callable[[SchedulerOptions], "Scheduler"]
+
+
+def registered_backends() -> list[str]:
+    """Names of the installed backends (nothing is imported)."""
+    return list(registry.registered(registry.BACKENDS))
+
+
+def build_scheduler(backend: str, options: SchedulerOptions) -> Scheduler:
+    """The scheduler on the backend registered as ``backend`` (or named by a ``module:function`` spec)."""
+    factory = registry.resolve(registry.BACKENDS, backend, "backend")
+    if not callable(factory):
+        raise InvalidConfig(f"backend {backend!r} is a {type(factory).__name__}, not a function that builds a scheduler")
+    scheduler = factory(options)
+    if not isinstance(scheduler, Scheduler):
+        raise InvalidConfig(f"backend {backend!r} built a {type(scheduler).__name__}, not a Scheduler")
+    return scheduler
 
 
 class SchedulerMetrics:
@@ -53,7 +102,7 @@ class SchedulerMetrics:
 class Scheduler:
     """Creates, recovers and removes job controllers."""
 
-    def __init__(self, backend: Backend, state: StateDir, settings: SchedulerSettings, *,
+    def __init__(self, backend: Backend, state: JobStore, settings: SchedulerSettings, *,
                  store_client: Callable[[str], Any] | None = None) -> None:
         self.backend = backend
         self.state = state

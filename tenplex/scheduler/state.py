@@ -1,11 +1,13 @@
 """Job records and their crash-safe persistence.
 
 A job is its immutable :class:`JobSpec` (what the user asked for) plus its
-mutable :class:`JobStatus` (where the state machine stands). The status is
-written atomically (temp file, fsync, rename) at every transition, together
-with the PTC of every generation still referenced, so a scheduler killed at
-any point restarts into the same phase and stage and resumes from there. On
-Kubernetes the same JSON lives in the ElasticJob's status.
+mutable :class:`JobStatus` (where the state machine stands). A
+:class:`JobStore` keeps both, written at every transition, together with the
+PTC of every generation still referenced, so a scheduler killed at any point
+restarts into the same phase and stage and resumes from there. Two
+implementations: :class:`StateDir` (a directory; each write atomic: temp
+file, fsync, rename) and, on Kubernetes, ``tenplex.k8s.jobstore.KubeJobStore``
+(the ElasticJob's status and ConfigMaps it owns).
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ import os
 import re
 import tempfile
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -29,6 +32,8 @@ from tenplex.scheduler.layouts import LayoutSpec
 from tenplex.scheduler.policy import Policy
 
 _NAME = re.compile(JOB_NAME_PATTERN)
+PLAN_FILE = "last-plan.json"
+"""The state directory keeps a job's last plan in ``jobs/<job>/last-plan.json``; the record names it."""
 
 
 class Phase(StrEnum):
@@ -280,6 +285,11 @@ class Reconfiguration:
     phases: dict[str, float] = field(default_factory=dict)
     """Seconds of each phase of the downtime (see :func:`phase_split`), known so far."""
 
+    def to_json(self) -> dict[str, Any]:
+        """JSON-ready, in fresh containers."""
+        return {**vars(self), "from_hosts": list(self.from_hosts), "to_hosts": list(self.to_hosts),
+                "marks": dict(self.marks), "phases": dict(self.phases)}
+
 
 MARKS = ("requested", "stop_agreed", "stopped", "committed", "planned", "launch_started", "launched",
          "transfer_started", "transferred",
@@ -294,6 +304,7 @@ PHASES = ("stop_agreement", "final_snapshot", "planning", "transfer", "launch", 
 DATA_PHASES = ("final_snapshot", "transfer", "restore")
 """The phases whose length grows with the state's size (writing it, moving it, loading it); the others are
 the fixed cost of a reconfiguration."""
+
 
 
 def phase_split(marks: Mapping[str, float]) -> dict[str, float]:
@@ -357,15 +368,15 @@ class JobStatus:
     """Version -> hosts whose store committed it."""
     version_generation: dict[str, int] = field(default_factory=dict)
     requested_gpus: int | None = None
+    """The newest scale request not yet acted on."""
     requested_parallel: dict[str, Any] | None = None
     """The configuration the newest scale request asks for (None: the policy chooses)."""
-    """The newest scale request not yet acted on."""
     pending_reason: str | None = None
     """Why a planned reconfiguration is wanted (scale, redeploy), until one begins."""
     target_gpus: int | None = None
+    """The GPU count the reconfiguration in progress aims for."""
     target_parallel: dict[str, Any] | None = None
     """The configuration the reconfiguration in progress aims for, when a request named one."""
-    """The GPU count the reconfiguration in progress aims for."""
     master_addr: str | None = None
     master_port: int | None = None
     downtime_started_at: float | None = None
@@ -393,11 +404,45 @@ class JobStatus:
     def parallel_config(self) -> ParallelConfig | None:
         return ParallelConfig.from_json(self.parallel) if self.parallel else None
 
-    def to_json(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["phase"] = self.phase.value
-        out["stage"] = self.stage.value if self.stage else None
-        return out
+    def to_json(self, *, plan: bool = True) -> dict[str, Any]:
+        """The status as JSON-ready data, in fresh containers (a view can be serialized after the lock is let
+        go), except ``last_plan``: the controller replaces it, never changes it, so it is shared (``plan=False``
+        leaves it out: it is large, and views serve it apart). Field by field, not ``asdict``: that deep-copies
+        the plan, and a job of a thousand workers is read many times a second."""
+        return {
+            "phase": self.phase.value,
+            "stage": self.stage.value if self.stage else None,
+            "generation": self.generation,
+            "gpus": self.gpus,
+            "parallel": dict(self.parallel) if self.parallel is not None else None,
+            "hosts": list(self.hosts),
+            "gpus_per_node": self.gpus_per_node,
+            "step": self.step,
+            "version": self.version,
+            "committed": {v: list(hosts) for v, hosts in self.committed.items()},
+            "version_generation": dict(self.version_generation),
+            "requested_gpus": self.requested_gpus,
+            "requested_parallel": dict(self.requested_parallel) if self.requested_parallel is not None else None,
+            "pending_reason": self.pending_reason,
+            "target_gpus": self.target_gpus,
+            "target_parallel": dict(self.target_parallel) if self.target_parallel is not None else None,
+            "master_addr": self.master_addr,
+            "master_port": self.master_port,
+            "downtime_started_at": self.downtime_started_at,
+            "restored_step": self.restored_step,
+            "stop_at_step": self.stop_at_step,
+            "restore_version": self.restore_version,
+            "failures_without_progress": self.failures_without_progress,
+            "workers": [dict(vars(w)) for w in self.workers],
+            "history": [h.to_json() for h in self.history],
+            "message": self.message,
+            "persisted": list(self.persisted),
+            "persist": dict(self.persist) if self.persist is not None else None,
+            "standby_ready": self.standby_ready,
+            "standby_wanted": self.standby_wanted,
+            **({"last_plan": self.last_plan} if plan else {}),
+            "updated_at": self.updated_at,
+        }
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> JobStatus:
@@ -409,22 +454,76 @@ class JobStatus:
         return cls(**data)
 
 
-class StateDir:
+class JobStore(ABC):
+    """Where a scheduler keeps its jobs: what the job controllers write and a restarted scheduler reads.
+
+    Every method is safe to call from several job controllers' threads at once
+    (each controller writes only its own job). A write that returns is durable:
+    a scheduler killed right after it finds that record on its restart.
+    """
+
+    root: Path
+    """A directory on the scheduler's own machine for its files that are not job state (the local backend's
+    worker logs); it exists."""
+
+    @abstractmethod
+    def save(self, spec: JobSpec, status: JobStatus) -> None:
+        """Record the job's spec and status (``status.updated_at`` is set to now), replacing the last record."""
+
+    @abstractmethod
+    def save_ptc(self, name: str, generation: int, ptc: PTC) -> None:
+        """Record the PTC of one generation of the job (written once per generation)."""
+
+    @abstractmethod
+    def load_ptc(self, name: str, generation: int) -> PTC:
+        """The PTC recorded for ``generation``; :class:`NotFound` when there is none."""
+
+    @abstractmethod
+    def load_all(self) -> list[tuple[JobSpec, JobStatus]]:
+        """Every recorded job, each with its newest record (what a restarted scheduler resumes)."""
+
+    @abstractmethod
+    def delete(self, name: str) -> None:
+        """Forget the job and its PTCs (nothing happens when nothing is recorded)."""
+
+
+class StateDir(JobStore):
     """One directory per scheduler: ``jobs/<name>.json`` plus ``jobs/<name>/ptc-g<N>.json``."""
 
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
         (self.root / "jobs").mkdir(parents=True, exist_ok=True)
+        self._plans: dict[str, dict[str, Any] | None] = {}
+        """Job -> the plan object its plan file holds (written again only for another object)."""
 
     def _job_file(self, name: str) -> Path:
         return self.root / "jobs" / f"{check_job_name(name)}.json"
+
+    def _plan_file(self, name: str) -> Path:
+        return self.root / "jobs" / check_job_name(name) / PLAN_FILE
 
     def _ptc_file(self, name: str, generation: int) -> Path:
         return self.root / "jobs" / check_job_name(name) / f"ptc-g{generation}.json"
 
     def save(self, spec: JobSpec, status: JobStatus) -> None:
+        """The record, and the last plan in a file of its own, written only when the status holds another one.
+
+        A plan is large (a job of a thousand workers: megabytes) and changes once
+        per reconfiguration, while the status changes at every worker's
+        registration; the plan's file is written before the record that names it.
+        """
         status.updated_at = time.time()
-        atomic_write(self._job_file(spec.name), json.dumps({"spec": spec.to_json(), "status": status.to_json()}, indent=1))
+        record = status.to_json(plan=False)
+        plan = status.last_plan
+        if plan is not None:
+            if self._plans.get(spec.name) is not plan:
+                atomic_write(self._plan_file(spec.name), json.dumps(plan, separators=(",", ":")))
+                self._plans[spec.name] = plan
+            record["last_plan"] = PLAN_FILE
+        # Compact: json's C encoder serves only indent=None (indented output is encoded in Python, ten times slower,
+        # and a record is rewritten at every worker's registration).
+        atomic_write(self._job_file(spec.name),
+                     json.dumps({"spec": spec.to_json(), "status": record}, separators=(",", ":")))
 
     def save_ptc(self, name: str, generation: int, ptc: PTC) -> None:
         atomic_write(self._ptc_file(name, generation), ptc.dumps())
@@ -439,11 +538,18 @@ class StateDir:
         out = []
         for path in sorted((self.root / "jobs").glob("*.json")):
             obj = json.loads(path.read_text())
-            out.append((JobSpec.from_json(obj["spec"]), JobStatus.from_json(obj["status"])))
+            spec = JobSpec.from_json(obj["spec"])
+            record = dict(obj["status"])
+            if record.get("last_plan") == PLAN_FILE:
+                record["last_plan"] = json.loads(self._plan_file(spec.name).read_text())
+            status = JobStatus.from_json(record)
+            self._plans[spec.name] = status.last_plan
+            out.append((spec, status))
         return out
 
     def delete(self, name: str) -> None:
         self._job_file(name).unlink(missing_ok=True)
+        self._plans.pop(name, None)
         folder = self.root / "jobs" / check_job_name(name)
         if folder.exists():
             for p in folder.iterdir():

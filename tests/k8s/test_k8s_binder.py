@@ -9,9 +9,9 @@ from typing import Any
 from kubernetes import client
 
 from tenplex.k8s import crd
-from tenplex.k8s.binder import PodBinder
-from tenplex.k8s.emulator import ApiServerEmulator
-from tenplex.k8s.kubelet import LocalKubelet, wait_for
+from tenplex.testing.k8s.binder import PodBinder
+from tenplex.testing.k8s.emulator import ApiServerEmulator
+from tenplex.testing.k8s.kubelet import LocalKubelet, wait_for
 
 from .conftest import Clients
 
@@ -91,3 +91,28 @@ def test_binder_and_kubelet_run_a_selected_pod(api: ApiServerEmulator, k8s: Clie
         wait_for(lambda: k8s.core.read_namespaced_pod("w", NS).status.phase == "Succeeded", what="pod w Succeeded")
     pod = k8s.core.read_namespaced_pod("w", NS)
     assert pod.spec.node_name == "node-b" and pod.status.host_ip == "127.0.0.3"
+
+
+def test_a_terminating_pods_gpus_stay_taken(api: ApiServerEmulator, k8s: Clients) -> None:
+    """Until its kubelet confirms, a deleted pod may still run on its GPUs: the binder counts them."""
+    api.add_node("only", gpus=2)
+    binder = PodBinder(k8s.api_client)
+    k8s.core.create_namespaced_pod(NS, gpu_pod("old", 2))
+    assert binder.bind_once() == [("default/old", "only")]
+    api.set_pod_running("old", NS)
+    k8s.core.delete_namespaced_pod("old", NS)  # Terminating: no kubelet here to confirm
+    k8s.core.create_namespaced_pod(NS, gpu_pod("new", 2))
+    assert binder.bind_once() == []
+    assert "only: needs 2 nvidia.com/gpu, 0 of 2 free" in [c for c in k8s.core.read_namespaced_pod("new", NS)
+                                                           .status.conditions if c.type == "PodScheduled"][0].message
+    api.force_delete("pods", "old", NS)
+    assert binder.bind_once() == [("default/new", "only")]
+
+
+def test_a_pending_pod_being_deleted_is_not_bound(api: ApiServerEmulator, k8s: Clients) -> None:
+    api.add_node("n", gpus=1)
+    body = gpu_pod("held", 1)
+    body["metadata"]["finalizers"] = ["example.com/hold"]
+    k8s.core.create_namespaced_pod(NS, body)
+    k8s.core.delete_namespaced_pod("held", NS)
+    assert PodBinder(k8s.api_client).bind_once() == []

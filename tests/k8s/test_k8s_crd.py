@@ -1,4 +1,5 @@
-"""The ElasticJob CRD as data: CEL rules vs their Python twins, typed views, pod contracts, CLI."""
+"""The ElasticJob CRD as data: its CEL rules (evaluated from the CRD's strings) and their cost, typed views, pod
+contracts, CLI."""
 
 from __future__ import annotations
 
@@ -6,15 +7,12 @@ import copy
 from pathlib import Path
 from typing import Any
 
-import celpy
 import pytest
 import yaml
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from tenplex.cli import main
 from tenplex.errors import InvalidInput
-from tenplex.k8s import crd
+from tenplex.k8s import cel, crd
 
 
 def job(**spec: Any) -> dict[str, Any]:
@@ -23,49 +21,89 @@ def job(**spec: Any) -> dict[str, Any]:
     return {"apiVersion": crd.API_VERSION, "kind": crd.KIND, "metadata": {"name": "j"}, "spec": {**base, **spec}}
 
 
-def schema_rules(schema: dict[str, Any], path: str = "") -> list[tuple[str, str]]:
-    """Every (location, CEL rule) in the schema; ``[]`` marks list items."""
-    found = [(path.lstrip("."), r["rule"]) for r in schema.get("x-kubernetes-validations", [])]
-    for key, sub in schema.get("properties", {}).items():
-        found += schema_rules(sub, f"{path}.{key}")
-    if "items" in schema:
-        found += schema_rules(schema["items"], f"{path}[]")
-    return found
+SPEC_RULES = {
+    "spec": ["minGpus must not exceed maxGpus", "gpus must be a multiple of gpusPerPod",
+             "gpus must be 0 (suspended) or at least minGpus", "gpus must not exceed maxGpus"],
+    "spec.policy": ["a policy of type table needs a non-empty table", "stateMemoryFraction must be greater than 0"],
+    "spec.policy.table[]": ["dp * tp * pp must equal gpus in every table entry"],
+}
 
 
-def test_every_cel_rule_in_the_schema_has_a_python_twin() -> None:
-    in_schema = schema_rules(crd.openapi_schema())
-    assert sorted(in_schema) == sorted(crd._RULES)
-    assert len(in_schema) >= 6
+def test_the_rules_live_in_the_crd_and_nowhere_else() -> None:
+    """Every rule is an x-kubernetes-validations entry of the schema, with its message; no Python twin exists."""
+    found = cel.rules(crd.openapi_schema())
+    assert {loc: [r.message for r in found if r.location == loc] for loc in SPEC_RULES} == SPEC_RULES
+    assert len(found) == sum(map(len, SPEC_RULES.values()))
+    assert not hasattr(crd, "_cel_errors")
 
 
-CEL = celpy.Environment()
-PROGRAMS = {key: CEL.program(CEL.compile(key[1])) for key in crd._RULES}
+@pytest.mark.parametrize(("spec", "broken"), [
+    ({"gpus": 4, "gpusPerPod": 2, "minGpus": 2, "maxGpus": 8}, []),
+    ({"gpus": 0, "gpusPerPod": 2, "minGpus": 2}, []),  # 0: suspended, below minGpus on purpose
+    ({"gpus": 3, "gpusPerPod": 2}, ["gpus must be a multiple of gpusPerPod"]),
+    ({"gpus": 2, "gpusPerPod": 1, "minGpus": 4, "maxGpus": 2},
+     ["minGpus must not exceed maxGpus", "gpus must be 0 (suspended) or at least minGpus"]),
+    ({"gpus": 16, "gpusPerPod": 1, "maxGpus": 8}, ["gpus must not exceed maxGpus"]),
+    ({"gpus": 4, "gpusPerPod": 1, "policy": {"type": "table"}}, ["a policy of type table needs a non-empty table"]),
+    ({"gpus": 4, "gpusPerPod": 1, "policy": {"type": "table", "table": []}},
+     ["a policy of type table needs a non-empty table"]),
+    ({"gpus": 4, "gpusPerPod": 1, "policy": {"type": "builtin", "stateMemoryFraction": 0}},
+     ["stateMemoryFraction must be greater than 0"]),
+    # An integer written where the schema says number is a double to CEL, as on the API server.
+    ({"gpus": 4, "gpusPerPod": 1, "policy": {"type": "builtin", "stateMemoryFraction": 1}}, []),
+    ({"gpus": 4, "gpusPerPod": 1, "policy": {"type": "table", "table": [
+        {"gpus": 4, "dp": 2, "tp": 2, "pp": 1}, {"gpus": 8, "dp": 2, "tp": 2, "pp": 1}]}},
+     ["dp * tp * pp must equal gpus in every table entry"]),
+])
+def test_cel_rules_evaluated_from_the_schema_strings(spec: dict[str, Any], broken: list[str]) -> None:
+    failures = cel.evaluate(crd.openapi_schema(), {"spec": spec})
+    assert [f.message for f in failures] == broken
+    for f in failures:  # worded as the API server words them
+        assert str(f) == f'{f.path}: Invalid value: "object": {f.message}' and f.error is None
+    table = spec.get("policy", {}).get("table", [])
+    if broken == ["dp * tp * pp must equal gpus in every table entry"]:
+        assert [f.path for f in failures] == [f"spec.policy.table[{len(table) - 1}]"]
 
-policies = st.fixed_dictionaries(
-    {"type": st.sampled_from(crd.POLICY_TYPES)},
-    optional={
-        "table": st.lists(st.fixed_dictionaries({"gpus": st.integers(1, 16), "dp": st.integers(1, 4),
-                                                 "tp": st.integers(1, 4), "pp": st.integers(1, 4)}), max_size=3),
-        "stateMemoryFraction": st.sampled_from([0.0, 0.25, 0.5, 1.0]),
-    },
-)
-specs = st.fixed_dictionaries(
-    {"gpus": st.integers(0, 16), "gpusPerPod": st.integers(1, 8)},
-    optional={"minGpus": st.integers(1, 16), "maxGpus": st.integers(1, 16), "policy": policies},
-)
+
+def test_a_rule_that_cannot_be_evaluated_is_an_error_naming_it() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}},
+              "x-kubernetes-validations": [{"rule": "self.a > 0", "message": "a must be positive"}]}
+    (failure,) = cel.evaluate(schema, {})
+    assert failure.error is not None and "no such" in failure.error.lower()
+    assert "rule 'self.a > 0' could not be evaluated" in str(failure)
 
 
-@settings(max_examples=150, deadline=None)
-@given(specs)
-def test_cel_rules_and_python_twins_agree(spec: dict[str, Any]) -> None:
-    targets = {"spec": [spec], "spec.policy": [spec["policy"]] if "policy" in spec else [],
-               "spec.policy.table[]": spec.get("policy", {}).get("table", [])}
-    for (location, rule), program in PROGRAMS.items():
-        message, twin = crd._RULES[(location, rule)]
-        for target in targets[location]:
-            expected = bool(program.evaluate({"self": celpy.json_to_cel(target)}))
-            assert twin(target) == expected, f"{rule!r} on {target}: CEL says {expected}"
+def test_rule_costs_are_within_the_api_servers_limits() -> None:
+    """The estimate the API server makes when the CRD is applied: each rule's cost per evaluation times the most
+    evaluations one object allows, under 10,000,000 per rule and 100,000,000 together."""
+    costs = {(c.rule.location, c.rule.rule): c for c in cel.estimate(crd.openapi_schema())}
+    table = costs[("spec.policy.table[]", "self.dp * self.tp * self.pp == self.gpus")]
+    # 4 x (ident + select) + 2 multiplications + 1 comparison; a table entry takes at least
+    # {"gpus":0,"dp":0,"tp":0,"pp":0} = 32 bytes, so a 3 MiB request holds 3145728 // 33 of them.
+    assert (table.per_call, table.evaluations, table.total) == (11, 95325, 1_048_575)
+    assert all(c.evaluations == 1 for k, c in costs.items() if k[0] != "spec.policy.table[]")
+    assert max(c.per_call for c in costs.values()) == 11
+    assert sum(c.total for c in costs.values()) == 1_048_575 + 11 + 6 + 11 + 8 + 9 + 6
+    assert cel.within_limits(list(costs.values())) == []
+    assert sum(c.total for c in costs.values()) < cel.PER_EXPRESSION_COST_LIMIT / 9
+
+
+def test_the_cost_estimate_follows_cel_go() -> None:
+    # Kubernetes' own cost-stability test gives "self.val1 == self.val6" a cost of 5.
+    assert cel.expression_cost("self.val1 == self.val6") == 5
+    assert cel.expression_cost("!has(self.a) || self.a <= 3") == 2 + 1 + 2 + 1   # presence test, not, select, <=
+    assert cel.expression_cost("self.x ? self.a : self.b + 1") == 2 + 3
+    with pytest.raises(ValueError, match="all"):
+        cel.expression_cost("self.items.all(i, i > 0)")
+    # A rule on the items of a list without maxItems is estimated for as many items as fit in a request.
+    schema = {"type": "object", "properties": {"l": {"type": "array", "items": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "x-kubernetes-validations": [{"rule": "self.a * self.a + self.b * self.b == 25", "message": "m"}]}}}}
+    (cost,) = cel.estimate(schema)
+    assert (cost.per_call, cost.evaluations) == (12, 3 * 1024 * 1024 // 3)  # 4 x 2 + 2 x * + + + ==
+    assert cel.within_limits([cost]) and "over 10000000" in cel.within_limits([cost])[0]
+    schema["properties"]["l"]["maxItems"] = 100
+    assert cel.estimate(schema)[0].evaluations == 100 and cel.within_limits(cel.estimate(schema)) == []
 
 
 def test_validation_reports_every_error_with_its_values() -> None:
@@ -88,6 +126,10 @@ def test_validation_reports_every_error_with_its_values() -> None:
     assert unknown == ["spec.policy: Additional properties are not allowed ('gpuMemory' was unexpected)"]
     # The model block is the provider's business: unknown fields pass through.
     assert crd.elasticjob_errors(job(layout={"provider": "megatron-gpt", "model": {"anything": 1}})) == []
+    # A provider is a registered name or a module:function spec (the scheduler resolves it when it creates the job).
+    assert crd.elasticjob_errors(job(layout={"provider": "mypackage.layout:my_layout"})) == []
+    [bad_provider] = crd.elasticjob_errors(job(layout={"provider": "Not A Provider"}))
+    assert bad_provider.startswith("spec.layout.provider: 'Not A Provider' does not match"), bad_provider
 
 
 def test_spec_view_applies_defaults_and_reads_everything() -> None:

@@ -8,11 +8,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import httpx
 import pytest
 from kubernetes import client, watch
 
 from tenplex.k8s import crd
-from tenplex.k8s.emulator import ApiServerEmulator
+from tenplex.testing.k8s.emulator import ADMIN_TOKEN, ApiServerEmulator
+from tenplex.testing.k8s.kubelet import wait_for
 
 from .conftest import Clients
 
@@ -128,6 +130,7 @@ def test_label_and_field_selectors(api: ApiServerEmulator, k8s: Clients) -> None
     k8s.core.create_namespaced_pod(NS, pod("a0", job="a", node="n1"))
     k8s.core.create_namespaced_pod(NS, pod("a1", job="a"))
     k8s.core.create_namespaced_pod(NS, pod("b0", job="b", role="store", node="n1"))
+    api.create_namespace("other")
     k8s.core.create_namespaced_pod("other", pod("c0", job="c"))
 
     def names(**kwargs: Any) -> list[str]:
@@ -149,9 +152,15 @@ def test_label_and_field_selectors(api: ApiServerEmulator, k8s: Clients) -> None
         with pytest.raises(client.ApiException) as err:
             k8s.core.list_namespaced_pod(NS, label_selector=bad)
         assert err.value.status == 400 and "unable to parse" in message(err.value)
-    with pytest.raises(client.ApiException) as err:
-        k8s.core.list_namespaced_pod(NS, field_selector="spec.schedulerName=x")
-    assert err.value.status == 400 and "spec.schedulerName" in message(err.value)
+    assert names(field_selector="spec.schedulerName=default-scheduler,spec.hostNetwork=false") == ["a0", "a1", "b0"]
+    # A field the resource does not index is refused, as by the real server (each kind has its own list).
+    for bad, listing in (("spec.priority=1", lambda sel: k8s.core.list_namespaced_pod(NS, field_selector=sel)),
+                         ("spec.nodeName=n1", lambda sel: k8s.core.list_namespaced_config_map(NS, field_selector=sel)),
+                         ("spec.gpus=2", lambda sel: k8s.custom.list_namespaced_custom_object(*EJ, field_selector=sel))):
+        with pytest.raises(client.ApiException) as err:
+            listing(bad)
+        assert err.value.status == 400 and message(err.value) == f"BadRequest: field label not supported: {bad.split('=')[0]}"
+    assert [n.metadata.name for n in k8s.core.list_node(field_selector="metadata.name=n1").items] == ["n1"]
 
 
 def test_stale_resource_version_is_a_conflict_for_leader_election(k8s: Clients) -> None:
@@ -173,14 +182,29 @@ def test_stale_resource_version_is_a_conflict_for_leader_election(k8s: Clients) 
     assert err.value.status == 409
 
 
-def test_patch_flavours(k8s: Clients) -> None:
+def test_patch_flavours(api: ApiServerEmulator, k8s: Clients) -> None:
     k8s.core.create_namespaced_pod(NS, pod("w0"))
-    # Strategic merge (the client's default for dicts): env merged by name, not replaced.
-    k8s.core.patch_namespaced_pod("w0", NS, {"spec": {"containers": [{"name": "worker", "env": [{"name": "A", "value": "1"}]}]}})
-    k8s.core.patch_namespaced_pod("w0", NS, {"spec": {"containers": [{"name": "worker", "env": [{"name": "B", "value": "2"}]}]}})
-    container = k8s.core.read_namespaced_pod("w0", NS).spec.containers[0]
-    assert container.image == "tenplex:test"
-    assert [(e.name, e.value) for e in container.env] == [("A", "1"), ("B", "2")]
+    # Strategic merge (the client's default for dicts): keyed lists merged item by item (taints by key)...
+    api.add_node("n1")
+    k8s.core.patch_node("n1", {"spec": {"taints": [{"key": "a", "effect": "NoSchedule"}]}})
+    k8s.core.patch_node("n1", {"spec": {"taints": [{"key": "b", "effect": "NoExecute"}]}})
+    assert [(t.key, t.effect) for t in k8s.core.read_node("n1").spec.taints] == [("a", "NoSchedule"), ("b", "NoExecute")]
+    # ... and finalizers merged as a set, as their patchStrategy says (a merge patch replaces the list).
+    k8s.core.patch_namespaced_pod("w0", NS, {"metadata": {"finalizers": ["example.com/a"]}})
+    k8s.core.patch_namespaced_pod("w0", NS, {"metadata": {"finalizers": ["example.com/b", "example.com/a"]}})
+    assert k8s.core.read_namespaced_pod("w0", NS).metadata.finalizers == ["example.com/a", "example.com/b"]
+    k8s.core.patch_namespaced_pod("w0", NS, {"metadata": {"$deleteFromPrimitiveList/finalizers": ["example.com/a"]}})
+    assert k8s.core.read_namespaced_pod("w0", NS).metadata.finalizers == ["example.com/b"]
+    k8s.core.patch_namespaced_pod("w0", NS, {"metadata": {"finalizers": ["example.com/c"]}},
+                                  _content_type="application/merge-patch+json")
+    assert k8s.core.read_namespaced_pod("w0", NS).metadata.finalizers == ["example.com/c"]
+    k8s.core.patch_namespaced_pod("w0", NS, {"metadata": {"finalizers": None}}, _content_type="application/merge-patch+json")
+    # A pod's spec is immutable but for images, the deadline and added tolerations.
+    with pytest.raises(client.ApiException) as err:
+        k8s.core.patch_namespaced_pod("w0", NS, {"spec": {"containers": [{"name": "worker", "env": [{"name": "A", "value": "1"}]}]}})
+    assert err.value.status == 422 and "pod updates may not change fields other than" in message(err.value)
+    k8s.core.patch_namespaced_pod("w0", NS, {"spec": {"containers": [{"name": "worker", "image": "tenplex:next"}]}})
+    assert k8s.core.read_namespaced_pod("w0", NS).spec.containers[0].image == "tenplex:next"
     # JSON patch (a list body).
     k8s.core.patch_namespaced_pod("w0", NS, [{"op": "add", "path": "/metadata/annotations", "value": {"k": "v"}}])
     assert k8s.core.read_namespaced_pod("w0", NS).metadata.annotations == {"k": "v"}
@@ -206,15 +230,53 @@ def test_elasticjob_defaults_and_validation(k8s: Clients) -> None:
 
     with pytest.raises(client.ApiException) as err:
         k8s.custom.create_namespaced_custom_object(*EJ, job("bad", gpus=3, gpusPerPod=2, minGpus=4, maxGpus=2))
+    # The CRD's CEL rules, evaluated from its own strings, worded as the API server words them.
     assert err.value.status == 422
-    assert "gpus=3, gpusPerPod=2" in message(err.value) and "minGpus=4, maxGpus=2" in message(err.value)
+    assert message(err.value) == (
+        'Invalid: ElasticJob.tenplex.io "bad" is invalid: [spec: Invalid value: "object": minGpus must not exceed '
+        'maxGpus, spec: Invalid value: "object": gpus must be a multiple of gpusPerPod, spec: Invalid value: '
+        '"object": gpus must be 0 (suspended) or at least minGpus, spec: Invalid value: "object": gpus must not '
+        'exceed maxGpus]')
     with pytest.raises(client.ApiException) as err:
-        k8s.custom.create_namespaced_custom_object(*EJ, job("typo", gpu=1))
-    assert err.value.status == 422 and "'gpu' was unexpected" in message(err.value)
+        k8s.custom.patch_namespaced_custom_object(*EJ, "j", {"spec": {"layout": {"provider": "My Bert"}}})
+    # Providers are plug-ins (any registered name or module:function), so the schema checks the form only.
+    assert err.value.status == 422 and "spec.layout.provider in body 'My Bert' does not match" in message(err.value), \
+        message(err.value)
     with pytest.raises(client.ApiException) as err:
-        k8s.custom.patch_namespaced_custom_object(*EJ, "j", {"spec": {"layout": {"provider": "bert"}}})
-    assert err.value.status == 422 and "'bert' is not one of" in message(err.value)
+        k8s.custom.patch_namespaced_custom_object(*EJ, "j", {"spec": {"gpus": "two"}})
+    assert err.value.status == 422 and "spec.gpus in body must be of type integer" in message(err.value)
     assert k8s.custom.get_namespaced_custom_object(*EJ, "j")["spec"]["layout"]["provider"] == "example-gpt"
+
+
+def test_unknown_fields_follow_the_requests_field_validation(api: ApiServerEmulator, k8s: Clients) -> None:
+    """Strict (kubectl's default) refuses them with 400, Warn (the API's default) drops them with a Warning header,
+    Ignore drops them silently; on built-in kinds (their OpenAPI schema) and custom resources (their CRD's)."""
+    base = f"{api.url}/apis/{crd.GROUP}/{crd.VERSION}/namespaces/{NS}/{crd.PLURAL}"
+    typo = job("typo", gpu=1)
+    with httpx.Client(headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}) as http:
+        strict = http.post(f"{base}?fieldValidation=Strict", json=typo)
+        assert strict.status_code == 400
+        assert strict.json()["message"] == ('ElasticJob in version "v1alpha1" cannot be handled as a ElasticJob: '
+                                            'strict decoding error: unknown field "spec.gpu"')
+        warned = http.post(base, json=typo)
+        assert warned.status_code == 201 and "gpu" not in warned.json()["spec"]
+        assert warned.headers["warning"] == '299 - "unknown field \\"spec.gpu\\""'
+        ignored = http.post(f"{base}?fieldValidation=Ignore", json={**job("quiet"), "extra": {"a": 1}})
+        assert ignored.status_code == 201 and "extra" not in ignored.json() and "warning" not in ignored.headers
+        assert http.post(f"{base}?fieldValidation=Loose", json=job("x")).status_code == 400
+
+        pods = f"{api.url}/api/v1/namespaces/{NS}/pods"
+        body = pod("p0")
+        body["spec"]["containers"][0]["imagePullPolcy"] = "Always"
+        strict = http.post(f"{pods}?fieldValidation=Strict", json=body)
+        assert strict.status_code == 400 and 'unknown field "spec.containers[0].imagePullPolcy"' in strict.json()["message"]
+        patched = http.post(pods, json=pod("p1"))
+        assert patched.status_code == 201
+        # A patch is judged by what it makes: here a field of no pod.
+        merge = http.patch(f"{pods}/p1?fieldValidation=Strict", json={"metadata": {"labelz": {"a": "b"}}},
+                           headers={"Content-Type": "application/merge-patch+json"})
+        assert merge.status_code == 400 and 'unknown field "metadata.labelz"' in merge.json()["message"]
+    assert api.warnings() == ['unknown field "spec.gpu"']
 
 
 def test_elasticjob_status_subresource_write_rules(k8s: Clients) -> None:
@@ -284,7 +346,9 @@ def test_deleting_a_job_collects_its_pods_and_finalizers_hold_deletion(api: ApiS
     with pytest.raises(client.ApiException) as err:
         k8s.custom.get_namespaced_custom_object(*EJ, "j")
     assert err.value.status == 404
-    assert [p.metadata.name for p in k8s.core.list_namespaced_pod(NS).items] == ["unrelated"]
+    # The garbage collector works on its own time, as the controller does.
+    wait_for(lambda: [p.metadata.name for p in k8s.core.list_namespaced_pod(NS).items] == ["unrelated"],
+             what="the job's pods collected")
 
 
 # --------------------------------------------------------------------------- the world
@@ -321,6 +385,9 @@ def test_kubelet_and_node_controller_hooks(api: ApiServerEmulator, k8s: Clients)
     assert n2.spec.unschedulable is True and n2.spec.taints[0].key == "node.kubernetes.io/unschedulable"
     assert [n.metadata.name for n in k8s.core.list_node(field_selector="spec.unschedulable=false").items] == ["n1"]
     assert api.drain_node("n2") == [f"{NS}/w1"]
+    # w1 runs on n2: it is Terminating until n2's kubelet confirms (there is none here), then forced away.
+    assert k8s.core.read_namespaced_pod("w1", NS).metadata.deletion_timestamp is not None
+    api.force_delete("pods", "w1", NS)
     assert [p.metadata.name for p in k8s.core.list_namespaced_pod(NS).items] == ["w0"]
     api.cordon_node("n2", cordoned=False)
     assert not k8s.core.read_node("n2").spec.unschedulable

@@ -137,16 +137,28 @@ def test_the_package_builds_as_pip_install_dot_does(tmp_path: Path) -> None:
     for source in ("tenplex", "examples"):
         shutil.copytree(REPO / source, context / source, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     wheels = tmp_path / "wheels"
+    # `pip install . ./examples`: Tenplex, and the example jobs as their own distribution.
     result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
-                             "--wheel-dir", str(wheels), str(context)], capture_output=True, text=True, timeout=240)
+                             "--wheel-dir", str(wheels), str(context), str(context / "examples")],
+                            capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr
-    (wheel,) = wheels.glob("tenplex-*.whl")
-    with zipfile.ZipFile(wheel) as zf:
-        names = set(zf.namelist())
-        entry_points = zf.read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
-    assert {"tenplex/cli.py", "tenplex/k8s/crd.py", "examples/gpt/train.py"} <= names
+
+    def contents(pattern: str) -> tuple[set[str], str]:
+        (wheel,) = wheels.glob(pattern)
+        with zipfile.ZipFile(wheel) as zf:
+            names = set(zf.namelist())
+            return names, zf.read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
+
+    names, entry_points = contents("tenplex-*.whl")
+    assert {"tenplex/cli.py", "tenplex/k8s/crd.py"} <= names
     assert not [n for n in names if n.startswith("tenplex/testing/")], "test machinery must stay out of the wheel"
+    assert not [n for n in names if n.startswith("examples/")], "the examples are their own distribution"
     assert "tenplex = tenplex.cli:main" in entry_points
+    assert "megatron-gpt = tenplex.ptc.megatron:megatron_gpt_layout" in entry_points
+    assert "kubernetes = tenplex.k8s.operator:kubernetes_scheduler" in entry_points
+    names, entry_points = contents("tenplex_examples-*.whl")
+    assert {"examples/gpt/train.py", "examples/gpt/layout.py", "examples/torchtitan/job.py", "examples/hf/job.py"} <= names
+    assert "example-gpt = examples.gpt.layout:example_gpt_layout" in entry_points
 
 
 def _parse(args: list[str]) -> argparse.Namespace:

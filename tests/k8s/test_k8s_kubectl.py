@@ -10,8 +10,9 @@ import pytest
 import yaml
 
 from tenplex.k8s import crd
-from tenplex.k8s.emulator import ApiServerEmulator
+from tenplex.testing.k8s.emulator import ApiServerEmulator
 
+from .cluster import NodeAgents
 from .conftest import REPO, tool
 
 EXAMPLE = REPO / "deploy" / "examples" / "elasticjob-example-gpt.yaml"
@@ -34,6 +35,7 @@ def kubectl(api: ApiServerEmulator, tmp_path: Path):  # type: ignore[no-untyped-
 
 
 def test_submit_scale_and_watch_columns(api: ApiServerEmulator, kubectl) -> None:  # type: ignore[no-untyped-def]
+    api.create_namespace("tenplex")  # (kubectl would send it as protobuf, which the emulator does not speak)
     # No OpenAPI document is served, so client-side validation is off; the server validates anyway.
     assert "elasticjob.tenplex.io/gpt-small created" in kubectl("apply", "--validate=false", "-f", str(EXAMPLE)).stdout
     api.patch("elasticjobs", "gpt-small", {"status": crd.ElasticJobStatus(
@@ -58,9 +60,11 @@ def test_submit_scale_and_watch_columns(api: ApiServerEmulator, kubectl) -> None
     assert api.get("elasticjobs", "gpt-small", "tenplex")["spec"]["gpus"] == 8
 
 
-def test_cordon_and_drain(api: ApiServerEmulator, kubectl) -> None:  # type: ignore[no-untyped-def]
+def test_cordon_and_drain(api: ApiServerEmulator, agents: NodeAgents, kubectl) -> None:  # type: ignore[no-untyped-def]
     api.add_node("gpu-1")
     api.add_node("gpu-2")
+    agents.start("gpu-1")  # the evicted pods are gone once their kubelet confirms: kubectl drain waits for that
+    agents.start("gpu-2")
     for i, node in enumerate(("gpu-1", "gpu-1", "gpu-2")):
         api.create("pods", {"metadata": {"name": f"w{i}", "labels": crd.job_labels("j")},
                             "spec": {"nodeName": node, "containers": [{"name": "worker", "image": "tenplex:test"}]}})

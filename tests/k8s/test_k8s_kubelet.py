@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from tenplex.k8s import crd
-from tenplex.k8s.emulator import ApiServerEmulator
-from tenplex.k8s.kubelet import LocalKubelet, expand, wait_for
+from tenplex.testing.k8s.emulator import ApiServerEmulator
+from tenplex.testing.k8s.kubelet import LocalKubelet, expand, wait_for
 
 from .conftest import Clients
 
@@ -100,6 +100,7 @@ def test_deleting_the_pod_terminates_the_process(k8s: Clients, kubelet: LocalKub
     wait_for(lambda: kubelet.pid("w1") is None, what="process of deleted pod w1 to end")
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+    wait_for(lambda: not k8s.core.list_namespaced_pod(NS).items, what="the pod gone once the kubelet confirmed")
 
 
 def test_kubelet_survives_watch_expiry(api: ApiServerEmulator, k8s: Clients, kubelet: LocalKubelet) -> None:
@@ -147,3 +148,64 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_graceful_deletion_sigterm_report_then_confirm(api: ApiServerEmulator, k8s: Clients, kubelet: LocalKubelet,
+                                                        tmp_path: Path) -> None:
+    """The pod stays (Terminating) while its process handles SIGTERM; the kubelet reports the exit, then deletes the
+    pod with grace period 0; a process ignoring SIGTERM gets SIGKILL once the grace period is over."""
+    marker = tmp_path / "terminated"
+    code = (f"import pathlib, signal, sys, time\n"
+            f"def bye(*_):\n    time.sleep(0.5); pathlib.Path({str(marker)!r}).touch(); sys.exit(143)\n"
+            f"signal.signal(signal.SIGTERM, bye)\nwhile True: time.sleep(0.05)")
+    k8s.core.create_namespaced_pod(NS, python_pod("polite", code, grace=10))
+    wait_for(lambda: phase(k8s, "polite") == "Running", what="pod polite Running")
+    k8s.core.delete_namespaced_pod("polite", NS)
+    assert k8s.core.read_namespaced_pod("polite", NS).metadata.deletion_timestamp is not None
+    wait_for(lambda: not k8s.core.list_namespaced_pod(NS, field_selector="metadata.name=polite").items, timeout=15,
+             what="pod polite gone after its process ended")
+    assert marker.exists(), "the pod must not be gone before its process has ended"
+
+    ready = tmp_path / "ignoring"
+    k8s.core.create_namespaced_pod(NS, python_pod("stubborn", f"import pathlib, signal, time\nsignal.signal("
+                                                  f"signal.SIGTERM, signal.SIG_IGN)\npathlib.Path({str(ready)!r})"
+                                                  f".touch()\nwhile True: time.sleep(0.05)", grace=1))
+    pid = wait_for(lambda: kubelet.pid("stubborn"), what="process of pod stubborn")
+    wait_for(ready.exists, what="pod stubborn ignoring SIGTERM")
+    started = time.monotonic()
+    k8s.core.delete_namespaced_pod("stubborn", NS)
+    wait_for(lambda: not k8s.core.list_namespaced_pod(NS, field_selector="metadata.name=stubborn").items, timeout=15,
+             what="pod stubborn gone after SIGKILL")
+    assert time.monotonic() - started >= 1.0
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_a_hung_runtime_keeps_the_pod_terminating_and_its_gpus(api: ApiServerEmulator, k8s: Clients,
+                                                                tmp_path: Path) -> None:
+    api.add_node("gpu-node", gpus=1, address="127.0.0.5")
+    with LocalKubelet(k8s.api_client, "gpu-node", "127.0.0.5", tmp_path / "kl") as kl:
+        first = python_pod("first", "import time; time.sleep(600)", grace=1)
+        first["spec"].update(nodeName="gpu-node")
+        first["spec"]["containers"][0]["resources"] = {"limits": {crd.GPU_RESOURCE: "1"}}
+        k8s.core.create_namespaced_pod(NS, first)
+        wait_for(lambda: phase(k8s, "first") == "Running", what="pod first Running")
+        kl.freeze("first")
+        k8s.core.delete_namespaced_pod("first", NS)
+        time.sleep(2.0)  # past its 1 s grace period
+        assert k8s.core.read_namespaced_pod("first", NS).metadata.deletion_timestamp is not None
+        assert kl.pid("first") is not None and kl.used_gpus() == 1
+        # Its GPU is still in use: the kubelet refuses a pod that would need it.
+        second = {**first, "metadata": {"name": "second"}}
+        k8s.core.create_namespaced_pod(NS, second)
+        wait_for(lambda: phase(k8s, "second") == "Failed", what="pod second rejected")
+        rejected = k8s.core.read_namespaced_pod("second", NS).status
+        assert rejected.reason == f"OutOf{crd.GPU_RESOURCE}"
+        assert rejected.message == ("Pod was rejected: Node didn't have enough resource: nvidia.com/gpu, requested: 1, "
+                                    "used: 1, capacity: 1")
+        kl.thaw("first")
+        wait_for(lambda: not k8s.core.list_namespaced_pod(NS, field_selector="metadata.name=first").items,
+                 timeout=15, what="pod first gone once its runtime recovered")
+        assert kl.used_gpus() == 0
+        k8s.core.create_namespaced_pod(NS, {**first, "metadata": {"name": "third"}})
+        wait_for(lambda: phase(k8s, "third") == "Running", what="pod third admitted on the freed GPU")

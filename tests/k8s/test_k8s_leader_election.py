@@ -11,12 +11,13 @@ from kubernetes.leaderelection import electionconfig, leaderelection
 from kubernetes.leaderelection.resourcelock.leaselock import LeaseLock
 
 from tenplex.k8s import crd
-from tenplex.k8s.emulator import ApiServerEmulator
+from tenplex.testing.k8s.emulator import ApiServerEmulator
 
 
 @pytest.mark.slow
 def test_two_schedulers_take_turns_on_the_lease(api: ApiServerEmulator) -> None:
     # LeaseLock builds its client from the default configuration.
+    api.create_namespace("tenplex")
     previous = client.Configuration.get_default_copy()
     client.Configuration.set_default(api.client_configuration())
     events: list[tuple[float, str, str]] = []

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from tenplex.k8s import crd
-from tenplex.k8s.emulator import ApiServerEmulator
-from tenplex.k8s.kubelet import LocalKubelet, wait_for
+from tenplex.testing.k8s.emulator import ApiServerEmulator
+from tenplex.testing.k8s.kubelet import LocalKubelet, wait_for
 
 from .conftest import Clients
 from .test_k8s_chart import one, render
@@ -44,6 +44,7 @@ def test_rendered_store_pod_serves_health_and_metrics(api: ApiServerEmulator, k8
     docs = render("--set", f"store.root={root}", "--set", f"store.hostPath={root}", "--set", f"store.port={port}",
                   "--set", "store.fixPermissions=false", "--set", "auth.token=t0ken",
                   "--set", "image.repository=tenplex", "--set", "image.tag=test")
+    api.create_namespace(NS)
     secret = one(docs, "Secret")
     api.create("secrets", {"metadata": {"name": secret["metadata"]["name"]}, "data": secret["data"]}, namespace=NS)
     template = one(docs, "DaemonSet")["spec"]["template"]

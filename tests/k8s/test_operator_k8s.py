@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -25,14 +26,12 @@ import pytest
 import yaml
 from kubernetes import client
 
-from tenplex.errors import InvalidConfig, InvalidInput
+from tenplex.errors import InvalidConfig, InvalidInput, NotLeader
 from tenplex.k8s import crd
 from tenplex.k8s.backend import ANNOTATION_WORKERS, LABEL_RANKS
-from tenplex.k8s.emulator import ApiServerEmulator
 from tenplex.k8s.jobstore import ptc_configmap, state_configmap
 from tenplex.k8s.operator import (
     KubernetesScheduler,
-    NotLeader,
     advertise_url,
     budget_name,
     job_spec_from_elasticjob,
@@ -43,23 +42,38 @@ from tenplex.scheduler.api import create_app
 from tenplex.scheduler.controller import SchedulerSettings
 from tenplex.scheduler.state import JobSpec, Phase
 from tenplex.serving import BackgroundServer
+from tenplex.testing.k8s.emulator import ApiServerEmulator
 
-from .cluster import NS, add_gpu_node, elasticjob, eventually, worker_pods
+from .cluster import (
+    NS,
+    NodeAgents,
+    add_gpu_node,
+    assert_rbac_clean,
+    elasticjob,
+    eventually,
+    scheduler_client,
+    scheduler_user,
+    worker_pods,
+)
 
 
 def make_scheduler(api: ApiServerEmulator, state: Path, identity: str = "sched-a", *,
                    leader_election: bool = False) -> KubernetesScheduler:
+    """The scheduler as the chart deploys it: its ServiceAccount, with the chart's RBAC and nothing more."""
     settings = KubernetesSettings(namespace=NS, identity=identity, leader_election=leader_election,
                                   lease_duration_seconds=3, renew_deadline_seconds=2, retry_period_seconds=1)
-    return KubernetesScheduler(api.api_client(), settings, SchedulerSettings(url="http://127.0.0.1:9", poll_interval=0.1),
-                               state, watch_timeout=5)
+    return KubernetesScheduler(scheduler_client(api), settings,
+                               SchedulerSettings(url="http://127.0.0.1:9", poll_interval=0.1), state, watch_timeout=5)
 
 
 @pytest.fixture
-def cluster(api: ApiServerEmulator) -> ApiServerEmulator:
-    add_gpu_node(api, "gpu-a", "127.0.0.2")
-    add_gpu_node(api, "gpu-b", "127.0.0.3")
-    return api
+def cluster(api: ApiServerEmulator, agents: NodeAgents) -> Iterator[ApiServerEmulator]:
+    add_gpu_node(api, "gpu-a", "127.0.0.2", agents=agents)
+    add_gpu_node(api, "gpu-b", "127.0.0.3", agents=agents)
+    yield api
+    assert api.gpu_overbookings() == []
+    if api.accesses(scheduler_user().name):
+        assert_rbac_clean(api)
 
 
 @pytest.fixture
@@ -126,7 +140,7 @@ def test_scale_subresource_becomes_a_scale_request_once(cluster: ApiServerEmulat
                                                     {"spec": {"replicas": 2}})
         eventually(lambda: ctl.status.requested_gpus is None and ctl.status.pending_reason is None, "withdrawn")
         cluster.expire_watches()
-        eventually(lambda: sched.index.informer.relists >= 2, "the ElasticJob relist")
+        eventually(lambda: sched.index.relists >= 2, "the ElasticJob relist")
         sched.operator.reconcile(cluster.get("elasticjobs", "gpt", NS))
         assert ctl.status.requested_gpus is None and ctl.status.pending_reason is None
 
@@ -227,7 +241,8 @@ def test_multi_gpu_pods_and_a_failed_pod_fails_all_its_ranks(cluster: ApiServerE
     sched.kube_backend.add_listener(
         lambda e: seen.append(sched.kube_backend.exited("gpt", ids)) if e.kind == "worker-exited" else None)
     cluster.fail_pod("gpt-g0-r2", NS, exit_code=134)
-    assert eventually(lambda: seen, "the pod's failure seen") == [{"gpt-g0-r2": 134, "gpt-g0-r3": 134}]
+    # (Later ones follow as the scheduler stops the survivors: their kubelet reports them ended, 143, before they go.)
+    assert eventually(lambda: seen, "the pod's failure seen")[0] == {"gpt-g0-r2": 134, "gpt-g0-r3": 134}
     eventually(lambda: ctl.status.phase == Phase.FAILED, "failure handling", timeout=30)
     assert "worker gpt-g0-r2 exited with code 134" in ctl.status.message
     assert worker_pods(cluster, "gpt") == []  # the survivors' pod was stopped
@@ -290,13 +305,13 @@ def test_expired_watches_do_not_lose_events(cluster: ApiServerEmulator, sched: K
     cluster.create("elasticjobs", elasticjob("gpt", 2, max_restarts=0), NS)
     running_pods(cluster, "gpt", 2)
     ctl = sched.get("gpt")
-    eventually(lambda: cluster.open_watches() >= 3, "the operator's watches")
+    eventually(lambda: cluster.open_watches() >= 5, "the operator's watches (and the two kubelets')")
     cluster.expire_watches()
     cluster.patch("elasticjobs", "gpt", {"spec": {"gpus": 3}}, NS)
     cluster.fail_pod("gpt-g0-r0", NS)
     eventually(lambda: ctl.status.phase == Phase.FAILED, "the failure seen through a relist", timeout=30)
     assert "gpt-g0-r0" in ctl.status.message
-    assert sched.index.informer.relists >= 2 and all(p.relists >= 2 for p in sched.kube_backend.pods)
+    assert sched.index.relists >= 2 and all(p.relists >= 2 for p in sched.kube_backend.pods)
 
 
 def test_a_restarted_scheduler_resumes_the_job_from_the_api_server(cluster: ApiServerEmulator, tmp_path: Path) -> None:
@@ -335,6 +350,7 @@ def test_bad_and_duplicate_elasticjobs_are_refused_in_their_status(cluster: ApiS
 
     cluster.create("elasticjobs", elasticjob("gpt", 2), NS)
     running_pods(cluster, "gpt", 2)
+    cluster.create_namespace("other")
     cluster.create("elasticjobs", elasticjob("gpt", 2, namespace="other"), "other")
     other = eventually(lambda: (cluster.get("elasticjobs", "gpt", "other").get("status") or {}).get("phase") == "Failed"
                        and cluster.get("elasticjobs", "gpt", "other")["status"], "duplicate refused")
@@ -400,7 +416,8 @@ def test_scheduler_serve_with_the_kubernetes_backend(cluster: ApiServerEmulator,
     """The chart's command line, run as a process against the emulator: it leads, runs the job, and exits when it
     loses the Lease (Kubernetes then restarts it as a follower)."""
     kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(yaml.safe_dump(cluster.kubeconfig()))
+    scheduler_client(cluster).close()  # the chart's RBAC, installed
+    kubeconfig.write_text(yaml.safe_dump(cluster.kubeconfig(scheduler_user())))
     port_file = tmp_path / "port"
     env = {**os.environ, "KUBECONFIG": str(kubeconfig), "POD_NAME": "tenplex-scheduler-5d9c7b6f4-x2x7q",
            "POD_NAMESPACE": NS, "TENPLEX_LEASE_DURATION_SECONDS": "3", "TENPLEX_RENEW_DEADLINE_SECONDS": "2",
@@ -467,10 +484,11 @@ def test_the_chart_names_the_service_like_the_deployment() -> None:
     assert env["TENPLEX_ADVERTISE_URL"] == f"http://{service['metadata']['name']}.tenplex.svc:{port}"
 
 
-def test_pods_of_two_gpus_on_nodes_of_three_use_two_gpus_of_each(api: ApiServerEmulator, tmp_path: Path) -> None:
+def test_pods_of_two_gpus_on_nodes_of_three_use_two_gpus_of_each(api: ApiServerEmulator, agents: NodeAgents,
+                                                                  tmp_path: Path) -> None:
     """A node's GPUs count in whole pods: 3 GPUs hold one 2-GPU pod, so 4 GPUs take two nodes, 2 ranks each."""
-    add_gpu_node(api, "gpu-a", "127.0.0.2", gpus=3)
-    add_gpu_node(api, "gpu-b", "127.0.0.3", gpus=3)
+    add_gpu_node(api, "gpu-a", "127.0.0.2", gpus=3, agents=agents)
+    add_gpu_node(api, "gpu-b", "127.0.0.3", gpus=3, agents=agents)
     sched = make_scheduler(api, tmp_path / "a")
     sched.recover()
     try:
@@ -488,7 +506,7 @@ def test_pods_of_two_gpus_on_nodes_of_three_use_two_gpus_of_each(api: ApiServerE
         sched.close()
 
 
-def test_a_job_suspended_before_it_started_starts_at_step_0_when_scaled_up(api: ApiServerEmulator,
+def test_a_job_suspended_before_it_started_starts_at_step_0_when_scaled_up(api: ApiServerEmulator, agents: NodeAgents,
                                                                           tmp_path: Path) -> None:
     sched = make_scheduler(api, tmp_path / "a")
     sched.recover()
@@ -504,7 +522,7 @@ def test_a_job_suspended_before_it_started_starts_at_step_0_when_scaled_up(api: 
             assert ctl.status.message == "suspended before its first snapshot: a scale up starts it at step 0"
             status = eventually(lambda: (s := ej_status(api, "gpt")).get("phase") == "Suspended" and s, "status")
             assert status["gpus"] == 0 and condition(status, "Ready")["reason"] == "Suspended"
-            add_gpu_node(api, "gpu-a", "127.0.0.2")
+            add_gpu_node(api, "gpu-a", "127.0.0.2", agents=agents)
             assert ctl.status.phase == Phase.SUSPENDED and worker_pods(api, "gpt") == []
             custom.patch_namespaced_custom_object_scale(crd.GROUP, crd.VERSION, NS, crd.PLURAL, "gpt",
                                                         {"spec": {"replicas": 2}})
@@ -544,3 +562,47 @@ def test_a_failure_while_suspending_still_ends_suspended(cluster: ApiServerEmula
     eventually(lambda: wanted <= {(e["type"], e["reason"]) for e in cluster.list("events", NS)
                                   if e["involvedObject"]["name"] == "gpt"}, "the interruption and the suspend as Events")
     assert "gpt-g0-r1" in (failure.error or "")
+
+
+def test_an_elasticjob_being_deleted_stops_its_job_and_makes_no_more_pods(
+        cluster: ApiServerEmulator, sched: KubernetesScheduler) -> None:
+    """An ElasticJob that is being deleted (a finalizer of another controller holds it, or ``kubectl delete
+    --cascade=foreground`` waits for its pods) is the end of the job for the scheduler, not a failure to recover
+    from with new pods that its deletion would then have to wait for."""
+    cluster.create("elasticjobs", elasticjob("gpt", 2), NS)
+    for pod in running_pods(cluster, "gpt", 2):
+        cluster.set_pod_running(pod["metadata"]["name"], NS)
+    ctl = sched.get("gpt")
+    eventually(lambda: ctl.status.phase == Phase.RUNNING, "Running")
+    cluster.patch("elasticjobs", "gpt", {"metadata": {"finalizers": ["example.com/audit"]}}, NS)
+    cluster.delete("elasticjobs", "gpt", NS, propagation="Foreground")
+    assert cluster.get("elasticjobs", "gpt", NS)["metadata"]["finalizers"] == ["example.com/audit", "foregroundDeletion"]
+    eventually(lambda: not sched.list(), "the job stopped")
+    eventually(lambda: worker_pods(cluster, "gpt") == [], "its pods gone")
+    time.sleep(3)  # long enough for a failure recovery to have made new pods
+    creates = [a for a in cluster.accesses(scheduler_user().name) if a.verb == "create" and a.resource == "pods"]
+    assert len(creates) == 2 and worker_pods(cluster, "gpt") == []
+    assert cluster.get("elasticjobs", "gpt", NS)["metadata"]["deletionTimestamp"]
+    kept = [f for f in cluster.get("elasticjobs", "gpt", NS)["metadata"].get("finalizers", []) if f != "example.com/audit"]
+    cluster.patch("elasticjobs", "gpt", {"metadata": {"finalizers": kept or None}}, NS)  # the other controller is done
+    eventually(lambda: cluster.find("elasticjobs", "gpt", NS) is None, "the ElasticJob gone")
+    eventually(lambda: cluster.list("configmaps", NS) == [], "its state collected")
+
+
+def test_a_namespace_that_forbids_host_networking_fails_the_job_saying_why(
+        api: ApiServerEmulator, agents: NodeAgents, tmp_path: Path) -> None:
+    """Worker pods use the host network (and hostPath for the node's store): PodSecurity level baseline or
+    restricted refuses them. The job fails with the API server's reason in its status."""
+    add_gpu_node(api, "gpu-a", "127.0.0.2", agents=agents)
+    api.create_namespace("locked", {"pod-security.kubernetes.io/enforce": "baseline"})
+    sched = make_scheduler(api, tmp_path / "a")
+    sched.recover()
+    try:
+        api.create("elasticjobs", elasticjob("gpt", 2, namespace="locked"), "locked")
+        status = eventually(lambda: (s := api.get("elasticjobs", "gpt", "locked").get("status") or {})
+                            .get("phase") == "Failed" and s, "the job failed", timeout=30)
+        message = condition(status, "Failed")["message"]
+        assert 'violates PodSecurity "baseline:latest": host namespaces (hostNetwork=true)' in message, message
+        assert api.list("pods", "locked") == []
+    finally:
+        sched.close()

@@ -66,7 +66,11 @@ def test_health_needs_no_token_everything_else_does(scheduler):
         ({"gpus": 0}, "gpus"),
         ({"min_gpus": 4, "max_gpus": 2}, "min_gpus <= max_gpus"),
         ({"gpus": 9}, "gpus must be an integer in [1, 8]"),
-        ({"layout": {"provider": "nope", "model": {}}}, "layout.provider"),
+        ({"layout": {"provider": "nope", "model": {}}}, "unknown layout provider 'nope'; registered"),
+        ({"layout": {"provider": "Not A Provider!", "model": {}}}, "layout.provider"),
+        ({"layout": {"provider": "no_such_module:layout", "model": {}}}, "cannot import 'no_such_module'"),
+        ({"layout": {"provider": "tenplex.errors:NotFound", "model": {}}}, "not a layout provider"),
+        ({"layout": {"provider": "tenplex.testing.layouts:mlp_layout", "model": {"layers": 2}}}, "dim"),
         ({"layout": {"provider": "megatron-gpt", "model": {"hidden": 32}}}, "megatron-gpt model"),
         ({"dataset": {"num_samples": 0, "global_batch_size": 8}}, "dataset.num_samples"),
         ({"command": [], "image": None}, "worker command"),
@@ -82,6 +86,47 @@ def test_bad_job_specs_are_400_with_a_reason(scheduler, patch, fragment):
     assert status == 400, body
     assert body["error"] in ("invalid_input", "invalid_config")
     assert fragment in body["detail"]
+
+
+def test_a_users_own_provider_is_named_by_module_and_function(scheduler):
+    """No registration needed: the provider's module and function name it (the README's worked example)."""
+    job = {**JOB, "name": "mlp", "layout": {"provider": "tenplex.testing.layouts:mlp_layout", "precision": "bf16",
+                                            "model": {"layers": 3, "dim": 8}}}
+    status, view = call(scheduler.url, "POST", "/v1/jobs", job)
+    assert status == 201, view
+    assert view["spec"]["layout"] == job["layout"]
+    assert call(scheduler.url, "DELETE", "/v1/jobs/mlp") == (200, {"deleted": "mlp"})
+
+
+def test_a_read_does_not_wait_for_a_busy_controller(scheduler):
+    """While the controller holds the job (planning a large job, say), GET answers at once with the last view."""
+    import threading
+    import time
+
+    status, created = call(scheduler.url, "POST", "/v1/jobs", {**JOB, "name": "busy"})
+    assert status == 201
+    ctl = scheduler.scheduler.get("busy")
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with ctl.lock:
+            ctl.status.message = "changed while busy"
+            held.set()
+            release.wait(10)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    try:
+        held.wait(5)
+        start = time.monotonic()
+        status, view = call(scheduler.url, "GET", "/v1/jobs/busy")
+        assert time.monotonic() - start < 2.0 and status == 200
+        assert view["status"]["message"] != "changed while busy"  # the last consistent view
+        assert view["spec"] == created["spec"]
+    finally:
+        release.set()
+        t.join()
+    assert call(scheduler.url, "DELETE", "/v1/jobs/busy")[0] == 200
 
 
 def test_malformed_json_is_400(scheduler):
@@ -115,6 +160,15 @@ def test_job_lifecycle_errors(scheduler):
     # Worker protocol: unknown workers are 404, bodies are validated.
     assert call(url, "POST", "/v1/jobs/life/workers/register", {"worker_id": "w-0"})[0] == 404
     assert call(url, "POST", "/v1/jobs/life/workers/w-0/heartbeat", {"generation": 0, "step": -1})[0] == 400
+    # Heartbeats take their own path through the API (before routing), with the route's contract.
+    assert call(url, "POST", "/v1/jobs/life/workers/w-0/heartbeat", {"generation": 0, "step": 1}) == (
+        404, {"error": "not_found", "detail": "job 'life' has no worker 'w-0' in generation 0"})
+    assert call(url, "POST", "/v1/jobs/life/workers/w-0/heartbeat", {"generation": 0, "step": 1},
+                token="wrong")[1]["error"] == "unauthorized"
+    assert call(url, "POST", "/v1/jobs/nope/workers/w-0/heartbeat", {"generation": 0, "step": 1})[0] == 404
+    status, body = call(url, "POST", "/v1/jobs/life/workers/w-0/heartbeat", raw=b"{not json")
+    assert status == 400 and body["error"] == "invalid_input" and body["detail"].startswith("body")
+    assert call(url, "POST", "/v1/jobs/life/workers/-bad-/heartbeat", {"generation": 0, "step": 1})[0] == 400
     assert call(url, "DELETE", "/v1/jobs/life") == (200, {"deleted": "life"})
     assert call(url, "GET", "/v1/jobs/life")[0] == 404
 

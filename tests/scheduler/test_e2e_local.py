@@ -22,6 +22,7 @@ import pytest
 from tenplex.errors import TenplexError
 from tenplex.scheduler.cli import SchedulerClient
 from tenplex.scheduler.server import LocalScheduler
+from tenplex.testing.faults import kill_host, kill_worker
 
 pytestmark = pytest.mark.slow
 
@@ -90,7 +91,7 @@ def test_scale_up_scale_down_and_worker_sigkill(tmp_path: Path) -> None:
         assert st["gpus"] == 2
 
         victim = st["workers"][-1]
-        sched.scheduler.backend.kill_worker("elastic", victim["worker_id"], signal.SIGKILL)
+        kill_worker(victim)
         st = wait_for(client, "elastic", lambda s: s["phase"] == "Succeeded", "recovering and finishing")
 
     assert st["step"] == 36
@@ -180,9 +181,7 @@ def test_a_lost_host_is_survived_from_the_remaining_replica(tmp_path: Path) -> N
         st = wait_for(client, "hostloss", lambda s: running(0, SNAPSHOT_EVERY + 1)(s) and s["version"] is not None,
                       "training on 4 GPUs with a committed snapshot")
         assert sorted(st["hosts"]) == ["host-0", "host-1"]
-        daemon = next(h["pid"] for h in sched.cluster.describe() if h["name"] == "host-1")
-        for pid in [daemon] + [w["pid"] for w in st["workers"] if w["host"] == "host-1"]:
-            os.killpg(pid, signal.SIGKILL)
+        kill_host(sched.cluster, "host-1", st["workers"])
         st = wait_for(client, "hostloss", lambda s: s["phase"] == "Succeeded", "recovering without host-1 and finishing")
 
     assert st["step"] == 24 and "host-1" not in st["hosts"]
@@ -202,7 +201,7 @@ def test_a_failure_before_the_first_snapshot_restarts_at_step_0_and_a_crash_loop
         st = wait_for(client, "early", running(0, 2), "training, no snapshot yet")
         assert st["version"] is None
         victim = st["workers"][0]["worker_id"]
-        sched.scheduler.backend.kill_worker("early", victim, signal.SIGKILL)
+        kill_worker(st["workers"][0])
         st = wait_for(client, "early", lambda s: s["phase"] == "Succeeded", "restarting at step 0 and finishing")
         assert st["step"] == 8 and st["generation"] == 1
         [failure] = st["history"]

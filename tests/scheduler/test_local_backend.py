@@ -57,13 +57,13 @@ def test_worker_store_choice_follows_the_store_root(tmp_path: Path) -> None:
 def test_rendezvous_ports_lie_below_the_ephemeral_range_and_are_not_handed_out_twice(tmp_path: Path) -> None:
     import socket
 
-    from tenplex.scheduler.backend import Backend, HostInfo, _ephemeral_low
+    from tenplex.scheduler.backend import RendezvousPorts, _ephemeral_low
 
     low = _ephemeral_low()
     if low is None:
         pytest.skip("this kernel's ephemeral range leaves no room below it")
-    host = HostInfo("h0", 1, "http://127.0.0.1:1", "127.0.0.1")
-    ports = [Backend.master_port(None, host) for _ in range(50)]  # type: ignore[arg-type]  # needs no backend state
+    picker = RendezvousPorts()
+    ports = [picker.pick("127.0.0.1") for _ in range(50)]
     assert len(set(ports)) == 50
     assert all(20000 <= p < low for p in ports)
     for p in ports:  # each was free when handed out
@@ -71,8 +71,7 @@ def test_rendezvous_ports_lie_below_the_ephemeral_range_and_are_not_handed_out_t
             s.bind(("127.0.0.1", p))
     # A host whose address is not on this machine (another node, another network namespace): its ports
     # cannot be probed from here, but one is still handed out, never one handed out recently.
-    remote = HostInfo("far", 1, "http://198.18.255.254:1", "198.18.255.254")
-    far = [Backend.master_port(None, remote) for _ in range(20)]  # type: ignore[arg-type]
+    far = [picker.pick("198.18.255.254") for _ in range(20)]
     assert len(set(far)) == 20 and all(20000 <= p < low for p in far)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -78,8 +79,18 @@ def test_table_is_used_and_checked():
 
 
 def test_layout_spec_rejects_bad_models_at_creation():
-    with pytest.raises(InvalidConfig, match="unknown layout provider"):
+    with pytest.raises(InvalidConfig, match="unknown layout provider 'nope'; registered .*megatron-gpt"):
         LayoutSpec("nope", {})
+    with pytest.raises(InvalidConfig, match="cannot import 'no_such_module'"):
+        LayoutSpec("no_such_module:layout", {})
+    with pytest.raises(InvalidConfig, match="'tenplex.testing.layouts' has no 'nothing'"):
+        LayoutSpec("tenplex.testing.layouts:nothing", {})
+    with pytest.raises(InvalidConfig, match="is a function, not a layout provider"):
+        LayoutSpec("tenplex.ptc.megatron:megatron_gpt_ptc", {})
+    with pytest.raises(InvalidConfig, match="tenplex.testing.layouts:mlp_layout model: unknown fields width"):
+        LayoutSpec("tenplex.testing.layouts:mlp_layout", {"layers": 1, "width": 4})
+    with pytest.raises(InvalidConfig, match="an MLP needs layers >= 1"):
+        LayoutSpec("tenplex.testing.layouts:mlp_layout", {"layers": 0, "dim": 4})
     with pytest.raises(InvalidConfig, match="unknown fields bogus"):
         LayoutSpec("megatron-gpt", {**MODEL, "bogus": 1})
     with pytest.raises(InvalidConfig, match="precision"):
@@ -142,3 +153,59 @@ def test_state_round_trips_and_writes_atomically(tmp_path):
     json.loads((tmp_path / "jobs" / "gpt.json").read_text())
     state.delete("gpt")
     assert state.load_all() == []
+
+
+def test_providers_are_registered_by_entry_points_and_resolved_by_name():
+    from tenplex.ptc.megatron import megatron_gpt_layout
+    from tenplex.scheduler.layouts import registered_providers, resolve_provider
+    from tenplex.testing.layouts import mlp_layout
+
+    # Tenplex registers megatron-gpt; the tenplex-examples distribution (examples/pyproject.toml) the others.
+    assert {"megatron-gpt", "example-gpt", "example-torchtitan", "example-hf"} <= set(registered_providers())
+    assert resolve_provider("megatron-gpt") is megatron_gpt_layout
+    assert resolve_provider("tenplex.testing.layouts:mlp_layout") is mlp_layout
+    spec = LayoutSpec("tenplex.testing.layouts:mlp_layout", {"layers": 2, "dim": 8}, "bf16")
+    ptc = spec.build(ParallelConfig(dp=2, tp=2), Placement(2, ("a", "b")), None)
+    assert [t.name for t in ptc.tensors] == ["layers.0.weight", "layers.1.weight"]
+    assert ptc.tensors[0].dtype == "bfloat16" and ptc.hosts == ("a", "b")
+    with pytest.raises(InvalidConfig, match="the MLP runs on one stage"):
+        spec.build(ParallelConfig(pp=2), Placement(2, ("a",)), None)
+
+
+def test_the_product_never_imports_the_examples():
+    """The example providers are found through entry-point metadata: naming them imports nothing until used."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from tenplex.scheduler.server import LocalScheduler; "
+            "from tenplex.scheduler.layouts import LayoutSpec, registered_providers; "
+            "from tenplex.k8s.operator import KubernetesScheduler; import tenplex.cli, tenplex.demo; "
+            "assert 'example-gpt' in registered_providers(); "
+            "LayoutSpec('megatron-gpt', {'num_layers': 2, 'hidden': 8, 'heads': 2, 'vocab': 16}); "
+            "print(sorted(m for m in sys.modules if m == 'examples' or m.startswith('examples.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd="/")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_a_status_serializes_every_field_and_round_trips() -> None:
+    """``JobStatus.to_json`` is written field by field (for speed): a field added to the dataclass and not to
+    the JSON would be lost at the next save. Every field is set to a value other than its default here."""
+    status = JobStatus(
+        phase=Phase.RECONFIGURING, stage=Stage.TRANSFERRING, generation=3, gpus=4, parallel={"dp": 2},
+        hosts=["h0"], gpus_per_node=2, step=9, version="s8-g2", committed={"s8-g2": ["h0"]},
+        version_generation={"s8-g2": 2}, requested_gpus=8, requested_parallel={"dp": 4}, pending_reason="scale",
+        target_gpus=4, target_parallel={"dp": 2}, master_addr="10.0.0.1", master_port=29501,
+        downtime_started_at=5.0, restored_step=8, stop_at_step=9, restore_version="s8-g2",
+        failures_without_progress=1, workers=[WorkerRecord("w-g3-r0", 0, "h0", 0, 3, pid=7)],
+        history=[Reconfiguration(reason="scale", started_at=1.0, from_config="dp1 x tp1 x pp1",
+                                 marks={"requested": 1.0}, phases={"planning": 0.1})],
+        message="m", persisted=["s4-g1"], persist={"version": "s8-g2", "state": "uploading"}, standby_ready=1,
+        standby_wanted=2, last_plan={"plan": {}}, updated_at=3.0)
+    defaults = JobStatus()
+    for f in dataclasses.fields(JobStatus):
+        assert getattr(status, f.name) != getattr(defaults, f.name), f"set {f.name} in this test"
+    data = status.to_json()
+    assert set(data) == {f.name for f in dataclasses.fields(JobStatus)}
+    assert JobStatus.from_json(json.loads(json.dumps(data))) == status
+    assert "last_plan" not in status.to_json(plan=False)

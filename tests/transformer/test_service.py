@@ -7,6 +7,7 @@ Megatron GPT, bit-exact checks of the new version.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -201,18 +202,34 @@ def test_cancel_stops_a_running_transform_and_commits_nothing(tmp_path: Path, cl
 
 
 def _start_daemon(root: Path, address: str, *extra: str) -> tuple[subprocess.Popen, str]:
+    """A node daemon in its own process (its own session, so that it can be killed like a crashed host); its
+    log goes to ``<root>.log``, quoted when it does not come up."""
     port_file = root.parent / f"{root.name}.port"
     port_file.unlink(missing_ok=True)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tenplex", "--log-level", "WARNING", "store", "serve", "--root", str(root),
-         "--host", address, "--port", "0", "--port-file", str(port_file), *extra],
-        start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 60
+    log = root.parent / f"{root.name}.log"
+    with log.open("ab") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tenplex", "--log-level", "INFO", "store", "serve", "--root", str(root),
+             "--host", address, "--port", "0", "--port-file", str(port_file), *extra],
+            start_new_session=True, stdout=subprocess.DEVNULL, stderr=err,
+        )
+    deadline = time.monotonic() + 120
     while not (port_file.exists() and port_file.read_text().strip()):
-        assert proc.poll() is None and time.monotonic() < deadline
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _stop(proc)
+            pytest.fail(f"the node daemon did not come up (exit {proc.returncode}):\n{log.read_text()[-3000:]}")
         time.sleep(0.05)
     return proc, f"http://{address}:{port_file.read_text().strip()}"
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
 
 
 def test_a_daemon_killed_mid_transform_reads_interrupted_and_a_resubmission_redoes_it(
@@ -246,8 +263,7 @@ def test_a_daemon_killed_mid_transform_reads_interrupted_and_a_resubmission_redo
             got = {(s.tensor, s.region) for s in c.manifest("restart", NEW_V).shards}
             assert got == {(t.name, s.region) for t, s in new.shards_on_host("h2")}
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(20)
+        _stop(proc)
 
 
 def test_several_daemon_processes_agree_on_one_transform(tmp_path: Path, cluster) -> None:
@@ -273,8 +289,7 @@ def test_several_daemon_processes_agree_on_one_transform(tmp_path: Path, cluster
                 got = c.read("multi", NEW_V, t.name, s.region, t.dtype)
                 assert got.tobytes() == state[t.name][s.region.slices()].tobytes()
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(20)
+        _stop(proc)
 
 
 def test_a_status_read_can_wait_for_the_end_of_its_transform(cluster, hung_source: str, tmp_path: Path) -> None:

@@ -20,9 +20,9 @@ from fastapi import FastAPI, Header, HTTPException, Request
 from fastapi.responses import JSONResponse
 
 from tenplex.core import protocol as p
-from tenplex.errors import InvalidInput, NotFound, Unauthorized
+from tenplex.errors import InvalidInput, NotFound, SchedulerUnavailable, Unauthorized
 from tenplex.ptc import PTC, Device, Region, TensorKind, build_tensor
-from tenplex.worker.control import ControlClient, Heartbeat, SchedulerUnavailable, agree_stop
+from tenplex.worker.control import ControlClient, Heartbeat, agree_stop
 
 TOKEN = "s3cret"
 

@@ -65,15 +65,17 @@ tenplex.io/role: {{ .role }}
 
 {{- /* What the scheduler does to jobs and their pods; granted cluster-wide or per watched namespace. */}}
 {{- define "tenplex.jobRules" }}
+{{- /* Exactly what the scheduler calls (tests/k8s/test_k8s_rbac.py records it and compares): ElasticJobs are
+       watched and only their status is written; worker pods are created, watched and deleted. */}}
 - apiGroups: ["tenplex.io"]
   resources: ["elasticjobs"]
-  verbs: ["get", "list", "watch", "patch"]
+  verbs: ["list", "watch"]
 - apiGroups: ["tenplex.io"]
-  resources: ["elasticjobs/status", "elasticjobs/scale"]
-  verbs: ["get", "update", "patch"]
+  resources: ["elasticjobs/status"]
+  verbs: ["patch"]
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["create", "get", "list", "watch", "delete", "patch"]
+  verbs: ["create", "list", "watch", "delete"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
@@ -81,8 +83,9 @@ tenplex.io/role: {{ .role }}
 - apiGroups: [""]
   resources: ["configmaps"]
   verbs: ["create", "get", "list", "patch", "delete"]
-{{- /* A budget per job, so that kubectl drain waits while the scheduler moves the workers and their state. */}}
+{{- /* A budget per job, so that kubectl drain waits while the scheduler moves the workers and their state;
+       owned by the ElasticJob, so the garbage collector deletes it with the job. */}}
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
-  verbs: ["create", "get", "delete"]
+  verbs: ["create"]
 {{- end }}

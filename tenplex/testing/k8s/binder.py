@@ -9,7 +9,8 @@ binder does the part of kube-scheduler's filtering that matters for GPU jobs:
 * the pod's ``nodeSelector`` matches the node's labels;
 * every NoSchedule/NoExecute taint of the node is tolerated by the pod;
 * the node's allocatable ``nvidia.com/gpu`` minus what its non-terminated pods
-  request covers the pod's request.
+  request covers the pod's request (a Terminating pod's GPUs count until it is
+  gone: its containers may still run).
 
 Pods are taken first come, first served (creation time, then resourceVersion,
 as timestamps have one-second resolution). Among the nodes that pass, it picks the one with the fewest free GPUs that
@@ -30,21 +31,9 @@ from typing import Any
 from kubernetes import client
 
 from tenplex.k8s.crd import GPU_RESOURCE
+from tenplex.testing.k8s.kubelet import pod_gpus
 
 LOG = logging.getLogger(__name__)
-
-
-def _gpus(container: client.V1Container) -> int:
-    res = container.resources
-    if res is None:
-        return 0
-    value = (res.limits or {}).get(GPU_RESOURCE) or (res.requests or {}).get(GPU_RESOURCE) or 0
-    return int(value)
-
-
-def pod_gpus(pod: client.V1Pod) -> int:
-    """GPUs a pod requests (sum over its containers)."""
-    return sum(_gpus(c) for c in pod.spec.containers)
 
 
 def _tolerates(tolerations: Sequence[client.V1Toleration], taint: client.V1Taint) -> bool:
@@ -122,7 +111,8 @@ class PodBinder:
         for pod in pods:
             if pod.spec.node_name and pod.status.phase not in ("Succeeded", "Failed"):
                 used[pod.spec.node_name] = used.get(pod.spec.node_name, 0) + pod_gpus(pod)
-        pending = sorted((p for p in pods if not p.spec.node_name and p.status.phase == "Pending"),
+        pending = sorted((p for p in pods if not p.spec.node_name and p.status.phase == "Pending"
+                          and p.metadata.deletion_timestamp is None),
                          key=lambda p: (p.metadata.creation_timestamp or datetime.min.replace(tzinfo=UTC),
                                         int(p.metadata.resource_version or 0)))
         bound = []

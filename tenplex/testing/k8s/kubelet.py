@@ -1,0 +1,586 @@
+"""Test kubelets: the node side of a pod's life, against the API emulator (or any API server) over HTTP.
+
+Both kinds watch, through the official client, the pods whose
+``spec.nodeName`` is their node (as a kubelet does), and do the kubelet's part
+of the API contract:
+
+* **Admission**: a pod asking for more ``nvidia.com/gpu`` than the node has
+  free is rejected (phase Failed, reason ``OutOfnvidia.com/gpu``), and a pod's
+  GPUs stay taken until its containers have ended, so the GPUs of a pod that is
+  Terminating are still in use, as with the device plugin.
+* **Graceful deletion**: a pod with a ``deletionTimestamp`` gets SIGTERM, then
+  SIGKILL once its ``deletionGracePeriodSeconds`` have passed; only when its
+  containers have ended does the kubelet report their exit and delete the pod
+  with grace period 0 (uid precondition), which is when it disappears from the
+  API. A node whose kubelet is stopped confirms nothing: its pods stay
+  Terminating, as on a lost node.
+
+:class:`LocalKubelet` runs each pod's first container ``command + args`` as
+a local process, with the container's environment resolved as a kubelet does:
+plain values, the downward API (``fieldRef`` to ``status.hostIP``,
+``status.podIP``, ``metadata.name``, ``metadata.namespace``,
+``spec.nodeName``, labels and annotations), ``secretKeyRef``/``configMapKeyRef``,
+and ``$(VAR)`` references to earlier entries. It reports the pod Running, then
+Succeeded or Failed with the exit code when the process ends. As a container
+ends with its main process, whatever that process started and left behind (in
+its process group) is killed when it exits: the ranks of a multi-GPU worker
+pod do not outlive their killed launcher. The image is not pulled: the process
+runs with this machine's Python, and a container without ``command`` runs the
+local stand-in given for its image's ENTRYPOINT. A node is emulated by an
+address such as 127.0.0.2, where the test also runs that node's store daemon.
+
+:class:`NodeAgent` is the same kubelet without a container runtime, for tests
+that play the containers through the emulator's hooks (``set_pod_running``,
+``fail_pod``): it admits pods, optionally reports them Running, and confirms
+their deletion once their (emulated) containers have stopped.
+
+Fault injection: :meth:`~_Kubelet.freeze` makes the kubelet ignore a pod's
+deletion (a hung container runtime: the pod stays Terminating past its grace
+period, its GPUs held) until :meth:`~_Kubelet.thaw`; :meth:`~_Kubelet.stop`
+is a node losing its kubelet.
+
+Watch expiry (410 Gone) and dropped watches are handled by listing again, the
+pattern every controller needs.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import logging
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import urllib3
+from kubernetes import client, watch
+
+from tenplex.k8s.crd import GPU_RESOURCE
+
+LOG = logging.getLogger(__name__)
+STATUS_RETRY_SECONDS = 60.0
+
+_VAR_RE = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)|\$\$")
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def expand(value: str, env: Mapping[str, str]) -> str:
+    """Kubernetes ``$(VAR)`` expansion: defined variables are replaced, undefined ones kept, ``$$`` escapes."""
+
+    def sub(match: re.Match[str]) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        name = match.group(1)
+        return env.get(name, match.group(0))
+
+    return _VAR_RE.sub(sub, value)
+
+
+def pod_gpus(pod: client.V1Pod) -> int:
+    """GPUs a pod requests (sum over its containers)."""
+    total = 0
+    for c in pod.spec.containers or []:
+        res = c.resources
+        if res is None:
+            continue
+        value = (res.limits or {}).get(GPU_RESOURCE) or (res.requests or {}).get(GPU_RESOURCE) or 0
+        total += int(value)
+    return total
+
+
+@dataclass
+class _Pod:
+    """A pod this kubelet admitted: its containers run until ``ended`` is set."""
+
+    uid: str
+    namespace: str
+    name: str
+    gpus: int
+    container: str
+    image: str
+    grace_seconds: float = 30.0
+    deleting: bool = False
+    started: bool = False
+    ended: threading.Event = field(default_factory=threading.Event)
+    exit_code: int | None = None
+    process: subprocess.Popen[bytes] | None = None
+    log_path: Path | None = None
+
+
+def terminated(container: str, image: str, code: int) -> dict[str, Any]:
+    """The status a kubelet reports once a pod's (single) container ended with ``code``."""
+    phase = "Succeeded" if code == 0 else "Failed"
+    reason = "Completed" if code == 0 else "Error"
+    return {
+        "phase": phase, "reason": reason,
+        "conditions": [{"type": t, "status": "False" if t in ("Ready", "ContainersReady") else "True",
+                        "lastTransitionTime": _now()} for t in ("PodScheduled", "Initialized", "ContainersReady", "Ready")],
+        "containerStatuses": [{"name": container, "image": image, "imageID": "", "ready": False, "restartCount": 0,
+                               "started": False,
+                               "state": {"terminated": {"exitCode": code, "reason": reason, "finishedAt": _now()}}}],
+    }
+
+
+class _Kubelet:
+    """What every test kubelet does with the API: watch its node's pods, admit, report, confirm deletions."""
+
+    def __init__(self, api_client: client.ApiClient, node: str, host_ip: str) -> None:
+        self._core = client.CoreV1Api(api_client)
+        self.node = node
+        self.host_ip = host_ip
+        self._pods: dict[str, _Pod] = {}
+        self._done: set[str] = set()
+        """Uids this kubelet is finished with (rejected, or deletion confirmed)."""
+        self._frozen: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._watch: watch.Watch | None = None
+        self._thread: threading.Thread | None = None
+        self.rejected: list[str] = []
+        """``ns/name: reason`` of every pod refused at admission."""
+
+    # -- lifecycle --------------------------------------------------------------
+
+    def start(self) -> _Kubelet:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name=f"kubelet-{self.node}", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """The kubelet goes away: nothing on this node is reported or confirmed any more."""
+        self._stop.set()
+        deadline = time.monotonic() + 10
+        while self._thread is not None and self._thread.is_alive() and time.monotonic() < deadline:
+            if self._watch is not None:  # again and again: a watch may have been opened since the last stop
+                self._watch.stop()
+            self._thread.join(timeout=0.1)
+
+    # -- fault injection ---------------------------------------------------------------
+
+    def freeze(self, name: str, namespace: str = "default") -> None:
+        """Hang this pod's container runtime until :meth:`thaw`: its deletion is not acted on (no signal), and
+        whatever happens to it is neither reported nor confirmed, so a deleted pod stays Terminating past its
+        grace period with its GPUs held."""
+        with self._lock:
+            self._frozen.add((namespace, name))
+
+    def thaw(self, name: str, namespace: str = "default") -> None:
+        """Act on the pod's deletion again (as a kubelet whose runtime recovered does at its next sync)."""
+        with self._lock:
+            self._frozen.discard((namespace, name))
+            pod = next((p for p in self._pods.values() if (p.namespace, p.name) == (namespace, name)), None)
+        if pod is None:
+            return
+        if pod.exit_code is not None and not pod.ended.is_set():  # it ended while frozen: report it now
+            self._ended(pod, pod.exit_code)
+        elif pod.deleting:
+            self._begin_termination(pod)
+
+    def used_gpus(self) -> int:
+        """GPUs held by the pods whose containers have not ended (Terminating ones included)."""
+        with self._lock:
+            return sum(p.gpus for p in self._pods.values() if not p.ended.is_set())
+
+    # -- the watch loop ---------------------------------------------------------------
+
+    def _loop(self) -> None:
+        selector = f"spec.nodeName={self.node}"
+        while not self._stop.is_set():
+            try:
+                listed = self._core.list_pod_for_all_namespaces(field_selector=selector)
+                for pod in listed.items:
+                    self._sync(pod, deleted=False)
+                self._watch = watch.Watch()
+                for event in self._watch.stream(self._core.list_pod_for_all_namespaces, field_selector=selector,
+                                                resource_version=listed.metadata.resource_version, timeout_seconds=30):
+                    if self._stop.is_set():
+                        break
+                    self._sync(event["object"], deleted=event["type"] == "DELETED")
+            except client.ApiException as exc:
+                if exc.status != 410:
+                    LOG.warning("kubelet %s: API error %s, listing again: %s", self.node, exc.status, exc.reason)
+                    self._stop.wait(0.5)
+            except Exception as exc:  # the API server may be gone at shutdown; keep trying until stopped
+                if not self._stop.is_set():
+                    LOG.warning("kubelet %s: watch failed (%s), listing again", self.node, exc)
+                    self._stop.wait(0.5)
+
+    def _sync(self, pod: client.V1Pod, deleted: bool) -> None:
+        if self._stop.is_set():
+            return
+        uid = pod.metadata.uid
+        with self._lock:
+            known = self._pods.get(uid)
+            done = uid in self._done
+        if deleted:  # gone from the API (force-deleted, or our own confirmation): stop what still runs
+            if known is not None and not known.ended.is_set():
+                known.deleting = True
+                known.grace_seconds = 0
+                self._begin_termination(known)
+            return
+        if pod.metadata.deletion_timestamp is not None:
+            if known is None:
+                if not done:
+                    self._confirm_deletion(uid, pod.metadata.namespace, pod.metadata.name)
+                return
+            if not known.deleting:
+                known.deleting = True
+                grace = pod.metadata.deletion_grace_period_seconds
+                known.grace_seconds = float(grace if grace is not None else known.grace_seconds)
+                if known.ended.is_set():  # it had ended already: only the confirmation is left
+                    self._confirm_deletion(uid, known.namespace, known.name)
+                else:
+                    self._begin_termination(known)
+            return
+        if known is not None and pod.status is not None and pod.status.phase == "Running":
+            known.started = True  # (a NodeAgent's containers are reported running by the test's hooks)
+        if known is None and not done and pod.status is not None and pod.status.phase == "Pending":
+            self._admit(pod)
+
+    # -- admission -----------------------------------------------------------------
+
+    def _capacity(self) -> int:
+        node = self._core.read_node(self.node)
+        return int((node.status.allocatable or {}).get(GPU_RESOURCE, 0)) if node.status else 0
+
+    def _admit(self, pod: client.V1Pod) -> None:
+        meta, spec = pod.metadata, pod.spec
+        wanted = pod_gpus(pod)
+        if wanted:
+            capacity = self._capacity()
+            used = self.used_gpus()
+            if used + wanted > capacity:
+                reason = f"OutOf{GPU_RESOURCE}"
+                message = (f"Pod was rejected: Node didn't have enough resource: {GPU_RESOURCE}, requested: {wanted}, "
+                           f"used: {used}, capacity: {capacity}")
+                LOG.warning("kubelet %s: %s/%s rejected: %s", self.node, meta.namespace, meta.name, message)
+                with self._lock:
+                    self._done.add(meta.uid)
+                    self.rejected.append(f"{meta.namespace}/{meta.name}: {message}")
+                self._report(meta.namespace, meta.name, {"phase": "Failed", "reason": reason, "message": message})
+                return
+        container = spec.containers[0]
+        grace = float(spec.termination_grace_period_seconds if spec.termination_grace_period_seconds is not None else 30)
+        entry = _Pod(meta.uid, meta.namespace, meta.name, wanted, container.name, container.image or "", grace)
+        with self._lock:
+            self._pods[meta.uid] = entry
+        self._start(pod, entry)
+
+    def _start(self, pod: client.V1Pod, entry: _Pod) -> None:
+        raise NotImplementedError
+
+    def _begin_termination(self, entry: _Pod) -> None:
+        raise NotImplementedError
+
+    # -- reports ---------------------------------------------------------------------
+
+    def _running_status(self, entry: _Pod) -> dict[str, Any]:
+        return {
+            "phase": "Running", "hostIP": self.host_ip, "podIP": self.host_ip, "startTime": _now(),
+            "conditions": [{"type": t, "status": "True", "lastTransitionTime": _now()}
+                           for t in ("PodScheduled", "Initialized", "ContainersReady", "Ready")],
+            "containerStatuses": [{"name": entry.container, "image": entry.image, "imageID": "", "ready": True,
+                                   "restartCount": 0, "started": True, "state": {"running": {"startedAt": _now()}}}],
+        }
+
+    def _ended(self, entry: _Pod, code: int) -> None:
+        """The pod's containers ended with ``code``: report it, and confirm a deletion in progress (a frozen
+        kubelet reports nothing until it is thawed)."""
+        entry.exit_code = code
+        if self._frozen_now(entry):
+            return
+        entry.ended.set()
+        LOG.info("kubelet %s: pod %s/%s ended with %d%s", self.node, entry.namespace, entry.name, code,
+                 " (being deleted)" if entry.deleting else "")
+        self._report(entry.namespace, entry.name, terminated(entry.container, entry.image, code))
+        if entry.deleting:
+            self._confirm_deletion(entry.uid, entry.namespace, entry.name)
+
+    def _report(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        """Report a pod's status; a dropped connection or a 5xx is retried (as a kubelet does) for a minute.
+
+        A lost report would leave a dead worker's pod Running for the
+        scheduler, so giving up after one failed request is not an option;
+        the retries end when the kubelet stops (the API server may be gone).
+        """
+        self._retrying(f"status of {namespace}/{name}",
+                       lambda: self._core.patch_namespaced_pod_status(name, namespace, {"status": status}))
+
+    def _confirm_deletion(self, uid: str, namespace: str, name: str) -> None:
+        """The kubelet's last word on a pod: delete it with grace period 0, for this uid only."""
+        if self._stop.is_set():
+            return
+        with self._lock:
+            if uid in self._done:
+                return
+            self._done.add(uid)
+        body = client.V1DeleteOptions(grace_period_seconds=0, preconditions=client.V1Preconditions(uid=uid))
+        self._retrying(f"deletion of {namespace}/{name}",
+                       lambda: self._core.delete_namespaced_pod(name, namespace, body=body, grace_period_seconds=0))
+
+    def _retrying(self, what: str, call: Callable[[], Any]) -> None:
+        delay, deadline = 0.1, time.monotonic() + STATUS_RETRY_SECONDS
+        while True:
+            if self._stop.is_set():
+                return
+            try:
+                call()
+                return
+            except client.ApiException as exc:
+                if exc.status in (404, 409):  # gone meanwhile, or another pod of that name now
+                    return
+                if exc.status < 500:
+                    LOG.warning("kubelet %s: %s not done: %s %s", self.node, what, exc.status, exc.reason)
+                    return
+                problem = f"API error {exc.status} {exc.reason}"
+            except urllib3.exceptions.HTTPError as exc:  # connection refused or reset
+                problem = str(exc)
+            if time.monotonic() > deadline:
+                LOG.warning("kubelet %s: %s not done: %s", self.node, what, problem)
+                return
+            LOG.warning("kubelet %s: %s not done yet (%s), retrying", self.node, what, problem)
+            self._stop.wait(delay)
+            delay = min(2.0, delay * 2)
+
+    def _frozen_now(self, entry: _Pod) -> bool:
+        with self._lock:
+            return (entry.namespace, entry.name) in self._frozen
+
+
+class NodeAgent(_Kubelet):
+    """A kubelet without a container runtime (see the module docstring).
+
+    ``run_pods``: report admitted pods Running at once (else the test does, with
+    ``set_pod_running``); ``stop_seconds``: how long a pod's containers take to
+    stop once asked (they exit 143, as a process ending on SIGTERM).
+    """
+
+    def __init__(self, api_client: client.ApiClient, node: str, host_ip: str = "", *, run_pods: bool = False,
+                 stop_seconds: float = 0.0) -> None:
+        super().__init__(api_client, node, host_ip)
+        self.run_pods = run_pods
+        self.stop_seconds = stop_seconds
+
+    def __enter__(self) -> NodeAgent:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _start(self, pod: client.V1Pod, entry: _Pod) -> None:
+        if self.run_pods:
+            entry.started = True
+            self._report(entry.namespace, entry.name, self._running_status(entry))
+
+    def _begin_termination(self, entry: _Pod) -> None:
+        if self._frozen_now(entry) or entry.ended.is_set():
+            return
+
+        def stop() -> None:
+            if self.stop_seconds:
+                self._stop.wait(min(self.stop_seconds, entry.grace_seconds) if entry.grace_seconds else 0)
+            if not self._frozen_now(entry) and not entry.ended.is_set():
+                self._ended(entry, 143)
+
+        threading.Thread(target=stop, name=f"kubelet-{self.node}-stop-{entry.name}", daemon=True).start()
+
+    def _ended(self, entry: _Pod, code: int) -> None:
+        if not entry.started:  # nothing ever ran: nothing to report, only the deletion to confirm
+            entry.ended.set()
+            if entry.deleting:
+                self._confirm_deletion(entry.uid, entry.namespace, entry.name)
+            return
+        super()._ended(entry, code)
+
+
+class LocalKubelet(_Kubelet):
+    """Runs the pods bound to ``node`` as processes on this machine (see the module docstring)."""
+
+    def __init__(self, api_client: client.ApiClient, node: str, host_ip: str, workdir: Path,
+                 base_env: Mapping[str, str] | None = None, cwd: Path | None = None,
+                 entrypoints: Mapping[str, Sequence[str]] | None = None) -> None:
+        """``entrypoints`` maps an image to the local command standing in for its ENTRYPOINT,
+        used when a container gives only ``args`` (e.g. ``{"tenplex:0.1.0": [".venv/bin/tenplex"]}``)."""
+        super().__init__(api_client, node, host_ip)
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self._base_env = dict(base_env if base_env is not None else os.environ)
+        self._cwd = cwd
+        self._entrypoints = {image: list(cmd) for image, cmd in (entrypoints or {}).items()}
+
+    def __enter__(self) -> LocalKubelet:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self, kill_pods: bool = True) -> None:
+        """Stop watching and, by default, kill the pods' processes (as a lost node loses them)."""
+        super().stop()
+        if kill_pods:
+            with self._lock:
+                running = [p for p in self._pods.values() if p.process is not None]
+            for pod in running:
+                assert pod.process is not None
+                if pod.process.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(pod.process.pid, signal.SIGKILL)
+                    pod.process.wait(timeout=10)
+
+    # -- what tests look at ---------------------------------------------------------
+
+    def pid(self, name: str, namespace: str = "default") -> int | None:
+        with self._lock:
+            for pod in self._pods.values():
+                if (pod.namespace, pod.name) == (namespace, name) and pod.process is not None \
+                        and pod.process.poll() is None:
+                    return pod.process.pid
+        return None
+
+    def kill(self, name: str, namespace: str = "default", sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to a pod's process (a crash: the kubelet then reports the pod Failed)."""
+        pid = self.pid(name, namespace)
+        if pid is None:
+            raise KeyError(f"no running process for pod {namespace}/{name} on node {self.node}")
+        os.kill(pid, sig)
+
+    def log_path(self, name: str, namespace: str = "default") -> Path:
+        return self.workdir / f"{namespace}_{name}.log"
+
+    # -- running a pod ----------------------------------------------------------------
+
+    def _start(self, pod: client.V1Pod, entry: _Pod) -> None:
+        meta, spec = pod.metadata, pod.spec
+        container = spec.containers[0]
+        try:
+            env = self._environment(pod, container)
+            command = list(container.command or [])
+            if not command:
+                if container.image not in self._entrypoints:
+                    raise ValueError(f"container {container.name} has no command and image {container.image!r} has no "
+                                     f"local entry point (known: {sorted(self._entrypoints)})")
+                command = self._entrypoints[container.image]
+            argv = [expand(a, env) for a in [*command, *(container.args or [])]]
+        except (ValueError, KeyError, client.ApiException) as exc:
+            LOG.error("kubelet %s: cannot start pod %s/%s: %s", self.node, meta.namespace, meta.name, exc)
+            entry.ended.set()
+            self._report(meta.namespace, meta.name, {"phase": "Failed", "reason": "CreateContainerConfigError",
+                                                     "message": str(exc)})
+            return
+        log_path = self.log_path(meta.name, meta.namespace)
+        with open(log_path, "ab") as log:
+            process = subprocess.Popen(argv, env={**self._base_env, **env}, stdout=log, stderr=subprocess.STDOUT,
+                                       cwd=self._cwd, start_new_session=True)
+        entry.process, entry.log_path, entry.started = process, log_path, True
+        LOG.info("kubelet %s: pod %s/%s started as pid %d: %s", self.node, meta.namespace, meta.name, process.pid, argv)
+        self._report(meta.namespace, meta.name, self._running_status(entry))
+        threading.Thread(target=self._reap, args=(entry,), name=f"kubelet-{self.node}-reap-{meta.name}",
+                         daemon=True).start()
+
+    def _reap(self, entry: _Pod) -> None:
+        assert entry.process is not None
+        code = entry.process.wait()
+        _kill_leftovers(entry.process.pid)
+        if self._stop.is_set():
+            entry.ended.set()
+            return
+        self._ended(entry, code if code >= 0 else 128 - code)
+
+    def _begin_termination(self, entry: _Pod) -> None:
+        if self._frozen_now(entry) or entry.ended.is_set():
+            return
+        if entry.process is None:  # never started
+            entry.ended.set()
+            self._confirm_deletion(entry.uid, entry.namespace, entry.name)
+            return
+        threading.Thread(target=self._terminate, args=(entry,), name=f"kubelet-{self.node}-term-{entry.name}",
+                         daemon=True).start()
+
+    def _terminate(self, entry: _Pod) -> None:
+        """SIGTERM, then SIGKILL after the grace period; the reaper reports the end and confirms the deletion."""
+        process = entry.process
+        assert process is not None
+        if process.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=entry.grace_seconds)
+        except subprocess.TimeoutExpired:
+            LOG.info("kubelet %s: pod %s/%s still running %.0fs after SIGTERM: SIGKILL", self.node, entry.namespace,
+                     entry.name, entry.grace_seconds)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+
+    # -- environment ----------------------------------------------------------------------
+
+    def _environment(self, pod: client.V1Pod, container: client.V1Container) -> dict[str, str]:
+        env: dict[str, str] = {}
+        for var in container.env or []:
+            if var.value is not None:
+                env[var.name] = expand(var.value, env)
+            elif var.value_from is not None:
+                env[var.name] = self._value_from(pod, var.name, var.value_from)
+            else:
+                env[var.name] = ""
+        return env
+
+    def _value_from(self, pod: client.V1Pod, name: str, source: client.V1EnvVarSource) -> str:
+        if source.field_ref is not None:
+            path = source.field_ref.field_path
+            fields = {"status.hostIP": self.host_ip, "status.podIP": self.host_ip, "metadata.name": pod.metadata.name,
+                      "metadata.namespace": pod.metadata.namespace, "spec.nodeName": self.node,
+                      "metadata.uid": pod.metadata.uid, "spec.serviceAccountName": pod.spec.service_account_name or ""}
+            if path in fields:
+                return str(fields[path])
+            m = re.fullmatch(r"metadata\.(labels|annotations)\['([^']+)'\]", path)
+            if m:
+                return str((getattr(pod.metadata, m.group(1)) or {}).get(m.group(2), ""))
+            raise ValueError(f"env {name}: fieldRef {path!r} is not supported by the test kubelet")
+        if source.secret_key_ref is not None:
+            ref = source.secret_key_ref
+            secret = self._core.read_namespaced_secret(ref.name, pod.metadata.namespace)
+            if ref.key in (secret.data or {}):
+                return base64.b64decode(secret.data[ref.key]).decode()
+            if ref.key in (secret.string_data or {}):
+                return str(secret.string_data[ref.key])
+            raise KeyError(f"env {name}: secret {ref.name} has no key {ref.key!r}")
+        if source.config_map_key_ref is not None:
+            ref = source.config_map_key_ref
+            data = self._core.read_namespaced_config_map(ref.name, pod.metadata.namespace).data or {}
+            if ref.key not in data:
+                raise KeyError(f"env {name}: configmap {ref.name} has no key {ref.key!r}")
+            return str(data[ref.key])
+        raise ValueError(f"env {name}: this kind of valueFrom is not supported by the test kubelet")
+
+
+def _kill_leftovers(pgid: int) -> None:
+    """SIGKILL what remains of a pod's process group once its main process is gone (a container's end)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def wait_for(predicate: Any, timeout: float = 10.0, interval: float = 0.02, what: str = "condition") -> Any:
+    """Poll ``predicate()`` until it returns something truthy; raise TimeoutError naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
