@@ -26,12 +26,12 @@ from tests.moto_s3 import MotoS3
 
 from .test_e2e_local import job, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # a shared 2-core machine can be slow
 
 INTERVAL = 6
 """Persist every this many steps (snapshots every 3, so every other snapshot)."""
 BUCKET = "tenplex-e2e"
-STEPS = 120
+STEPS = 60
 
 
 def dp1_job(name: str, uri: str, steps: int) -> dict:
