@@ -16,6 +16,9 @@ $(PY):
 	$(PIP) install --quiet --upgrade pip setuptools wheel
 
 TORCHTITAN := torchtitan==0.3.0
+# moto's S3 server for tests/store/test_persistent.py and friends, without its declared dependencies (their
+# python-dateutil<3 conflicts with kubernetes==37.0.2's >=3: see the `test` extra in pyproject.toml)
+MOTO := moto==5.2.5 boto3==1.44.8 botocore==1.44.8 s3transfer==0.19.3
 
 # Reinstall only when the dependency list changes. torchtitan without its declared dependencies
 # (see the `clients` extra in pyproject.toml for what it really imports). The example jobs are their own
@@ -25,6 +28,7 @@ $(STAMP): pyproject.toml examples/pyproject.toml Makefile | $(PY)
 	$(PIP) install --quiet -e ".[test,clients]"
 	$(PIP) install --quiet --no-deps -e ./examples
 	$(PIP) install --quiet --no-deps "$(TORCHTITAN)"
+	$(PIP) install --quiet --no-deps $(MOTO)
 	touch $(STAMP)
 
 install: $(STAMP)

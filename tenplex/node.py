@@ -1,8 +1,9 @@
 """The node daemon: one process per node that serves its tensor store and runs its transforms.
 
 It is what ``tenplex store serve`` starts (the chart's DaemonSet, the local
-backend's emulated hosts): the store's routes (:mod:`tenplex.store.server`)
-and the transform routes (:mod:`tenplex.transformer.service`) on one port,
+backend's emulated hosts): the store's routes (:mod:`tenplex.store.server`),
+the transform routes (:mod:`tenplex.transformer.service`) and the routes of
+uploads to the persistent tier (:mod:`tenplex.transformer.uploads`) on one port,
 behind one bearer token, with one Prometheus registry. During a
 reconfiguration this process pulls its host's new shards from the other
 nodes' daemons and writes them into its own store; the scheduler only sends
@@ -44,6 +45,7 @@ from tenplex.store.local import LocalStore
 from tenplex.store.server import MULTIPROC_ENV, create_app
 from tenplex.store.wire import TOKEN_ENV
 from tenplex.transformer.service import TransformService, TransformSettings, transform_router
+from tenplex.transformer.uploads import UploadService, UploadSettings, upload_router
 
 log = logging.getLogger(__name__)
 
@@ -52,15 +54,19 @@ _OPTIONS_ENV = "TENPLEX_STORE_OPTIONS"
 
 
 def create_node_app(store: LocalStore, *, token: str | None, transforms: TransformSettings | None = None,
-                    **store_options: Any) -> tuple[FastAPI, TransformService]:
-    """The daemon's app over ``store`` and the transform service behind its transform routes.
+                    uploads: UploadSettings | None = None, **store_options: Any) -> tuple[FastAPI, TransformService]:
+    """The daemon's app over ``store`` and the transform service behind its transform routes (the upload
+    service behind the upload routes is ``app.state.uploads``).
 
     ``store_options`` go to :func:`tenplex.store.server.create_app` (request size bounds).
     """
     registry = CollectorRegistry(auto_describe=True)
     service = TransformService(store, token=token, settings=transforms, registry=registry)
-    app = create_app(store, token=token, routers=[transform_router(service)], registry=registry, **store_options)
+    upload_service = UploadService(store, settings=uploads, registry=registry)
+    app = create_app(store, token=token, routers=[transform_router(service), upload_router(upload_service)],
+                     registry=registry, **store_options)
     app.state.transforms = service
+    app.state.uploads = upload_service
     return app, service
 
 
@@ -77,6 +83,7 @@ def serve(
     map_chunks: bool = True,
     workers: int = 1,
     transforms: TransformSettings | None = None,
+    uploads: UploadSettings | None = None,
 ) -> None:
     """Run the node daemon until interrupted (blocking). ``port=0`` picks a free port.
 
@@ -90,6 +97,7 @@ def serve(
     if workers < 1:
         raise InvalidInput(f"workers must be >= 1, got {workers}")
     transforms = transforms or TransformSettings()
+    uploads = uploads or UploadSettings()
     options: dict[str, Any] = {"map_chunks": map_chunks}
     if chunk_bytes is not None:
         options["chunk_bytes"] = chunk_bytes
@@ -105,22 +113,24 @@ def serve(
         transforms.max_running, transforms.concurrency, transforms.memory_bytes >> 20,
     )
     if workers > 1:
-        _serve_workers(sock, store, token, workers, log_level, tune_malloc=tune_malloc, transforms=transforms)
+        _serve_workers(sock, store, token, workers, log_level, tune_malloc=tune_malloc, transforms=transforms,
+                       uploads=uploads)
         log.info("tenplex node daemon at %s stopped", url_for(host, bound))
         return
     if tune_malloc:
         _keep_freed_memory()
-    app, service = create_node_app(store, token=token, transforms=transforms)
+    app, service = create_node_app(store, token=token, transforms=transforms, uploads=uploads)
     try:
         serve_forever(app, sock, log_level=log_level)
     finally:
         service.close()
+        app.state.uploads.close()
         store.close()
     log.info("tenplex node daemon at %s stopped", url_for(host, bound))
 
 
 def _serve_workers(sock: socket.socket, store: LocalStore, token: str | None, workers: int, log_level: str, *,
-                   tune_malloc: bool, transforms: TransformSettings) -> None:
+                   tune_malloc: bool, transforms: TransformSettings, uploads: UploadSettings) -> None:
     """Several uvicorn worker processes on one listening socket (uvicorn's supervisor restarts dead ones).
 
     One event loop sends every response body from one thread, so on a node
@@ -137,7 +147,8 @@ def _serve_workers(sock: socket.socket, store: LocalStore, token: str | None, wo
     env = {
         _ROOT_ENV: str(store.root),
         _OPTIONS_ENV: json.dumps({"chunk_bytes": store.chunk_bytes, "map_chunks": store.map_chunks,
-                                  "tune_malloc": tune_malloc, "transforms": dataclasses.asdict(transforms)}),
+                                  "tune_malloc": tune_malloc, "transforms": dataclasses.asdict(transforms),
+                                  "uploads": dataclasses.asdict(uploads)}),
         MULTIPROC_ENV: metrics_dir,
         TOKEN_ENV: token or "",
     }
@@ -165,8 +176,9 @@ def app_from_env() -> FastAPI:
     if options.pop("tune_malloc", False):
         _keep_freed_memory()
     transforms = TransformSettings(**options.pop("transforms", {}))
+    uploads = UploadSettings(**options.pop("uploads", {}))
     app, _service = create_node_app(LocalStore(root, **options), token=os.environ.get(TOKEN_ENV) or None,
-                                    transforms=transforms)
+                                    transforms=transforms, uploads=uploads)
     return app
 
 
@@ -201,10 +213,12 @@ class NodeDaemon(BackgroundServer):
 
     def __init__(self, root: str | Path, host: str = "127.0.0.1", port: int = 0, token: str | None = None, *,
                  store: LocalStore | None = None, transforms: TransformSettings | None = None,
-                 log_level: str = "warning", **store_options: Any) -> None:
+                 uploads: UploadSettings | None = None, log_level: str = "warning", **store_options: Any) -> None:
         self.store = store if store is not None else LocalStore(root)
         self.token = token
-        app, self.transforms = create_node_app(self.store, token=token, transforms=transforms, **store_options)
+        app, self.transforms = create_node_app(self.store, token=token, transforms=transforms, uploads=uploads,
+                                               **store_options)
+        self.uploads: UploadService = app.state.uploads
         super().__init__(app, host, port, log_level=log_level)
 
     def start(self, timeout: float = 30.0) -> NodeDaemon:
@@ -214,4 +228,5 @@ class NodeDaemon(BackgroundServer):
     def stop(self, timeout: float = 30.0) -> None:
         super().stop(timeout)
         self.transforms.close()
+        self.uploads.close()
         self.store.close()

@@ -242,6 +242,18 @@ def choose_recovery(status: JobStatus, holders: Mapping[str, Sequence[str]],
     return None
 
 
+def missing_text(ptc: PTC, survivors: set[str], limit: int = 6) -> str:
+    """What the ``survivors`` lack of ``ptc``: each region no device on them holds, with the hosts that held it
+    (``"layers.1.w 0:32,0:64 (held by host-1), ... and 9 more"``); empty when they cover it."""
+    items = []
+    for t in ptc.tensors:
+        for s in t.shards:
+            hosts = sorted({ptc.device(d).host for d in s.devices})
+            if not survivors.intersection(hosts):
+                items.append(f"{t.name} {s.region.format()} (held by {', '.join(hosts)})")
+    return ", ".join(items[:limit]) + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
 def steps_reached(status: JobStatus) -> int:
     """The newest step any worker of the generation reported."""
     return max([status.step] + [w.step for w in status.workers if w.step is not None])

@@ -41,7 +41,7 @@ from tenplex.ptc import PTC, ParallelConfig, Placement
 from tenplex.scheduler import policy as policy_mod
 from tenplex.scheduler.backend import HostInfo
 from tenplex.scheduler.context import JobContext
-from tenplex.scheduler.decide import choose_recovery, find_stop_version, steps_reached
+from tenplex.scheduler.decide import choose_recovery, find_stop_version, missing_text, steps_reached
 from tenplex.scheduler.launcher import WorkerLauncher
 from tenplex.scheduler.persist import Housekeeper
 from tenplex.scheduler.state import Phase, Reconfiguration, Stage, phase_split
@@ -486,10 +486,13 @@ class Orchestrator:
             else:
                 self.restart_from_beginning(reason, steps_reached(st))
             return
+        newest = ptc_of(st.version_generation.get(st.version, Version.parse(st.version).generation))
+        lacking = missing_text(newest, set(holders)) if newest is not None else ""
         self.fail(f"{reason}; no version of the state is fully held by the surviving hosts {sorted(holders)}"
                   + (f" or the persistent checkpoint {ctx.spec.checkpoint.uri} (it holds "
                      f"{', '.join(st.persisted) or 'no version yet'})" if ctx.spec.checkpoint is not None
-                     else " and the job has no persistent checkpoint"))
+                     else " and the job has no persistent checkpoint")
+                  + (f"; of {st.version} they lack {lacking}" if lacking else ""))
 
     def restart_from_beginning(self, reason: str, reached: int) -> None:
         """A failure before any version was committed everywhere: nothing to recover, so start again at step 0.

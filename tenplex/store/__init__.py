@@ -4,6 +4,8 @@
   the store is on; :func:`open_store` opens one by its address.
 - :class:`~tenplex.store.local.LocalStore`: zarr shards on the node's disk (imports zarr).
 - :class:`~tenplex.store.client.StoreClient`: the node's daemon over HTTP.
+- :class:`~tenplex.store.persistent.PersistentStore`: a job's persistent tier (``s3://`` or ``file://``, zarr v3
+  through zarr's own storage backends; imports zarr and obstore).
 - :mod:`tenplex.store.server`: the daemon's routes (FastAPI on uvicorn); :mod:`tenplex.store.wire`: the
   headers, limits and bodies client and server share.
 
@@ -12,36 +14,47 @@ Importing this package loads neither zarr nor FastAPI: the worker library and th
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
+from typing import Any
+from urllib.parse import urlsplit
 
 from tenplex.errors import InvalidInput
 from tenplex.store.base import RegionRead, TensorStore
 from tenplex.store.client import StoreClient
+from tenplex.store.locations import SCHEMES
 from tenplex.store.model import Manifest, ShardInfo, VersionInfo
 
 
-def open_store(location: str | Path, token: str | None = None) -> TensorStore:
-    """The store at ``location``: a daemon's ``http(s)://`` URL (a :class:`StoreClient` with ``token``,
-    default ``$TENPLEX_TOKEN``), or a store root on this machine, as a path or a ``file://`` URL (a
-    :class:`~tenplex.store.local.LocalStore`; ``token`` is not used).
+def open_store(location: str | Path, token: str | None = None, *, options: Mapping[str, Any] | None = None) -> TensorStore:
+    """The store at ``location``, by its address:
 
-    The one place that imports the local store lazily, and why: it loads zarr, which a process that reaches
-    its node's store over HTTP (a worker without the store's directory mounted, a control plane) never needs,
-    while a worker that has the directory writes its snapshots there directly. Both get their store here.
+    - a daemon's ``http(s)://`` URL: a :class:`StoreClient` with ``token`` (default ``$TENPLEX_TOKEN``);
+    - a persistent location, ``s3://bucket/prefix`` or ``file:///path``: a
+      :class:`~tenplex.store.persistent.PersistentStore` with connection ``options`` (endpoint, region,
+      credentials; the AWS environment variables fill in the rest);
+    - a directory on this machine, as a path: the node store there, a :class:`~tenplex.store.local.LocalStore`
+      (what a ``LocalStore``'s ``url`` is).
+
+    ``token`` serves only daemons and ``options`` only persistent locations. Each implementation is imported
+    here when it is asked for, and why: the local and persistent stores load zarr (and obstore), which a
+    process that reaches its node's store over HTTP (a worker without the store's directory mounted, a control
+    plane) never needs, while a worker that has the directory writes its snapshots there directly.
     """
     text = str(location)
     parts = urlsplit(text)
     if parts.scheme in ("http", "https"):
         return StoreClient(text, token=token)
-    if parts.scheme == "file":
-        if parts.netloc not in ("", "localhost"):
-            raise InvalidInput(f"store location {text!r}: a file:// URL must name a path on this machine")
-        text = unquote(parts.path)
-    elif parts.scheme and len(parts.scheme) > 1:  # (a one-letter scheme is a Windows drive)
-        raise InvalidInput(f"store location {text!r} must be an http(s):// URL or a directory (path or file:// URL)")
+    if parts.scheme in SCHEMES:
+        from tenplex.store.persistent import PersistentStore
+
+        return PersistentStore(text, options=options)
+    if parts.scheme and len(parts.scheme) > 1:  # (a one-letter scheme is a Windows drive)
+        raise InvalidInput(
+            f"store location {text!r} must be an http(s):// URL, s3://bucket/prefix, file:///path or a directory"
+        )
     if not text:
-        raise InvalidInput("store location is empty: give an http(s):// URL or a directory")
+        raise InvalidInput("store location is empty: give an http(s):// URL, a persistent location or a directory")
     from tenplex.store.local import LocalStore
 
     return LocalStore(text)

@@ -60,9 +60,11 @@ class RegionRead:
 class TensorStore(ABC):
     """A node's tensor store: shards of tensors, per job and version, with atomic commits.
 
-    Thread-safe in both implementations. ``url`` says where the store is: the
-    daemon's ``http(s)://`` URL, or ``file://<root>`` for a store on this
-    machine's disk (what :func:`tenplex.store.open_store` accepts back).
+    Thread-safe in every implementation. ``url`` says where the store is, in
+    the form :func:`tenplex.store.open_store` accepts back: the daemon's
+    ``http(s)://`` URL, the root directory of a node store on this machine's
+    disk (a path), or a persistent location (``s3://bucket/prefix``,
+    ``file:///path``; :class:`~tenplex.store.persistent.PersistentStore`).
     """
 
     url: str

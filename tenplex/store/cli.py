@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from tenplex.ptc.dtypes import storage_dtype
 from tenplex.ptc.region import Region
 from tenplex.store.buffers import DEFAULT_CHUNK_BYTES
 from tenplex.store.client import StoreClient
+from tenplex.store.locations import check_options
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,20 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="destination buffers of all running transforms together, e.g. 2Gi (default 1Gi)")
     serve.add_argument("--transform-max-running", type=int, default=2, metavar="N",
                        help="transforms running at once; more wait in state queued (default 2)")
+    serve.add_argument("--upload-concurrency", type=int, default=4, metavar="N",
+                       help="shards in flight per upload to the persistent tier (default 4)")
+    serve.add_argument("--upload-memory", type=_size, default=512 << 20, metavar="SIZE",
+                       help="read buffers of all running uploads together, e.g. 1Gi (default 512Mi)")
+    serve.add_argument("--upload-max-running", type=int, default=2, metavar="N",
+                       help="uploads running at once; more wait in state queued (default 2)")
+    serve.add_argument("--upload-retry-for", type=float, default=900.0, metavar="SECONDS",
+                       help="how long an upload keeps retrying after its first error, with exponential backoff (default 900)")
+    serve.add_argument("--s3-endpoint", metavar="URL", default=None,
+                       help="endpoint of the S3-compatible store of persistent checkpoints (MinIO, Ceph, ...), e.g. "
+                            "http://minio.storage:9000; default $AWS_ENDPOINT_URL, else AWS. Credentials come from the "
+                            "environment only (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN)")
+    serve.add_argument("--s3-region", metavar="REGION", default=None,
+                       help="region of that store (default $AWS_REGION, else us-east-1)")
     serve.set_defaults(func=_serve)
 
     ls = cmds.add_parser("ls", help="list the jobs of a store daemon, or the versions of one job")
@@ -87,10 +103,23 @@ def _size(text: str) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from tenplex.node import serve
     from tenplex.transformer.service import TransformSettings
+    from tenplex.transformer.uploads import UploadSettings
 
+    # The persistent tier is opened by uploads and by transforms reading a checkpoint, in this process and in
+    # its uvicorn workers: the flags become the standard AWS environment they all read.
+    if args.s3_endpoint is not None:
+        check_options({"endpoint": args.s3_endpoint})
+        os.environ["AWS_ENDPOINT_URL"] = args.s3_endpoint
+    if args.s3_region is not None:
+        check_options({"region": args.s3_region})
+        os.environ["AWS_REGION"] = args.s3_region
     transforms = TransformSettings(
         concurrency=args.transform_concurrency, memory_bytes=args.transform_memory,
         max_running=args.transform_max_running,
+    )
+    uploads = UploadSettings(
+        concurrency=args.upload_concurrency, memory_bytes=args.upload_memory, max_running=args.upload_max_running,
+        retry_for_s=args.upload_retry_for,
     )
     serve(
         args.root,
@@ -101,6 +130,7 @@ def _serve(args: argparse.Namespace) -> int:
         chunk_bytes=args.chunk_bytes,
         workers=args.workers,
         transforms=transforms,
+        uploads=uploads,
         log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
     )
     return 0

@@ -456,7 +456,7 @@ class LocalStore(TensorStore):
             raise InvalidInput(f"chunk_bytes must be at least 64, got {chunk_bytes}")
         self.root = Path(root).resolve()
         self.root.mkdir(parents=True, exist_ok=True)
-        self.url = self.root.as_uri()
+        self.url = str(self.root)  # a path: open_store() gives a LocalStore back (file:// URLs are persistent tiers)
         self.chunk_bytes = chunk_bytes
         self.durable = durable
         self._cache: OrderedDict[tuple[str, Version, str], TensorReader] = OrderedDict()

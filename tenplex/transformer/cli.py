@@ -15,7 +15,7 @@ from tenplex.core.units import human_bytes
 from tenplex.core.version import Version
 from tenplex.errors import InvalidInput
 from tenplex.ptc.model import PTC
-from tenplex.store import open_store
+from tenplex.store import TensorStore, open_store
 from tenplex.store.client import StoreClient
 from tenplex.transformer.execute import TransformMetrics, TransformReport, execute_host_plan
 from tenplex.transformer.plan import CHECKPOINT, Plan, make_plan, plan_summary
@@ -180,9 +180,12 @@ def _transform_here(args: argparse.Namespace, plan: Plan, urls: dict[str, str], 
     if args.metrics_port is not None:
         start_http_server(args.metrics_port, registry=metrics.registry)
     with ExitStack() as stack:
-        sources = {
-            h: stack.enter_context(StoreClient(u, args.token, max_connections=max(8, args.concurrency))) for h, u in urls.items()
+        sources: dict[str, TensorStore] = {
+            h: stack.enter_context(StoreClient(u, args.token, max_connections=max(8, args.concurrency)))
+            for h, u in urls.items() if h != CHECKPOINT
         }
+        if CHECKPOINT in urls:  # the persistent tier (s3:// or file://), or a daemon holding the old version
+            sources[CHECKPOINT] = stack.enter_context(open_store(urls[CHECKPOINT], args.token))
         target = stack.enter_context(open_store(Path(args.store_root)))
         return execute_host_plan(
             plan, args.host, target=target, sources=sources,

@@ -68,9 +68,11 @@ from tenplex.errors import (
     TenplexError,
     TransformCancelled,
 )
+from tenplex.store import open_store
 from tenplex.store.base import TensorStore
 from tenplex.store.client import StoreClient
 from tenplex.store.local import LocalStore
+from tenplex.store.locations import is_persistent_uri
 from tenplex.store.names import check_job, check_version
 from tenplex.transformer.execute import DEFAULT_BATCH_BYTES, TransformMetrics, execute_host_plan
 from tenplex.transformer.plan import CHECKPOINT
@@ -421,6 +423,7 @@ class TransformService:
         plan = req.plan
         job, version = plan.job, str(plan.new_version)
         clients: dict[str, StoreClient] = {}
+        checkpoint: TensorStore | None = None
         done = threading.Event()
         try:
             with self._slots:
@@ -435,11 +438,18 @@ class TransformService:
                     urls.setdefault(CHECKPOINT, plan.checkpoint)
                 token = req.token if req.token is not None else self.token
                 for name, url in urls.items():
+                    if name == CHECKPOINT and is_persistent_uri(url):
+                        continue
                     clients[name] = StoreClient(url, token, timeout=self.settings.source_timeout_s,
                                                 max_connections=max(8, self.settings.concurrency))
                 threading.Thread(target=self._watch, args=(run, clients, done), daemon=True,
                                  name=f"tenplex-transform-watch-{job}-{version}").start()
                 sources: dict[str, TensorStore] = dict(clients)
+                if CHECKPOINT in urls and CHECKPOINT not in clients:
+                    # the persistent tier: the regions no survivor holds, read from the object store or shared
+                    # file system with the daemon's credentials (its AWS environment) and the request's options
+                    checkpoint = open_store(urls[CHECKPOINT], options=req.checkpoint_options)
+                    sources[CHECKPOINT] = checkpoint
                 report = execute_host_plan(
                     plan, req.host, target=self.store, sources=sources, concurrency=self.settings.concurrency,
                     progress=lambda done, total: self._progress(run, done, total), metrics=self.metrics,
@@ -464,6 +474,8 @@ class TransformService:
             done.set()
             for c in clients.values():
                 c.close()
+            if checkpoint is not None:
+                checkpoint.close()
             with self._lock:
                 final = run.status
                 try:

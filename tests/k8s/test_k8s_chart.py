@@ -148,12 +148,17 @@ def test_store_daemonset_contract() -> None:
     (container,) = spec["containers"]
     assert container["args"] == ["store", "serve", "--root", crd.DEFAULT_STORE_ROOT, "--host", "0.0.0.0",
                                  "--port", str(crd.STORE_PORT), "--transform-concurrency", "8",
-                                 "--transform-memory", "2Gi", "--transform-max-running", "2"]
+                                 "--transform-memory", "2Gi", "--transform-max-running", "2",
+                                 "--upload-concurrency", "4", "--upload-memory", "512Mi", "--upload-max-running", "2",
+                                 "--upload-retry-for", "900"]
     # The daemon's own parser takes what the chart passes.
     from tenplex.cli import build_parser
 
     args = build_parser().parse_args(container["args"])
     assert (args.transform_concurrency, args.transform_memory, args.transform_max_running) == (8, 2 << 30, 2)
+    assert (args.upload_concurrency, args.upload_memory, args.upload_max_running, args.upload_retry_for) == \
+        (4, 512 << 20, 2, 900.0)
+    assert not [e for e in container["env"] if e["name"].startswith("AWS_")]  # no Secret named: none
     (port,) = container["ports"]
     assert port["containerPort"] == port["hostPort"] == crd.STORE_PORT
     volumes = {v["name"]: v for v in spec["volumes"]}
@@ -175,6 +180,29 @@ def test_store_daemonset_contract() -> None:
     assert cspec["containers"][0]["ports"][0]["hostPort"] == 7171
     assert cspec["nodeSelector"] == {"nvidia.com/gpu.present": "true", "pool": "gpu"}
     assert "initContainers" not in cspec
+
+
+def test_store_daemonset_reaches_the_persistent_tier_with_credentials_from_a_secret() -> None:
+    docs = render("--set", "store.persistent.endpoint=http://minio.storage:9000", "--set", "store.persistent.region=eu-1",
+                  "--set", "store.persistent.credentials.existingSecret=s3-creds",
+                  "--set", "store.persistent.credentials.sessionTokenKey=token",
+                  "--set", "store.extraVolumes[0].name=shared", "--set", "store.extraVolumes[0].nfs.server=nfs",
+                  "--set", "store.extraVolumes[0].nfs.path=/ckpt",
+                  "--set", "store.extraVolumeMounts[0].name=shared", "--set", "store.extraVolumeMounts[0].mountPath=/ckpt")
+    spec = one(docs, "DaemonSet")["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    from tenplex.cli import build_parser
+
+    args = build_parser().parse_args(container["args"])
+    assert (args.s3_endpoint, args.s3_region) == ("http://minio.storage:9000", "eu-1")
+    env = {e["name"]: e.get("valueFrom", {}).get("secretKeyRef") for e in container["env"]}
+    assert env["AWS_ACCESS_KEY_ID"] == {"name": "s3-creds", "key": "AWS_ACCESS_KEY_ID"}
+    assert env["AWS_SECRET_ACCESS_KEY"] == {"name": "s3-creds", "key": "AWS_SECRET_ACCESS_KEY"}
+    assert env["AWS_SESSION_TOKEN"] == {"name": "s3-creds", "key": "token"}
+    assert {"name": "shared", "mountPath": "/ckpt"} in container["volumeMounts"]
+    assert {"name": "shared", "nfs": {"server": "nfs", "path": "/ckpt"}} in spec["volumes"]
+    bad = helm("template", "rel", str(CHART), "--set", "store.persistent.endpoint=minio:9000", check=False)
+    assert bad.returncode != 0 and "endpoint" in bad.stderr
 
 
 def _rules(role: dict[str, Any]) -> set[tuple[str, str, str, tuple[str, ...]]]:

@@ -18,6 +18,7 @@ from tenplex.scheduler.decide import (
     decide_stopping,
     detect_failure,
     find_stop_version,
+    missing_text,
 )
 from tenplex.scheduler.layouts import LayoutSpec
 from tenplex.scheduler.policy import Policy
@@ -206,6 +207,17 @@ def test_without_a_surviving_replica_recovery_falls_back_to_the_persistent_tier(
     st = status(step=20, version_generation={"s18-g1": 1, "s12-g0": 0})
     rec = choose_recovery(st, {"h0": ["s18-g1"]}, {0: tp2pp2, 1: dp2}.get, persisted=["s12-g0"])
     assert rec is not None and (rec.version, rec.persistent) == ("s18-g1", False)
+
+
+def test_what_the_survivors_lack_is_named_with_its_holders() -> None:
+    gspec = GPTSpec(num_layers=2, hidden=8, heads=2, vocab=16, make_vocab_size_divisible_by=4)
+    tp2pp2 = megatron_gpt_ptc(gspec, ParallelConfig(tp=2, pp=2), gpus_per_node=2, hosts=["h0", "h1"], precision="fp32")
+    assert missing_text(tp2pp2, {"h0", "h1"}) == ""
+    text = missing_text(tp2pp2, {"h0"}, limit=100)
+    lost = [(t.name, s.region.format()) for t in tp2pp2.tensors for s in t.shards
+            if all(tp2pp2.device(d).host == "h1" for d in s.devices)]
+    assert lost and all(f"{n} {r} (held by h1)" in text for n, r in lost) and "h0)" not in text
+    assert missing_text(tp2pp2, {"h0"}, limit=2).endswith(f" and {len(lost) - 2} more")
 
 
 def test_uploads_take_each_region_once_spread_over_its_holders() -> None:

@@ -8,10 +8,12 @@ implementation subclasses it with a fixture that gives the store and its root on
 - :class:`TestLocalStore`: the store on this machine's disk, used in-process;
 - :class:`TestClientOnDaemon`: the HTTP client of a node daemon (store and transform routes) in a thread;
 - :class:`TestClientOnMultiprocessDaemon`: the client of ``tenplex store serve --workers 2``, two processes
-  on one port sharing the root (requests land on either).
+  on one port sharing the root (requests land on either);
+- and the persistent tier's store on ``file://`` and on moto's S3 server (``tests/store/test_persistent.py``).
 
 The daemons live for a whole class (each test uses a job of its own); a damaged shard is made by
-flipping a byte of a chunk file in the root, as a failing disk would.
+flipping a byte of a chunk file in the root, as a failing disk would (:meth:`StoreTests.damage`, which a
+store without a root directory overrides).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from tenplex.ptc.region import Region
 from tenplex.store import Manifest, RegionRead, StoreClient, TensorStore, open_store
 from tenplex.store.local import LocalStore
 from tenplex.store.names import region_key, tensor_dirname
+from tenplex.store.persistent import PersistentStore
 from tenplex.store.wire import MAX_BATCH_REGIONS
 
 from .test_local import random_array, same_bits
@@ -72,7 +75,20 @@ def damage(root: Path, job: str, version: str, tensor: str, region: Region) -> N
 
 
 class StoreTests:
-    """The behaviours; a subclass provides ``store`` (a :class:`TensorStore`) and ``root`` (its directory)."""
+    """The behaviours; a subclass provides ``store`` (a :class:`TensorStore`) and ``root`` (its directory, or
+    whatever its :meth:`damage` and :meth:`assert_shared` need)."""
+
+    CHUNKS_ALWAYS_VERIFIED = False
+    """Whether the store checks every chunk it reads whatever ``verify`` says (a codec of its format)."""
+
+    def damage(self, root: Path, job: str, version: str, tensor: str, region: Region) -> None:
+        """Flip one bit of a stored shard, as failing storage would."""
+        damage(root, job, version, tensor, region)
+
+    def assert_shared(self, root: Path, job: str, old: str, new: str, tensor: str, region: Region) -> None:
+        """The linked shard's data in ``new`` is the old one's, not a copy made through the client."""
+        old_files, new_files = chunk_files(root, job, old, tensor, region), chunk_files(root, job, new, tensor, region)
+        assert len(old_files) > 1 and [p.stat().st_ino for p in old_files] == [p.stat().st_ino for p in new_files]  # hard links
 
     @pytest.fixture
     def job(self, request: pytest.FixtureRequest) -> str:
@@ -90,7 +106,7 @@ class StoreTests:
 
     def test_url_opens_the_same_store(self, store: TensorStore, job: str) -> None:
         assert isinstance(store, TensorStore)
-        assert store.url.startswith(("http://", "file://"))
+        assert store.url.startswith(("http://", "file://", "s3://", "/"))
         store.write_shard(job, "s1-g0", "w", Region.full((3,)), np.arange(3, dtype=np.int64), dtype="int64", global_shape=(3,))
         store.commit(job, "s1-g0")
         with open_store(store.url, TOKEN) as again:
@@ -247,8 +263,7 @@ class StoreTests:
         recorded = {sh.region: sh.checksum for sh in store.commit(job, "s1-g0").shards}
         info = store.link_shard(job, "s1-g0", "w", top, "s2-g1")
         assert info.region == top and info.checksum == recorded[top]
-        old, new = chunk_files(root, job, "s1-g0", "w", top), chunk_files(root, job, "s2-g1", "w", top)
-        assert len(old) > 1 and [p.stat().st_ino for p in old] == [p.stat().st_ino for p in new]  # hard links, not copies
+        self.assert_shared(root, job, "s1-g0", "s2-g1", "w", top)
         store.write_shard(job, "s2-g1", "w", bottom, data[bottom.slices()], dtype="float32", global_shape=data.shape)
         assert {sh.region: sh.checksum for sh in store.commit(job, "s2-g1").shards} == recorded
         store.delete(job, "s1-g0")
@@ -269,8 +284,8 @@ class StoreTests:
         store.commit(job, "s3-g0")
         with pytest.raises(Conflict, match="immutable"):
             store.link_shard(job, "s1-g0", "w", whole, "s3-g0")
-        damage(root, job, "s1-g0", "w", whole)
-        with pytest.raises(ChecksumMismatch, match="damaged on disk"):
+        self.damage(root, job, "s1-g0", "w", whole)
+        with pytest.raises(ChecksumMismatch, match="damaged"):
             store.link_shard(job, "s1-g0", "w", whole, "s2-g0")
         assert "s2-g0" not in [str(v.version) for v in store.versions(job)]  # nothing was installed
         store.link_shard(job, "s1-g0", "w", whole, "s2-g0", verify=False)  # the caller's choice
@@ -283,12 +298,16 @@ class StoreTests:
         whole = Region.full(data.shape)
         store.write_shard(job, "s1-g0", "w", whole, data, dtype="float32", global_shape=data.shape)
         store.commit(job, "s1-g0")
-        damage(root, job, "s1-g0", "w", whole)
+        self.damage(root, job, "s1-g0", "w", whole)
         with pytest.raises(ChecksumMismatch, match="crc32c"):
             store.read_into(job, "s1-g0", "w", whole, np.empty_like(data))
         with pytest.raises(ChecksumMismatch, match="crc32c"):
             store.read_regions(job, "s1-g0", [RegionRead("w", whole, np.empty_like(data))])
         out = np.empty_like(data)
+        if self.CHUNKS_ALWAYS_VERIFIED:  # every chunk read is checked by the stored format itself
+            with pytest.raises(ChecksumMismatch, match="crc32c"):
+                store.read_into(job, "s1-g0", "w", whole, out, verify=False)
+            return
         store.read_into(job, "s1-g0", "w", whole, out, verify=False)  # what is on the disk, unchecked
         assert not same_bits(out, data) and (out.view(np.uint8) != data.view(np.uint8)).sum() == 1
 
@@ -411,9 +430,12 @@ def test_open_store_chooses_the_implementation_by_the_address(tmp_path: Path) ->
     odd = tmp_path / "a dir with %20 and spaces"
     local = open_store(odd)
     assert isinstance(local, LocalStore) and local.root == odd.resolve()
-    again = open_store(local.url)  # file:// URL, quoted
+    again = open_store(local.url)  # a node store's url is its directory
     assert isinstance(again, LocalStore) and again.root == local.root
     assert isinstance(open_store(str(odd)), LocalStore)
+    persistent = open_store(odd.as_uri())  # file:// URLs (quoted) are persistent locations
+    assert isinstance(persistent, PersistentStore) and persistent.root == odd
+    assert isinstance(open_store("s3://bucket-name/some/prefix"), PersistentStore)
     with open_store("http://127.0.0.1:9", "tok") as remote:
         assert isinstance(remote, StoreClient) and remote.url == "http://127.0.0.1:9"
     for bad, match in (("ftp://host/x", "http"), ("file://otherhost/x", "this machine"), ("", "empty")):

@@ -1,0 +1,755 @@
+"""Uploads to the persistent tier, run by the node daemons in the background.
+
+Every N steps the control plane has the nodes copy a committed version to
+the job's persistent location (:class:`~tenplex.store.persistent.PersistentStore`,
+``s3://`` or ``file://``): it sends each node the regions that node uploads
+(each region once, not once per data-parallel replica, spread over the nodes
+that hold it), follows their records, and once every node's part is
+uploaded asks one daemon to commit the version there, which checks every
+expected shard first. Training never waits for any of it, and no byte of it
+passes through the control plane.
+
+Routes (mounted by the node daemon, behind its bearer token)::
+
+    POST   /v1/jobs/{job}/uploads                     UploadRequest -> the record (201 new, 200 attached)
+    GET    /v1/jobs/{job}/uploads                     the job's upload records on this node
+    GET    /v1/jobs/{job}/uploads/{version}[?wait=S]  one record: state, bytes, attempts, last error, rate
+    DELETE /v1/jobs/{job}/uploads/{version}           cancel (what is uploaded stays uncommitted) or forget
+    POST   /v1/jobs/{job}/uploads/{version}/commit    CommitRequest -> the committed manifest, or 409 naming
+                                                      every expected shard missing or damaged there
+    GET    /v1/jobs/{job}/persistent?uri=...          the job's versions at the persistent location
+    GET    /v1/jobs/{job}/persistent/{version}?uri=...   a persistent version's manifest
+    DELETE /v1/jobs/{job}/persistent/{version}?uri=...   retention: delete a version there
+
+An upload is identified by (job, version) and a submission is idempotent: the
+same shards to the same URI attach to the running or uploaded upload; a
+different request for an upload that failed, was cancelled or interrupted
+starts anew, one for a running or uploaded one is a 409. Records are JSON
+files under ``<root>/.uploads/<job>/`` with a lock file held by the process
+running the upload (``flock``), as for transforms
+(:mod:`tenplex.transformer.service`): a record that says running while
+nobody holds its lock belongs to a daemon that died and reads
+``interrupted``. States::
+
+    queued -> running -> uploaded | failed | cancelled | interrupted
+
+An attempt reads each shard from the node's store straight into buffers
+(pieces of whole chunk bands for large shards, within the daemon's memory
+budget) and writes it through zarr; a shard already in the persistent store
+with the checksum the node recorded is skipped (a retry or a resubmission
+after a restart redoes only what is missing). Errors of the persistent
+store (unreachable, throttled, refused credentials) end the attempt; the
+next starts after an exponential backoff, for up to ``retry_for_s`` after
+the first error (``attempts`` and ``last_error`` say so meanwhile), then the
+upload is ``failed``. Errors of the node's own copy (the version deleted, a
+shard damaged on this disk: its checksum is checked against the node's
+record before it is uploaded) fail the upload at once: retrying cannot help.
+Connection options may carry credentials; they are never written into a
+record nor logged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from anyio import to_thread
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from tenplex.errors import (
+    Conflict,
+    InvalidInput,
+    NotFound,
+    StoreUnavailable,
+    TenplexError,
+)
+from tenplex.ptc.dtypes import storage_dtype
+from tenplex.store.local import LocalStore
+from tenplex.store.locations import check_options, check_uri, public_options
+from tenplex.store.model import ShardInfo
+from tenplex.store.names import check_job, check_version
+from tenplex.store.persistent import DEFAULT_CHUNK_BYTES, PersistentStore
+from tenplex.transformer.remote import (
+    CANCELLED,
+    FAILED,
+    INTERRUPTED,
+    QUEUED,
+    RUNNING,
+    UPLOADED,
+    CommitRequest,
+    UploadRequest,
+    UploadStatus,
+)
+
+log = logging.getLogger(__name__)
+
+RECORDS_DIR = ".uploads"
+"""Under the store root; a dot name, which no job may have."""
+
+_RECORD_EVERY_S = 0.5
+_LOCK_TRIES = 50
+MAX_WAIT_S = 30.0
+RECORD_TTL_S = 7 * 86400.0
+_CANCEL_WAIT_S = 10.0
+
+
+@dataclass(frozen=True)
+class UploadSettings:
+    """What bounds a daemon's uploads (``tenplex store serve --upload-*``; chart ``store.uploads``)."""
+
+    concurrency: int = 4
+    """Shards of one upload in flight at once."""
+    memory_bytes: int = 512 << 20
+    """Read buffers of all running uploads together (a piece larger than that still runs, alone)."""
+    max_running: int = 2
+    """Uploads running at once on this node; more wait in state ``queued``."""
+    retry_for_s: float = 900.0
+    """How long after its first error an upload keeps retrying before it is ``failed``."""
+    backoff_s: float = 1.0
+    """The wait before the first retry; doubled after each failed attempt, up to :attr:`backoff_max_s`."""
+    backoff_max_s: float = 60.0
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    """Size of the chunk objects written to the persistent store."""
+    request_timeout_s: float = 60.0
+    """How long one request to the persistent store may take."""
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1 or self.max_running < 1 or self.memory_bytes < 1 or self.chunk_bytes < 64:
+            raise InvalidInput(
+                f"upload settings: concurrency {self.concurrency} (>= 1), max_running {self.max_running} (>= 1), "
+                f"memory_bytes {self.memory_bytes} (>= 1), chunk_bytes {self.chunk_bytes} (>= 64)"
+            )
+        if self.retry_for_s < 0 or self.backoff_s <= 0 or self.backoff_max_s < self.backoff_s or self.request_timeout_s <= 0:
+            raise InvalidInput(
+                f"upload settings: retry_for_s {self.retry_for_s} (>= 0), backoff_s {self.backoff_s} (> 0), "
+                f"backoff_max_s {self.backoff_max_s} (>= backoff_s), request_timeout_s {self.request_timeout_s} (> 0)"
+            )
+
+    @property
+    def piece_bytes(self) -> int:
+        """The buffer one shard in flight reads at a time (at least a band of chunks: see the writer)."""
+        return max(1 << 20, self.memory_bytes // (self.max_running * self.concurrency))
+
+
+class UploadMetrics:
+    """Prometheus metrics of uploads, in the daemon's registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.bytes = Counter("tenplex_upload_bytes", "Bytes written to the persistent tier", registry=self.registry)
+        self.skipped = Counter("tenplex_upload_skipped_bytes",
+                               "Bytes found already uploaded (same checksum) and not uploaded again", registry=self.registry)
+        self.uploads = Counter("tenplex_uploads", "Uploads finished, by outcome", ["outcome"], registry=self.registry)
+        self.failures = Counter("tenplex_upload_failures", "Upload attempts that ended in an error", registry=self.registry)
+        self.retries = Counter("tenplex_upload_retries", "Upload attempts started after an error", registry=self.registry)
+        self.active = Gauge("tenplex_uploads_active", "Uploads on this node not finished, by state (queued, running)",
+                            ["state"], registry=self.registry, multiprocess_mode="livesum")
+        for state in (QUEUED, RUNNING):
+            self.active.labels(state)
+        self.seconds = Histogram("tenplex_upload_seconds", "Duration of finished uploads",
+                                 buckets=(1, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200), registry=self.registry)
+
+
+class _Budget:
+    """Bytes of read buffers in use by all uploads of this daemon; a take larger than the budget runs alone."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self._cond = threading.Condition()
+
+    @contextlib.contextmanager
+    def take(self, nbytes: int, cancel: threading.Event) -> Iterator[bool]:
+        with self._cond:
+            while self.used and self.used + nbytes > self.limit and not cancel.is_set():
+                self._cond.wait(0.2)
+            if cancel.is_set():
+                yield False
+                return
+            self.used += nbytes
+        try:
+            yield True
+        finally:
+            with self._cond:
+                self.used -= nbytes
+                self._cond.notify_all()
+
+
+class _Permanent(Exception):
+    """An error retrying cannot fix (the node's own copy is gone or damaged, the request is wrong)."""
+
+    def __init__(self, error: TenplexError) -> None:
+        super().__init__(error.detail)
+        self.error = error
+
+
+class _Cancelled(Exception):
+    pass
+
+
+@dataclass
+class _Run:
+    request: UploadRequest
+    status: UploadStatus
+    lock_fd: int
+    shards: list[ShardInfo] = field(default_factory=list)
+    cancel: threading.Event = field(default_factory=threading.Event)
+    interrupt: bool = False
+    written_at: float = 0.0
+    thread: threading.Thread | None = None
+    done: set[int] = field(default_factory=set)
+    """Indices of the shards uploaded (by any attempt)."""
+    failed: threading.Event = field(default_factory=threading.Event)
+    """Set when a shard of the current attempt fails: its other shards stop at their next piece."""
+
+
+class UploadService:
+    """The uploads of one node's store: started, followed, cancelled and recorded here; and the persistent
+    tier's commit and retention requests. Thread-safe; one per daemon process."""
+
+    def __init__(self, store: LocalStore, *, settings: UploadSettings | None = None,
+                 registry: CollectorRegistry | None = None) -> None:
+        self.store = store
+        self.settings = settings or UploadSettings()
+        self.metrics = UploadMetrics(registry)
+        self._runs: dict[tuple[str, str], _Run] = {}
+        self._lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(self.settings.max_running)
+        self._budget = _Budget(self.settings.memory_bytes)
+        self._finished = threading.Condition(self._lock)
+        self._closed = False
+
+    # -- records (as the transform service's) ----------------------------------------------
+
+    def _dir(self, job: str) -> Path:
+        return self.store.root / RECORDS_DIR / check_job(job)
+
+    def _record_path(self, job: str, version: str) -> Path:
+        return self._dir(job) / f"{version}.json"
+
+    def _lock_path(self, job: str, version: str) -> Path:
+        return self._dir(job) / f"{version}.lock"
+
+    def _cancel_path(self, job: str, version: str) -> Path:
+        return self._dir(job) / f"{version}.cancel"
+
+    def _read_record(self, job: str, version: str) -> UploadStatus | None:
+        try:
+            return UploadStatus.from_json(json.loads(self._record_path(job, version).read_text()))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, InvalidInput) as exc:
+            log.warning("upload record %s/%s is unreadable (%s); treating it as absent", job, version, exc)
+            return None
+
+    def _write_record(self, status: UploadStatus) -> None:
+        path = self._record_path(status.job, status.version)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp.write_text(json.dumps(status.to_json()))
+        os.replace(tmp, path)
+
+    def _try_lock(self, job: str, version: str) -> int | None:
+        path = self._lock_path(job, version)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        return fd
+
+    def _lock_soon(self, job: str, version: str) -> int | None:
+        for _ in range(_LOCK_TRIES):
+            fd = self._try_lock(job, version)
+            if fd is not None:
+                return fd
+            time.sleep(0.01)
+        return None
+
+    def _prune(self, job: str) -> None:
+        now = time.time()
+        for path in self._dir(job).glob("*.json"):
+            record = self._read_record(job, path.name[: -len(".json")])
+            if record is not None and record.finished and now - (record.finished_at or now) > RECORD_TTL_S:
+                path.unlink(missing_ok=True)
+                self._lock_path(job, record.version).unlink(missing_ok=True)
+
+    # -- the API ----------------------------------------------------------------------------
+
+    def submit(self, job: str, request: UploadRequest) -> tuple[UploadStatus, bool]:
+        """Start ``request`` (True) or attach to the upload it already is (False)."""
+        check_job(job)
+        version = str(request.version)
+        digest = request.digest
+        with self._lock:
+            if self._closed:
+                raise StoreUnavailable("the store daemon is stopping; submit the upload again once it is back")
+            run = self._runs.get((job, version))
+            if run is not None:
+                return self._same(run.status, digest), False
+            fd = self._lock_soon(job, version)
+            if fd is None:  # another process of this daemon runs it
+                record = self._read_record(job, version)
+                if record is None:
+                    raise Conflict(f"an upload of {version} of job {job!r} is being started; ask again")
+                return self._same(record, digest), False
+            try:
+                record = self._read_record(job, version)
+                if record is not None and record.state == UPLOADED:
+                    os.close(fd)
+                    fd = -1
+                    return self._same(record, digest), False
+                shards = self._local_shards(job, request)  # checked before anything is recorded
+                self._cancel_path(job, version).unlink(missing_ok=True)
+                self._prune(job)
+                status = UploadStatus(
+                    job=job, version=version, uri=request.uri, digest=digest, state=QUEUED, shards_total=len(shards),
+                    bytes_total=sum(s.nbytes for s in shards), submitted_at=time.time(),
+                    options=public_options(request.options) or None,
+                )
+                self._write_record(status)
+            except BaseException:
+                if fd >= 0:
+                    os.close(fd)
+                raise
+            run = _Run(request, status, fd, shards)
+            self._runs[(job, version)] = run
+            self.metrics.active.labels(QUEUED).inc()
+            run.thread = threading.Thread(target=self._execute, args=(run,), daemon=True,
+                                          name=f"tenplex-upload-{job}-{version}")
+            run.thread.start()
+        log.info("upload of %s of job %s to %s submitted: %d shards, %d bytes", version, job, request.uri,
+                 status.shards_total, status.bytes_total)
+        return status, True
+
+    @staticmethod
+    def _same(status: UploadStatus, digest: str) -> UploadStatus:
+        if status.digest != digest:
+            raise Conflict(
+                f"an upload of {status.version} of job {status.job!r} to {status.uri} exists with other shards or "
+                f"another location (digest {status.digest}, this one {digest}, state {status.state})"
+            )
+        return status
+
+    def _local_shards(self, job: str, request: UploadRequest) -> list[ShardInfo]:
+        """The node's records of the requested shards: the version must be committed here and hold each exactly."""
+        manifest = self.store.manifest(job, request.version)
+        if not manifest.committed:
+            raise Conflict(f"version {request.version} of job {job!r} is not committed on this node; only committed "
+                           "versions are uploaded")
+        held = {(s.tensor, s.region): s for s in manifest.shards}
+        missing = [f"{t} {r.format()}" for t, r in request.shards if (t, r) not in held]
+        if missing:
+            raise NotFound(f"version {request.version} of job {job!r} on this node holds no shard exactly "
+                           + ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+        return [held[(t, r)] for t, r in request.shards]
+
+    def status(self, job: str, version: str) -> UploadStatus:
+        version = str(check_version(version))
+        with self._lock:
+            run = self._runs.get((check_job(job), version))
+            if run is not None:
+                return run.status
+        record = self._read_record(job, version)
+        if record is None:
+            raise NotFound(f"no upload of {version} of job {job!r} on this node")
+        if record.finished:
+            return record
+        fd = self._try_lock(job, version)
+        if fd is None:  # its owner (another process of this daemon) runs it
+            return self._read_record(job, version) or record
+        try:
+            record = self._read_record(job, version) or record
+            with self._lock:
+                run = self._runs.get((job, version))
+            if run is not None:
+                return run.status
+            if not record.finished:  # nobody runs it: the daemon that did has died
+                record = replace(record, state=INTERRUPTED, finished_at=record.finished_at or time.time(),
+                                 last_error=record.last_error or "the daemon running this upload stopped before it finished",
+                                 error_code="interrupted", next_attempt_at=None)
+            return record
+        finally:
+            os.close(fd)
+
+    def wait(self, job: str, version: str, timeout: float) -> UploadStatus:
+        """:meth:`status` once the upload has finished or after ``timeout`` seconds (a long poll)."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        while True:
+            current = self.status(job, version)
+            remaining = deadline - time.monotonic()
+            if current.finished or remaining <= 0:
+                return current
+            with self._finished:
+                self._finished.wait(min(remaining, 0.05))
+
+    def list(self, job: str) -> list[UploadStatus]:
+        d = self._dir(job)
+        names = sorted(p.name[: -len(".json")] for p in d.glob("*.json")) if d.is_dir() else []
+        out = []
+        for name in names:
+            with contextlib.suppress(NotFound, InvalidInput):
+                out.append(self.status(job, name))
+        return out
+
+    def cancel(self, job: str, version: str, *, wait_s: float = _CANCEL_WAIT_S) -> UploadStatus:
+        """Cancel a queued or running upload (what it wrote stays uncommitted) and answer its record once it
+        has stopped; a finished upload's record is forgotten (the persistent data is untouched)."""
+        version = str(check_version(version))
+        with self._lock:
+            run = self._runs.get((check_job(job), version))
+        if run is not None:
+            run.cancel.set()
+            if run.thread is not None:
+                run.thread.join(wait_s)
+            return run.status
+        current = self.status(job, version)
+        if current.finished:
+            self._record_path(job, version).unlink(missing_ok=True)
+            self._cancel_path(job, version).unlink(missing_ok=True)
+            return current
+        self._cancel_path(job, version).touch()  # the process running it looks for this file
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            current = self.status(job, version)
+            if current.finished:
+                break
+            time.sleep(0.05)
+        return current
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop every running upload (recorded ``interrupted``: a new submission runs it again)."""
+        with self._lock:
+            self._closed = True
+            runs = list(self._runs.values())
+        for run in runs:
+            run.interrupt = True
+            run.cancel.set()
+        deadline = time.monotonic() + timeout
+        for run in runs:
+            if run.thread is not None:
+                run.thread.join(max(0.0, deadline - time.monotonic()))
+
+    # -- the persistent tier's other requests --------------------------------------------------
+
+    def persistent(self, uri: str, options: dict[str, Any] | None = None) -> PersistentStore:
+        """The persistent store at ``uri`` with this daemon's settings (and its AWS environment)."""
+        return PersistentStore(check_uri(uri), options=check_options(options), chunk_bytes=self.settings.chunk_bytes,
+                               timeout_s=self.settings.request_timeout_s)
+
+    def commit(self, job: str, version: str, request: CommitRequest) -> dict[str, Any]:
+        v = check_version(version)
+        check_job(job)
+        with self.persistent(request.uri, dict(request.options or {})) as store:
+            manifest = store.commit(job, v, expect=request.shards)
+        log.info("version %s of job %s committed at %s (%d shards checked)", v, job, request.uri, len(request.shards))
+        return manifest.to_json()
+
+    # -- running ------------------------------------------------------------------------------
+
+    def _update(self, run: _Run, *, write: bool = True, **changes: Any) -> None:
+        with self._lock:
+            run.status = replace(run.status, **changes)
+        if write:
+            run.written_at = time.monotonic()
+            self._write_record(run.status)
+
+    def _progress(self, run: _Run, nbytes: int, shard_done: bool) -> None:
+        with self._lock:
+            run.status = replace(run.status, bytes_done=run.status.bytes_done + nbytes,
+                                 shards_done=run.status.shards_done + (1 if shard_done else 0))
+        if time.monotonic() - run.written_at >= _RECORD_EVERY_S:
+            run.written_at = time.monotonic()
+            self._write_record(run.status)
+
+    def _check_cancel(self, run: _Run) -> None:
+        if not run.cancel.is_set() and self._cancel_path(run.status.job, run.status.version).exists():
+            run.cancel.set()
+        if run.cancel.is_set():
+            raise _Cancelled
+
+    def _execute(self, run: _Run) -> None:
+        req = run.request
+        job, version = run.status.job, run.status.version
+        try:
+            with self._slots:
+                self._check_cancel(run)
+                self._update(run, state=RUNNING, started_at=time.time())
+                self.metrics.active.labels(QUEUED).dec()
+                self.metrics.active.labels(RUNNING).inc()
+                self._attempts(run)
+            self._update(run, write=False, state=UPLOADED, finished_at=time.time(), next_attempt_at=None)
+        except _Cancelled:
+            if run.interrupt:
+                self._update(run, write=False, state=INTERRUPTED, finished_at=time.time(), error_code="interrupted",
+                             next_attempt_at=None, last_error="the store daemon stopped during the upload; nothing was committed")
+            else:
+                self._update(run, write=False, state=CANCELLED, finished_at=time.time(), next_attempt_at=None)
+        except _Permanent as exc:
+            self._update(run, write=False, state=FAILED, finished_at=time.time(), last_error=exc.error.detail,
+                         error_code=exc.error.code, next_attempt_at=None)
+        except Exception as exc:  # the record must say what happened, whatever it was
+            log.exception("upload of %s of job %s failed unexpectedly", version, job)
+            self._update(run, write=False, state=FAILED, finished_at=time.time(), next_attempt_at=None,
+                         last_error=f"{type(exc).__name__}: {exc}", error_code="internal_error")
+        finally:
+            with self._lock:
+                final = run.status
+                try:
+                    self._write_record(final)
+                except OSError as exc:
+                    log.error("cannot write the record of upload %s/%s: %s", job, version, exc)
+                self._cancel_path(job, version).unlink(missing_ok=True)
+                self._runs.pop((job, version), None)
+                os.close(run.lock_fd)
+                self._finished.notify_all()
+            self.metrics.uploads.labels(final.state).inc()
+            self.metrics.active.labels(RUNNING if final.started_at is not None else QUEUED).dec()
+            if final.state == UPLOADED:
+                self.metrics.seconds.observe(final.seconds)
+                log.info("upload of %s of job %s to %s done: %d bytes in %.2f s (%d attempts)", version, job, req.uri,
+                         final.bytes_done, final.seconds, final.attempts)
+            else:
+                log.warning("upload of %s of job %s to %s %s after %d attempts: %s", version, job, req.uri, final.state,
+                            final.attempts, final.last_error)
+
+    def _attempts(self, run: _Run) -> None:
+        """Attempt after attempt, with exponential backoff, until every shard is uploaded or the retry time is up."""
+        settings = self.settings
+        first_error: float | None = None
+        backoff = settings.backoff_s
+        while True:
+            self._check_cancel(run)
+            if run.status.attempts:
+                self.metrics.retries.inc()
+            self._update(run, attempts=run.status.attempts + 1, next_attempt_at=None)
+            try:
+                self._attempt(run)
+                return
+            except (_Permanent, _Cancelled):
+                raise
+            except TenplexError as exc:
+                error = exc
+            except Exception as exc:  # a backend error the store did not classify: retried like the others
+                error = StoreUnavailable(f"{type(exc).__name__}: {exc}")
+            self.metrics.failures.inc()
+            now = time.time()
+            first_error = first_error if first_error is not None else now
+            if now - first_error + backoff > settings.retry_for_s:
+                raise _Permanent(type(error)(f"{error.detail} (gave up after {run.status.attempts} attempts in "
+                                             f"{now - first_error:.0f} s)"))
+            self._update(run, last_error=error.detail, error_code=error.code, next_attempt_at=now + backoff)
+            log.warning("upload of %s of job %s, attempt %d: %s; retrying in %.1f s", run.status.version,
+                        run.status.job, run.status.attempts, error.detail, backoff)
+            deadline = time.monotonic() + backoff
+            while time.monotonic() < deadline:
+                self._check_cancel(run)
+                run.cancel.wait(min(0.2, max(0.0, deadline - time.monotonic())))
+            backoff = min(backoff * 2, settings.backoff_max_s)
+
+    def _attempt(self, run: _Run) -> None:
+        req = run.request
+        job = run.status.job
+        run.failed.clear()
+        with self.persistent(req.uri, dict(req.options or {})) as dest:
+            committed = self._committed_there(dest, job, run)
+            if committed:
+                return
+            todo = [i for i in range(len(run.shards)) if i not in run.done]
+            if not todo:
+                return
+            errors: list[BaseException] = []
+            with ThreadPoolExecutor(max_workers=min(self.settings.concurrency, len(todo)),
+                                    thread_name_prefix=f"tenplex-upload-{job}") as pool:
+                futures = [pool.submit(self._upload_shard, run, dest, i) for i in todo]
+                for f in futures:  # a shard that fails stops the others at their next piece
+                    f.add_done_callback(lambda f: run.failed.set() if f.exception() is not None else None)
+                for f in futures:
+                    exc = f.exception()
+                    if exc is not None:
+                        errors.append(exc)
+                        run.failed.set()
+            if errors:
+                first = next((e for e in errors if isinstance(e, _Permanent | _Cancelled)), errors[0])
+                raise first
+
+    def _committed_there(self, dest: PersistentStore, job: str, run: _Run) -> bool:
+        """A version already committed at the destination holds our shards (a repeated upload: done) or not
+        (a conflict nothing can resolve by retrying)."""
+        try:
+            manifest = dest.manifest(job, run.request.version)
+        except NotFound:
+            return False
+        if not manifest.committed:
+            return False
+        there = {(s.tensor, s.region): s.checksum for s in manifest.shards}
+        wrong = [f"{s.tensor} {s.region.format()}" for s in run.shards if there.get((s.tensor, s.region)) != s.checksum]
+        if wrong:
+            raise _Permanent(Conflict(f"version {run.request.version} of job {job!r} is already committed at "
+                                      f"{run.request.uri} without these shards as this node holds them: "
+                                      + ", ".join(wrong[:8])))
+        self._update(run, shards_done=len(run.shards), bytes_done=run.status.bytes_total)
+        return True
+
+    def _upload_shard(self, run: _Run, dest: PersistentStore, index: int) -> None:
+        info = run.shards[index]
+        job, v = run.status.job, run.request.version
+        if run.failed.is_set():
+            return
+        self._check_cancel(run)
+        there = dest.shard(job, v, info.tensor, info.region)
+        if there is not None and there.checksum == info.checksum and there.nbytes == info.nbytes:
+            run.done.add(index)  # uploaded by an earlier attempt or submission
+            self.metrics.skipped.inc(info.nbytes)
+            self._progress(run, info.nbytes, True)
+            return
+        writer = dest.open_writer(job, v, info.tensor, info.region, dtype=info.dtype, global_shape=info.global_shape,
+                                  piece_bytes=self.settings.piece_bytes, check=False)
+        st = storage_dtype(info.dtype)
+        largest = max(p.volume for p in writer.pieces) * st.itemsize
+        sent = 0
+        try:
+            with self._budget.take(largest, run.cancel) as ok:
+                if not ok:
+                    raise _Cancelled
+                buf = np.empty(max(1, largest // st.itemsize), st)
+                for i, piece in enumerate(writer.pieces):
+                    self._check_cancel(run)
+                    if run.failed.is_set():
+                        return
+                    view = buf[: piece.volume].reshape(piece.shape)
+                    try:
+                        self.store.read_into(job, v, info.tensor, piece.shift(info.region.start), view, verify=False)
+                    except TenplexError as exc:
+                        raise _Permanent(exc) from exc
+                    writer.write_piece(i, view)
+                    nbytes = piece.volume * st.itemsize
+                    sent += nbytes
+                    self.metrics.bytes.inc(nbytes)
+                    self._progress(run, nbytes, False)
+            try:
+                writer.finish(expected=info.checksum)
+            except TenplexError as exc:
+                if exc.code == "checksum_mismatch":  # the node's copy is damaged: retrying reads it again
+                    raise _Permanent(exc) from exc
+                raise
+        except BaseException:
+            writer.abort()
+            self._progress(run, -sent, False)  # a piece uploaded for a shard not finished counts again next time
+            raise
+        run.done.add(index)
+        self._progress(run, 0, True)
+
+
+def _query_options(request: Request) -> dict[str, Any]:
+    return {k: request.query_params[k] for k in ("endpoint", "region") if request.query_params.get(k)}
+
+
+def upload_router(service: UploadService) -> APIRouter:
+    """The daemon's upload and persistent-tier routes (mounted by the node daemon behind its bearer-token check)."""
+    router = APIRouter()
+
+    @router.post("/v1/jobs/{job}/uploads")
+    async def submit(job: str, request: Request) -> JSONResponse:
+        check_job(job)
+        body = await request.body()
+
+        def parse_and_submit() -> tuple[UploadStatus, bool]:
+            try:
+                obj = json.loads(body)
+            except ValueError as exc:
+                raise InvalidInput(f"the upload request is not JSON: {exc}") from None
+            return service.submit(job, UploadRequest.from_json(obj))
+
+        status, created = await to_thread.run_sync(parse_and_submit)
+        return JSONResponse(status.to_json(), status_code=201 if created else 200)
+
+    @router.get("/v1/jobs/{job}/uploads")
+    async def list_uploads(job: str) -> dict[str, Any]:
+        check_job(job)
+        records = await to_thread.run_sync(service.list, job)
+        return {"job": job, "uploads": [r.to_json() for r in records]}
+
+    @router.get("/v1/jobs/{job}/uploads/{version}")
+    async def get_upload(job: str, version: str, wait: float = 0.0) -> dict[str, Any]:
+        """``?wait=S`` (at most 30): answer once the upload has finished, or after S seconds."""
+        check_job(job)
+        if not 0.0 <= wait <= MAX_WAIT_S:
+            raise InvalidInput(f"wait must be between 0 and {MAX_WAIT_S:g} seconds, got {wait}")
+        status = await to_thread.run_sync(service.wait, job, version, wait)
+        return status.to_json()
+
+    @router.delete("/v1/jobs/{job}/uploads/{version}")
+    async def cancel_upload(job: str, version: str) -> dict[str, Any]:
+        check_job(job)
+        status = await to_thread.run_sync(service.cancel, job, version)
+        return status.to_json()
+
+    @router.post("/v1/jobs/{job}/uploads/{version}/commit")
+    async def commit(job: str, version: str, request: Request) -> dict[str, Any]:
+        check_job(job)
+        check_version(version)
+        body = await request.body()
+
+        def parse_and_commit() -> dict[str, Any]:
+            try:
+                obj = json.loads(body)
+            except ValueError as exc:
+                raise InvalidInput(f"the commit request is not JSON: {exc}") from None
+            return service.commit(job, version, CommitRequest.from_json(obj))
+
+        return await to_thread.run_sync(parse_and_commit)
+
+    @router.get("/v1/jobs/{job}/persistent")
+    async def persistent_versions(job: str, request: Request, uri: str) -> dict[str, Any]:
+        check_job(job)
+
+        def run() -> dict[str, Any]:
+            with service.persistent(uri, _query_options(request)) as store:
+                return {"job": job, "uri": store.url, "versions": [vi.to_json() for vi in store.versions(job)]}
+
+        return await to_thread.run_sync(run)
+
+    @router.get("/v1/jobs/{job}/persistent/{version}")
+    async def persistent_manifest(job: str, version: str, request: Request, uri: str) -> dict[str, Any]:
+        check_job(job)
+        check_version(version)
+
+        def run() -> dict[str, Any]:
+            with service.persistent(uri, _query_options(request)) as store:
+                return store.manifest(job, version).to_json()
+
+        return await to_thread.run_sync(run)
+
+    @router.delete("/v1/jobs/{job}/persistent/{version}")
+    async def persistent_delete(job: str, version: str, request: Request, uri: str) -> dict[str, Any]:
+        check_job(job)
+        v = check_version(version)
+
+        def run() -> dict[str, Any]:
+            with service.persistent(uri, _query_options(request)) as store:
+                store.delete(job, v)
+            log.info("deleted version %s of job %s at %s (retention)", v, job, uri)
+            return {"job": job, "version": str(v), "uri": check_uri(uri), "deleted": True}
+
+        return await to_thread.run_sync(run)
+
+    return router
+
+
+__all__ = ["RECORDS_DIR", "UploadMetrics", "UploadService", "UploadSettings", "upload_router"]

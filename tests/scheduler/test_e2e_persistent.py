@@ -1,0 +1,145 @@
+"""Persistent checkpoints end to end on the local backend: a dp=1 job loses a host and continues from them.
+
+Real processes throughout: the scheduler's REST API, one store daemon per emulated host (``tenplex store
+serve``, with its upload routes), the reference GPT job as gloo worker processes. With dp=1 every region has
+one holder, so when a host dies (its daemon and its workers SIGKILLed from outside, as a crash would) no
+survivor holds its regions: the job can only go on from the persistent tier, which the daemons fill every
+``interval_steps`` (the scheduler never carries a byte of it). It rolls back to the newest persisted version,
+and the steps it loses are exactly those since then.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tenplex.core.version import Version
+from tenplex.scheduler.cli import SchedulerClient
+from tenplex.scheduler.server import LocalScheduler
+from tenplex.store.persistent import PersistentStore
+from tests.moto_s3 import MotoS3
+
+from .test_e2e_local import job, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # a shared 2-core machine can be slow
+
+INTERVAL = 6
+"""Persist every this many steps (snapshots every 3, so every other snapshot)."""
+BUCKET = "tenplex-e2e"
+STEPS = 60
+
+
+def dp1_job(name: str, uri: str, steps: int) -> dict:
+    spec = job(name, gpus=2, steps=steps)
+    spec["policy"] = {"table": {"2": {"dp": 1, "tp": 1, "pp": 2}}}  # one replica, a stage per host: a lost host's regions are gone
+    spec["checkpoint"] = {"uri": uri, "interval_steps": INTERVAL, "keep_last": 2}
+    return spec
+
+
+@pytest.fixture
+def moto(monkeypatch: pytest.MonkeyPatch) -> Iterator[MotoS3]:
+    server = MotoS3().start()
+    server.create_bucket(BUCKET)
+    for k, v in server.env.items():  # the daemons (children of this process) inherit it: the chart's Secret
+        monkeypatch.setenv(k, v)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _kill_host(sched: LocalScheduler, status: dict, host: str) -> None:
+    daemon = next(h["pid"] for h in sched.cluster.describe() if h["name"] == host)
+    for pid in [daemon] + [w["pid"] for w in status["workers"] if w["host"] == host]:
+        os.killpg(pid, signal.SIGKILL)
+
+
+def _reached(status: dict) -> int:
+    return max([status["step"]] + [w["step"] for w in status["workers"] if w.get("step") is not None])
+
+
+@pytest.mark.parametrize("backend", ["file", "s3"])
+def test_a_dp1_job_that_loses_a_host_continues_from_the_persistent_tier(tmp_path: Path, backend: str,
+                                                                       request: pytest.FixtureRequest) -> None:
+    options = None
+    if backend == "s3":
+        options = request.getfixturevalue("moto").options
+        uri = f"s3://{BUCKET}/jobs"
+    else:
+        uri = (tmp_path / "persistent").as_uri()
+    with LocalScheduler(tmp_path / "sched", hosts=3, gpus_per_host=1, heartbeat_interval=0.3) as sched:
+        client = SchedulerClient(sched.url)
+        client.create(dp1_job("solo", uri, steps=STEPS))
+        # a persisted version, and a newer snapshot the nodes hold that is not persisted: the survivor's copy
+        # of it is useless without the victim's half, so the job must go back to the persisted one
+        before = wait_for(client, "solo", lambda s: bool(s.get("persisted")) and s["version"] is not None
+                          and Version.parse(s["version"]).step > Version.parse(s["persisted"][-1]).step,
+                          "training with a persisted version and a newer snapshot", timeout=300)
+        assert sorted(before["hosts"]) == ["host-0", "host-1"]
+        _kill_host(sched, before, "host-1")
+        # The step the job had reached: the survivor is stuck in a collective with the dead host, its last
+        # report is final; follow the status until the scheduler has acted on the failure.
+        reached, seen = _reached(before), [before]
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            now = client.job("solo")["status"]
+            seen.append(now)
+            if now["generation"] != before["generation"]:
+                break
+            reached = max(reached, _reached(now))
+            time.sleep(0.1)
+        st = wait_for(client, "solo", lambda s: s["phase"] == "Succeeded", "recovering from the persistent tier",
+                      timeout=300)
+
+    assert st["step"] == STEPS and "host-1" not in st["hosts"]
+    [failure] = st["history"]
+    assert failure["reason"] == "failure" and "internal error" not in (failure["error"] or ""), failure
+    assert "host-1" not in failure["to_hosts"] and failure["to_gpus"] == 2, failure
+    # It went on from a persisted version (no survivor held host-1's half of any snapshot) ...
+    rolled_to = Version.parse(failure["version_from"])
+    persisted = {v for s in [*seen, st] for v in s["persisted"]}
+    assert failure["version_from"] in persisted and rolled_to.step >= INTERVAL, (failure, persisted, seen[-1])
+    # ... the newest one there when the host died (the housekeeping may have persisted a newer one than
+    # `before` showed, even the snapshot `before` called newest, while the kill was being prepared)
+    assert rolled_to.step >= max(Version.parse(v).step for v in before["persisted"]), (failure, before["persisted"])
+    trail = [(s["generation"], s["phase"], s["step"], s["version"], s["persisted"]) for s in seen]
+    # The steps lost are exactly those since that version: the step reached when the host died, minus its step.
+    assert failure["steps_lost"] == reached - rolled_to.step > 0, (failure, reached, trail)
+    # host-2's part came from the persistent tier, over the network.
+    assert failure["bytes_remote"] > 0, failure
+    # The persistent location holds committed versions only, at most keep_last of them.
+    with PersistentStore(uri, options=options) as p:
+        committed = [v for v in p.versions("solo") if v.committed]
+        assert 1 <= len(committed) <= 2, committed
+
+
+def test_a_region_missing_everywhere_fails_the_job_naming_it(tmp_path: Path) -> None:
+    """No persistent version yet (the interval is longer than the run so far): the lost host's regions are
+    nowhere, and the failure message says which are missing and where the job looked."""
+    uri = (tmp_path / "persistent").as_uri()
+    with LocalScheduler(tmp_path / "sched", hosts=3, gpus_per_host=1, heartbeat_interval=0.3) as sched:
+        client = SchedulerClient(sched.url)
+        spec = dp1_job("lost", uri, steps=200)
+        spec["checkpoint"]["interval_steps"] = 1000
+        client.create(spec)
+        st = wait_for(client, "lost", lambda s: s["phase"] == "Running" and s["version"] is not None and s["step"] >= 4,
+                      "training with a committed snapshot")
+        _kill_host(sched, st, "host-1")
+        deadline_status = None
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            deadline_status = client.job("lost")["status"]
+            if deadline_status["phase"] == "Failed":
+                break
+            time.sleep(0.3)
+    assert deadline_status is not None and deadline_status["phase"] == "Failed", deadline_status
+    message = deadline_status["message"]
+    # where it looked, and what is missing from there: the regions only the dead host held
+    assert uri in message and "(it holds no version yet)" in message, message
+    assert "surviving hosts ['host-0', 'host-2']" in message, message
+    assert "they lack" in message and "(held by host-1)" in message, message
