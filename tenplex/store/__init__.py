@@ -16,15 +16,16 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from tenplex.errors import InvalidInput
-from tenplex.store.base import RegionRead, TensorStore
+from tenplex.store.base import RegionRead, SnapshotBuffers, TensorStore
 from tenplex.store.client import StoreClient
 from tenplex.store.model import Manifest, ShardInfo, VersionInfo
 
 
-def open_store(location: str | Path, token: str | None = None) -> TensorStore:
+def open_store(location: str | Path, token: str | None = None, *, memory_root: str | Path | None = None) -> TensorStore:
     """The store at ``location``: a daemon's ``http(s)://`` URL (a :class:`StoreClient` with ``token``,
     default ``$TENPLEX_TOKEN``), or a store root on this machine, as a path or a ``file://`` URL (a
-    :class:`~tenplex.store.local.LocalStore`; ``token`` is not used).
+    :class:`~tenplex.store.local.LocalStore`; ``token`` is not used). A local root uses the memory tier its
+    daemon recorded there, at ``memory_root`` when given (the tier's directory as this process sees it).
 
     The one place that imports the local store lazily, and why: it loads zarr, which a process that reaches
     its node's store over HTTP (a worker without the store's directory mounted, a control plane) never needs,
@@ -44,7 +45,7 @@ def open_store(location: str | Path, token: str | None = None) -> TensorStore:
         raise InvalidInput("store location is empty: give an http(s):// URL or a directory")
     from tenplex.store.local import LocalStore
 
-    return LocalStore(text)
+    return LocalStore(text, memory_root=memory_root)
 
 
-__all__ = ["Manifest", "RegionRead", "ShardInfo", "StoreClient", "TensorStore", "VersionInfo", "open_store"]
+__all__ = ["Manifest", "RegionRead", "ShardInfo", "SnapshotBuffers", "StoreClient", "TensorStore", "VersionInfo", "open_store"]

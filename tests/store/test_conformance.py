@@ -8,7 +8,10 @@ implementation subclasses it with a fixture that gives the store and its root on
 - :class:`TestLocalStore`: the store on this machine's disk, used in-process;
 - :class:`TestClientOnDaemon`: the HTTP client of a node daemon (store and transform routes) in a thread;
 - :class:`TestClientOnMultiprocessDaemon`: the client of ``tenplex store serve --workers 2``, two processes
-  on one port sharing the root (requests land on either).
+  on one port sharing the root (requests land on either);
+- :class:`TestLocalStoreWithMemoryTier` and :class:`TestClientOnDaemonWithMemoryTier`: the same with a
+  memory tier (versions written, committed and read in a tmpfs directory, spilled to disk in the
+  background by the store's spiller while the tests run); ``root`` is then the memory root.
 
 The daemons live for a whole class (each test uses a job of its own); a damaged shard is made by
 flipping a byte of a chunk file in the root, as a failing disk would.
@@ -270,7 +273,7 @@ class StoreTests:
         with pytest.raises(Conflict, match="immutable"):
             store.link_shard(job, "s1-g0", "w", whole, "s3-g0")
         damage(root, job, "s1-g0", "w", whole)
-        with pytest.raises(ChecksumMismatch, match="damaged on disk"):
+        with pytest.raises(ChecksumMismatch, match="damaged (on disk|in memory)"):
             store.link_shard(job, "s1-g0", "w", whole, "s2-g0")
         assert "s2-g0" not in [str(v.version) for v in store.versions(job)]  # nothing was installed
         store.link_shard(job, "s1-g0", "w", whole, "s2-g0", verify=False)  # the caller's choice
@@ -344,6 +347,21 @@ class TestLocalStore(StoreTests):
             yield s  # type: ignore[misc]
 
 
+MEMORY_BUDGET = 64 << 20  # every test version fits: they are written, linked and damaged in memory
+
+
+class TestLocalStoreWithMemoryTier(StoreTests):
+    @pytest.fixture
+    def root(self, memory_root: Path) -> Path:
+        return memory_root
+
+    @pytest.fixture
+    def store(self, root: Path, tmp_path: Path) -> Iterator[LocalStore]:
+        with LocalStore(tmp_path / "disk", chunk_bytes=CHUNK_BYTES, memory_root=root, memory_bytes=MEMORY_BUDGET,
+                        spill=True, spill_poll_s=0.02) as s:
+            yield s  # type: ignore[misc]
+
+
 @pytest.fixture(scope="module")
 def node_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeDaemon]:
     root = tmp_path_factory.mktemp("daemon")
@@ -391,6 +409,27 @@ class TestClientOnDaemon(StoreTests):
     @pytest.fixture
     def store(self, node_daemon: NodeDaemon) -> Iterator[StoreClient]:
         with StoreClient(node_daemon.url, TOKEN, retries=1, backoff=0.01) as c:
+            yield c
+
+
+@pytest.fixture(scope="module")
+def memory_daemon(tmp_path_factory: pytest.TempPathFactory, module_memory_root: Path) -> Iterator[NodeDaemon]:
+    root = tmp_path_factory.mktemp("memory-daemon")
+    store = LocalStore(root, chunk_bytes=CHUNK_BYTES, memory_root=module_memory_root, memory_bytes=MEMORY_BUDGET,
+                       spill=True, spill_poll_s=0.02)
+    with NodeDaemon(root, token=TOKEN, store=store) as d:
+        yield d
+
+
+class TestClientOnDaemonWithMemoryTier(StoreTests):
+    @pytest.fixture
+    def root(self, memory_daemon: NodeDaemon) -> Path:
+        assert memory_daemon.store.memory is not None
+        return memory_daemon.store.memory.root
+
+    @pytest.fixture
+    def store(self, memory_daemon: NodeDaemon) -> Iterator[StoreClient]:
+        with StoreClient(memory_daemon.url, TOKEN, retries=1, backoff=0.01) as c:
             yield c
 
 
