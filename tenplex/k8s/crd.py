@@ -266,7 +266,9 @@ def _spec_schema() -> dict[str, Any]:
                 "required": ["uri"],
                 "properties": {
                     "uri": _str("Persistent location, e.g. file:///mnt/ckpt/job or a mounted volume path.", minLength=1),
-                    "intervalSteps": _int(1, "Write a persistent checkpoint every this many steps."),
+                    "intervalSteps": _int(1, "Write a persistent checkpoint every this many steps (default: every "
+                                             "snapshot)."),
+                    "keepLast": _int(1, "Persistent checkpoints kept; older ones are deleted (default 2)."),
                 },
             },
         },
@@ -557,6 +559,7 @@ class ElasticJobSpec:
     store_root: str = DEFAULT_STORE_ROOT
     checkpoint_uri: str | None = None
     checkpoint_interval_steps: int | None = None
+    checkpoint_keep_last: int | None = None
     training: TrainingSpec | None = None
     """None when the ElasticJob has no ``spec.training`` (the scheduler then cannot run it)."""
 
@@ -599,6 +602,7 @@ class ElasticJobSpec:
             store_root=spec["storeRoot"],
             checkpoint_uri=checkpoint.get("uri"),
             checkpoint_interval_steps=checkpoint.get("intervalSteps"),
+            checkpoint_keep_last=checkpoint.get("keepLast"),
             training=TrainingSpec(
                 num_samples=training["dataset"]["numSamples"],
                 global_batch_size=training["dataset"]["globalBatchSize"],

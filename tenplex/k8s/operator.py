@@ -51,7 +51,7 @@ from tenplex.scheduler.controller import JobController, SchedulerSettings
 from tenplex.scheduler.layouts import LayoutSpec
 from tenplex.scheduler.policy import Policy
 from tenplex.scheduler.service import Scheduler
-from tenplex.scheduler.state import JobSpec, Phase
+from tenplex.scheduler.state import CheckpointSpec, JobSpec, Phase
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +97,9 @@ def job_spec_from_elasticjob(obj: Mapping[str, Any]) -> JobSpec:
         gpus_per_pod=spec.gpus_per_pod,
         image=spec.image,
         env=env,
+        # Without intervalSteps every snapshot that completes is also persisted.
+        checkpoint=CheckpointSpec(spec.checkpoint_uri, spec.checkpoint_interval_steps or t.snapshot_every,
+                                  spec.checkpoint_keep_last or 2) if spec.checkpoint_uri else None,
     )
 
 

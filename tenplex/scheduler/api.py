@@ -23,11 +23,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tenplex import __version__
 from tenplex.core import protocol as P
 from tenplex.errors import InvalidInput, NotFound, TenplexError, Unauthorized
-from tenplex.ptc import DatasetState
+from tenplex.ptc import DatasetState, ParallelConfig
 from tenplex.scheduler.controller import JobController, job_view
 from tenplex.scheduler.layouts import LayoutSpec
 from tenplex.scheduler.service import Scheduler
-from tenplex.scheduler.state import JobSpec, policy_from_json
+from tenplex.scheduler.state import CheckpointSpec, JobSpec, policy_from_json
 from tenplex.transformer.plan import Plan
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -45,6 +45,14 @@ class LayoutBody(_Body):
     provider: Literal["megatron-gpt", "example-gpt", "example-torchtitan", "example-hf"]
     model: dict[str, Any] = Field(description="The provider's model fields (GPTSpec, GPTConfig, TitanConfig or HFConfig).")
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+
+
+class CheckpointBody(_Body):
+    uri: str = Field(min_length=1, max_length=2048, description=(
+        "Persistent location: s3://bucket/prefix (any S3-compatible store; endpoint and credentials are the store "
+        "daemons') or file:///path (a filesystem mounted on every node)."))
+    interval_steps: int = Field(ge=1, le=1 << 40, description="Copy a committed version there every this many steps.")
+    keep_last: int = Field(2, ge=1, le=1000, description="Persistent versions kept (older ones are deleted).")
 
 
 class DatasetBody(_Body):
@@ -77,6 +85,8 @@ class JobCreate(_Body):
     heartbeat_timeout: float = Field(60.0, gt=0, le=86400)
     max_restarts: int = Field(3, ge=0, le=1_000_000, description=(
         "Failure recoveries allowed in a row without a newer snapshot; the next failure fails the job."))
+    checkpoint: CheckpointBody | None = Field(None, description=(
+        "Persistent checkpoints, the fall-back when no replica of some region survives."))
     standby: bool = Field(False, description=(
         "Keep a warm standby on every usable host: a process with the job's code imported that forks the new "
         "workers of a reconfiguration (local backend)."))
@@ -84,9 +94,19 @@ class JobCreate(_Body):
         default_factory=dict)
 
 
+class ParallelBody(_Body):
+    dp: int = Field(1, ge=1, le=1 << 20)
+    tp: int = Field(1, ge=1, le=1 << 12)
+    pp: int = Field(1, ge=1, le=1 << 12)
+    zero: int = Field(0, ge=0, le=3)
+
+
 class ScaleBody(_Body):
     gpus: int = Field(ge=0, le=1 << 20, description=(
         "The new GPU count; 0 suspends the job (state kept on the node stores), a later count resumes it."))
+    parallel: ParallelBody | None = Field(None, description=(
+        "The configuration to run in (dp x tp x pp = gpus), instead of the policy's choice: also a change of "
+        "layout at the same GPU count."))
 
 
 class EventBody(_Body):
@@ -173,6 +193,7 @@ def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
             heartbeat_timeout=body.heartbeat_timeout,
             max_restarts=body.max_restarts,
             standby=body.standby,
+            checkpoint=CheckpointSpec(**body.checkpoint.model_dump()) if body.checkpoint is not None else None,
             env=body.env,
         )
         ctl = scheduler.create(spec)
@@ -196,7 +217,8 @@ def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
               dependencies=[Auth])
     def scale_job(job: P.JobName, body: ScaleBody) -> dict[str, Any]:
         ctl = scheduler.get(job)
-        ctl.request_scale(body.gpus)
+        parallel = ParallelConfig.from_json(body.parallel.model_dump()) if body.parallel is not None else None
+        ctl.request_scale(body.gpus, parallel)
         return _view(ctl)
 
     @app.post("/v1/jobs/{job}/events", status_code=202, tags=["jobs"], summary="Report an event", dependencies=[Auth])

@@ -60,6 +60,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     scale = jcmds.add_parser("scale", help="change a job's GPU count (0 suspends it, keeping its state)")
     scale.add_argument("name")
     scale.add_argument("--gpus", type=int, required=True)
+    scale.add_argument("--parallel", metavar="dp=D,tp=T,pp=P",
+                       help="run in this configuration (dp*tp*pp = --gpus) instead of the policy's choice")
     scale.set_defaults(func=_scale)
     plan = jcmds.add_parser("plan", help="the current or last reconfiguration plan, explained")
     plan.add_argument("name")
@@ -119,8 +121,11 @@ class SchedulerClient:
     def jobs(self) -> Any:
         return self.request("GET", "/v1/jobs")["jobs"]
 
-    def scale(self, name: str, gpus: int) -> Any:
-        return self.request("POST", f"/v1/jobs/{name}/scale", {"gpus": gpus})
+    def scale(self, name: str, gpus: int, parallel: dict[str, int] | None = None) -> Any:
+        body: dict[str, Any] = {"gpus": gpus}
+        if parallel is not None:
+            body["parallel"] = parallel
+        return self.request("POST", f"/v1/jobs/{name}/scale", body)
 
     def event(self, name: str, kind: str, host: str | None = None, detail: str = "") -> Any:
         return self.request("POST", f"/v1/jobs/{name}/events", {"kind": kind, "host": host, "detail": detail})
@@ -220,8 +225,14 @@ def _get(args: argparse.Namespace) -> int:
 
 
 def _scale(args: argparse.Namespace) -> int:
-    _client(args).scale(args.name, args.gpus)
-    print(f"job {args.name}: asked for {args.gpus} GPUs")
+    parallel = None
+    if args.parallel:
+        try:
+            parallel = {k.strip(): int(v) for k, v in (item.split("=", 1) for item in args.parallel.split(","))}
+        except ValueError:
+            raise InvalidInput(f"--parallel must look like dp=2,tp=2,pp=1, got {args.parallel!r}") from None
+    _client(args).scale(args.name, args.gpus, parallel)
+    print(f"job {args.name}: asked for {args.gpus} GPUs" + (f" in {args.parallel}" if parallel else ""))
     return 0
 
 

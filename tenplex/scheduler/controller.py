@@ -38,12 +38,13 @@ from tenplex.core.protocol import (
     RegisterRequest,
     SnapshotReport,
 )
-from tenplex.errors import Conflict, NotFound
-from tenplex.ptc import PTC
+from tenplex.errors import Conflict, InvalidConfig, NotFound
+from tenplex.ptc import PTC, ParallelConfig
 from tenplex.scheduler.backend import Backend
 from tenplex.scheduler.context import JobContext, SchedulerSettings
 from tenplex.scheduler.decide import Observations, decide_running, decide_stopping
 from tenplex.scheduler.launcher import WorkerLauncher
+from tenplex.scheduler.persist import Housekeeper
 from tenplex.scheduler.reconfigure import STOP_MARGIN_STEPS, Orchestrator
 from tenplex.scheduler.state import JobSpec, JobStatus, Phase, Stage, StateDir, WorkerRecord
 
@@ -59,7 +60,8 @@ class JobController:
                  settings: SchedulerSettings, clients: Callable[[str], Any], metrics: Any = None) -> None:
         self.ctx = JobContext(spec, status, backend, state, settings, clients, metrics)
         self.launcher = WorkerLauncher(self.ctx)
-        self.orchestrator = Orchestrator(self.ctx, self.launcher)
+        self.housekeeper = Housekeeper(self.ctx)
+        self.orchestrator = Orchestrator(self.ctx, self.launcher, self.housekeeper)
         self._wake = threading.Event()
         self._closing = threading.Event()
         self._thread: threading.Thread | None = None
@@ -85,10 +87,12 @@ class JobController:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=f"job-{self.spec.name}", daemon=True)
         self._thread.start()
+        self.housekeeper.start()
 
     def close(self) -> None:
         self._closing.set()
         self._wake.set()
+        self.housekeeper.close()
         if self._thread is not None:
             self._thread.join(timeout=30)
         with self.lock:
@@ -107,11 +111,17 @@ class JobController:
 
     # -- requests from the REST API -----------------------------------------
 
-    def request_scale(self, gpus: int) -> None:
-        """Scale to ``gpus``. 0 suspends the job: the workers stop after a snapshot and give their GPUs back, the
-        state stays on the node stores, and a later scale to N resumes from it on N GPUs."""
+    def request_scale(self, gpus: int, parallel: ParallelConfig | None = None) -> None:
+        """Scale to ``gpus``, in ``parallel`` when given (else the policy's choice; the same GPU count in another
+        configuration is a change of layout). 0 suspends the job: the workers stop after a snapshot and give their
+        GPUs back, the state stays on the node stores, and a later scale to N resumes from it on N GPUs."""
         if gpus != 0 or isinstance(gpus, bool):
             self.spec.check_gpus(gpus)
+        if parallel is not None:
+            if gpus == 0:
+                raise InvalidConfig("a suspend (0 GPUs) takes no parallel configuration")
+            if parallel.world_size != gpus:
+                raise InvalidConfig(f"{parallel.describe()} is {parallel.world_size} GPUs, the request asks for {gpus}")
         with self.lock:
             st = self.status
             if st.phase in (Phase.FAILED, Phase.SUCCEEDED):
@@ -120,6 +130,7 @@ class JobController:
                 st.requested_gpus = st.pending_reason = None  # already there (withdraws a resume not begun)
             else:
                 st.requested_gpus = gpus
+                st.requested_parallel = parallel.to_json() if parallel is not None else None
                 st.pending_reason = "scale"
             self.ctx.save()
         self._wake.set()
@@ -176,6 +187,7 @@ class JobController:
                 if set(hosts) >= set(self.ctx.ptc(req.generation).hosts):
                     st.version = req.version
                     st.failures_without_progress = 0  # training got past its restart point
+                    self.housekeeper.committed(req.version)
                 self.ctx.touch()
 
     def peer_failure(self, worker_id: str, req: PeerFailureReport) -> None:

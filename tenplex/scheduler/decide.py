@@ -130,12 +130,18 @@ def decide_running(spec: JobSpec, status: JobStatus, obs: Observations, *, start
         dropped = f"{pending} request dropped: none of {status.hosts} is unschedulable now"
         pending, changed = None, True
     begin = clear = False
-    if pending == "scale" and status.requested_gpus == status.gpus:
+    if pending == "scale" and status.requested_gpus == status.gpus and (
+            status.requested_parallel is None or _same_config(status.requested_parallel, status.parallel)):
         pending, changed, clear = None, True, True  # already there
     elif pending is not None and not any(w.step is None for w in status.workers):
         begin = True
     return RunningOutcome(training_resumed=resumed, pending=pending if changed else _KEEP, dropped=dropped,
                           clear_request=clear, begin_planned=begin)
+
+
+def _same_config(a: Mapping[str, object] | None, b: Mapping[str, object] | None) -> bool:
+    keys = ("dp", "tp", "pp", "zero")
+    return a is not None and b is not None and all(a.get(k, 0) == b.get(k, 0) for k in keys)
 
 
 # -- stopping for a planned change ------------------------------------------------------------------------------
@@ -212,21 +218,27 @@ class Recovery:
     version: str
     holders: tuple[str, ...]
     steps_lost: int
+    persistent: bool = False
+    """Some regions come from the persistent tier (no survivor holds them)."""
 
 
 def choose_recovery(status: JobStatus, holders: Mapping[str, Sequence[str]],
-                    ptc_of: Callable[[int], PTC | None]) -> Recovery | None:
-    """The newest version whose every shard some surviving host holds (``holders``: host -> committed
-    versions, the survivors only), with the steps lost since; None when there is none."""
+                    ptc_of: Callable[[int], PTC | None], persisted: Sequence[str] = ()) -> Recovery | None:
+    """The newest version the survivors cover (``holders``: host -> committed versions, the survivors
+    only) or, with them, the persistent tier (``persisted``: versions committed there, each whole), with the
+    steps lost since; None when there is none."""
     reached = steps_reached(status)
-    candidates = sorted({v for vs in holders.values() for v in vs}, key=Version.parse, reverse=True)
+    candidates = sorted({v for vs in holders.values() for v in vs} | set(persisted), key=Version.parse, reverse=True)
     for version in candidates:
         ptc = ptc_of(status.version_generation.get(version, Version.parse(version).generation))
         if ptc is None:
             continue
         have = {h for h, vs in holders.items() if version in vs}
+        lost = max(0, reached - Version.parse(version).step)
         if covers(ptc, have):
-            return Recovery(version, tuple(sorted(have)), max(0, reached - Version.parse(version).step))
+            return Recovery(version, tuple(sorted(have)), lost)
+        if version in persisted:
+            return Recovery(version, tuple(sorted(have)), lost, persistent=True)
     return None
 
 

@@ -58,7 +58,7 @@ class WorkerLauncher:
         st.hosts = list(placement.hosts)
         st.gpus_per_node = placement.gpus_per_node
         st.stop_at_step = None
-        st.target_gpus = None
+        st.target_gpus = st.target_parallel = None
         ctx.exit_reports = {}
         ctx.peer_failure = None
         master = ctx.backend.host(placement.hosts[0])

@@ -42,6 +42,7 @@ from tenplex.scheduler.backend import HostInfo
 from tenplex.scheduler.context import JobContext
 from tenplex.scheduler.decide import choose_recovery, find_stop_version, steps_reached
 from tenplex.scheduler.launcher import WorkerLauncher
+from tenplex.scheduler.persist import Housekeeper
 from tenplex.scheduler.state import Phase, Reconfiguration, Stage, phase_split
 from tenplex.transformer.plan import Plan, make_plan
 from tenplex.transformer.remote import COMMITTED, INTERRUPTED, PlanRun, TransformStatus
@@ -62,9 +63,10 @@ class Orchestrator:
     """One job's reconfigurations (see the module doc); every method runs with the job's lock held,
     except :meth:`transfer`, which takes it only to read and change the record."""
 
-    def __init__(self, ctx: JobContext, launcher: WorkerLauncher) -> None:
+    def __init__(self, ctx: JobContext, launcher: WorkerLauncher, housekeeper: Housekeeper | None = None) -> None:
         self.ctx = ctx
         self.launcher = launcher
+        self.housekeeper = housekeeper
 
     # -- placement --------------------------------------------------------------------------------------
 
@@ -82,6 +84,11 @@ class Orchestrator:
     def decide(self, gpus: int, prefer: list[str], dataset_consumed: int,
                reachable: set[str] | None = None) -> policy_mod.Decision:
         spec = self.ctx.spec
+        st = self.ctx.status
+        policy = spec.policy
+        if st.target_parallel is not None and ParallelConfig.from_json(st.target_parallel).world_size == gpus:
+            # the change asks for a configuration: it is this job's policy for this change
+            policy = policy_mod.Policy(table={gpus: ParallelConfig.from_json(st.target_parallel)})
         g = spec.gpus_per_pod
         if gpus % g:
             raise InvalidConfig(f"{gpus} GPUs is not a multiple of gpus_per_pod {g}")
@@ -97,7 +104,7 @@ class Orchestrator:
         def build(cfg: ParallelConfig, placement: Placement) -> PTC:
             return spec.layout.build(cfg, placement, dataset)
 
-        return policy_mod.choose(gpus, spec.policy, build, [h.name for h in order], gpus_per_node)
+        return policy_mod.choose(gpus, policy, build, [h.name for h in order], gpus_per_node)
 
     def decide_feasible(self, gpus: int, prefer: list[str], consumed: int,
                         reachable: set[str] | None = None) -> policy_mod.Decision:
@@ -171,8 +178,9 @@ class Orchestrator:
         newest = max([w.step for w in st.workers if w.step is not None] + [st.step])
         st.stop_at_step = newest + STOP_MARGIN_STEPS
         st.target_gpus = st.requested_gpus if st.requested_gpus is not None else st.gpus
+        st.target_parallel = st.requested_parallel
         reason = "suspend" if st.target_gpus == 0 else st.pending_reason or "scale"
-        st.pending_reason = st.requested_gpus = None
+        st.pending_reason = st.requested_gpus = st.requested_parallel = None
         st.history.append(Reconfiguration(reason=reason, started_at=time.time(), from_config=ctx.config_text(),
                                           from_gpus=st.gpus, from_hosts=list(st.hosts)))
         ctx.mark("requested")
@@ -214,10 +222,13 @@ class Orchestrator:
             return
         new_gen = ctx.next_generation()
         new_version = Version(version.step, new_gen)
+        # Regions no survivor holds come from the persistent checkpoint, when it has this version.
+        checkpoint = ctx.spec.checkpoint.uri if ctx.spec.checkpoint is not None and str(version) in st.persisted else None
         try:
             plan = make_plan(
                 old_ptc, decision.ptc, job=ctx.name, old_version=version, new_version=new_version,
                 holders={h: version for h, vs in holders.items() if str(version) in vs}, alive=list(holders),
+                checkpoint=checkpoint,
             )
         except StateLost as exc:
             self.fail(f"state lost: {exc.detail}")
@@ -311,6 +322,8 @@ class Orchestrator:
             st.version = new_version
             st.restore_version = new_version
             ctx.mark("transferred")
+            if self.housekeeper is not None:
+                self.housekeeper.committed(new_version)
             if st.workers and all(w.generation == plan.new_version.generation for w in st.workers):
                 ctx.enter(Phase.RUNNING, None, f"running in {ctx.config_text()} from {new_version} (its workers "
                                                "started during the transfer)")
@@ -377,7 +390,7 @@ class Orchestrator:
             if ctx.metrics is not None:
                 ctx.metrics.reconfigurations.labels(ctx.name, rec.reason).inc()
         st.workers, st.hosts, st.gpus = [], [], 0
-        st.target_gpus = st.stop_at_step = st.downtime_started_at = st.restored_step = None
+        st.target_gpus = st.target_parallel = st.stop_at_step = st.downtime_started_at = st.restored_step = None
         st.restore_version = version
         if version is None:
             ctx.enter(Phase.SUSPENDED, None, "suspended before its first snapshot: a scale up starts it at step 0")
@@ -446,10 +459,13 @@ class Orchestrator:
             except NotFound:
                 return None
 
-        recovery = choose_recovery(st, holders, ptc_of)
+        recovery = choose_recovery(st, holders, ptc_of, st.persisted)
         if recovery is not None:
             st.version = recovery.version
             rec.steps_lost = recovery.steps_lost
+            if recovery.persistent:
+                reason = f"{reason}; the survivors do not hold every region of {recovery.version}: the rest comes " \
+                         f"from the persistent checkpoint"
             if suspending:  # the state is held: suspended from there, nothing to restart
                 self.suspend()
                 return
@@ -465,7 +481,10 @@ class Orchestrator:
             else:
                 self.restart_from_beginning(reason, steps_reached(st))
             return
-        self.fail(f"{reason}; no version of the state is fully held by the surviving hosts {sorted(holders)}")
+        self.fail(f"{reason}; no version of the state is fully held by the surviving hosts {sorted(holders)}"
+                  + (f" or the persistent checkpoint {ctx.spec.checkpoint.uri} (it holds "
+                     f"{', '.join(st.persisted) or 'no version yet'})" if ctx.spec.checkpoint is not None
+                     else " and the job has no persistent checkpoint"))
 
     def restart_from_beginning(self, reason: str, reached: int) -> None:
         """A failure before any version was committed everywhere: nothing to recover, so start again at step 0.

@@ -37,6 +37,10 @@ class SchedulerMetrics:
             "tenplex_reconfiguration_phase_seconds", "Seconds of each phase of a reconfiguration's downtime",
             ["job", "phase"], buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300), registry=self.registry,
         )
+        self.persist = Counter(
+            "tenplex_persist_attempts", "Copies of versions to persistent checkpoints, by outcome", ["job", "outcome"],
+            registry=self.registry,
+        )
         self.bytes_moved = Counter(
             "tenplex_transform_bytes", "State bytes moved by reconfigurations", ["job", "kind"], registry=self.registry
         )

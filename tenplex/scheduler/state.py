@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from tenplex.core.protocol import JOB_NAME_PATTERN
 from tenplex.errors import InvalidConfig, NotFound
@@ -58,6 +59,51 @@ def check_job_name(name: str) -> str:
     return name
 
 
+CHECKPOINT_URI_SCHEMES = ("s3", "file")
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    """Where and how often a job's state is copied beyond its nodes."""
+
+    uri: str
+    """``s3://bucket/prefix`` (any S3-compatible store; endpoint and credentials are the daemons') or
+    ``file:///path`` (a shared filesystem or volume mounted on every node)."""
+    interval_steps: int
+    keep_last: int = 2
+
+    def __post_init__(self) -> None:
+        parts = urlsplit(self.uri)
+        if parts.scheme not in CHECKPOINT_URI_SCHEMES or not (parts.netloc or parts.path.strip("/")):
+            raise InvalidConfig(f"checkpoint uri must look like s3://bucket/prefix or file:///path, got {self.uri!r}")
+        if parts.scheme == "s3" and not parts.netloc:
+            raise InvalidConfig(f"checkpoint uri {self.uri!r} names no bucket")
+        if parts.query or parts.fragment or "@" in parts.netloc:
+            raise InvalidConfig(f"checkpoint uri {self.uri!r}: no credentials, query or fragment in it (the store "
+                                "daemons hold the credentials)")
+        for name in ("interval_steps", "keep_last"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise InvalidConfig(f"checkpoint {name} must be an integer >= 1, got {v!r}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"uri": self.uri, "interval_steps": self.interval_steps, "keep_last": self.keep_last}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any] | None) -> CheckpointSpec | None:
+        if obj is None:
+            return None
+        if not isinstance(obj, Mapping):
+            raise InvalidConfig(f"checkpoint must be an object, got {type(obj).__name__}")
+        unknown = sorted(set(obj) - {"uri", "interval_steps", "keep_last"})
+        if unknown:
+            raise InvalidConfig(f"unknown checkpoint fields: {', '.join(unknown)}")
+        if "uri" not in obj or "interval_steps" not in obj:
+            raise InvalidConfig("checkpoint needs uri and interval_steps")
+        return cls(uri=obj["uri"], interval_steps=obj["interval_steps"], keep_last=obj.get("keep_last", 2))
+
+
+
 @dataclass(frozen=True)
 class JobSpec:
     """What the user asked for; never changes after creation except ``gpus``."""
@@ -80,6 +126,8 @@ class JobSpec:
     the ranks placed on each host are multiples of it."""
     image: str | None = None
     env: Mapping[str, str] = field(default_factory=dict)
+    checkpoint: CheckpointSpec | None = None
+    """Persistent checkpoints: the fall-back when no replica of some region survives (:mod:`tenplex.scheduler.persist`)."""
     standby: bool = False
     """Keep a warm standby on every usable host (:mod:`tenplex.standby`): one process with the job's code
     imported that forks a reconfiguration's new workers, so they start without the interpreter's and the
@@ -130,6 +178,7 @@ class JobSpec:
             "image": self.image,
             "env": dict(self.env),
             "standby": self.standby,
+            "checkpoint": self.checkpoint.to_json() if self.checkpoint is not None else None,
         }
 
     @classmethod
@@ -151,6 +200,7 @@ class JobSpec:
             image=obj.get("image"),
             env=dict(obj.get("env", {})),
             standby=bool(obj.get("standby", False)),
+            checkpoint=CheckpointSpec.from_json(obj.get("checkpoint")),
         )
 
 
@@ -307,10 +357,14 @@ class JobStatus:
     """Version -> hosts whose store committed it."""
     version_generation: dict[str, int] = field(default_factory=dict)
     requested_gpus: int | None = None
+    requested_parallel: dict[str, Any] | None = None
+    """The configuration the newest scale request asks for (None: the policy chooses)."""
     """The newest scale request not yet acted on."""
     pending_reason: str | None = None
     """Why a planned reconfiguration is wanted (scale, redeploy), until one begins."""
     target_gpus: int | None = None
+    target_parallel: dict[str, Any] | None = None
+    """The configuration the reconfiguration in progress aims for, when a request named one."""
     """The GPU count the reconfiguration in progress aims for."""
     master_addr: str | None = None
     master_port: int | None = None
@@ -324,6 +378,11 @@ class JobStatus:
     workers: list[WorkerRecord] = field(default_factory=list)
     history: list[Reconfiguration] = field(default_factory=list)
     message: str = ""
+    persisted: list[str] = field(default_factory=list)
+    """Versions committed in the job's persistent location (its checkpoint), oldest first."""
+    persist: dict[str, Any] | None = None
+    """The latest copy to the persistent location: version, state (uploading, retrying, committed), attempts,
+    error, bytes uploaded, times."""
     standby_ready: int = 0
     """Warm standbys (the spec's ``standby``) whose imports are done, ready for the next change."""
     standby_wanted: int = 0

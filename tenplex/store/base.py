@@ -73,8 +73,10 @@ class SnapshotBuffers(ABC):
         """A writable, page-aligned ``uint8`` array of ``nbytes`` for the shard ``region`` of ``tensor``."""
 
     @abstractmethod
-    def store(self, version: Version | str, tensor: str, region: Region, dtype: str, global_shape: Sequence[int]) -> ShardInfo:
-        """Put the shard's acquired buffer into ``version`` (uncommitted) of the job as the shard ``region``."""
+    def store(self, version: Version | str, tensor: str, region: Region, dtype: str, global_shape: Sequence[int], *,
+              crc: int | None = None) -> ShardInfo:
+        """Put the shard's acquired buffer into ``version`` (uncommitted) of the job as the shard ``region``;
+        ``crc``: the buffer's crc32c when the caller computed it already (else it is computed here)."""
 
     def prepare(self) -> int:
         """Get buffers ready for the next snapshot (in a background thread, after :meth:`store`); how many were made."""

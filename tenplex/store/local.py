@@ -1076,10 +1076,11 @@ class LocalStore(TensorStore):
         return slots
 
     def adopt_slot(self, job: str, version: Version | str, tensor: str, region: Region, dtype: str,
-                   global_shape: Sequence[int], path: Path, data: np.ndarray) -> ShardInfo:
+                   global_shape: Sequence[int], path: Path, data: np.ndarray, *, crc: int | None = None) -> ShardInfo:
         """Store a snapshot buffer (:class:`~tenplex.store.tiers.MemorySlots`: the memory file ``path``, mapped
         as ``data``) as the shard ``region`` of ``tensor``: hard-linked as the shard's one chunk file when the
-        version is in memory, else written from ``data`` like any shard."""
+        version is in memory, else written from ``data`` like any shard. ``crc``: the buffer's crc32c when the
+        writer computed it already (the snapshot does, to find unchanged shards); else computed here."""
         v = check_version(version)
         check_tensor(tensor)
         check_dtype(dtype)
@@ -1090,7 +1091,8 @@ class LocalStore(TensorStore):
         arr = data[:nbytes].view(st).reshape(region.shape)
         if region.empty or not region.shape or sys.byteorder != "little" or not self._place_for_slot(job, v, tensor, dtype, gshape, nbytes):
             return self.write_shard(job, v, tensor, region, arr, dtype=dtype, global_shape=gshape)
-        crc = crc_of(arr)
+        if crc is None:
+            crc = crc_of(arr)
         info = ShardInfo(tensor, region, dtype, gshape, format_checksum(crc), nbytes)
         layout = ChunkLayout(region.shape, region.shape, st)
         staging = self._mstaging(job) / f"shard-{uuid.uuid4().hex}"

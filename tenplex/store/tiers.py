@@ -487,14 +487,14 @@ class MemorySlots(SnapshotBuffers):
         slots.append(slot)
         return slot
 
-    def store(self, version: Any, tensor: str, region: Any, dtype: str, global_shape: Any) -> Any:
+    def store(self, version: Any, tensor: str, region: Any, dtype: str, global_shape: Any, *, crc: int | None = None) -> Any:
         """Put the shard's acquired buffer into ``version`` (uncommitted) of this writer's job; its ShardInfo."""
         key = self._key(tensor, region, dtype)
         with self._lock:
             slot = self._lent.pop(key, None)
         if slot is None:
             raise InvalidInput(f"no buffer was acquired for {tensor!r} {region.format()}")
-        return self._store.adopt_slot(self.job, version, tensor, region, dtype, global_shape, slot.path, slot.array)
+        return self._store.adopt_slot(self.job, version, tensor, region, dtype, global_shape, slot.path, slot.array, crc=crc)
 
     def prepare(self) -> int:
         """Make sure every shard has a free buffer for the next snapshot, making and faulting in new ones

@@ -28,6 +28,13 @@ last rank to finish always sees everything (its manifest read happens after
 all writes have returned), so a host's version is always committed once
 complete.
 
+Unchanged shards are not written again: a shard whose bytes have the same
+crc32c as what this rank wrote for it in its previous snapshot (frozen
+parameters, non-trainable buffers, a stop right after a periodic snapshot)
+is hard-linked from that version into the new one by the store (which checks
+the old files against their recorded checksums first); only if that fails is
+it written. Linking costs a checksum of the copy, far less than a write.
+
 Besides the PTC's tensors, each rank writes one small ``extra/rank<r>/state``
 record (see :mod:`tenplex.worker.trainer_state`): RNG states, LR scheduler,
 optimizer hyper-parameters, step, dataset position and user extras.
@@ -53,6 +60,8 @@ from tenplex.core.version import Version
 from tenplex.errors import InvalidConfig, NotFound, TenplexError
 from tenplex.ptc import PTC, DatasetState, Region, TensorKind
 from tenplex.store import SnapshotBuffers, TensorStore
+from tenplex.store.buffers import crc_of
+from tenplex.store.model import format_checksum
 from tenplex.worker import trainer_state
 from tenplex.worker.state import check_layout, live_pieces
 
@@ -84,6 +93,9 @@ class SnapshotResult:
     """Whether this rank found its host's copy complete and committed it."""
     consumed_samples: int | None = None
     """The dataset position stored with the version, when the snapshot was given one."""
+    shards_linked: int = 0
+    """Shards unchanged since this rank's previous snapshot, linked from it instead of written."""
+    bytes_linked: int = 0
     readable_seconds: float | None = None
     """From the snapshot call (the step's end) to this rank's commit, when it committed: the time until
     peers can read the version on this host."""
@@ -144,6 +156,8 @@ class Snapshotter:
         self._use_store_buffers = store_buffers
         self._store_buffers: SnapshotBuffers | None = None
         self._store_buffers_asked = False
+        self._written: dict[tuple[str, Region], tuple[Version, str]] = {}
+        """(tensor, region) -> the version this rank last stored it in and its recorded checksum."""
 
     # -- public -------------------------------------------------------------------
 
@@ -280,7 +294,7 @@ class Snapshotter:
         _lower_priority(self._writer_nice)
         try:
             nbytes = sum(c.data.numel() * c.data.element_size() for c in copies)
-            self._write_all(version, copies)
+            linked, linked_bytes = self._write_all(version, copies)
             rec = torch.frombuffer(bytearray(record), dtype=torch.uint8)
             self.store.write_shard(
                 self.job,
@@ -295,18 +309,20 @@ class Snapshotter:
             committed = self._commit_if_complete(version)
             readable = time.perf_counter() - started if committed else None
             self._result = SnapshotResult(
-                version, self.host, len(copies) + 1, nbytes, copy_s, time.perf_counter() - t0, committed, consumed, readable
+                version, self.host, len(copies) + 1, nbytes, copy_s, time.perf_counter() - t0, committed, consumed,
+                linked, linked_bytes, readable,
             )
             if self._store_buffers is not None:  # buffers for the next snapshot, made now rather than in its copy-out
                 self._store_buffers.prepare()
             log.info(
-                "rank %d wrote %s: %d shards, %.1f MB in %.2fs (copy %.3fs)%s",
+                "rank %d wrote %s: %d shards, %.1f MB in %.2fs (copy %.3fs)%s%s",
                 self.rank,
                 version,
                 len(copies) + 1,
                 nbytes / 1e6,
                 self._result.write_seconds,
                 copy_s,
+                f"; {linked} unchanged ones ({linked_bytes / 1e6:.1f} MB) linked" if linked else "",
                 f"; committed {self.host}" if committed else "",
             )
             if self._on_done is not None:
@@ -315,22 +331,46 @@ class Snapshotter:
             log.error("rank %d: snapshot %s failed: %s", self.rank, version, exc)
             self._error = exc
 
-    def _write_all(self, version: Version, copies: list[_Copy]) -> None:
-        """Upload the copies, a few at a time: a store spends most of a small shard's time waiting
-        (file creation, fsync, a round trip), which concurrent writes overlap. Largest first."""
+    def _write_all(self, version: Version, copies: list[_Copy]) -> tuple[int, int]:
+        """Store the copies, a few at a time: a store spends most of a small shard's time waiting
+        (file creation, fsync, a round trip), which concurrent writes overlap. Largest first. An unchanged
+        shard is linked from the previous snapshot instead (see the module doc); (shards, bytes) linked."""
+        linked = [0, 0]
+        lock = threading.Lock()
 
         def write(c: _Copy) -> None:
-            if c.in_store:
+            key = (c.name, c.region)
+            previous = self._written.get(key)
+            crc = None
+            if previous is not None:
+                prev_version, prev_checksum = previous
+                crc = crc_of(c.data.contiguous().view(-1).view(torch.uint8).numpy())
+                if format_checksum(crc) == prev_checksum:
+                    try:
+                        info = self.store.link_shard(self.job, prev_version, c.name, c.region, version)
+                    except TenplexError as exc:  # not committed, collected, damaged: write it after all
+                        log.debug("rank %d: %s %s not linked from %s (%s); writing it", self.rank, c.name, c.region,
+                                  prev_version, exc.detail)
+                    else:
+                        with lock:
+                            self._written[key] = (version, info.checksum)
+                            linked[0] += 1
+                            linked[1] += c.data.numel() * c.data.element_size()
+                        return
+            if c.in_store:  # the copy is in the store's memory file already: linked into the version
                 assert self._store_buffers is not None
-                self._store_buffers.store(version, c.name, c.region, c.dtype, c.global_shape)
-                return
-            self.store.write_shard(self.job, version, c.name, c.region, c.data, dtype=c.dtype, global_shape=c.global_shape)
+                info = self._store_buffers.store(version, c.name, c.region, c.dtype, c.global_shape, crc=crc)
+            else:
+                info = self.store.write_shard(self.job, version, c.name, c.region, c.data, dtype=c.dtype,
+                                              global_shape=c.global_shape)
+            with lock:
+                self._written[key] = (version, info.checksum)
 
         ordered = sorted(copies, key=lambda c: c.data.numel() * c.data.element_size(), reverse=True)
         if self._write_concurrency == 1 or len(ordered) < 2:
             for c in ordered:
                 write(c)
-            return
+            return linked[0], linked[1]
         with ThreadPoolExecutor(
             max_workers=self._write_concurrency,
             thread_name_prefix=f"tenplex-snapshot-{version}",
@@ -344,6 +384,7 @@ class Snapshotter:
                 for f in futures:
                     f.cancel()
                 raise failed[0].exception()  # type: ignore[misc]
+        return linked[0], linked[1]
 
     def _commit_if_complete(self, version: Version) -> bool:
         try:

@@ -62,7 +62,8 @@ def test_dp2_tp2_pp2_dp2tp2_and_back(stores: dict[str, StoreServer], tmp_path: P
 
 
 def test_scaled_and_failed_under_the_local_scheduler(tmp_path: Path) -> None:
-    """dp2 on 2 GPUs -> dp2·tp2 on 4 (scale) -> a worker SIGKILLed (recovery) -> dp2 on 2 again (scale)."""
+    """dp2 on 2 GPUs -> dp2·tp2 on 4 (scale) -> a worker SIGKILLed (recovery) -> dp2 on 2 again (scale) -> tp2 on
+    the same 2 GPUs (a change of layout asked for by the scale request)."""
     results = tmp_path / "results"
     spec = {
         "name": "titan",
@@ -71,7 +72,7 @@ def test_scaled_and_failed_under_the_local_scheduler(tmp_path: Path) -> None:
         "command": [sys.executable, "-m", MODULE, *JOB_ARGS, "--results-dir", str(results)],
         "gpus": 2,
         "max_gpus": 4,
-        "steps": 14,
+        "steps": 18,
         "snapshot_every": 2,
         "heartbeat_timeout": 120,
         "policy": {"table": {"2": {"dp": 2, "zero": 3}, "4": {"dp": 2, "tp": 2, "zero": 3}}},
@@ -90,9 +91,17 @@ def test_scaled_and_failed_under_the_local_scheduler(tmp_path: Path) -> None:
         sched.scheduler.backend.kill_worker("titan", victim, signal.SIGKILL)
         wait_for(client, "titan", lambda s: s["generation"] >= 2 and s["phase"] == "Running", "recovering", 300)
         client.scale("titan", 2)
-        st = wait_for(client, "titan", lambda s: s["phase"] == "Succeeded", "back on 2 GPUs and finishing", 300)
-    assert st["step"] == 14
-    up, failure, down = st["history"]
+        st = wait_for(client, "titan", lambda s: s["generation"] >= 3 and s["phase"] == "Running"
+                      and s["history"][-1]["downtime_seconds"] is not None, "back on 2 GPUs", 300)
+        back_at = st["step"]
+        wait_for(client, "titan", lambda s: s["step"] >= back_at + 2, "training two steps in dp2 again", 300)
+        client.scale("titan", 2, {"dp": 1, "tp": 2, "pp": 1})
+        st = wait_for(client, "titan", lambda s: s["phase"] == "Succeeded", "in tp2 on the same GPUs and finishing",
+                      300)
+    assert st["step"] == 18
+    up, failure, down, layout = st["history"]
+    assert (layout["reason"], layout["from_config"], layout["to_config"], layout["steps_lost"]) == (
+        "scale", "dp2 x tp1 x pp1, zero3", "dp1 x tp2 x pp1", 0), layout
     assert (up["reason"], up["from_gpus"], up["to_gpus"], up["steps_lost"]) == ("scale", 2, 4, 0), up
     assert failure["reason"] == "failure" and failure["to_gpus"] == 4, failure
     assert (down["reason"], down["from_gpus"], down["to_gpus"], down["steps_lost"]) == ("scale", 4, 2, 0), down
@@ -100,7 +109,7 @@ def test_scaled_and_failed_under_the_local_scheduler(tmp_path: Path) -> None:
     # Every generation's files: g<gen>-r<rank>.json (rewritten after every step, so the SIGKILLed rank's too)
     # and its state dumps g<gen>-r<rank>.json.s<step>.pt, written at each snapshot.
     layouts = {0: ParallelConfig(dp=2, zero=3), 1: ParallelConfig(dp=2, tp=2, zero=3),
-               2: ParallelConfig(dp=2, tp=2, zero=3), 3: ParallelConfig(dp=2, zero=3)}
+               2: ParallelConfig(dp=2, tp=2, zero=3), 3: ParallelConfig(dp=2, zero=3), 4: ParallelConfig(tp=2)}
     assert sorted({int(f.name.split("-")[0][1:]) for f in results.glob("g*-r*.json")}) == sorted(layouts)
 
     def ranks(g: int) -> list[dict]:
@@ -110,7 +119,7 @@ def test_scaled_and_failed_under_the_local_scheduler(tmp_path: Path) -> None:
             out.append({**(json.loads(f.read_text()) if f.exists() else {"samples": {}}), "path": str(f)})
         return out
 
-    for g in (1, 2, 3):  # each restart restored exactly what an earlier generation snapshotted
+    for g in (1, 2, 3, 4):  # each restart restored exactly what an earlier generation snapshotted
         res = ranks(g)
         k = res[0]["restored_step"]
         writer = max(w for w in layouts if w < g and all(
@@ -136,8 +145,8 @@ def test_scaled_and_failed_under_the_local_scheduler(tmp_path: Path) -> None:
                 assert rerun[-1]["rel_diff"] <= 1e-3, rerun[-1]
             final[int(s)] = ids
             losses[int(s)] = loss
-    order = DATASET.samples(0, 14 * DATASET.global_batch_size).tolist()
-    assert sorted(final) == list(range(1, 15))
+    order = DATASET.samples(0, 18 * DATASET.global_batch_size).tolist()
+    assert sorted(final) == list(range(1, 19))
     assert sum((final[s] for s in sorted(final)), []) == order
     summary = [{k: rec[k] for k in ("reason", "from_config", "to_config", "downtime_seconds", "bytes_local",
                                      "bytes_remote", "lower_bound_bytes", "steps_lost") if k in rec}

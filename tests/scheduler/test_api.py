@@ -73,6 +73,8 @@ def test_health_needs_no_token_everything_else_does(scheduler):
         ({"policy": {"table": {"four": {"dp": 4}}}}, "policy table keys must be GPU counts"),
         ({"policy": {"table": {"4": {"dp": 3}}}}, "policy table entry for 4 GPUs is dp3"),
         ({"extra_field": 1}, "extra_field"),
+        ({"checkpoint": {"uri": "http://x/y", "interval_steps": 5}}, "checkpoint uri must look like"),
+        ({"checkpoint": {"uri": "s3://b/p", "interval_steps": 0}}, "checkpoint.interval_steps"),
     ],
 )
 def test_bad_job_specs_are_400_with_a_reason(scheduler, patch, fragment):
@@ -100,6 +102,12 @@ def test_job_lifecycle_errors(scheduler):
     assert call(url, "POST", "/v1/jobs/life/scale", {"gpus": 100})[0] == 400
     assert call(url, "POST", "/v1/jobs/nope/scale", {"gpus": 2})[0] == 404
     assert call(url, "POST", "/v1/jobs/life/scale", {"gpus": "two"})[0] == 400
+    status, body = call(url, "POST", "/v1/jobs/life/scale", {"gpus": 4, "parallel": {"dp": 1, "tp": 2}})
+    assert status == 400 and "dp1 x tp2 x pp1 is 2 GPUs, the request asks for 4" in body["detail"], body
+    status, body = call(url, "POST", "/v1/jobs/life/scale", {"gpus": 0, "parallel": {"dp": 1}})
+    assert status == 400 and "takes no parallel configuration" in body["detail"], body
+    status, view = call(url, "POST", "/v1/jobs/life/scale", {"gpus": 4, "parallel": {"dp": 2, "tp": 2}})
+    assert status == 202 and view["status"]["requested_parallel"] == {"dp": 2, "tp": 2, "pp": 1, "zero": 0}
     assert call(url, "GET", "/v1/jobs/life/plan")[1]["error"] == "not_found"
     assert call(url, "POST", "/v1/jobs/life/events", {"kind": "cordon"})[1]["detail"] == "a cordon event needs a host"
     assert call(url, "POST", "/v1/jobs/life/events", {"kind": "cordon", "host": "host-9"})[0] == 404

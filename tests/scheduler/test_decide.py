@@ -191,3 +191,38 @@ def test_decisions_do_not_change_the_record(stage_age: float) -> None:
                    start_timeout=60)
     decide_stopping(st, obs(stage_age=stage_age), stop_timeout=60)
     assert st.to_json() == before
+
+
+def test_without_a_surviving_replica_recovery_falls_back_to_the_persistent_tier() -> None:
+    gspec = GPTSpec(num_layers=2, hidden=8, heads=2, vocab=16, make_vocab_size_divisible_by=4)
+    tp2pp2 = megatron_gpt_ptc(gspec, ParallelConfig(tp=2, pp=2), gpus_per_node=2, hosts=["h0", "h1"], precision="fp32")
+    st = status(step=20, version_generation={"s18-g0": 0, "s12-g0": 0})
+    survivors = {"h0": ["s12-g0", "s18-g0"]}  # h1 (stage 1) is gone: no survivor covers any version
+    assert choose_recovery(st, survivors, {0: tp2pp2}.get) is None
+    rec = choose_recovery(st, survivors, {0: tp2pp2}.get, persisted=["s12-g0"])
+    assert rec is not None and (rec.version, rec.persistent, rec.steps_lost, rec.holders) == ("s12-g0", True, 8, ("h0",))
+    # a newer version the survivors do cover wins over an older persistent one
+    dp2 = megatron_gpt_ptc(gspec, ParallelConfig(dp=2, tp=2), gpus_per_node=2, hosts=["h0", "h1"], precision="fp32")
+    st = status(step=20, version_generation={"s18-g1": 1, "s12-g0": 0})
+    rec = choose_recovery(st, {"h0": ["s18-g1"]}, {0: tp2pp2, 1: dp2}.get, persisted=["s12-g0"])
+    assert rec is not None and (rec.version, rec.persistent) == ("s18-g1", False)
+
+
+def test_uploads_take_each_region_once_spread_over_its_holders() -> None:
+    from tenplex.errors import NotFound
+    from tenplex.scheduler.persist import assign_uploads
+
+    gspec = GPTSpec(num_layers=4, hidden=16, heads=2, vocab=32, make_vocab_size_divisible_by=4)
+    dp3 = megatron_gpt_ptc(gspec, ParallelConfig(dp=3, tp=2), gpus_per_node=2, hosts=["h0", "h1", "h2"],
+                           precision="fp32")
+    parts = assign_uploads(dp3, ["h0", "h1", "h2"])
+    taken = [s for shards in parts.values() for s in shards]
+    distinct = {(t.name, s.region.format()) for t in dp3.tensors for s in t.shards}
+    assert sorted(taken) == sorted(distinct)  # each region once
+    size = {(t.name, s.region.format()): s.region.volume * t.itemsize for t in dp3.tensors for s in t.shards}
+    loads = {h: sum(size[s] for s in shards) for h, shards in parts.items()}
+    assert max(loads.values()) <= 1.25 * min(loads.values())  # spread evenly over the three replicas
+    assert set(assign_uploads(dp3, ["h1"])) == {"h1"}
+    tp2pp2 = megatron_gpt_ptc(gspec, ParallelConfig(tp=2, pp=2), gpus_per_node=2, hosts=["h0", "h1"], precision="fp32")
+    with pytest.raises(NotFound, match="no holder of"):
+        assign_uploads(tp2pp2, ["h0"])

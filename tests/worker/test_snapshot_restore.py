@@ -330,3 +330,41 @@ def test_snapshot_before_the_first_step_names_the_missing_state(store: LocalStor
 def test_trainer_state_record_errors() -> None:
     with pytest.raises(TenplexError, match="not readable"):
         trainer_state.load(b"garbage")
+
+
+def test_unchanged_shards_are_linked_from_the_previous_snapshot_not_written(tmp_path: Path) -> None:
+    """A frozen parameter (and everything, when nothing trained in between) is linked into the next version:
+    the same inode, verified, no bytes written; what changed is written."""
+    model, opt, sched = make()
+    model.fc1.weight.requires_grad_(False)  # frozen: it never changes
+    train(model, opt, sched, 2)
+    store = LocalStore(tmp_path / "store")
+    ptc = replicated_ptc(model, [Device(0, "h0")], with_optim=False)
+    snap = Snapshotter(store, JOB, ptc, 0)
+    snap.snapshot(2, 0, model, None)
+    first = snap.wait()
+    assert first is not None and first.shards_linked == 0
+    train(model, opt, sched, 1)
+    snap.snapshot(3, 0, model, None)
+    second = snap.wait()
+    assert second is not None and second.shards_linked == 1
+    assert second.bytes_linked == model.fc1.weight.numel() * 4
+    assert store.verify(JOB, "s3-g0") == []
+
+    def files(version: str, tensor: str) -> set[int]:
+        return {p.stat().st_ino for p in (tmp_path / "store" / JOB / version).rglob("*")
+                if p.is_file() and tensor in str(p.parent) and p.name.startswith("c")}
+
+    assert files("s2-g0", "fc1.weight") == files("s3-g0", "fc1.weight")  # hard links: no bytes written
+    assert files("s2-g0", "fc2.weight").isdisjoint(files("s3-g0", "fc2.weight"))  # it trained: written again
+    # restored bit for bit from the linked version
+    fresh, _, _ = make(seed=5)
+    restore(store, JOB, "s3-g0", ptc, 0, fresh, None)
+    for (name, a), (_, b) in zip(model.named_parameters(), fresh.named_parameters(), strict=True):
+        assert torch.equal(a.detach().view(torch.uint8) if a.dtype == torch.bfloat16 else a.detach(),
+                           b.detach().view(torch.uint8) if b.dtype == torch.bfloat16 else b.detach()), name
+    # a previous version no longer there: written after all
+    store.delete(JOB, "s3-g0")
+    snap.snapshot(4, 0, model, None)
+    third = snap.wait()
+    assert third is not None and third.shards_linked == 0 and store.verify(JOB, "s4-g0") == []

@@ -1,0 +1,253 @@
+"""A job's versions kept beyond its nodes: persistent checkpoints, and the retention of both tiers.
+
+Recovering from the surviving replicas is the fast path; when no replica of
+some region survives (every dp=1 job that loses a host), the job falls back
+to its persistent location: an S3-compatible object store or a shared
+filesystem (:class:`CheckpointSpec`). Every ``interval_steps`` a version that
+is committed on all of the job's hosts is copied there by the node daemons
+themselves, each distinct region once, from the node that holds it (spread so
+that no node uploads much more than another), then committed (the marker
+written last: a torn upload is never used) and older persistent versions
+beyond ``keep_last`` are deleted. All of it runs in a background thread of
+the job (:class:`Housekeeper`): training never waits, and a failing upload is
+retried with backoff, reported in the job's status and metrics, and never
+fails the job. The same thread keeps the node stores from filling up: it
+deletes a job's versions older than its newest ``node_keep`` complete ones
+there, never one being persisted.
+
+The scheduler only decides and asks: the bytes go from the node stores to
+the persistent tier (``POST /v1/jobs/{job}/uploads`` on each daemon), and its
+credentials live with the daemons, never in a plan or a record.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+from urllib.parse import quote
+
+from tenplex.core.version import Version
+from tenplex.errors import NotFound, TenplexError
+from tenplex.ptc import PTC
+from tenplex.scheduler.context import JobContext
+
+log = logging.getLogger(__name__)
+
+NODE_KEEP = 2
+"""Complete versions of a job each node store keeps (the newest; older ones are deleted)."""
+UPLOAD_POLL_S = 2.0
+RETRY_BACKOFF_S = (5.0, 15.0, 60.0, 300.0)
+"""Waits between failed attempts to persist a version (the last one repeats)."""
+
+
+def assign_uploads(ptc: PTC, holders: Sequence[str]) -> dict[str, list[tuple[str, str]]]:
+    """Each distinct (tensor, region) of ``ptc`` to one of the ``holders`` that holds it: host -> its shards.
+
+    Largest shards first, each to the holder with the fewest bytes so far, so that the nodes upload about
+    equal shares in parallel. Raises NotFound naming a region no holder has.
+    """
+    alive = set(holders)
+    load = dict.fromkeys(holders, 0)
+    out: dict[str, list[tuple[str, str]]] = {h: [] for h in holders}
+    shards = []
+    for t in ptc.tensors:
+        for s in t.shards:
+            hosts = sorted({ptc.device(d).host for d in s.devices} & alive)
+            if not hosts:
+                raise NotFound(f"no holder of {t.name} {s.region.format()} among {sorted(alive)}")
+            shards.append((s.region.volume * t.itemsize, t.name, s.region.format(), hosts))
+    for nbytes, name, region, hosts in sorted(shards, key=lambda x: -x[0]):
+        host = min(hosts, key=lambda h: (load[h], h))
+        load[host] += nbytes
+        out[host].append((name, region))
+    return {h: v for h, v in out.items() if v}
+
+
+def _uploads_path(job: str, version: str | None = None, *, suffix: str = "") -> str:
+    path = f"/v1/jobs/{quote(job, safe='')}/uploads"
+    return path if version is None else f"{path}/{version}{suffix}"
+
+
+class Housekeeper:
+    """One job's background thread: persistent checkpoints and retention (see the module doc)."""
+
+    def __init__(self, ctx: JobContext) -> None:
+        self.ctx = ctx
+        self._offered: str | None = None
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name=f"job-{self.ctx.name}-housekeeping", daemon=True)
+            self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def committed(self, version: str) -> None:
+        """``version`` is committed on every host of its generation (called under the job's lock)."""
+        self._offered = version
+        self._wake.set()
+
+    # -- the thread ------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(5.0)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            try:
+                self._node_retention()
+                version = self._due()
+                if version is not None:
+                    self._persist(version)
+            except Exception:  # housekeeping must outlive anything one round meets
+                log.exception("job %s: housekeeping failed", self.ctx.name)
+
+    def _due(self) -> str | None:
+        """The newest complete version, when it is ``interval_steps`` past the last persisted one."""
+        ctx = self.ctx
+        cp = ctx.spec.checkpoint
+        with ctx.lock:
+            offered, persisted = self._offered, list(ctx.status.persisted)
+        if cp is None or offered is None or offered in persisted:
+            return None
+        last = Version.parse(persisted[-1]).step if persisted else 0
+        return offered if Version.parse(offered).step >= last + cp.interval_steps else None
+
+    def _set(self, **changes: Any) -> None:
+        with self.ctx.lock:
+            st = self.ctx.status
+            st.persist = {**(st.persist or {}), **changes}
+            self.ctx.touch()
+
+    def _persist(self, version: str) -> None:
+        """Copy ``version`` to the persistent tier through the daemons that hold it, commit, apply retention.
+        Failures are retried with backoff (a newer due version takes over); the job is never failed."""
+        ctx = self.ctx
+        cp = ctx.spec.checkpoint
+        assert cp is not None
+        attempt = 0
+        while not self._stop.is_set():
+            attempt += 1
+            with ctx.lock:
+                st = ctx.status
+                holders = sorted(st.committed.get(version, []))
+                gen = st.version_generation.get(version, Version.parse(version).generation)
+            self._set(version=version, state="uploading", attempts=attempt, error=None, started_at=time.time())
+            try:
+                ptc = ctx.ptc(gen)
+                hosts = {h.name: h for h in ctx.backend.hosts() if h.ready}
+                alive = [h for h in holders if h in hosts]
+                parts = assign_uploads(ptc, alive)
+                for host, shards in parts.items():
+                    body = {"version": version, "uri": cp.uri, "shards": [list(s) for s in shards]}
+                    ctx.client_for(hosts[host].store_url).request_json("POST", _uploads_path(ctx.name), body)
+                self._wait_uploads(version, parts, hosts)
+                expected = [[t.name, s.region.format()] for t in ptc.tensors for s in t.shards]
+                committer = sorted(parts)[0]
+                ctx.client_for(hosts[committer].store_url).request_json(
+                    "POST", _uploads_path(ctx.name, version, suffix="/commit"), {"uri": cp.uri, "shards": expected})
+            except TenplexError as exc:
+                log.warning("job %s: persisting %s failed (attempt %d): %s", ctx.name, version, attempt, exc.detail)
+                self._set(state="retrying", error=exc.detail)
+                if ctx.metrics is not None:
+                    ctx.metrics.persist.labels(ctx.name, "failed").inc()
+                wait = RETRY_BACKOFF_S[min(attempt - 1, len(RETRY_BACKOFF_S) - 1)]
+                if self._wake.wait(wait) and self._offered != version:
+                    return  # a newer version is due: persist that one instead
+                continue
+            with ctx.lock:
+                st = ctx.status
+                st.persisted = sorted({*st.persisted, version}, key=Version.parse)
+                ctx.touch()
+            self._set(state="committed", finished_at=time.time(), error=None)
+            if ctx.metrics is not None:
+                ctx.metrics.persist.labels(ctx.name, "committed").inc()
+            log.info("job %s: %s persisted to %s (attempt %d)", ctx.name, version, cp.uri, attempt)
+            self._persistent_retention(hosts)
+            return
+
+    def _wait_uploads(self, version: str, parts: Mapping[str, Any], hosts: Mapping[str, Any]) -> None:
+        ctx = self.ctx
+        pending = set(parts)
+        total: dict[str, int] = {}
+        while pending and not self._stop.is_set():
+            for host in sorted(pending):
+                rec = ctx.client_for(hosts[host].store_url).request_json("GET", _uploads_path(ctx.name, version))
+                total[host] = int(rec.get("bytes_done", 0))
+                if rec.get("state") == "uploaded":
+                    pending.discard(host)
+                elif rec.get("state") in ("failed", "cancelled", "interrupted"):
+                    raise TenplexError(f"upload of {version} from {host} {rec.get('state')}: {rec.get('error')}")
+            self._set(bytes_uploaded=sum(total.values()))
+            if pending:
+                self._stop.wait(UPLOAD_POLL_S)
+
+    def _persistent_retention(self, hosts: Mapping[str, Any]) -> None:
+        ctx = self.ctx
+        cp = ctx.spec.checkpoint
+        assert cp is not None
+        with ctx.lock:
+            keep = ctx.status.persisted[-cp.keep_last:]
+            drop = [v for v in ctx.status.persisted if v not in keep]
+        if not drop or not hosts:
+            return
+        client = ctx.client_for(next(iter(hosts.values())).store_url)
+        for version in drop:
+            try:
+                client.request_json("DELETE", f"/v1/jobs/{quote(ctx.name, safe='')}/persistent/{version}"
+                                              f"?uri={quote(cp.uri, safe='')}")
+            except TenplexError as exc:
+                log.warning("job %s: could not delete persistent %s: %s", ctx.name, version, exc.detail)
+                continue
+            with ctx.lock:
+                ctx.status.persisted = [v for v in ctx.status.persisted if v != version]
+                ctx.touch()
+
+    def _node_retention(self) -> None:
+        """Each node store keeps the job's newest :data:`NODE_KEEP` complete versions (and the one being
+        persisted, and any newer incomplete one: a snapshot in progress)."""
+        ctx = self.ctx
+        with ctx.lock:
+            st = ctx.status
+            complete = sorted((v for v, hs in st.committed.items() if _complete(ctx, v, hs)), key=Version.parse)
+            keep = set(complete[-NODE_KEEP:])
+            if st.persist and st.persist.get("state") != "committed":
+                keep.add(st.persist["version"])
+            if st.restore_version:
+                keep.add(st.restore_version)
+            newest = Version.parse(complete[-1]) if complete else None
+            drop = {v: list(hs) for v, hs in st.committed.items() if v not in keep and newest is not None
+                    and Version.parse(v) < newest}
+        for version, hosts in drop.items():
+            for h in ctx.backend.hosts():
+                if h.name in hosts and h.ready:
+                    try:
+                        ctx.client_for(h.store_url).delete(ctx.name, version)
+                    except NotFound:
+                        pass
+                    except TenplexError as exc:
+                        log.warning("job %s: could not delete %s on %s: %s", ctx.name, version, h.name, exc.detail)
+                        continue
+            with ctx.lock:
+                ctx.status.committed.pop(version, None)
+                ctx.touch()
+
+
+def _complete(ctx: JobContext, version: str, hosts: Sequence[str]) -> bool:
+    gen = ctx.status.version_generation.get(version, Version.parse(version).generation)
+    try:
+        need = set(ctx.ptc(gen).hosts)
+    except NotFound:
+        return False
+    return need <= set(hosts)
