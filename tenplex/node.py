@@ -228,6 +228,8 @@ class _MemoryTierCollector(Collector):
             ("tenplex_store_memory_used_bytes", "used", "Bytes of versions in the memory tier"),
             ("tenplex_store_memory_versions", "versions", "Versions committed in the memory tier"),
             ("tenplex_store_memory_unspilled_versions", "unspilled", "Versions in memory not yet durable on disk"),
+            ("tenplex_store_memory_spill_lag_seconds", "spill_lag",
+             "Seconds since the oldest version not yet durable on disk was committed in memory (0: all are)"),
         ):
             yield GaugeMetricFamily(name, text, value=stats.get(key, 0))
         spiller = self._store.spiller

@@ -24,9 +24,11 @@ log = logging.getLogger(__name__)
 
 
 def local_cluster(state_dir: Path, hosts: int, gpus_per_host: int, token: str | None,
-                  hosts_file: Path | None = None) -> LocalCluster:
+                  hosts_file: Path | None = None, *, memory_bytes: int | None = None,
+                  memory_root: Path | None = None) -> LocalCluster:
     """Start the emulated hosts, or re-attach to them after a scheduler restart, or take the hosts a hosts
-    file describes (their daemons run already; see :meth:`LocalCluster.attach`)."""
+    file describes (their daemons run already; see :meth:`LocalCluster.attach`). ``memory_bytes`` (and
+    ``memory_root``): the started hosts' store memory tier (see :class:`LocalCluster`)."""
     described = state_dir / "cluster.json"
     if described.exists():
         cluster = LocalCluster.attach(state_dir / "cluster", json.loads(described.read_text()), token=token)
@@ -43,7 +45,8 @@ def local_cluster(state_dir: Path, hosts: int, gpus_per_host: int, token: str | 
         save_cluster(state_dir, cluster)
         log.info("%d hosts from %s", len(listed), hosts_file)
         return cluster
-    cluster = LocalCluster(root=state_dir / "cluster", token=token, gpus_per_host=gpus_per_host)
+    cluster = LocalCluster(root=state_dir / "cluster", token=token, gpus_per_host=gpus_per_host,
+                           memory_bytes=memory_bytes, memory_root=memory_root)
     cluster.start(hosts)
     save_cluster(state_dir, cluster)
     return cluster
@@ -55,12 +58,14 @@ def save_cluster(state_dir: Path, cluster: LocalCluster) -> None:
 
 def build_scheduler(backend_name: str, state_dir: Path, url: str, token: str | None, *, hosts: int = 2,
                     gpus_per_host: int = 2, heartbeat_interval: float = 1.0, hosts_file: Path | None = None,
-                    host_timeout: float = 10.0) -> Scheduler:
+                    host_timeout: float = 10.0, memory_bytes: int | None = None,
+                    memory_root: Path | None = None) -> Scheduler:
     state_dir.mkdir(parents=True, exist_ok=True)
     settings = SchedulerSettings(url=url, token=token, heartbeat_interval=heartbeat_interval)
     if backend_name == "local":
-        backend = LocalBackend(local_cluster(state_dir, hosts, gpus_per_host, token, hosts_file), cwd=Path.cwd(),
-                               host_timeout=host_timeout)
+        cluster = local_cluster(state_dir, hosts, gpus_per_host, token, hosts_file, memory_bytes=memory_bytes,
+                                memory_root=memory_root)
+        backend = LocalBackend(cluster, cwd=Path.cwd(), host_timeout=host_timeout)
     elif backend_name == "kubernetes":  # jobs are ElasticJobs; state lives in the API server (tenplex.k8s)
         from urllib.parse import urlsplit
 
@@ -75,11 +80,12 @@ def build_scheduler(backend_name: str, state_dir: Path, url: str, token: str | N
 
 def serve(backend_name: str, state_dir: Path, host: str, port: int, token: str | None, *, hosts: int,
           gpus_per_host: int, port_file: Path | None = None, hosts_file: Path | None = None,
-          host_timeout: float = 10.0) -> None:
+          host_timeout: float = 10.0, memory_bytes: int | None = None, memory_root: Path | None = None) -> None:
     sock = bind_socket(host, port)
     url = url_for(host, sock.getsockname()[1])
     scheduler = build_scheduler(backend_name, state_dir, url, token, hosts=hosts, gpus_per_host=gpus_per_host,
-                                hosts_file=hosts_file, host_timeout=host_timeout)
+                                hosts_file=hosts_file, host_timeout=host_timeout, memory_bytes=memory_bytes,
+                                memory_root=memory_root)
     recovered = scheduler.recover()
     if recovered:
         log.info("resumed jobs: %s", ", ".join(recovered))
@@ -96,8 +102,10 @@ class LocalScheduler:
     """A scheduler and its emulated hosts inside this process (the REST server runs in a thread)."""
 
     def __init__(self, state_dir: Path, *, hosts: int = 3, gpus_per_host: int = 2, token: str | None = None,
-                 heartbeat_interval: float = 0.5) -> None:
+                 heartbeat_interval: float = 0.5, memory_bytes: int | None = None) -> None:
         self.state_dir = Path(state_dir)
+        self._memory_bytes = memory_bytes
+        """Each emulated host's store memory tier budget (on /dev/shm), None: none."""
         self.token = token
         self._sock_host = "127.0.0.1"
         self._hosts = hosts
@@ -111,7 +119,8 @@ class LocalScheduler:
         sock = bind_socket(self._sock_host, 0)
         url = url_for(self._sock_host, sock.getsockname()[1])
         self.scheduler = build_scheduler("local", self.state_dir, url, self.token, hosts=self._hosts,
-                                         gpus_per_host=self._gpus, heartbeat_interval=self._heartbeat)
+                                         gpus_per_host=self._gpus, heartbeat_interval=self._heartbeat,
+                                         memory_bytes=self._memory_bytes)
         self.scheduler.recover()
         self.server = BackgroundServer(create_app(self.scheduler, token=self.token), sock=sock).start()
         return self

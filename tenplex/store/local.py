@@ -1054,13 +1054,15 @@ class LocalStore(TensorStore):
                 done += 1
         return done
 
-    def memory_stats(self) -> dict[str, int]:
-        """The memory tier now: budget, bytes used, versions committed there and how many of them are not durable."""
+    def memory_stats(self) -> dict[str, float]:
+        """The memory tier now: budget, bytes used, versions committed there, how many of them are not durable
+        and ``spill_lag``: seconds since the oldest of those was committed (0 when all are durable)."""
         if self.memory is None:
             return {}
         versions = self._memory_versions()
+        unspilled = [t for t, job, v in versions if not self._marker(job, v).is_file()]
         return {"budget": self.memory.budget, "used": self.memory_used(), "versions": len(versions),
-                "unspilled": sum(1 for _t, job, v in versions if not self._marker(job, v).is_file())}
+                "unspilled": len(unspilled), "spill_lag": max(0.0, time.time() - min(unspilled)) if unspilled else 0.0}
 
     # -- snapshot buffers ---------------------------------------------------------
 
