@@ -86,12 +86,14 @@ def serve(
     memory_root: str | Path | None = None,
     memory_bytes: int | None = None,
     evict_grace_s: float | None = None,
+    spill_interval_s: float = 0.0,
 ) -> None:
     """Run the node daemon until interrupted (blocking). ``port=0`` picks a free port.
 
     ``memory_root`` and ``memory_bytes``: the store's memory tier (a tmpfs
     directory and its budget); this daemon owns it (records it in the root,
-    spills it). Without them the root is recorded as having none.
+    spills it, each job's newest version at most every ``spill_interval_s``).
+    Without them the root is recorded as having none.
 
     The bound URL is logged, and with ``port_file`` the port is written there
     (atomically) once the socket listens, so a parent process can find it.
@@ -109,7 +111,7 @@ def serve(
     if chunk_bytes is not None:
         options["chunk_bytes"] = chunk_bytes
     store = LocalStore(root, memory_root=memory_root, memory_bytes=memory_bytes, evict_grace_s=evict_grace_s,
-                       spill=True, **options)
+                       spill=True, spill_interval_s=spill_interval_s, **options)
     sock = bind_socket(host, port)
     bound = sock.getsockname()[1]
     if port_file is not None:
@@ -238,6 +240,8 @@ class _MemoryTierCollector(Collector):
             yield CounterMetricFamily("tenplex_store_spilled_bytes", "Bytes of versions spilled to disk",
                                       value=spiller.spilled_bytes)
             yield CounterMetricFamily("tenplex_store_spill_failures", "Spills that failed (retried)", value=spiller.failures)
+            yield GaugeMetricFamily("tenplex_store_spill_in_progress", "1 while a version is being spilled to disk",
+                                    value=1 if spiller.busy else 0)
 
 
 class NodeDaemon(BackgroundServer):

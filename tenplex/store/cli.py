@@ -52,6 +52,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="memory tier budget, e.g. 16Gi: versions beyond it evict the oldest spilled ones or go to disk")
     serve.add_argument("--evict-grace", type=float, default=None, metavar="SECONDS",
                        help="memory tier: how long an evicted version's memory files stay for reads in flight (default 2)")
+    serve.add_argument("--spill-interval", type=float, default=0.0, metavar="SECONDS",
+                       help="memory tier: spill each job's newest version to disk at most this often; the versions in "
+                            "between stay in memory only (default 0: every version, as soon as it is committed)")
     serve.set_defaults(func=_serve)
 
     ls = cmds.add_parser("ls", help="list the jobs of a store daemon, or the versions of one job")
@@ -112,6 +115,7 @@ def _serve(args: argparse.Namespace) -> int:
         memory_root=args.memory_root,
         memory_bytes=args.memory_bytes,
         evict_grace_s=args.evict_grace,
+        spill_interval_s=args.spill_interval,
     )
     return 0
 

@@ -505,6 +505,7 @@ class LocalStore(TensorStore):
         spill: bool = False,
         evict_grace_s: float | None = None,
         spill_poll_s: float = DEFAULT_SPILL_POLL_S,
+        spill_interval_s: float = 0.0,
     ) -> None:
         if chunk_bytes < 64:
             raise InvalidInput(f"chunk_bytes must be at least 64, got {chunk_bytes}")
@@ -530,7 +531,7 @@ class LocalStore(TensorStore):
         self._slot_sets: list[MemorySlots] = []
         self._spiller: Spiller | None = None
         if spill and self.memory is not None:
-            self._spiller = Spiller(self, poll_s=spill_poll_s).start()
+            self._spiller = Spiller(self, poll_s=spill_poll_s, interval_s=spill_interval_s).start()
             log.info("memory tier of %s: %s, budget %s", self.root, self.memory.root, human_bytes(self.memory.budget))
 
     @property

@@ -37,6 +37,7 @@ import errno
 import fcntl
 import json
 import logging
+import math
 import mmap
 import os
 import threading
@@ -291,11 +292,26 @@ class Spiller:
     versions whose grace period has passed and snapshot buffers of writers that
     are gone. It runs ``nice`` steps nicer than the daemon's request threads. A
     version whose spill fails (a full disk) is retried with a growing delay.
+
+    ``interval_s`` (default 0: every version as soon as it is committed) spills
+    at most one version of a job per that many seconds, the newest: where a job
+    snapshots more often than that, the versions in between are spilled only
+    once no newer one waits (usually retention has deleted them by then; until
+    then they hold their memory, and a version that finds no room goes to disk
+    directly). That bounds
+    the disk work (and the CPU it takes from training) whatever the snapshot
+    rate; a version is durable at most about ``interval_s`` plus one spill after
+    its commit, while peers read it from memory at once.
     """
 
-    def __init__(self, store: LocalStore, *, poll_s: float = DEFAULT_SPILL_POLL_S, nice: int = 10) -> None:
+    def __init__(self, store: LocalStore, *, poll_s: float = DEFAULT_SPILL_POLL_S, nice: int = 10,
+                 interval_s: float = 0.0) -> None:
+        if not interval_s >= 0:
+            raise InvalidInput(f"the spill interval must be >= 0 seconds, got {interval_s!r}")
         self._store = store
         self._poll_s = poll_s
+        self._interval_s = interval_s
+        self._last_spill: dict[str, float] = {}  # job -> when its last spill started (monotonic)
         self._nice = nice
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -304,6 +320,8 @@ class Spiller:
         self.spilled_bytes = 0
         self.spill_seconds = 0.0
         self.failures = 0
+        self.busy = False
+        """Whether a spill is running now."""
         self._thread = threading.Thread(target=self._run, name="tenplex-spiller", daemon=True)
 
     def start(self) -> Spiller:
@@ -341,12 +359,15 @@ class Spiller:
         for job, version in store.unspilled():
             if self._stop.is_set():
                 break
+            if self._interval_s and now - self._last_spill.get(job, -math.inf) < self._interval_s:
+                continue  # this job's newest version was spilled recently: the next one waits its turn
             key = (job, str(version))
             when, delay = self._retry_at.get(key, (0.0, 0.0))
             if now < when:
                 continue
             t0 = time.perf_counter()
             try:
+                self.busy = True
                 nbytes = store.spill(job, version)
             except (OSError, StateLost, ChecksumMismatch, InvalidInput) as exc:
                 delay = min(60.0, max(1.0, delay * 2))
@@ -354,8 +375,11 @@ class Spiller:
                 self.failures += 1
                 log.warning("spilling version %s of job %s to disk failed (retrying in %.0f s): %s", version, job, delay, exc)
                 continue
+            finally:
+                self.busy = False
             self._retry_at.pop(key, None)
             if nbytes is not None:
+                self._last_spill[job] = now
                 done += 1
                 self.spilled += 1
                 self.spilled_bytes += nbytes

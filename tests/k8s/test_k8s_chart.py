@@ -191,6 +191,7 @@ def test_store_memory_tier_values() -> None:
 
     parsed = build_parser().parse_args(args)
     assert (parsed.memory_root, parsed.memory_bytes, parsed.evict_grace) == ("/var/lib/tenplex/memory", 8 << 30, 2.0)
+    assert parsed.spill_interval == 0.0
     volumes = {v["name"]: v for v in spec["volumes"]}
     assert volumes["memory"]["hostPath"] == {"path": "/dev/shm/tp", "type": "DirectoryOrCreate"}
     assert {"name": "memory", "mountPath": "/var/lib/tenplex/memory"} in container["volumeMounts"]

@@ -287,3 +287,21 @@ def test_the_daemon_takes_the_tier_from_its_flags_and_reports_it_in_metrics(tmp_
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+def test_a_spill_interval_spills_the_newest_version_and_skips_the_ones_in_between(owner: LocalStore) -> None:
+    with pytest.raises(InvalidInput, match="spill interval"):
+        Spiller(owner, interval_s=-1)
+    spiller = Spiller(owner, interval_s=3600)
+    put(owner, "s1-g0", 1)
+    assert spiller.run_once() == 1  # the first one at once
+    put(owner, "s2-g0", 2)
+    put(owner, "s3-g0", 3)
+    assert spiller.run_once() == 0  # within the interval: both wait, in memory, readable
+    assert [v.durable for v in owner.versions(JOB)] == [True, False, False]
+    assert np.array_equal(read(owner, "s3-g0"), data(3))
+    spiller._last_spill.clear()  # the interval has passed
+    assert spiller.run_once() == 1
+    assert [v.durable for v in owner.versions(JOB)] == [True, False, True]  # the newest; s2 was superseded
+    every = Spiller(owner)  # interval 0: everything left, at once
+    assert every.run_once() == 1 and all(v.durable for v in owner.versions(JOB))
