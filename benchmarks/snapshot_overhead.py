@@ -66,9 +66,10 @@ def single_device_ptc(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
     return PTC(config={"dp": 1}, devices=(Device(0, "node-0"),), tensors=tuple(tensors))
 
 
-def start_daemon(root: Path, nice: int = 0, memory: tuple[Path, int] | None = None) -> tuple[subprocess.Popen[bytes], str]:
+def start_daemon(root: Path, nice: int = 0, memory: tuple[Path, int, float] | None = None) -> tuple[subprocess.Popen[bytes], str]:
     port_file = root / "port"
-    tier = ["--memory-root", str(memory[0]), "--memory-bytes", str(memory[1])] if memory is not None else []
+    tier = ["--memory-root", str(memory[0]), "--memory-bytes", str(memory[1]), "--spill-interval", str(memory[2])] \
+        if memory is not None else []
     proc = subprocess.Popen(
         [sys.executable, "-m", "tenplex", "--log-level", "WARNING", "store", "serve", "--root", str(root / "data"),
          "--port-file", str(port_file), *tier],
@@ -100,6 +101,11 @@ def main() -> int:
                     help="memory store: where the tier's directory is made (default /dev/shm, tmpfs)")
     ap.add_argument("--memory-versions", type=int, default=0,
                     help="memory store: the tier's budget in snapshots (default: --steps + 1, all a block keeps)")
+    ap.add_argument("--spill-interval", type=float, default=0.0,
+                    help="memory store: the daemon's --spill-interval (default 0: it spills every version). With 0, the "
+                         "end of a snapshot block waits until its last version is durable (as the direct store's block "
+                         "joins its last write); otherwise only for a spill in progress, and a spill that starts in a "
+                         "block without snapshots slows that block instead (the ratio then understates the cost)")
     ap.add_argument("--writer-nice", type=int, default=10, help="Snapshotter writer_nice (threads' niceness above training)")
     ap.add_argument("--write-concurrency", type=int, default=4, help="Snapshotter write_concurrency")
     ap.add_argument("--target", type=float, default=0.10, help="largest acceptable slowdown (0.10 = 10%%)")
@@ -136,7 +142,7 @@ def main() -> int:
             store: TensorStore = StoreClient(url)
         elif args.store == "memory":
             # the daemon owns the tier (records it in the root, spills it); the worker finds it in the root
-            daemon, url = start_daemon(root, args.daemon_nice, memory=(Path(mem) / "tier", budget))
+            daemon, url = start_daemon(root, args.daemon_nice, memory=(Path(mem) / "tier", budget, args.spill_interval))
             peer = StoreClient(url)
             store = LocalStore(root / "data", durable=not args.no_fsync)
             if store.memory is None:
@@ -172,8 +178,10 @@ def main() -> int:
                         if done.readable_seconds is not None:
                             readable_s.append(done.readable_seconds)
                         check_readable(store, peer, done.version)
-                        if peer is not None:  # the block's last version: until the daemon made it durable
+                        if peer is not None and not args.spill_interval:  # the block's last version, made durable
                             durable_s.append(wait_durable(peer, done.version) - step_end)
+                        elif peer is not None:
+                            wait_spiller_idle(peer)
                     while len(written) > 1:  # retention: keep the newest version only
                         delete_version(store, written.pop(0))
         finally:
@@ -189,7 +197,7 @@ def main() -> int:
     slowdown = with_snap / base - 1
     print(f"model: dim {cfg.dim}, {cfg.n_layers} layers, vocab {cfg.vocab}, seq {cfg.seq_len}, batch {args.batch}; "
           f"state {state_mb:.0f} MiB in {len(ptc.tensors)} tensors per snapshot (params + AdamW); store {args.store}"
-          f"{' without fsync' if args.no_fsync else ''}{f' (daemon nice {args.daemon_nice})' if args.daemon_nice else ''}; "
+          f"{' without fsync' if args.no_fsync else ''}{f' (spill interval {args.spill_interval:g} s)' if args.spill_interval else ''}{f' (daemon nice {args.daemon_nice})' if args.daemon_nice else ''}; "
           f"writer nice {args.writer_nice}, {args.write_concurrency} writer threads; torch threads {torch.get_num_threads()}; load average {os.getloadavg()[0]:.1f}")
     print(f"step time, median of {len(times['none'])}: no snapshot {base * 1e3:.0f} ms, "
           f"snapshot every step {with_snap * 1e3:.0f} ms  -> slowdown {slowdown * 100:+.1f}% (target <= {args.target * 100:.0f}%)")
@@ -220,6 +228,16 @@ def check_readable(store: TensorStore, peer: StoreClient | None, version: Versio
     where = peer if peer is not None else store
     if not where.manifest(JOB, version).committed:
         raise SystemExit(f"version {version} is not committed after its snapshot returned")
+
+
+def wait_spiller_idle(peer: StoreClient, timeout: float = 600.0) -> None:
+    """Until the daemon is not spilling (its ``tenplex_store_spill_in_progress`` gauge)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if "tenplex_store_spill_in_progress 1.0" not in peer.metrics():
+            return
+        time.sleep(0.05)
+    raise SystemExit(f"the daemon was still spilling after {timeout:.0f} s")
 
 
 def wait_durable(peer: StoreClient, version: Version, timeout: float = 600.0) -> float:

@@ -404,11 +404,12 @@ def lower_priority(nice: int) -> None:
 class _Slot:
     """One memory file of a writer's snapshot buffers, mapped for the writer's whole life."""
 
-    __slots__ = ("array", "fd", "map", "nbytes", "path")
+    __slots__ = ("array", "fd", "idle", "map", "nbytes", "path")
 
     def __init__(self, path: Path, nbytes: int) -> None:
         self.path = path
         self.nbytes = nbytes
+        self.idle = 0  # snapshots it stayed free while another buffer of its shard was handed out
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             os.ftruncate(self.fd, nbytes)
@@ -454,7 +455,10 @@ class MemorySlots(SnapshotBuffers):
     one is made (and made ready in the background, :meth:`prepare`), so a
     stored version is never overwritten. Where the version does not go to
     memory (over the budget), :meth:`store` writes the buffer's bytes like any
-    shard. Free buffers beyond ``max_free`` per shard are let go.
+    shard. A free buffer passed over by ``max_idle`` snapshots in a row is let
+    go: the buffers that cycle through the versions the job keeps (however its
+    retention deletes them) stay, and a surplus from a one-off burst goes; no
+    new pages are allocated (and zeroed) in the steady state.
 
     Memory: the free buffers are this writer's staging memory (as its private
     host buffers were), outside the tier's budget; the ones linked into
@@ -463,11 +467,11 @@ class MemorySlots(SnapshotBuffers):
     it) removes the writer's names; versions keep their links.
     """
 
-    def __init__(self, store: LocalStore, job: str, directory: Path, *, max_free: int = 2) -> None:
+    def __init__(self, store: LocalStore, job: str, directory: Path, *, max_idle: int = 8) -> None:
         self._store = store
         self.job = job
         self.directory = directory
-        self._max_free = max_free
+        self._max_idle = max_idle
         self._slots: dict[tuple[str, str, str], list[_Slot]] = {}
         self._lent: dict[tuple[str, str, str], _Slot] = {}
         self._lock = threading.Lock()
@@ -499,10 +503,13 @@ class MemorySlots(SnapshotBuffers):
     def _take(self, key: tuple[str, str, str], nbytes: int) -> _Slot:
         slots = self._slots.setdefault(key, [])
         free = [s for s in slots if s.nbytes == nbytes and s.free()]
-        for extra in free[1:] if len(free) > self._max_free else ():
-            slots.remove(extra)
-            extra.close(unlink=True)
+        for passed in free[1:]:
+            passed.idle += 1
+            if passed.idle > self._max_idle:  # not needed for that long: a surplus
+                slots.remove(passed)
+                passed.close(unlink=True)
         if free:
+            free[0].idle = 0
             return free[0]
         for stale in [s for s in slots if s.nbytes != nbytes]:  # the shard changed size: drop the old files
             slots.remove(stale)
