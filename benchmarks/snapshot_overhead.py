@@ -155,6 +155,7 @@ def main() -> int:
         copy_s: list[float] = []
         write_s: list[float] = []
         readable_s: list[float] = []
+        cpu: dict[str, tuple[list[float], list[float]]] = {"none": ([], []), "snapshot": ([], [])}  # (this, daemon)
         durable_s: list[float] = []
         n = 1
         step_end = 0.0
@@ -162,6 +163,7 @@ def main() -> int:
             step()  # warm-up
             for _ in range(args.rounds):
                 for mode in ("none", "snapshot"):
+                    cpu0 = self_cpu(), daemon_cpu(daemon)
                     for _ in range(args.steps):
                         n += 1
                         if mode == "none":
@@ -182,6 +184,8 @@ def main() -> int:
                             durable_s.append(wait_durable(peer, done.version) - step_end)
                         elif peer is not None:
                             wait_spiller_idle(peer)
+                    cpu[mode][0].append(self_cpu() - cpu0[0])  # the block, its snapshots' writes and spills
+                    cpu[mode][1].append(daemon_cpu(daemon) - cpu0[1])
                     while len(written) > 1:  # retention: keep the newest version only
                         delete_version(store, written.pop(0))
         finally:
@@ -207,6 +211,13 @@ def main() -> int:
     if write_s:
         print(f"background write of one snapshot, median: {statistics.median(write_s):.2f} s "
               f"({state_mb / statistics.median(write_s):.0f} MiB/s, overlapping the next step)")
+    # CPU seconds, which a loaded machine does not change much: what a snapshot costs the node's 2 cores
+    extra_self = (sum(cpu["snapshot"][0]) - sum(cpu["none"][0])) / len(times["snapshot"])
+    extra_daemon = (sum(cpu["snapshot"][1]) - sum(cpu["none"][1])) / len(times["snapshot"])
+    train_cpu = sum(cpu["none"][0]) / len(times["none"])
+    print(f"CPU per step: {train_cpu:.2f} s training alone; a snapshot adds {extra_self + extra_daemon:.2f} s "
+          f"(worker {extra_self:.2f} s incl. copy-out, daemon {extra_daemon:.2f} s) = "
+          f"{(extra_self + extra_daemon) / train_cpu * 100:.1f}% of a step's CPU")
     if readable_s:
         print(f"step end -> version readable by peers (committed on the node), median: "
               f"{statistics.median(readable_s) * 1e3:.0f} ms (max {max(readable_s) * 1e3:.0f} ms)")
@@ -217,6 +228,23 @@ def main() -> int:
     ok = slowdown <= args.target
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
+
+
+def self_cpu() -> float:
+    """CPU seconds (user + system, all threads) of this process."""
+    t = os.times()
+    return t.user + t.system
+
+
+def daemon_cpu(proc: subprocess.Popen[bytes] | None) -> float:
+    """CPU seconds (user + system, all threads) of the store daemon; 0 without one."""
+    if proc is None:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def delete_version(store: TensorStore, version: Version) -> None:
