@@ -7,7 +7,9 @@ uploads to the persistent tier (:mod:`tenplex.transformer.uploads`) on one port,
 behind one bearer token, with one Prometheus registry. During a
 reconfiguration this process pulls its host's new shards from the other
 nodes' daemons and writes them into its own store; the scheduler only sends
-it the plan.
+it the plan. With a memory tier (``--memory-root``, ``--memory-bytes``) it
+owns the tier: it records it in the store root (workers writing there
+directly use it too) and runs its one spiller (:mod:`tenplex.store.tiers`).
 
 Serving: uvicorn with uvloop and httptools on a socket bound before it
 starts (``port=0`` gives a real port at once, written to ``port_file`` for a
@@ -31,6 +33,8 @@ from typing import Any
 
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from tenplex.errors import InvalidInput
 from tenplex.serving import (
@@ -61,6 +65,8 @@ def create_node_app(store: LocalStore, *, token: str | None, transforms: Transfo
     ``store_options`` go to :func:`tenplex.store.server.create_app` (request size bounds).
     """
     registry = CollectorRegistry(auto_describe=True)
+    if store.memory is not None:
+        registry.register(_MemoryTierCollector(store))
     service = TransformService(store, token=token, settings=transforms, registry=registry)
     upload_service = UploadService(store, settings=uploads, registry=registry)
     app = create_app(store, token=token, routers=[transform_router(service), upload_router(upload_service)],
@@ -84,8 +90,17 @@ def serve(
     workers: int = 1,
     transforms: TransformSettings | None = None,
     uploads: UploadSettings | None = None,
+    memory_root: str | Path | None = None,
+    memory_bytes: int | None = None,
+    evict_grace_s: float | None = None,
+    spill_interval_s: float = 0.0,
 ) -> None:
     """Run the node daemon until interrupted (blocking). ``port=0`` picks a free port.
+
+    ``memory_root`` and ``memory_bytes``: the store's memory tier (a tmpfs
+    directory and its budget); this daemon owns it (records it in the root,
+    spills it, each job's newest version at most every ``spill_interval_s``).
+    Without them the root is recorded as having none.
 
     The bound URL is logged, and with ``port_file`` the port is written there
     (atomically) once the socket listens, so a parent process can find it.
@@ -98,10 +113,13 @@ def serve(
         raise InvalidInput(f"workers must be >= 1, got {workers}")
     transforms = transforms or TransformSettings()
     uploads = uploads or UploadSettings()
+    if (memory_root is None) != (memory_bytes is None):
+        raise InvalidInput("a memory tier needs both its directory (memory_root) and its budget (memory_bytes)")
     options: dict[str, Any] = {"map_chunks": map_chunks}
     if chunk_bytes is not None:
         options["chunk_bytes"] = chunk_bytes
-    store = LocalStore(root, **options)
+    store = LocalStore(root, memory_root=memory_root, memory_bytes=memory_bytes, evict_grace_s=evict_grace_s,
+                       spill=True, spill_interval_s=spill_interval_s, **options)
     sock = bind_socket(host, port)
     bound = sock.getsockname()[1]
     if port_file is not None:
@@ -112,9 +130,15 @@ def serve(
         store.root, url_for(host, bound), "on" if token else "off", workers, "" if workers == 1 else "es",
         transforms.max_running, transforms.concurrency, transforms.memory_bytes >> 20,
     )
+    if store.memory is not None:
+        log.info("memory tier %s, budget %d MiB: new versions are written and served there and spilled to %s",
+                 store.memory.root, store.memory.budget >> 20, store.root)
     if workers > 1:
-        _serve_workers(sock, store, token, workers, log_level, tune_malloc=tune_malloc, transforms=transforms,
-                       uploads=uploads)
+        try:
+            _serve_workers(sock, store, token, workers, log_level, tune_malloc=tune_malloc, transforms=transforms,
+                           uploads=uploads)
+        finally:
+            store.close()  # the spiller runs in this (the supervising) process
         log.info("tenplex node daemon at %s stopped", url_for(host, bound))
         return
     if tune_malloc:
@@ -203,6 +227,33 @@ def _keep_freed_memory() -> None:
     m_trim_threshold, m_mmap_max = -1, -4
     ok = libc.mallopt(m_mmap_max, 0) == 1 and libc.mallopt(m_trim_threshold, 1 << 30) == 1
     log.debug("malloc tuned for buffer reuse: %s", ok)
+
+
+class _MemoryTierCollector(Collector):
+    """The memory tier's state on every scrape: budget, bytes used, versions there and not yet durable, spills."""
+
+    def __init__(self, store: LocalStore) -> None:
+        self._store = store
+
+    def collect(self) -> Any:
+        stats = self._store.memory_stats()
+        for name, key, text in (
+            ("tenplex_store_memory_budget_bytes", "budget", "Bytes of versions the memory tier may hold"),
+            ("tenplex_store_memory_used_bytes", "used", "Bytes of versions in the memory tier"),
+            ("tenplex_store_memory_versions", "versions", "Versions committed in the memory tier"),
+            ("tenplex_store_memory_unspilled_versions", "unspilled", "Versions in memory not yet durable on disk"),
+            ("tenplex_store_memory_spill_lag_seconds", "spill_lag",
+             "Seconds since the oldest version not yet durable on disk was committed in memory (0: all are)"),
+        ):
+            yield GaugeMetricFamily(name, text, value=stats.get(key, 0))
+        spiller = self._store.spiller
+        if spiller is not None:
+            yield CounterMetricFamily("tenplex_store_spilled_versions", "Versions spilled to disk", value=spiller.spilled)
+            yield CounterMetricFamily("tenplex_store_spilled_bytes", "Bytes of versions spilled to disk",
+                                      value=spiller.spilled_bytes)
+            yield CounterMetricFamily("tenplex_store_spill_failures", "Spills that failed (retried)", value=spiller.failures)
+            yield GaugeMetricFamily("tenplex_store_spill_in_progress", "1 while a version is being spilled to disk",
+                                    value=1 if spiller.busy else 0)
 
 
 class NodeDaemon(BackgroundServer):

@@ -68,6 +68,11 @@ ENV_STORE_ROOT = "TENPLEX_STORE_ROOT"
 the worker). When it exists, the worker snapshots and restores its own shards there directly, sharing
 the root with the node's daemon (the store locks structural changes across processes): no HTTP upload,
 about half the CPU of a snapshot (``benchmarks/snapshot_overhead.py``). Otherwise the daemon's URL is used."""
+ENV_STORE_MEMORY_ROOT = "TENPLEX_STORE_MEMORY_ROOT"
+"""Optional, with ``TENPLEX_STORE_ROOT``: the node store's memory tier (a node tmpfs directory) as this
+worker sees it. The daemon records its tier (budget, directory) in the store root; a worker that has both
+writes its snapshots into that memory (:mod:`tenplex.store.tiers`), where peers read them at once and the
+daemon spills them to disk. Without the variable the recorded directory is used as it is."""
 ENV_HOST = "TENPLEX_HOST"
 """The (emulated) host name the worker runs on, as named in the PTC."""
 ENV_GENERATION = "TENPLEX_GENERATION"

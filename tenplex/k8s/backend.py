@@ -62,6 +62,7 @@ from tenplex.core.protocol import (
     ENV_GENERATION,
     ENV_LOCAL_RANK,
     ENV_RANK,
+    ENV_STORE_MEMORY_ROOT,
     ENV_STORE_ROOT,
     ENV_TOKEN,
     ENV_WORKER_ID,
@@ -78,6 +79,7 @@ log = logging.getLogger(__name__)
 WORKER_CONTAINER = "worker"
 STORE_PORT_NAME = "store"
 STORE_VOLUME = "tenplex-store"
+MEMORY_VOLUME = "tenplex-store-memory"
 LABEL_GENERATION = "tenplex.io/generation"
 LABEL_RANK = "tenplex.io/rank"
 LABEL_RANKS = "tenplex.io/ranks"
@@ -509,6 +511,12 @@ class KubernetesBackend(Backend):
             env.append({"name": ENV_STORE_ROOT, "value": self.settings.store_root})
             container["volumeMounts"] = [{"name": STORE_VOLUME, "mountPath": self.settings.store_root}]
             pod_spec["volumes"] = [{"name": STORE_VOLUME, "hostPath": {"path": self.settings.store_host_path, "type": "Directory"}}]
+            if self.settings.store_memory_host_path:
+                # The node's memory tier (tmpfs), shared with its daemon: the snapshots are written into it.
+                env.append({"name": ENV_STORE_MEMORY_ROOT, "value": self.settings.store_memory_root})
+                container["volumeMounts"].append({"name": MEMORY_VOLUME, "mountPath": self.settings.store_memory_root})
+                pod_spec["volumes"].append({"name": MEMORY_VOLUME, "hostPath": {"path": self.settings.store_memory_host_path,
+                                                                                "type": "Directory"}})
         if spec.tolerations:
             pod_spec["tolerations"] = [dict(t) for t in spec.tolerations]
         if self.settings.worker_service_account:

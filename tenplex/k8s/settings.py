@@ -26,6 +26,8 @@ ENV_RETRY_PERIOD = "TENPLEX_RETRY_PERIOD_SECONDS"
 ENV_STORE_PORT = "TENPLEX_STORE_PORT"
 ENV_STORE_ROOT = "TENPLEX_STORE_ROOT"
 ENV_STORE_HOST_PATH = "TENPLEX_STORE_HOST_PATH"
+ENV_STORE_MEMORY_ROOT = "TENPLEX_STORE_MEMORY_ROOT"
+ENV_STORE_MEMORY_HOST_PATH = "TENPLEX_STORE_MEMORY_HOST_PATH"
 ENV_WORKER_IMAGE = "TENPLEX_WORKER_IMAGE"
 ENV_WORKER_SERVICE_ACCOUNT = "TENPLEX_WORKER_SERVICE_ACCOUNT"
 ENV_AUTH_SECRET = "TENPLEX_AUTH_SECRET"
@@ -35,7 +37,7 @@ ENV_ADVERTISE_URL = "TENPLEX_ADVERTISE_URL"
 SCHEDULER_ENV = (
     ENV_TOKEN, ENV_POD_NAME, ENV_POD_NAMESPACE, ENV_WATCH_NAMESPACES, ENV_LEADER_ELECTION, ENV_LEASE_NAME,
     ENV_LEASE_DURATION, ENV_RENEW_DEADLINE, ENV_RETRY_PERIOD, ENV_STORE_PORT, ENV_STORE_ROOT, ENV_STORE_HOST_PATH, ENV_WORKER_IMAGE,
-    ENV_WORKER_SERVICE_ACCOUNT, ENV_AUTH_SECRET, ENV_AUTH_SECRET_KEY, ENV_ADVERTISE_URL,
+    ENV_STORE_MEMORY_ROOT, ENV_STORE_MEMORY_HOST_PATH, ENV_WORKER_SERVICE_ACCOUNT, ENV_AUTH_SECRET, ENV_AUTH_SECRET_KEY, ENV_ADVERTISE_URL,
 )
 """Every variable the chart sets on the scheduler container."""
 
@@ -61,6 +63,11 @@ class KubernetesSettings:
     """The node directory behind the store DaemonSet's volume. When set, worker pods mount it at
     ``store_root`` and snapshot into it directly (``TENPLEX_STORE_ROOT``), sharing it with the daemon;
     when empty they upload to the daemon over HTTP."""
+    store_memory_root: str = "/var/lib/tenplex/memory"
+    store_memory_host_path: str = ""
+    """The node tmpfs directory of the store's memory tier (the chart's ``store.memory``). When set (with
+    ``store_host_path``), worker pods mount it at ``store_memory_root``, where the daemon sees it too, and
+    write their snapshots into that memory (``TENPLEX_STORE_MEMORY_ROOT``); empty: no memory tier."""
     worker_image: str = ""
     """Image for workers whose ElasticJob names none (the chart passes its own image)."""
     worker_service_account: str = ""
@@ -83,6 +90,13 @@ class KubernetesSettings:
             raise InvalidConfig(f"{ENV_STORE_ROOT} must be an absolute path, got {self.store_root!r}")
         if self.store_host_path and not self.store_host_path.startswith("/"):
             raise InvalidConfig(f"{ENV_STORE_HOST_PATH} must be an absolute path, got {self.store_host_path!r}")
+        if self.store_memory_host_path and not self.store_memory_host_path.startswith("/"):
+            raise InvalidConfig(f"{ENV_STORE_MEMORY_HOST_PATH} must be an absolute path, got {self.store_memory_host_path!r}")
+        if self.store_memory_host_path and not self.store_memory_root.startswith("/"):
+            raise InvalidConfig(f"{ENV_STORE_MEMORY_ROOT} must be an absolute path, got {self.store_memory_root!r}")
+        if self.store_memory_host_path and not self.store_host_path:
+            raise InvalidConfig(f"{ENV_STORE_MEMORY_HOST_PATH} needs {ENV_STORE_HOST_PATH}: workers write into the "
+                                "memory tier only where they mount the store's directory")
         if self.leader_election and not (
             self.lease_duration_seconds > self.renew_deadline_seconds > 1.2 * self.retry_period_seconds >= 1.2
         ):
@@ -123,6 +137,8 @@ class KubernetesSettings:
             store_port=integer(ENV_STORE_PORT, STORE_PORT),
             store_root=env.get(ENV_STORE_ROOT) or DEFAULT_STORE_ROOT,
             store_host_path=env.get(ENV_STORE_HOST_PATH, ""),
+            store_memory_root=env.get(ENV_STORE_MEMORY_ROOT) or "/var/lib/tenplex/memory",
+            store_memory_host_path=env.get(ENV_STORE_MEMORY_HOST_PATH, ""),
             worker_image=env.get(ENV_WORKER_IMAGE, ""),
             worker_service_account=env.get(ENV_WORKER_SERVICE_ACCOUNT, ""),
             auth_secret=env.get(ENV_AUTH_SECRET, ""),

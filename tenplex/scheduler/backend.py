@@ -15,12 +15,14 @@ import json
 import logging
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -217,6 +219,12 @@ class LocalCluster:
     command on its host (``ip netns exec NS``, ``ssh HOST``), environment for
     its workers, and the directory of its store as its workers see it.
 
+    ``memory_bytes`` gives each started host's daemon a memory tier of that
+    budget (:mod:`tenplex.store.tiers`) in ``memory_root``/<host> (default: a
+    new directory on ``/dev/shm``, removed by :meth:`stop`): the workers,
+    which write into their host's store root directly, then snapshot into that
+    memory, where peers read it at once, and the daemon spills it to disk.
+
     :meth:`watch` keeps every host's ``ready`` flag true to life: a host whose
     daemon process is gone, or whose daemon has not answered ``/healthz`` for
     ``lost_after`` seconds, is lost (and ready again once it answers).
@@ -225,6 +233,9 @@ class LocalCluster:
     root: Path
     token: str | None = None
     gpus_per_host: int = 2
+    memory_bytes: int | None = None
+    memory_root: Path | None = None
+    _own_memory_root: bool = False
     _hosts: dict[str, _LocalHost] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _watch_stop: threading.Event = field(default_factory=threading.Event)
@@ -237,7 +248,7 @@ class LocalCluster:
         port_file = root / "store.port"
         port_file.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "tenplex", "store", "serve", "--root", str(root / "store"),
-               "--host", address, "--port", "0", "--port-file", str(port_file)]
+               "--host", address, "--port", "0", "--port-file", str(port_file), *self._memory_flags(name)]
         env = dict(os.environ)
         if self.token:
             env["TENPLEX_TOKEN"] = self.token
@@ -258,6 +269,22 @@ class LocalCluster:
             self._hosts[name] = _LocalHost(info, root, proc, proc.pid, store_root=root / "store")
         log.info("host %s: store daemon pid %d at %s", name, proc.pid, info.store_url)
         return info
+
+    def _memory_flags(self, name: str) -> list[str]:
+        """The daemon flags of host ``name``'s memory tier (none without ``memory_bytes``)."""
+        if self.memory_bytes is None:
+            if self.memory_root is not None:
+                raise InvalidConfig("a memory tier directory was given without its budget (memory_bytes)")
+            return []
+        if isinstance(self.memory_bytes, bool) or not isinstance(self.memory_bytes, int) or self.memory_bytes < 1:
+            raise InvalidConfig(f"memory_bytes must be a positive number of bytes, got {self.memory_bytes!r}")
+        if self.memory_root is None:
+            shm = Path("/dev/shm")
+            if not (shm.is_dir() and os.access(shm, os.W_OK)):
+                raise InvalidConfig("no memory tier directory given and /dev/shm is not writable here")
+            self.memory_root = shm / f"tenplex-{uuid.uuid4().hex[:12]}"
+            self._own_memory_root = True
+        return ["--memory-root", str(Path(self.memory_root) / name), "--memory-bytes", str(self.memory_bytes)]
 
     def start(self, count: int, *, first_address: int = 2) -> list[HostInfo]:
         """Start ``count`` hosts ``host-0..`` on ``127.0.0.<first_address + i>``."""
@@ -402,6 +429,8 @@ class LocalCluster:
                 except subprocess.TimeoutExpired:
                     _kill_group(h.process.pid, signal.SIGKILL)
                     h.process.wait(timeout=10)
+        if self._own_memory_root and self.memory_root is not None:
+            shutil.rmtree(self.memory_root, ignore_errors=True)  # the tmpfs directory this cluster made
 
 
 def _parse_host(h: Mapping[str, object], index: int, root: Path) -> _LocalHost:

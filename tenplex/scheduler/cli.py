@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tenplex import registry
-from tenplex.core.units import human_bytes
+from tenplex.core.units import human_bytes, parse_bytes
 from tenplex.errors import InvalidInput, StoreUnavailable, TenplexError, error_class
 from tenplex.scheduler.state import DATA_PHASES
 
@@ -44,6 +44,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                             "list of {name, address, store_url, gpus[, store_root, launch_prefix, env]} (README)")
     serve.add_argument("--host-timeout", type=float, default=10.0,
                        help="local backend: a host whose daemon does not answer for this many seconds is lost (default 10)")
+    serve.add_argument("--memory-bytes", type=_size, default=None, metavar="SIZE",
+                       help="local backend: give each started host's store a memory tier of this budget, e.g. 4Gi "
+                            "(snapshots are written there, read by peers from there and spilled to disk)")
+    serve.add_argument("--memory-root", type=Path, default=None, metavar="DIR",
+                       help="local backend: where the hosts' memory tiers live, one directory per host "
+                            "(default: a new directory on /dev/shm)")
     serve.set_defaults(func=_serve)
 
     job = sub.add_parser("job", help="create, inspect, scale and delete jobs through the scheduler's REST API")
@@ -74,12 +80,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     delete.set_defaults(func=_delete)
 
 
+def _size(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _serve(args: argparse.Namespace) -> int:
     from tenplex.scheduler.server import serve, token_from
 
     serve(args.backend, args.state_dir, args.host, args.port, token_from(args.token), hosts=args.hosts,
           gpus_per_host=args.gpus_per_host, port_file=args.port_file, hosts_file=args.hosts_file,
-          host_timeout=args.host_timeout)
+          host_timeout=args.host_timeout, memory_bytes=args.memory_bytes, memory_root=args.memory_root)
     return 0
 
 

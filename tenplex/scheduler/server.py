@@ -25,9 +25,11 @@ log = logging.getLogger(__name__)
 
 
 def local_cluster(state_dir: Path, hosts: int, gpus_per_host: int, token: str | None,
-                  hosts_file: Path | None = None) -> LocalCluster:
+                  hosts_file: Path | None = None, *, memory_bytes: int | None = None,
+                  memory_root: Path | None = None) -> LocalCluster:
     """Start the emulated hosts, or re-attach to them after a scheduler restart, or take the hosts a hosts
-    file describes (their daemons run already; see :meth:`LocalCluster.attach`)."""
+    file describes (their daemons run already; see :meth:`LocalCluster.attach`). ``memory_bytes`` (and
+    ``memory_root``): the started hosts' store memory tier (see :class:`LocalCluster`)."""
     described = state_dir / "cluster.json"
     if described.exists():
         cluster = LocalCluster.attach(state_dir / "cluster", json.loads(described.read_text()), token=token)
@@ -44,7 +46,8 @@ def local_cluster(state_dir: Path, hosts: int, gpus_per_host: int, token: str | 
         save_cluster(state_dir, cluster)
         log.info("%d hosts from %s", len(listed), hosts_file)
         return cluster
-    cluster = LocalCluster(root=state_dir / "cluster", token=token, gpus_per_host=gpus_per_host)
+    cluster = LocalCluster(root=state_dir / "cluster", token=token, gpus_per_host=gpus_per_host,
+                           memory_bytes=memory_bytes, memory_root=memory_root)
     cluster.start(hosts)
     save_cluster(state_dir, cluster)
     return cluster
@@ -60,27 +63,31 @@ def local_scheduler(options: SchedulerOptions) -> Scheduler:
     state_dir = Path(options.state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
     settings = SchedulerSettings(url=options.url, token=options.token, heartbeat_interval=options.heartbeat_interval)
-    cluster = local_cluster(state_dir, options.hosts, options.gpus_per_host, options.token, options.hosts_file)
+    cluster = local_cluster(state_dir, options.hosts, options.gpus_per_host, options.token, options.hosts_file,
+                            memory_bytes=options.memory_bytes, memory_root=options.memory_root)
     backend = LocalBackend(cluster, cwd=Path.cwd(), host_timeout=options.host_timeout)
     return Scheduler(backend, StateDir(state_dir), settings)
 
 
 def build_scheduler(backend_name: str, state_dir: Path, url: str, token: str | None, *, hosts: int = 2,
                     gpus_per_host: int = 2, heartbeat_interval: float = 1.0, hosts_file: Path | None = None,
-                    host_timeout: float = 10.0) -> Scheduler:
+                    host_timeout: float = 10.0, memory_bytes: int | None = None,
+                    memory_root: Path | None = None) -> Scheduler:
     """The scheduler on the registered backend ``backend_name`` (see :func:`tenplex.scheduler.service.build_scheduler`)."""
     return build_service(backend_name, SchedulerOptions(
         state_dir=Path(state_dir), url=url, token=token, heartbeat_interval=heartbeat_interval, hosts=hosts,
-        gpus_per_host=gpus_per_host, hosts_file=hosts_file, host_timeout=host_timeout))
+        gpus_per_host=gpus_per_host, hosts_file=hosts_file, host_timeout=host_timeout, memory_bytes=memory_bytes,
+        memory_root=memory_root))
 
 
 def serve(backend_name: str, state_dir: Path, host: str, port: int, token: str | None, *, hosts: int,
           gpus_per_host: int, port_file: Path | None = None, hosts_file: Path | None = None,
-          host_timeout: float = 10.0) -> None:
+          host_timeout: float = 10.0, memory_bytes: int | None = None, memory_root: Path | None = None) -> None:
     sock = bind_socket(host, port)
     url = url_for(host, sock.getsockname()[1])
     scheduler = build_scheduler(backend_name, state_dir, url, token, hosts=hosts, gpus_per_host=gpus_per_host,
-                                hosts_file=hosts_file, host_timeout=host_timeout)
+                                hosts_file=hosts_file, host_timeout=host_timeout, memory_bytes=memory_bytes,
+                                memory_root=memory_root)
     recovered = scheduler.recover()
     if recovered:
         log.info("resumed jobs: %s", ", ".join(recovered))
@@ -97,8 +104,10 @@ class LocalScheduler:
     """A scheduler and its emulated hosts inside this process (the REST server runs in a thread)."""
 
     def __init__(self, state_dir: Path, *, hosts: int = 3, gpus_per_host: int = 2, token: str | None = None,
-                 heartbeat_interval: float = 0.5) -> None:
+                 heartbeat_interval: float = 0.5, memory_bytes: int | None = None) -> None:
         self.state_dir = Path(state_dir)
+        self._memory_bytes = memory_bytes
+        """Each emulated host's store memory tier budget (on /dev/shm), None: none."""
         self.token = token
         self._sock_host = "127.0.0.1"
         self._hosts = hosts
@@ -112,7 +121,8 @@ class LocalScheduler:
         sock = bind_socket(self._sock_host, 0)
         url = url_for(self._sock_host, sock.getsockname()[1])
         self.scheduler = build_scheduler("local", self.state_dir, url, self.token, hosts=self._hosts,
-                                         gpus_per_host=self._gpus, heartbeat_interval=self._heartbeat)
+                                         gpus_per_host=self._gpus, heartbeat_interval=self._heartbeat,
+                                         memory_bytes=self._memory_bytes)
         self.scheduler.recover()
         self.server = BackgroundServer(create_app(self.scheduler, token=self.token), sock=sock).start()
         return self

@@ -46,6 +46,10 @@ class SchedulerOptions:
     """Local backend: hosts whose store daemons run already, instead of starting ``hosts``."""
     host_timeout: float = 10.0
     """Local backend: a host whose daemon does not answer for this long is lost."""
+    memory_bytes: int | None = None
+    """Local backend: each emulated host's store keeps this many bytes of versions in a memory tier."""
+    memory_root: Path | None = None
+    """Local backend: the directory (on tmpfs) under which the emulated hosts' memory tiers live."""
 
 
 SchedulerFactory = Callable[[SchedulerOptions], "Scheduler"]

@@ -20,13 +20,14 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from tenplex.errors import InvalidInput
-from tenplex.store.base import RegionRead, TensorStore
+from tenplex.store.base import RegionRead, SnapshotBuffers, TensorStore
 from tenplex.store.client import StoreClient
 from tenplex.store.locations import SCHEMES
 from tenplex.store.model import Manifest, ShardInfo, VersionInfo
 
 
-def open_store(location: str | Path, token: str | None = None, *, options: Mapping[str, Any] | None = None) -> TensorStore:
+def open_store(location: str | Path, token: str | None = None, *, options: Mapping[str, Any] | None = None,
+               memory_root: str | Path | None = None) -> TensorStore:
     """The store at ``location``, by its address:
 
     - a daemon's ``http(s)://`` URL: a :class:`StoreClient` with ``token`` (default ``$TENPLEX_TOKEN``);
@@ -34,7 +35,8 @@ def open_store(location: str | Path, token: str | None = None, *, options: Mappi
       :class:`~tenplex.store.persistent.PersistentStore` with connection ``options`` (endpoint, region,
       credentials; the AWS environment variables fill in the rest);
     - a directory on this machine, as a path: the node store there, a :class:`~tenplex.store.local.LocalStore`
-      (what a ``LocalStore``'s ``url`` is).
+      (what a ``LocalStore``'s ``url`` is); it uses the memory tier its daemon recorded there, at
+      ``memory_root`` when given (the tier's directory as this process sees it).
 
     ``token`` serves only daemons and ``options`` only persistent locations. Each implementation is imported
     here when it is asked for, and why: the local and persistent stores load zarr (and obstore), which a
@@ -57,7 +59,7 @@ def open_store(location: str | Path, token: str | None = None, *, options: Mappi
         raise InvalidInput("store location is empty: give an http(s):// URL, a persistent location or a directory")
     from tenplex.store.local import LocalStore
 
-    return LocalStore(text)
+    return LocalStore(text, memory_root=memory_root)
 
 
-__all__ = ["Manifest", "RegionRead", "ShardInfo", "StoreClient", "TensorStore", "VersionInfo", "open_store"]
+__all__ = ["Manifest", "RegionRead", "ShardInfo", "SnapshotBuffers", "StoreClient", "TensorStore", "VersionInfo", "open_store"]

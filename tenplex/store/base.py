@@ -57,6 +57,36 @@ class RegionRead:
     out: Any  # np.ndarray | torch.Tensor, C-contiguous, shape region.shape
 
 
+class SnapshotBuffers(ABC):
+    """Host buffers a snapshot copies a rank's shards into, which the store then keeps without another copy.
+
+    What :meth:`TensorStore.snapshot_buffers` gives a snapshotting worker where
+    the store can do it (a node store with a memory tier: the buffers are its
+    memory files, see :class:`~tenplex.store.tiers.MemorySlots`). Per shard:
+    :meth:`acquire` a buffer, fill it (the blocking copy-out), then
+    :meth:`store` it into an uncommitted version (in the background). A buffer
+    stored into a version is never handed out again while that version holds it.
+    """
+
+    @abstractmethod
+    def acquire(self, tensor: str, region: Region, dtype: str, nbytes: int) -> np.ndarray:
+        """A writable, page-aligned ``uint8`` array of ``nbytes`` for the shard ``region`` of ``tensor``."""
+
+    @abstractmethod
+    def store(self, version: Version | str, tensor: str, region: Region, dtype: str, global_shape: Sequence[int], *,
+              crc: int | None = None) -> ShardInfo:
+        """Put the shard's acquired buffer into ``version`` (uncommitted) of the job as the shard ``region``;
+        ``crc``: the buffer's crc32c when the caller computed it already (else it is computed here)."""
+
+    def prepare(self) -> int:
+        """Get buffers ready for the next snapshot (in a background thread, after :meth:`store`); how many were made."""
+        return 0
+
+    @abstractmethod
+    def close(self) -> None:
+        """Let the buffers go (versions that hold some keep them)."""
+
+
 class TensorStore(ABC):
     """A node's tensor store: shards of tensors, per job and version, with atomic commits.
 
@@ -169,6 +199,12 @@ class TensorStore(ABC):
     def delete(self, job: str, version: Version | str) -> None:
         """Remove a version, committed or not (:class:`~tenplex.errors.NotFound` when it is not here); it
         never looks committed and partial on the way."""
+
+    def snapshot_buffers(self, job: str) -> SnapshotBuffers | None:
+        """Buffers in this store that a snapshot of ``job`` can copy into and then store without copying again,
+        or None where the store has none (the default: the snapshot keeps host buffers of its own and writes
+        them with :meth:`write_shard`)."""
+        return None
 
     # -- lifetime -------------------------------------------------------------
 

@@ -61,6 +61,16 @@ def register(sub: argparse._SubParsersAction) -> None:
                             "environment only (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN)")
     serve.add_argument("--s3-region", metavar="REGION", default=None,
                        help="region of that store (default $AWS_REGION, else us-east-1)")
+    serve.add_argument("--memory-root", default=None, metavar="DIR",
+                       help="memory tier: a tmpfs directory (e.g. /dev/shm/tenplex) where new versions are written, "
+                            "served from and spilled to --root in the background (needs --memory-bytes)")
+    serve.add_argument("--memory-bytes", type=_size, default=None, metavar="SIZE",
+                       help="memory tier budget, e.g. 16Gi: versions beyond it evict the oldest spilled ones or go to disk")
+    serve.add_argument("--evict-grace", type=float, default=None, metavar="SECONDS",
+                       help="memory tier: how long an evicted version's memory files stay for reads in flight (default 2)")
+    serve.add_argument("--spill-interval", type=float, default=0.0, metavar="SECONDS",
+                       help="memory tier: spill each job's newest version to disk at most this often; the versions in "
+                            "between stay in memory only (default 0: every version, as soon as it is committed)")
     serve.set_defaults(func=_serve)
 
     ls = cmds.add_parser("ls", help="list the jobs of a store daemon, or the versions of one job")
@@ -132,6 +142,10 @@ def _serve(args: argparse.Namespace) -> int:
         transforms=transforms,
         uploads=uploads,
         log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
+        memory_root=args.memory_root,
+        memory_bytes=args.memory_bytes,
+        evict_grace_s=args.evict_grace,
+        spill_interval_s=args.spill_interval,
     )
     return 0
 
@@ -159,10 +173,11 @@ def _ls(args: argparse.Namespace) -> int:
             console.print(table)
             return 0
         table = Table(title=f"versions of {args.job} in {args.url}")
-        for col in ("version", "step", "generation", "committed", "bytes"):
+        for col in ("version", "step", "generation", "committed", "durable", "in memory", "bytes"):
             table.add_column(col, justify="left" if col == "version" else "right")
         for vi in client.versions(args.job):
-            table.add_row(str(vi.version), str(vi.version.step), str(vi.version.generation), "yes" if vi.committed else "no", human_bytes(vi.nbytes))
+            table.add_row(str(vi.version), str(vi.version.step), str(vi.version.generation), "yes" if vi.committed else "no",
+                          "yes" if vi.durable else "no", "yes" if vi.in_memory else "no", human_bytes(vi.nbytes))
         console.print(table)
     return 0
 

@@ -52,6 +52,7 @@ import logging
 import math
 import os
 import shutil
+import socket
 import sys
 import threading
 import time
@@ -59,7 +60,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -68,6 +69,7 @@ import zarr
 import zarr.storage
 from zarr.core.buffer.cpu import NDBuffer
 
+from tenplex.core.units import human_bytes
 from tenplex.core.version import Version
 from tenplex.errors import (
     ChecksumMismatch,
@@ -108,6 +110,21 @@ from tenplex.store.rawchunks import (
     checksum_runs,
     direct_writes_work,
 )
+from tenplex.store.tiers import (
+    DEFAULT_EVICT_GRACE_S,
+    DEFAULT_SPILL_POLL_S,
+    MemorySlots,
+    MemoryTier,
+    Spiller,
+    check_memory_fs,
+    copy_plain,
+    copy_verified,
+    flocked,
+    matches,
+    recorded_tier,
+    slot_owner_dead,
+    take_ownership,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -119,6 +136,10 @@ CHUNK_CRCS = "tenplex_chunk_crc32c"  # attribute: each chunk file's crc32c, chun
 _COMMITS = ".commits"
 _STAGING = ".staging"
 _LOCK = ".lock"
+_CLAIMS = ".claims"  # memory tier: bytes claimed by the writers of each uncommitted version
+_EVICTING = ".evicting"  # memory tier: markers of evicted versions, until their files are removed
+_BUDGET_LOCK = ".budget.lock"  # memory tier: flock for placements, claims and evictions
+_BUFFERS = ".buffers"  # memory tier: snapshot buffers of the writers (tenplex.store.tiers.MemorySlots)
 _PIECE_BYTES = 32 << 20  # bounded buffers for streamed writes and verification
 _MAX_PIECE_BYTES = 256 << 20  # ... grown up to this to hold whole bands of chunks
 _ZARR_CONFIG = {"write_empty_chunks": True}
@@ -189,6 +210,7 @@ class TensorReader:
         shards: list[_StoredShard],
         executor: Executor | None = None,
         map_chunks: bool = True,
+        in_memory: bool = False,
     ) -> None:
         if not shards:
             raise NotFound(f"tensor {tensor!r} has no shards in version {version} of job {job!r}")
@@ -204,6 +226,8 @@ class TensorReader:
         self._lock = threading.Lock()
         self._executor = executor
         self._map_chunks = map_chunks
+        self.in_memory = in_memory
+        """Whether the shards are read from the store's memory tier (see :mod:`tenplex.store.tiers`)."""
 
     @property
     def shards(self) -> list[ShardInfo]:
@@ -358,6 +382,8 @@ class ShardWriter:
     layout: ChunkLayout
     pieces: list[Region]
     raw: RawChunkWriter | None = None
+    in_memory: bool = False
+    """Whether ``staging`` is in the memory tier (where the version was placed when the writer opened)."""
     _zarr: zarr.Array | None = None
     _next: int = 0
     _crc: int = 0
@@ -412,7 +438,7 @@ class ShardWriter:
                 attributes[CHUNK_CRCS] = chunk_crcs
             with open(self.staging / "zarr.json", "w", encoding="utf-8") as f:
                 f.write(json.dumps(self.layout.metadata(attributes), separators=(",", ":")))
-            self.store._install(self.job, self.version, info, self.staging)
+            self.store._install(self.job, self.version, info, self.staging, self.in_memory)
         except BaseException:
             shutil.rmtree(self.staging, ignore_errors=True)
             raise
@@ -439,6 +465,29 @@ class LocalStore(TensorStore):
     ``direct_writes`` (default, where the file system allows it) writes
     chunk files with ``O_DIRECT``, past the page cache: see
     :class:`~tenplex.store.rawchunks.RawChunkWriter` for why and what it measured.
+
+    **Memory tier** (:mod:`tenplex.store.tiers`). With a memory root (a tmpfs
+    directory, same layout as the root) and a budget, new versions are written
+    there while they fit the budget, committed there (a marker, no fsync: not
+    durable yet) and read from there, peers included; the one *owner* of the
+    tier (``spill=True``: the node daemon) copies each committed memory version
+    to the disk root in the background (every chunk file checked against its
+    recorded crc32c, synced, then the disk marker: now durable) and records the
+    tier in the root, so that other processes opening the root (workers writing
+    snapshots directly) use the same memory root and budget. When a version
+    needs room, the oldest versions that are on disk already are evicted from
+    memory (their reads go to disk; their files go after ``evict_grace_s``). A
+    version that does not fit even then is written to disk, as without a tier.
+    :meth:`versions` and :meth:`manifest` say which versions are durable.
+    Within a tier, kept shards are hard links; across tiers they are copied.
+
+    - ``memory_root`` with ``memory_bytes``: this tier (the owner's, or one of
+      this process's own when the root records none).
+    - ``memory_root`` alone: the root's recorded tier at this path (a container
+      that mounts it elsewhere); without a record the tier is not used (its
+      daemon would neither serve nor spill what is written there), with a warning.
+    - neither: the root's recorded tier, if any. ``spill=True`` without
+      ``memory_root`` records that the root has none.
     """
 
     def __init__(
@@ -451,6 +500,12 @@ class LocalStore(TensorStore):
         read_threads: int = 1,
         map_chunks: bool = True,
         direct_writes: bool = True,
+        memory_root: str | Path | None = None,
+        memory_bytes: int | None = None,
+        spill: bool = False,
+        evict_grace_s: float | None = None,
+        spill_poll_s: float = DEFAULT_SPILL_POLL_S,
+        spill_interval_s: float = 0.0,
     ) -> None:
         if chunk_bytes < 64:
             raise InvalidInput(f"chunk_bytes must be at least 64, got {chunk_bytes}")
@@ -470,8 +525,60 @@ class LocalStore(TensorStore):
         self.map_chunks = map_chunks
         self.direct_writes = direct_writes and direct_writes_work(self.root)
 
+        self.memory: MemoryTier | None = self._memory_tier(memory_root, memory_bytes, evict_grace_s, owner=spill)
+        self._mroot: Path | None = self.memory.root if self.memory is not None else None
+        self._marker_sizes: dict[Path, tuple[int, int, int]] = {}
+        self._slot_sets: list[MemorySlots] = []
+        self._spiller: Spiller | None = None
+        if spill and self.memory is not None:
+            self._spiller = Spiller(self, poll_s=spill_poll_s, interval_s=spill_interval_s).start()
+            log.info("memory tier of %s: %s, budget %s", self.root, self.memory.root, human_bytes(self.memory.budget))
+
+    @property
+    def spiller(self) -> Spiller | None:
+        """This process's spiller (the memory tier's owner has one), if any."""
+        return self._spiller
+
+    def _memory_tier(self, memory_root: str | Path | None, memory_bytes: int | None, grace: float | None, *,
+                     owner: bool) -> MemoryTier | None:
+        if memory_bytes is not None and memory_root is None:
+            raise InvalidInput("memory_bytes needs memory_root (the memory tier's directory)")
+        grace_s = DEFAULT_EVICT_GRACE_S if grace is None else grace
+        if owner:
+            if memory_root is None:
+                take_ownership(self.root, None)
+                return None
+            if memory_bytes is None:
+                raise InvalidInput("the owner of a memory tier (spill=True) needs memory_bytes, its budget")
+            mroot = Path(memory_root)
+            mroot.mkdir(parents=True, exist_ok=True)
+            check_memory_fs(mroot)
+            return take_ownership(self.root, MemoryTier(mroot.resolve(), memory_bytes, grace_s))
+        recorded = recorded_tier(self.root)
+        if recorded is None:
+            if memory_root is None:
+                return None
+            if memory_bytes is None:
+                log.warning("%s records no memory tier (its daemon runs without one): writing to disk, not to %s",
+                            self.root, memory_root)
+                return None
+            mroot = Path(memory_root)
+            mroot.mkdir(parents=True, exist_ok=True)
+            return MemoryTier(mroot.resolve(), memory_bytes, grace_s)
+        tier = MemoryTier(
+            Path(memory_root).resolve() if memory_root is not None else recorded.root,
+            memory_bytes if memory_bytes is not None else recorded.budget,
+            recorded.evict_grace_s if grace is None else grace,
+            recorded.tier_id,
+        )
+        if not matches(tier):
+            log.warning("%s is not the memory root that %s records (a reboot emptied it, or another mount): "
+                        "writing to disk only", tier.root, self.root)
+            return None
+        return tier
+
     def __repr__(self) -> str:
-        return f"LocalStore({str(self.root)!r})"
+        return f"LocalStore({str(self.root)!r})" if self._mroot is None else f"LocalStore({str(self.root)!r}, memory {str(self._mroot)!r})"
 
     def _read_pool(self) -> ThreadPoolExecutor | None:
         """Threads that read the chunks of one large region in parallel (the copies release the GIL).
@@ -487,11 +594,18 @@ class LocalStore(TensorStore):
             return self._pool
 
     def close(self) -> None:
-        """Stop the read threads (the store stays usable; they restart on demand)."""
+        """Stop the read threads, the spiller and this process's snapshot buffers (the store stays usable for
+        reads and writes; read threads restart on demand)."""
         with self._cache_lock:
             pool, self._pool = self._pool, None
+            slot_sets, self._slot_sets = self._slot_sets, []
         if pool is not None:
             pool.shutdown(wait=True)
+        spiller, self._spiller = self._spiller, None
+        if spiller is not None:
+            spiller.stop()
+        for slots in slot_sets:
+            slots.close()
 
     # -- paths and locks ----------------------------------------------------
 
@@ -506,12 +620,37 @@ class LocalStore(TensorStore):
         return self.root / _STAGING / check_job(job)
 
     def _marker(self, job: str, version: Version) -> Path:
+        """The disk commit marker: the version is committed and durable."""
         return self._job_dir(job) / _COMMITS / f"{version}.json"
+
+    def _mem(self) -> Path:
+        assert self._mroot is not None
+        return self._mroot
+
+    def _mjob(self, job: str) -> Path:
+        return self._mem() / check_job(job)
+
+    def _mvdir(self, job: str, version: Version) -> Path:
+        return self._mjob(job) / str(version)
+
+    def _mmarker(self, job: str, version: Version) -> Path:
+        """The memory commit marker: the version is committed in memory (durable once the disk marker exists)."""
+        return self._mjob(job) / _COMMITS / f"{version}.json"
+
+    def _mclaim(self, job: str, version: Version) -> Path:
+        return self._mjob(job) / _CLAIMS / f"{version}.json"
+
+    def _mevicting(self, job: str, version: Version) -> Path:
+        return self._mjob(job) / _EVICTING / f"{version}.json"
+
+    def _mstaging(self, job: str) -> Path:
+        return self._mem() / _STAGING / check_job(job)
 
     @contextlib.contextmanager
     def _locked(self, job: str, *, create: bool = False) -> Iterator[None]:
+        """The job's lock (in the disk root, for both tiers). Lock order: the budget lock before any job's."""
         job_dir = self._job_dir(job)
-        if create:
+        if create or (self._mroot is not None and self._mjob(job).is_dir()):
             job_dir.mkdir(parents=True, exist_ok=True)
         elif not job_dir.is_dir():
             raise NotFound(f"job {job!r} is not in this store")
@@ -522,8 +661,492 @@ class LocalStore(TensorStore):
         finally:
             os.close(fd)  # closing releases the flock
 
+    def _budget_locked(self) -> contextlib.AbstractContextManager[None]:
+        """The memory tier's lock: placements, claims and evictions, across the processes sharing the tier."""
+        return flocked(self._mem() / _BUDGET_LOCK)
+
     def _is_committed(self, job: str, version: Version) -> bool:
-        return self._marker(job, version).is_file()
+        return self._marker(job, version).is_file() or (self._mroot is not None and self._mmarker(job, version).is_file())
+
+    def _committed_dir(self, job: str, version: Version) -> tuple[Path, bool] | None:
+        """(directory, in memory) of a committed version, read from memory while it is there; None if not committed."""
+        if self._mroot is not None and self._mmarker(job, version).is_file():
+            return self._mvdir(job, version), True
+        if self._marker(job, version).is_file():
+            return self._version_dir(job, version), False
+        return None
+
+    def _working_dir(self, job: str, version: Version) -> tuple[Path, bool]:
+        """(directory, in memory) of an uncommitted version: the tier it was placed in (disk when in none)."""
+        if self._mroot is not None:
+            mdir = self._mvdir(job, version)
+            if mdir.is_dir() and not self._mevicting(job, version).exists():
+                return mdir, True
+        return self._version_dir(job, version), False
+
+    def _job_exists(self, job: str) -> bool:
+        return self._job_dir(job).is_dir() or (self._mroot is not None and self._mjob(job).is_dir())
+
+    # -- the memory budget ----------------------------------------------------
+
+    def _memory_jobs(self) -> list[str]:
+        if self._mroot is None:
+            return []
+        try:
+            entries = os.listdir(self._mroot)
+        except FileNotFoundError:
+            return []
+        out = []
+        for entry in entries:
+            if entry.startswith("."):
+                continue
+            try:
+                out.append(check_job(entry))
+            except InvalidInput:
+                continue
+        return out
+
+    def _marker_nbytes(self, marker: Path) -> int | None:
+        """A commit marker's byte count (markers are immutable: parsed once per file), None when it is absent."""
+        try:
+            st = os.stat(marker)
+        except FileNotFoundError:
+            return None
+        cached = self._marker_sizes.get(marker)
+        if cached is not None and cached[0] == st.st_ino and cached[1] == st.st_mtime_ns:
+            return cached[2]
+        try:
+            with open(marker, encoding="utf-8") as f:
+                nbytes = int(json.load(f)["nbytes"])
+        except FileNotFoundError:
+            return None
+        if len(self._marker_sizes) > 4096:
+            self._marker_sizes.clear()
+        self._marker_sizes[marker] = (st.st_ino, st.st_mtime_ns, nbytes)
+        return nbytes
+
+    def _read_claim(self, job: str, version: Version) -> tuple[int, int] | None:
+        """(bytes reserved, bytes claimed by its writers) of an uncommitted memory version, if recorded."""
+        try:
+            with open(self._mclaim(job, version), encoding="utf-8") as f:
+                obj = json.load(f)
+            return int(obj["reserved"]), int(obj["used"])
+        except FileNotFoundError:
+            return None
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("ignoring the damaged claim of %s of job %s: %s", version, job, exc)
+            return None
+
+    def _write_claim(self, job: str, version: Version, reserved: int, used: int) -> None:
+        path = self._mclaim(job, version)
+        path.parent.mkdir(exist_ok=True)
+        _write_json_atomic(path, {"reserved": reserved, "used": used}, durable=False)
+
+    def memory_used(self) -> int:
+        """Bytes of the memory tier's versions: committed ones (their manifests) and those being written
+        (what their writers reserved or claimed, the larger). Evicted versions no longer count."""
+        total = 0
+        for job in self._memory_jobs():
+            try:
+                names = os.listdir(self._mjob(job))
+            except FileNotFoundError:
+                continue
+            for name in names:
+                if name.startswith("."):
+                    continue
+                try:
+                    v = Version.parse(name)
+                except InvalidInput:
+                    continue
+                n = self._marker_nbytes(self._mmarker(job, v))
+                if n is None:
+                    claim = self._read_claim(job, v)
+                    n = max(claim) if claim is not None else 0
+                total += n
+        return total
+
+    def _predicted_bytes(self, job: str) -> int:
+        """The size of the job's newest committed version here: what its next version will most likely need."""
+        best: tuple[Version, Path] | None = None
+        dirs = [self._job_dir(job) / _COMMITS] + ([self._mjob(job) / _COMMITS] if self._mroot is not None else [])
+        for cdir in dirs:
+            try:
+                names = os.listdir(cdir)
+            except FileNotFoundError:
+                continue
+            for name in names:
+                if name.startswith(".") or not name.endswith(".json"):
+                    continue
+                try:
+                    v = Version.parse(name[:-5])
+                except InvalidInput:
+                    continue
+                if best is None or v > best[0]:
+                    best = (v, cdir / name)
+        if best is None:
+            return 0
+        return self._marker_nbytes(best[1]) or 0
+
+    def _memory_versions(self, *, spilled: bool | None = None) -> list[tuple[float, str, Version]]:
+        """(commit time, job, version) of the versions committed in memory, oldest first; with ``spilled``,
+        only those with (True) or without (False) a disk copy."""
+        out = []
+        for job in self._memory_jobs():
+            cdir = self._mjob(job) / _COMMITS
+            try:
+                names = os.listdir(cdir)
+            except FileNotFoundError:
+                continue
+            for name in names:
+                if name.startswith(".") or not name.endswith(".json"):
+                    continue
+                try:
+                    v = Version.parse(name[:-5])
+                    mtime = os.stat(cdir / name).st_mtime
+                except (InvalidInput, FileNotFoundError):
+                    continue
+                if spilled is None or self._marker(job, v).is_file() == spilled:
+                    out.append((mtime, job, v))
+        out.sort()
+        return out
+
+    def _make_room(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more fit the budget, evicting the oldest spilled versions as needed (budget lock held)."""
+        assert self.memory is not None
+        budget = self.memory.budget
+        if nbytes > budget:
+            return False
+        used = self.memory_used()
+        if used + nbytes <= budget:
+            return True
+        for _mtime, job, v in self._memory_versions(spilled=True):
+            freed = self._evict(job, v)
+            if freed is not None:
+                used -= freed
+                if used + nbytes <= budget:
+                    return True
+        return False
+
+    def _evict(self, job: str, version: Version) -> int | None:
+        """Take a spilled version out of memory: reads go to its disk copy from now on; its memory files are
+        removed after the grace period (:meth:`reap_evicted`). Its bytes, or None when it is not evictable."""
+        with self._locked(job):
+            marker, disk = self._mmarker(job, version), self._marker(job, version)
+            if not (marker.is_file() and disk.is_file()):
+                return None
+            nbytes = self._marker_nbytes(marker) or 0
+            record = self._mevicting(job, version)
+            record.parent.mkdir(exist_ok=True)
+            os.rename(marker, record)
+            os.utime(record)  # the grace period runs from now
+        self._drop_cached(job, version)
+        log.info("evicted version %s of job %s from memory (%s); it is read from disk now", version, job, human_bytes(nbytes))
+        return nbytes
+
+    def _place(self, job: str, version: Version, nbytes: int) -> bool:
+        """Where ``nbytes`` more of an uncommitted version go: True for memory (claimed in the budget), False for disk.
+
+        A version lives in one tier. Its first writer places it: in memory when
+        the job's last version (or these bytes, if more) fits the budget after
+        evicting what is spilled already, else on disk (pinned there by its
+        directory). Writers of a memory version claim their bytes; a claim the
+        budget cannot hold moves the version to disk (:meth:`_demote`).
+        """
+        if self._mroot is None:
+            return False
+        with self._budget_locked():
+            with self._locked(job, create=True):
+                if self._is_committed(job, version):
+                    raise Conflict(f"version {version} of job {job!r} is committed; committed versions are immutable")
+                vdir, in_memory = self._working_dir(job, version)
+                exists = vdir.is_dir()
+                claim = self._read_claim(job, version) if in_memory else None
+            if exists and not in_memory:
+                return False
+            if not exists:
+                want = max(nbytes, self._predicted_bytes(job))
+                fits = self._make_room(want)
+                with self._locked(job, create=True):
+                    if fits:
+                        _write_group(self._mvdir(job, version), {"job": job, "version": str(version)})
+                        self._write_claim(job, version, want, nbytes)
+                    else:
+                        _write_group(self._version_dir(job, version), {"job": job, "version": str(version)})
+                if not fits:
+                    log.info("version %s of job %s (%s expected) does not fit the memory budget (%s): written to disk",
+                             version, job, human_bytes(want), human_bytes(self.memory.budget if self.memory else 0))
+                return fits
+            reserved, used = claim if claim is not None else (0, 0)
+            extra = max(reserved, used + nbytes) - max(reserved, used)
+            if extra and not self._make_room(extra):
+                self._demote(job, version)
+                return False
+            with self._locked(job, create=True):
+                self._write_claim(job, version, reserved, used + nbytes)
+            return True
+
+    def _demote(self, job: str, version: Version) -> None:
+        """Move an uncommitted memory version to disk: it outgrew the budget (budget lock held)."""
+        trash = None
+        with self._locked(job):
+            mdir = self._mvdir(job, version)
+            if mdir.is_dir():
+                staging = self._staging(job) / f"demote-{uuid.uuid4().hex}"
+                staging.parent.mkdir(parents=True, exist_ok=True)
+                _copy_tree(mdir, staging)
+                vdir = self._version_dir(job, version)
+                if vdir.exists():
+                    old = self._staging(job) / f"replaced-{uuid.uuid4().hex}"
+                    os.rename(vdir, old)
+                    shutil.rmtree(old, ignore_errors=True)
+                os.rename(staging, vdir)
+                trash = self._mstaging(job) / f"deleted-{version}-{uuid.uuid4().hex}"
+                trash.parent.mkdir(parents=True, exist_ok=True)
+                os.rename(mdir, trash)
+            self._mclaim(job, version).unlink(missing_ok=True)
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
+        log.info("version %s of job %s outgrew the memory budget while being written: moved to disk", version, job)
+
+    # -- spilling and evicting ------------------------------------------------
+
+    def unspilled(self) -> list[tuple[str, Version]]:
+        """(job, version) of the versions committed in memory without a disk copy, newest first."""
+        return [(job, v) for _t, job, v in reversed(self._memory_versions(spilled=False))]
+
+    def spill(self, job: str, version: Version | str) -> int | None:
+        """Copy a version committed in memory to disk and make that copy its durable one; its bytes, or None
+        when there was nothing to do (not in memory, spilled already, deleted meanwhile).
+
+        Every chunk file is checksummed as it is written and compared with the
+        crc32c recorded when it was written (shards without recorded chunk
+        checksums are checked whole, read back); a mismatch stops the spill.
+        The copy is synced, renamed into place and then the disk marker is
+        written, so a crash leaves either no durable copy or a complete one.
+        Chunk files shared by hard links with another version already spilled
+        (a transform kept the shard) are linked to that version's disk copy.
+        """
+        if self._mroot is None:
+            return None
+        v = check_version(version)
+        marker, disk_marker = self._mmarker(job, v), self._marker(job, v)
+        try:
+            with open(marker, encoding="utf-8") as f:
+                manifest = Manifest.from_json(json.load(f))
+        except FileNotFoundError:
+            return None
+        if disk_marker.is_file():
+            return None
+        staging = self._staging(job) / f"spill-{uuid.uuid4().hex}"
+        staging.parent.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        try:
+            try:
+                copied = self._spill_copy(job, v, staging)
+            except FileNotFoundError:  # deleted (or its files disappeared) while being copied
+                if not marker.is_file():
+                    return None
+                raise
+            if self.durable:
+                _sync_tree(staging)
+            with self._locked(job):
+                if not marker.is_file() or disk_marker.is_file():
+                    return None
+                vdir = self._version_dir(job, v)
+                if vdir.exists():  # what a spill killed before its marker left
+                    old = self._staging(job) / f"replaced-{uuid.uuid4().hex}"
+                    os.rename(vdir, old)
+                    shutil.rmtree(old, ignore_errors=True)
+                os.rename(staging, vdir)
+                if self.durable:
+                    _fsync_path(vdir.parent, directory=True)
+                disk_marker.parent.mkdir(exist_ok=True)
+                _write_json_atomic(disk_marker, replace(manifest, durable=True).to_json(), durable=self.durable)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        log.info("spilled version %s of job %s to disk: %s (%s copied) in %.2f s; durable", v, job,
+                 human_bytes(manifest.nbytes), human_bytes(copied), time.perf_counter() - t0)
+        return manifest.nbytes
+
+    def _spill_copy(self, job: str, version: Version, dst: Path) -> int:
+        """Copy the memory version's tree to ``dst`` on disk, verifying every shard; bytes copied (not linked)."""
+        src = self._mvdir(job, version)
+        # older versions in memory and on disk: their disk files are where hard-linked (kept) shards go
+        spilled = [(self._mvdir(job, w), self._version_dir(job, w)) for _t, j, w in self._memory_versions(spilled=True)
+                   if j == job and w != version]
+        dst.mkdir(parents=True, exist_ok=True)
+        copy_plain(src / "zarr.json", dst / "zarr.json")
+        copied = 0
+        for tname in sorted(os.listdir(src)):
+            tsrc = src / tname
+            if not tsrc.is_dir():
+                continue
+            (dst / tname).mkdir()
+            copy_plain(tsrc / "zarr.json", dst / tname / "zarr.json")
+            for sname in sorted(os.listdir(tsrc)):
+                if (tsrc / sname).is_dir():
+                    copied += self._spill_shard(job, version, tsrc / sname, dst / tname / sname, f"{tname}/{sname}", spilled)
+        return copied
+
+    def _spill_shard(self, job: str, version: Version, src: Path, dst: Path, rel: str,
+                     spilled: Sequence[tuple[Path, Path]]) -> int:
+        meta, rec = _read_meta(src)
+        info = ShardInfo.from_json(rec)
+        layout = ChunkLayout.from_metadata(meta)
+        crcs = meta["attributes"].get(CHUNK_CRCS)
+        expected: dict[str, int] = {}
+        if layout is not None and isinstance(crcs, list) and len(crcs) == len(layout.chunk_coords()):
+            expected = {layout.chunk_key(c): int(crc) for c, crc in zip(layout.chunk_coords(), crcs, strict=True)}
+        copied = 0
+        for dirpath, _dirs, files in os.walk(src):
+            here = Path(dirpath)
+            sub = os.path.relpath(dirpath, src)
+            out = dst / sub
+            out.mkdir(parents=True, exist_ok=True)
+            for name in files:
+                key = name if sub == "." else f"{sub}/{name}"
+                if key == "zarr.json":
+                    copy_plain(here / name, out / name)
+                elif not _link_kept(here / name, f"{rel}/{key}", spilled, out / name):
+                    copy_verified(here / name, out / name, expected.get(key), direct=self.direct_writes)
+                    copied += os.stat(out / name).st_size
+        if not expected:  # written through zarr (no chunk checksums): check the copy whole
+            stored = _StoredShard(info, dst, layout, None)
+            problem = _damage(TensorReader(job, version, info.tensor, False, [stored]), stored, info.region)
+            if problem is not None:
+                raise ChecksumMismatch(f"spilling {info.tensor!r} {info.region.format()} of {version} of job {job!r}: "
+                                       f"{problem}: the memory copy is damaged")
+        return copied
+
+    def reap_evicted(self) -> int:
+        """Remove the memory files of evicted versions whose grace period has passed; how many versions."""
+        if self.memory is None:
+            return 0
+        now = time.time()
+        done = 0
+        for job in self._memory_jobs():
+            edir = self._mjob(job) / _EVICTING
+            try:
+                names = os.listdir(edir)
+            except FileNotFoundError:
+                continue
+            for name in names:
+                if name.startswith(".") or not name.endswith(".json"):
+                    continue
+                try:
+                    v = Version.parse(name[:-5])
+                    if os.stat(edir / name).st_mtime + self.memory.evict_grace_s > now:
+                        continue
+                except (InvalidInput, FileNotFoundError):
+                    continue
+                trash = None
+                with self._locked(job):
+                    record = self._mevicting(job, v)
+                    if not record.is_file():
+                        continue
+                    mdir = self._mvdir(job, v)
+                    if mdir.is_dir():
+                        trash = self._mstaging(job) / f"deleted-{v}-{uuid.uuid4().hex}"
+                        trash.parent.mkdir(parents=True, exist_ok=True)
+                        os.rename(mdir, trash)
+                    record.unlink()
+                if trash is not None:
+                    shutil.rmtree(trash, ignore_errors=True)
+                done += 1
+        return done
+
+    def memory_stats(self) -> dict[str, float]:
+        """The memory tier now: budget, bytes used, versions committed there, how many of them are not durable
+        and ``spill_lag``: seconds since the oldest of those was committed (0 when all are durable)."""
+        if self.memory is None:
+            return {}
+        versions = self._memory_versions()
+        unspilled = [t for t, job, v in versions if not self._marker(job, v).is_file()]
+        return {"budget": self.memory.budget, "used": self.memory_used(), "versions": len(versions),
+                "unspilled": len(unspilled), "spill_lag": max(0.0, time.time() - min(unspilled)) if unspilled else 0.0}
+
+    # -- snapshot buffers ---------------------------------------------------------
+
+    def snapshot_buffers(self, job: str) -> MemorySlots | None:
+        """With a memory tier: buffers in it that a snapshot copies into and then stores without copying again
+        (:class:`~tenplex.store.tiers.MemorySlots`); None without one."""
+        if self._mroot is None or sys.byteorder != "little":
+            return None
+        owner = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        slots = MemorySlots(self, check_job(job), self._mem() / _BUFFERS / check_job(job) / owner)
+        with self._cache_lock:
+            self._slot_sets.append(slots)
+        return slots
+
+    def adopt_slot(self, job: str, version: Version | str, tensor: str, region: Region, dtype: str,
+                   global_shape: Sequence[int], path: Path, data: np.ndarray, *, crc: int | None = None) -> ShardInfo:
+        """Store a snapshot buffer (:class:`~tenplex.store.tiers.MemorySlots`: the memory file ``path``, mapped
+        as ``data``) as the shard ``region`` of ``tensor``: hard-linked as the shard's one chunk file when the
+        version is in memory, else written from ``data`` like any shard. ``crc``: the buffer's crc32c when the
+        writer computed it already (the snapshot does, to find unchanged shards); else computed here."""
+        v = check_version(version)
+        check_tensor(tensor)
+        check_dtype(dtype)
+        gshape = tuple(int(n) for n in global_shape)
+        region.check_within(gshape)
+        st = storage_dtype(dtype)
+        nbytes = region.volume * st.itemsize
+        arr = data[:nbytes].view(st).reshape(region.shape)
+        if region.empty or not region.shape or sys.byteorder != "little" or not self._place_for_slot(job, v, tensor, dtype, gshape, nbytes):
+            return self.write_shard(job, v, tensor, region, arr, dtype=dtype, global_shape=gshape)
+        if crc is None:
+            crc = crc_of(arr)
+        info = ShardInfo(tensor, region, dtype, gshape, format_checksum(crc), nbytes)
+        layout = ChunkLayout(region.shape, region.shape, st)
+        staging = self._mstaging(job) / f"shard-{uuid.uuid4().hex}"
+        try:
+            staging.mkdir()
+        except FileNotFoundError:
+            staging.parent.mkdir(parents=True, exist_ok=True)
+            staging.mkdir()
+        try:
+            os.link(path, staging / layout.chunk_key((0,) * len(region.shape)))
+            with open(staging / "zarr.json", "w", encoding="utf-8") as f:
+                f.write(json.dumps(layout.metadata({ATTR: info.to_json(), CHUNK_CRCS: [crc]}), separators=(",", ":")))
+            self._install(job, v, info, staging, True)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        return info
+
+    def _place_for_slot(self, job: str, v: Version, tensor: str, dtype: str, gshape: tuple[int, ...], nbytes: int) -> bool:
+        if self._is_committed(job, v):
+            raise Conflict(f"version {v} of job {job!r} is committed; committed versions are immutable")
+        self._check_tensor_consistent(job, v, tensor, dtype, gshape)
+        return self._place(job, v, nbytes)
+
+    def reap_dead_slots(self) -> int:
+        """Remove the snapshot buffers of writers that are gone (their lock is free); versions keep their links."""
+        if self._mroot is None:
+            return 0
+        base = self._mem() / _BUFFERS
+        done = 0
+        try:
+            jobs = os.listdir(base)
+        except FileNotFoundError:
+            return 0
+        for job in jobs:
+            try:
+                owners = os.listdir(base / job)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            for owner in owners:
+                d = base / job / owner
+                try:
+                    young = time.time() - os.stat(d).st_mtime < 60
+                except FileNotFoundError:
+                    continue
+                if not (d / ".lock").exists() and young:
+                    continue  # being created
+                if slot_owner_dead(d):
+                    shutil.rmtree(d, ignore_errors=True)
+                    done += 1
+        return done
 
     # -- writing ------------------------------------------------------------
 
@@ -555,10 +1178,11 @@ class LocalStore(TensorStore):
         if self._is_committed(job, v):
             raise Conflict(f"version {v} of job {job!r} is committed; committed versions are immutable")
         self._check_tensor_consistent(job, v, tensor, dtype, gshape)
-
-        staging_root = self._staging(job)
-        staging = staging_root / f"shard-{uuid.uuid4().hex}"
         st = storage_dtype(dtype)
+        in_memory = self._place(job, v, region.volume * st.itemsize)
+
+        staging_root = self._mstaging(job) if in_memory else self._staging(job)
+        staging = staging_root / f"shard-{uuid.uuid4().hex}"
         chunks = chunk_shape(region.shape, st.itemsize, self.chunk_bytes)
         layout = ChunkLayout(region.shape, chunks, st)
         try:
@@ -569,9 +1193,10 @@ class LocalStore(TensorStore):
         # a piece must hold whole bands of chunks, or zarr reads back and rewrites chunks it already wrote
         band = chunks[0] * math.prod(region.shape[1:]) * st.itemsize if chunks else st.itemsize
         pieces = list(slabs(region.shape, st.itemsize, max(piece_bytes, min(band, _MAX_PIECE_BYTES)), align=chunks))
-        # chunk files are the raw little-endian elements (what ChunkLayout.metadata declares) on a little-endian host
-        raw = RawChunkWriter(staging, layout, direct=self.direct_writes) if sys.byteorder == "little" else None
-        return ShardWriter(self, job, v, tensor, region, dtype, gshape, staging, layout, pieces, raw)
+        # chunk files are the raw little-endian elements (what ChunkLayout.metadata declares) on a little-endian
+        # host; memory files are written through the page cache (they are page cache: O_DIRECT is only a detour)
+        raw = RawChunkWriter(staging, layout, direct=self.direct_writes and not in_memory) if sys.byteorder == "little" else None
+        return ShardWriter(self, job, v, tensor, region, dtype, gshape, staging, layout, pieces, raw, in_memory)
 
     def write_shard(
         self,
@@ -605,8 +1230,8 @@ class LocalStore(TensorStore):
             raise
 
     def _check_tensor_consistent(self, job: str, version: Version, tensor: str, dtype: str, gshape: tuple[int, ...]) -> None:
-        tdir = self._version_dir(job, version) / tensor_dirname(tensor)
-        for shard in self._scan_tensor(tdir, tensor, limit=1):
+        vdir, _in_memory = self._working_dir(job, version)
+        for shard in self._scan_tensor(vdir / tensor_dirname(tensor), tensor, limit=1):
             if shard.info.dtype != dtype or shard.info.global_shape != gshape:
                 raise Conflict(
                     f"tensor {tensor!r} in version {version} of job {job!r} is already stored as {shard.info.dtype} "
@@ -630,6 +1255,8 @@ class LocalStore(TensorStore):
         ``verify`` first checks the old shard against its checksum (one read
         pass, no write), so that a shard damaged on disk is not carried into
         the new version: :class:`ChecksumMismatch`, and the caller fetches a replica.
+        With a memory tier, links are made within a tier; a shard of a version
+        in the other tier is copied (its bytes read and written once, locally).
         """
         reader = self.open_tensor(job, from_version, tensor)
         src = reader._stored_shard(region)
@@ -646,14 +1273,19 @@ class LocalStore(TensorStore):
             problem = _damage(reader, src, region)
             if problem is not None:
                 raise ChecksumMismatch(
-                    f"shard {tensor!r} {region.format()!r} of version {reader.version} of job {job!r} in {self.root}: "
-                    f"{problem}: it is damaged on disk"
+                    f"shard {tensor!r} {region.format()!r} of version {reader.version} of job {job!r} in "
+                    f"{self._mroot if reader.in_memory else self.root}: {problem}: it is damaged "
+                    + ("in memory" if reader.in_memory else "on disk")
                 )
-        staging = self._staging(job) / f"shard-{uuid.uuid4().hex}"
+        in_memory = self._place(job, v, info.nbytes)
+        staging = (self._mstaging(job) if in_memory else self._staging(job)) / f"shard-{uuid.uuid4().hex}"
         staging.parent.mkdir(parents=True, exist_ok=True)
         try:
-            _link_tree(src.path, staging)
-            self._install(job, v, info, staging)
+            if reader.in_memory == in_memory:
+                _link_tree(src.path, staging)
+            else:
+                _copy_tree(src.path, staging)
+            self._install(job, v, info, staging, in_memory)
         except FileNotFoundError:
             shutil.rmtree(staging, ignore_errors=True)
             raise NotFound(
@@ -664,25 +1296,38 @@ class LocalStore(TensorStore):
             raise
         return info
 
-    def _install(self, job: str, version: Version, info: ShardInfo, staging: Path) -> None:
-        """Rename a complete shard from staging into its version, replacing an earlier copy of the same region."""
+    def _install(self, job: str, version: Version, info: ShardInfo, staging: Path, staged_in_memory: bool = False) -> None:
+        """Rename a complete shard from staging into its version, replacing an earlier copy of the same region.
+
+        The version is in one tier (see :meth:`_place`); a shard staged in the
+        other one (the version moved to disk while it was being written) is
+        copied across first.
+        """
         # No fsync here: an uncommitted version is never served as committed, and a crash before the
         # commit leaves it for the writer to redo. Durability is established once, at commit.
-        vdir = self._version_dir(job, version)
-        tdir = vdir / tensor_dirname(info.tensor)
-        target = tdir / region_key(info.region)
+        old = None
         with self._locked(job, create=True):
             if self._is_committed(job, version):
                 raise Conflict(
                     f"version {version} of job {job!r} was committed while shard "
                     f"{info.tensor!r} {info.region.format()!r} was being written"
                 )
+            vdir, in_memory = self._working_dir(job, version)
+            if not vdir.is_dir() and staged_in_memory and self._mroot is not None:
+                vdir, in_memory = self._mvdir(job, version), True  # deleted meanwhile: made anew where it was staged
+            if in_memory != staged_in_memory:
+                moved = (self._mstaging(job) if in_memory else self._staging(job)) / f"shard-{uuid.uuid4().hex}"
+                moved.parent.mkdir(parents=True, exist_ok=True)
+                _copy_tree(staging, moved)
+                shutil.rmtree(staging, ignore_errors=True)
+                staging = moved
+            tdir = vdir / tensor_dirname(info.tensor)
+            target = tdir / region_key(info.region)
             self._check_tensor_consistent(job, version, info.tensor, info.dtype, info.global_shape)
             if not (vdir / "zarr.json").is_file():
                 _write_group(vdir, {"job": job, "version": str(version)})
             if not (tdir / "zarr.json").is_file():
                 _write_group(tdir, {"tensor": info.tensor})
-            old = None
             if target.exists():
                 old = staging.with_name(f"replaced-{uuid.uuid4().hex}")
                 os.rename(target, old)
@@ -718,7 +1363,8 @@ class LocalStore(TensorStore):
         return out
 
     def cached_tensor(self, job: str, version: Version, tensor: str) -> TensorReader | None:
-        """The cached reader of a committed version's tensor, or None; no file system access.
+        """The cached reader of a committed version's tensor, or None; no file system access for a version on
+        disk, one ``stat`` for one in memory (still there, not evicted: else None).
 
         What :meth:`open_tensor` would return from its cache: the server looks
         here first so that a read of a committed version needs no thread hop
@@ -729,7 +1375,15 @@ class LocalStore(TensorStore):
             cached = self._cache.get(key)
             if cached is not None:
                 self._cache.move_to_end(key)
-            return cached
+        if cached is not None and cached.in_memory and not self._mmarker(job, version).is_file():
+            self._drop_cached(job, version)  # evicted (by this or another process): read from disk from now on
+            return None
+        return cached
+
+    def _drop_cached(self, job: str, version: Version) -> None:
+        with self._cache_lock:
+            for key in [k for k in self._cache if k[0] == job and k[1] == version]:
+                del self._cache[key]
 
     def open_tensor(self, job: str, version: Version | str, tensor: str, *, committed_only: bool = True) -> TensorReader:
         """A reader for one tensor; :class:`NotFound` for an unknown job, version or tensor."""
@@ -739,18 +1393,26 @@ class LocalStore(TensorStore):
         cached = self.cached_tensor(job, v, tensor)
         if cached is not None:
             return cached
-        vdir = self._version_dir(job, v)
+        found = self._committed_dir(job, v)
+        if found is not None:
+            vdir, in_memory = found
+            committed = True
+        else:
+            vdir, in_memory = self._working_dir(job, v)
+            committed = self._is_committed(job, v)  # committed (or spilled) meanwhile
+            if committed:
+                return self.open_tensor(job, v, tensor, committed_only=committed_only)
         if not vdir.is_dir():
-            if not self._job_dir(job).is_dir():
+            if not self._job_exists(job):
                 raise NotFound(f"job {job!r} is not in this store")
             raise NotFound(f"version {v} of job {job!r} is not in this store")
-        committed = self._is_committed(job, v)
         if committed_only and not committed:
             raise NotFound(f"version {v} of job {job!r} is not committed (it is being written or was torn)")
         shards = self._scan_tensor(vdir / tensor_dirname(tensor), tensor)
         if not shards:
             raise NotFound(f"tensor {tensor!r} is not in version {v} of job {job!r}")
-        reader = TensorReader(job, v, tensor, committed, shards, self._read_pool(), map_chunks=self.map_chunks)
+        reader = TensorReader(job, v, tensor, committed, shards, self._read_pool(), map_chunks=self.map_chunks,
+                              in_memory=in_memory)
         if committed:
             with self._cache_lock:
                 self._cache[(job, v, tensor)] = reader
@@ -801,18 +1463,27 @@ class LocalStore(TensorStore):
         Raises :class:`StateLost` when the shards here do not cover it. With ``verify``, a region that is
         exactly a stored shard is checked against its recorded crc32c after the read (one pass over the
         bytes just copied, still in the cache): the check the daemon's client makes of the bytes it is sent.
+        A version evicted from memory while it was being read is read again from disk.
         """
         reader = self.open_tensor(job, version, tensor, committed_only=not uncommitted)
         if not isinstance(region, Region):
             raise InvalidInput(f"region must be a Region, got {type(region).__name__}")
         with host_buffer(out, reader.dtype, what=f"output buffer for {tensor!r}") as view:
-            reader.read(region, view)
+            try:
+                reader.read(region, view)
+            except NotFound:
+                if not (reader.in_memory and reader.committed):
+                    raise
+                self._drop_cached(job, reader.version)  # evicted and removed meanwhile: its disk copy is durable
+                reader = self.open_tensor(job, reader.version, tensor)
+                reader.read(region, view)
             shard = reader.exact_shard(region) if verify else None
             if shard is not None and format_checksum(crc_of(view)) != shard.checksum:
                 raise ChecksumMismatch(
                     f"tensor {tensor!r} region {region.format()!r} of version {reader.version} of job {job!r} in "
-                    f"{self.root} read back with crc32c {format_checksum(crc_of(view))}, recorded {shard.checksum}: "
-                    "it is damaged on disk"
+                    f"{self._mroot if reader.in_memory else self.root} read back with crc32c "
+                    f"{format_checksum(crc_of(view))}, recorded {shard.checksum}: it is damaged "
+                    + ("in memory" if reader.in_memory else "on disk")
                 )
 
     def read_regions(self, job: str, version: Version | str, reads: Sequence[RegionRead], *, verify: bool = True) -> None:
@@ -824,8 +1495,7 @@ class LocalStore(TensorStore):
 
     # -- versions -----------------------------------------------------------
 
-    def _scan_manifest(self, job: str, version: Version, committed: bool) -> Manifest:
-        vdir = self._version_dir(job, version)
+    def _scan_manifest(self, job: str, version: Version, vdir: Path, committed: bool, *, durable: bool = False) -> Manifest:
         shards: list[ShardInfo] = []
         try:
             entries = sorted(os.listdir(vdir))
@@ -836,96 +1506,132 @@ class LocalStore(TensorStore):
                 continue
             tensor = tensor_from_dirname(name)
             shards.extend(s.info for s in self._scan_tensor(vdir / name, tensor))
-        return Manifest(job, version, committed, shards)
+        return Manifest(job, version, committed, shards, durable)
 
     def manifest(self, job: str, version: Version | str) -> Manifest:
+        """Everything this store holds of one version; ``durable`` once it is committed on disk."""
         v = check_version(version)
         check_job(job)
-        marker = self._marker(job, v)
-        try:
-            with open(marker, encoding="utf-8") as f:
-                return Manifest.from_json(json.load(f))
-        except FileNotFoundError:
-            pass
-        if not self._job_dir(job).is_dir():
+        markers = [self._marker(job, v)] + ([self._mmarker(job, v)] if self._mroot is not None else [])
+        for marker in markers:
+            try:
+                with open(marker, encoding="utf-8") as f:
+                    return Manifest.from_json(json.load(f))
+            except FileNotFoundError:
+                pass
+        if not self._job_exists(job):
             raise NotFound(f"job {job!r} is not in this store")
-        return self._scan_manifest(job, v, committed=False)
+        vdir, _in_memory = self._working_dir(job, v)
+        if self._is_committed(job, v):  # committed while we looked
+            return self.manifest(job, v)
+        return self._scan_manifest(job, v, vdir, committed=False)
 
     def jobs(self) -> list[str]:
-        out = []
+        out = set()
         for entry in sorted(os.listdir(self.root)):
             if entry.startswith(".") or not (self.root / entry).is_dir():
                 continue
             try:
-                out.append(check_job(entry))
+                out.add(check_job(entry))
             except InvalidInput:
                 log.warning("ignoring %s: not a job directory of this store", self.root / entry)
-        return out
+        out.update(self._memory_jobs())
+        return sorted(out)
 
     def _version_names(self, job: str) -> list[Version]:
-        jdir = self._job_dir(job)
-        if not jdir.is_dir():
+        dirs = [self._job_dir(job)] + ([self._mjob(job)] if self._mroot is not None else [])
+        if not any(d.is_dir() for d in dirs):
             raise NotFound(f"job {job!r} is not in this store")
         found = set()
-        for entry in os.listdir(jdir):
-            if entry.startswith(".") or not (jdir / entry).is_dir():
-                continue
+        for jdir in dirs:
             try:
-                found.add(Version.parse(entry))
-            except InvalidInput:
-                log.warning("ignoring %s: not a version directory", jdir / entry)
+                entries = os.listdir(jdir)
+            except FileNotFoundError:
+                continue
+            for entry in entries:
+                if entry.startswith(".") or not (jdir / entry).is_dir():
+                    continue
+                try:
+                    found.add(Version.parse(entry))
+                except InvalidInput:
+                    log.warning("ignoring %s: not a version directory", jdir / entry)
         return sorted(found)
 
     def versions(self, job: str) -> list[VersionInfo]:
-        """All versions of a job here, committed or not, ordered by (step, generation)."""
+        """All versions of a job here, committed or not, ordered by (step, generation); which are durable
+        (committed on disk) and which are in memory."""
         out = []
         for v in self._version_names(job):
             try:
                 m = self.manifest(job, v)
             except NotFound:
                 continue  # deleted while we looked
-            out.append(VersionInfo(v, m.committed, m.nbytes))
+            if self._mroot is None:
+                in_memory = False
+            elif m.committed:
+                in_memory = self._mmarker(job, v).is_file()
+            else:
+                in_memory = self._working_dir(job, v)[1]
+            out.append(VersionInfo(v, m.committed, m.nbytes, durable=m.committed and m.durable, in_memory=in_memory))
         return out
 
     def commit(self, job: str, version: Version | str) -> Manifest:
-        """Make a version visible as committed, atomically; a no-op on a committed version."""
+        """Make a version visible as committed, atomically; a no-op on a committed version.
+
+        A version on disk is synced first and committed durable; a version in
+        memory is committed by its marker there (readable now, durable once
+        the daemon's spiller has copied it to disk).
+        """
         v = check_version(version)
         with self._locked(job):
-            marker = self._marker(job, v)
-            if marker.is_file():
+            if self._is_committed(job, v):
                 return self.manifest(job, v)
-            vdir = self._version_dir(job, v)
+            vdir, in_memory = self._working_dir(job, v)
             if not vdir.is_dir():
                 raise NotFound(f"version {v} of job {job!r} is not in this store; nothing to commit")
-            manifest = self._scan_manifest(job, v, committed=True)
-            if self.durable:
-                _sync_tree(vdir)
-            marker.parent.mkdir(exist_ok=True)
-            _write_json_atomic(marker, manifest.to_json(), durable=self.durable)
-        log.info("committed version %s of job %s: %d shards, %d bytes", v, job, len(manifest.shards), manifest.nbytes)
+            manifest = self._scan_manifest(job, v, vdir, committed=True, durable=not in_memory)
+            if in_memory:
+                marker = self._mmarker(job, v)
+                marker.parent.mkdir(exist_ok=True)
+                _write_json_atomic(marker, manifest.to_json(), durable=False)
+                self._mclaim(job, v).unlink(missing_ok=True)
+            else:
+                if self.durable:
+                    _sync_tree(vdir)
+                marker = self._marker(job, v)
+                marker.parent.mkdir(exist_ok=True)
+                _write_json_atomic(marker, manifest.to_json(), durable=self.durable)
+        if in_memory and self._spiller is not None:
+            self._spiller.wake()
+        log.info("committed version %s of job %s%s: %d shards, %d bytes", v, job, " in memory" if in_memory else "",
+                 len(manifest.shards), manifest.nbytes)
         return manifest
 
     def delete(self, job: str, version: Version | str) -> None:
-        """Remove a version (committed or not): the marker first, then the data, so it never looks committed and partial."""
+        """Remove a version (committed or not) from both tiers: the markers first, then the data, so it never
+        looks committed and partial."""
         v = check_version(version)
-        trash = None
+        trash: list[Path] = []
         with self._locked(job):
-            marker = self._marker(job, v)
-            vdir = self._version_dir(job, v)
-            if not marker.exists() and not vdir.exists():
+            markers = [self._marker(job, v)]
+            dirs = [(self._version_dir(job, v), self._staging(job))]
+            if self._mroot is not None:
+                markers += [self._mmarker(job, v), self._mevicting(job, v), self._mclaim(job, v)]
+                dirs.append((self._mvdir(job, v), self._mstaging(job)))
+            if not any(m.exists() for m in markers) and not any(d.exists() for d, _s in dirs):
                 raise NotFound(f"version {v} of job {job!r} is not in this store")
-            if vdir.exists():
-                trash = self._staging(job) / f"deleted-{v}-{uuid.uuid4().hex}"
-                trash.parent.mkdir(parents=True, exist_ok=True)
-            with contextlib.suppress(FileNotFoundError):
-                marker.unlink()
-            if trash is not None:
-                os.rename(vdir, trash)
-        with self._cache_lock:
-            for key in [k for k in self._cache if k[0] == job and k[1] == v]:
-                del self._cache[key]
-        if trash is not None:
-            shutil.rmtree(trash, ignore_errors=True)
+            for marker in markers:
+                with contextlib.suppress(FileNotFoundError):
+                    marker.unlink()
+            for vdir, staging in dirs:
+                if vdir.exists():
+                    t = staging / f"deleted-{v}-{uuid.uuid4().hex}"
+                    t.parent.mkdir(parents=True, exist_ok=True)
+                    os.rename(vdir, t)
+                    trash.append(t)
+        self._drop_cached(job, v)
+        for t in trash:
+            shutil.rmtree(t, ignore_errors=True)
         log.info("deleted version %s of job %s", v, job)
 
     def gc(self, job: str, keep_last: int, *, stale_staging_s: float = 3600.0) -> list[Version]:
@@ -934,7 +1640,8 @@ class LocalStore(TensorStore):
         Uncommitted versions newer than every committed one may still be being
         written and are kept. Also clears leftovers of killed writers: deleted
         or replaced copies, and shards left in staging that nothing has
-        written to for ``stale_staging_s`` seconds.
+        written to for ``stale_staging_s`` seconds; and removes evicted memory
+        versions whose grace period has passed.
         """
         if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
             raise InvalidInput(f"keep_last must be an integer >= 1 (the newest committed version is never collected), got {keep_last!r}")
@@ -950,14 +1657,16 @@ class LocalStore(TensorStore):
         for v in doomed:
             with contextlib.suppress(NotFound):
                 self.delete(job, v)
-        self._clean_staging(job, stale_staging_s)
+        self._clean_staging(self._staging(job), stale_staging_s)
+        if self._mroot is not None:
+            self._clean_staging(self._mstaging(job), stale_staging_s)
+            self.reap_evicted()
         if doomed:
             log.info("gc of job %s deleted %s", job, ", ".join(map(str, doomed)))
         return doomed
 
-    def _clean_staging(self, job: str, stale_s: float) -> None:
-        """Remove deleted versions, replaced shards and abandoned partial shards left by crashes."""
-        staging = self._staging(job)
+    def _clean_staging(self, staging: Path, stale_s: float) -> None:
+        """Remove deleted versions, replaced shards and abandoned partial shards, spills and moves left by crashes."""
         if not staging.is_dir():
             return
         now = time.time()
@@ -965,8 +1674,8 @@ class LocalStore(TensorStore):
             path = staging / entry
             if entry.startswith(("deleted-", "replaced-")):
                 shutil.rmtree(path, ignore_errors=True)
-            elif entry.startswith("shard-") and now - _newest_mtime(path) > stale_s:
-                log.info("removing %s: a partial shard nothing has written to for %.0f s", path, now - _newest_mtime(path))
+            elif entry.startswith(("shard-", "spill-", "demote-")) and now - _newest_mtime(path) > stale_s:
+                log.info("removing %s: a partial write nothing has written to for %.0f s", path, now - _newest_mtime(path))
                 shutil.rmtree(path, ignore_errors=True)
 
     def verify(self, job: str, version: Version | str) -> list[str]:
@@ -989,6 +1698,22 @@ class LocalStore(TensorStore):
         return self.manifest(job, version).nbytes
 
 
+def _link_kept(src: Path, rel: str, spilled: Sequence[tuple[Path, Path]], dst: Path) -> bool:
+    """Link ``dst`` to the disk copy of a spilled version whose memory file is ``src``'s very file (a shard a
+    transform kept by a hard link): the same bytes, verified when that version was spilled."""
+    ino = os.stat(src).st_ino
+    for mdir, ddir in spilled:
+        try:
+            if os.stat(mdir / rel).st_ino == ino:
+                os.link(ddir / rel, dst)
+                return True
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        except OSError:  # no hard links there: copy
+            return False
+    return False
+
+
 def _newest_mtime(path: Path) -> float:
     """Latest modification time of anything under ``path`` (a partial shard being written keeps changing)."""
     newest = 0.0
@@ -1007,6 +1732,17 @@ def _damage(reader: TensorReader, shard: _StoredShard, region: Region) -> str | 
         return RawChunkReader(shard.path, shard.layout).verify_chunks(shard.chunk_crcs)
     crc = format_checksum(reader.checksum(region))
     return None if crc == shard.info.checksum else f"crc32c {crc}, recorded {shard.info.checksum}"
+
+
+def _copy_tree(src: Path, dst: Path) -> None:
+    """Recreate the directory tree ``src`` at ``dst`` with copies of its files (a shard moving between tiers)."""
+    if not src.is_dir():
+        raise FileNotFoundError(src)
+    for dirpath, _dirs, files in os.walk(src):
+        out = dst / os.path.relpath(dirpath, src)
+        out.mkdir(parents=True, exist_ok=True)
+        for name in files:
+            shutil.copyfile(os.path.join(dirpath, name), out / name)
 
 
 def _link_tree(src: Path, dst: Path) -> None:

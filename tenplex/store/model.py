@@ -72,12 +72,18 @@ class ShardInfo:
 
 @dataclass(frozen=True, slots=True)
 class Manifest:
-    """Everything one node's store holds of one version of one job."""
+    """Everything one node's store holds of one version of one job.
+
+    ``durable``: the version is committed on the node's disk (it survives a crash or reboot of the node).
+    A version committed only in the node's memory tier (:mod:`tenplex.store.tiers`) is readable by
+    peers at once but ``durable`` only once it has been spilled to disk.
+    """
 
     job: str
     version: Version
     committed: bool
     shards: list[ShardInfo] = field(default_factory=list)
+    durable: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -95,6 +101,7 @@ class Manifest:
             "job": self.job,
             "version": str(self.version),
             "committed": self.committed,
+            "durable": self.durable,
             "nbytes": self.nbytes,
             "shards": [s.to_json() for s in self.shards],
         }
@@ -102,11 +109,14 @@ class Manifest:
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> Manifest:
         try:
+            committed = bool(obj["committed"])
             return cls(
                 job=str(obj["job"]),
                 version=Version.parse(str(obj["version"])),
-                committed=bool(obj["committed"]),
+                committed=committed,
                 shards=[ShardInfo.from_json(s) for s in obj["shards"]],
+                # written before the memory tier: every committed version was on disk
+                durable=bool(obj.get("durable", committed)),
             )
         except (KeyError, TypeError) as exc:
             raise InvalidInput(f"manifest is malformed: missing or bad field {exc}") from None
@@ -114,16 +124,25 @@ class Manifest:
 
 @dataclass(frozen=True, slots=True)
 class VersionInfo:
+    """One version of a job in one node's store: committed (readable), durable (committed on the node's
+    disk: it survives a crash of the node) and where it is (``in_memory``: in the node's memory tier,
+    read from there; it may be on disk too)."""
+
     version: Version
     committed: bool
     nbytes: int
+    durable: bool = False
+    in_memory: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        return {"version": str(self.version), "committed": self.committed, "nbytes": self.nbytes}
+        return {"version": str(self.version), "committed": self.committed, "nbytes": self.nbytes,
+                "durable": self.durable, "in_memory": self.in_memory}
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> VersionInfo:
         try:
-            return cls(Version.parse(str(obj["version"])), bool(obj["committed"]), int(obj["nbytes"]))
+            committed = bool(obj["committed"])
+            return cls(Version.parse(str(obj["version"])), committed, int(obj["nbytes"]),
+                       durable=bool(obj.get("durable", committed)), in_memory=bool(obj.get("in_memory", False)))
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidInput(f"version record {obj!r} is malformed: {exc}") from None

@@ -111,11 +111,18 @@ class WorkerSetup:
 
 def node_store(env: Mapping[str, str], store_url: str, token: str | None) -> TensorStore:
     """The node-local store as this worker reaches it best: its root directory when the backend mounted
-    it here (``TENPLEX_STORE_ROOT``, shared with the daemon), else the daemon at ``store_url``."""
+    it here (``TENPLEX_STORE_ROOT``, shared with the daemon), else the daemon at ``store_url``.
+
+    With the root, the store uses the memory tier its daemon recorded there, at
+    ``TENPLEX_STORE_MEMORY_ROOT`` when set (the tier's directory as mounted here):
+    snapshots are then written into the node's memory."""
     root = env.get(p.ENV_STORE_ROOT, "")
     if root and os.path.isdir(root):
-        log.info("node store at %s (direct, shared with the daemon at %s)", root, store_url)
-        return open_store(root)
+        memory = env.get(p.ENV_STORE_MEMORY_ROOT) or None
+        store = open_store(root, memory_root=memory)
+        log.info("node store at %s (direct, shared with the daemon at %s)%s", root, store_url,
+                 f"; memory tier {memory or 'as recorded there'}" if getattr(store, "memory", None) is not None else "")
+        return store
     if root:
         log.warning("%s=%s is not a directory here; using the store daemon at %s", p.ENV_STORE_ROOT, root, store_url)
     return open_store(store_url, token)
@@ -399,7 +406,7 @@ class ElasticWorker:
     def finish(self, detail: str | None = None) -> int:
         """Join the last snapshot, report the exit, stop heartbeats; returns the process exit code."""
         try:
-            self.snapshotter.wait()
+            self.snapshotter.close()
         except Exception as exc:
             log.error("rank %d: the last snapshot failed: %s", self.setup.rank, exc)
             self.status, detail = "failed", f"snapshot failed: {exc}"

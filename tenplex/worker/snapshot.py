@@ -8,6 +8,14 @@ background thread writes the copies into the node-local store as version
 the copy. Calling ``snapshot`` again, or :meth:`Snapshotter.wait`, joins the
 previous write and raises its error, if any.
 
+Where the node store has a memory tier (a worker writing into the node's
+store root directly, :mod:`tenplex.store.tiers`), the host buffers are the
+store's own memory files (:meth:`~tenplex.store.TensorStore.snapshot_buffers`):
+the copy-out lands where the version's shards will be, and the background
+write only links the files into the version and records their checksums, so
+the version is committed (readable by peers) a checksum pass after the copy,
+and the node's daemon makes it durable on disk later.
+
 Which rank writes what: a shard held by several devices of one host (data-
 parallel replicas on one node) is written once, by the lowest device id on
 that host that holds it (known from the PTC, so no coordination is needed).
@@ -51,7 +59,7 @@ from tenplex.core.buffers import aligned_empty
 from tenplex.core.version import Version
 from tenplex.errors import InvalidConfig, NotFound, TenplexError
 from tenplex.ptc import PTC, DatasetState, Region, TensorKind
-from tenplex.store import TensorStore
+from tenplex.store import SnapshotBuffers, TensorStore
 from tenplex.store.buffers import crc_of
 from tenplex.store.model import format_checksum
 from tenplex.worker import trainer_state
@@ -67,6 +75,8 @@ class _Copy:
     global_shape: tuple[int, ...]
     dtype: str
     data: torch.Tensor
+    in_store: bool = False
+    """``data`` is one of the store's snapshot buffers: stored by a link, not written."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +96,9 @@ class SnapshotResult:
     shards_linked: int = 0
     """Shards unchanged since this rank's previous snapshot, linked from it instead of written."""
     bytes_linked: int = 0
+    readable_seconds: float | None = None
+    """From the snapshot call (the step's end) to this rank's commit, when it committed: the time until
+    peers can read the version on this host."""
 
 
 class Snapshotter:
@@ -96,6 +109,8 @@ class Snapshotter:
     finished :class:`SnapshotResult` (e.g. to report it to the scheduler).
     The writer thread runs ``writer_nice`` steps nicer than training, so
     that where CPU cores are scarce the write waits, not the next step.
+    ``store_buffers`` (default) copies into the store's snapshot buffers where
+    it offers them (a memory tier); :meth:`close` lets them go.
     """
 
     def __init__(
@@ -109,6 +124,7 @@ class Snapshotter:
         check: bool = True,
         writer_nice: int = 10,
         write_concurrency: int = 4,
+        store_buffers: bool = True,
     ) -> None:
         if write_concurrency < 1:
             raise InvalidConfig(f"write_concurrency must be >= 1, got {write_concurrency}")
@@ -137,6 +153,9 @@ class Snapshotter:
                 self._mine.add((t.name, s.region))
         self._layout_checked = False
         self._buffers: dict[tuple[str, Region], torch.Tensor] = {}
+        self._use_store_buffers = store_buffers
+        self._store_buffers: SnapshotBuffers | None = None
+        self._store_buffers_asked = False
         self._written: dict[tuple[str, Region], tuple[Version, str]] = {}
         """(tensor, region) -> the version this rank last stored it in and its recorded checksum."""
 
@@ -166,13 +185,17 @@ class Snapshotter:
         if self._check and not self._layout_checked:
             check_layout(pieces, self.ptc, self.rank)
             self._layout_checked = True
+        buffers = self._buffers_of_store()
         copies = []
         for piece in pieces:
             if (piece.name, piece.region) not in self._mine:
                 continue
-            buf = self._staging_buffer(piece.name, piece.region, piece.local)
+            buf = self._store_buffer(buffers, piece) if buffers is not None else None
+            in_store = buf is not None
+            if buf is None:
+                buf = self._staging_buffer(piece.name, piece.region, piece.local)
             buf.copy_(piece.local.detach(), non_blocking=buf.is_pinned())  # non-blocking ones: synced below
-            copies.append(_Copy(piece.name, piece.region, piece.global_shape, piece.dtype, buf))
+            copies.append(_Copy(piece.name, piece.region, piece.global_shape, piece.dtype, buf, in_store))
         _sync_copies(pieces)
         missing = self._mine - {(c.name, c.region) for c in copies}
         if missing:
@@ -193,10 +216,40 @@ class Snapshotter:
         copy_s = time.perf_counter() - t0
         consumed = dataset.consumed_samples if dataset is not None else None
         self._thread = threading.Thread(
-            target=self._write, args=(version, copies, record, copy_s, consumed), name=f"tenplex-snapshot-{version}", daemon=True
+            target=self._write, args=(version, copies, record, copy_s, consumed, t0), name=f"tenplex-snapshot-{version}",
+            daemon=True,
         )
         self._thread.start()
         return version
+
+    def _buffers_of_store(self) -> SnapshotBuffers | None:
+        if not self._store_buffers_asked:
+            self._store_buffers_asked = True
+            if self._use_store_buffers:
+                self._store_buffers = self.store.snapshot_buffers(self.job)
+                if self._store_buffers is not None:
+                    log.info("rank %d snapshots into the node store's memory tier", self.rank)
+        return self._store_buffers
+
+    @staticmethod
+    def _store_buffer(buffers: SnapshotBuffers, piece: Any) -> torch.Tensor | None:
+        """The store's buffer for one host tensor (None for accelerator tensors: they keep pinned buffers of
+        their own, and for empty and 0-d ones: nothing to save there)."""
+        local = piece.local
+        if local.device.type != "cpu" or local.numel() == 0 or local.dim() == 0:
+            return None
+        nbytes = local.numel() * local.element_size()
+        arr = buffers.acquire(piece.name, piece.region, piece.dtype, nbytes)
+        return torch.from_numpy(arr).view(local.dtype).view(local.shape)
+
+    def close(self) -> None:
+        """Join the last write and let the store's snapshot buffers go (versions keep what they hold)."""
+        try:
+            self.wait()
+        finally:
+            buffers, self._store_buffers = self._store_buffers, None
+            if buffers is not None:
+                buffers.close()
 
     def _staging_buffer(self, name: str, region: Region, local: torch.Tensor) -> torch.Tensor:
         """This rank's host buffer for one shard, kept from snapshot to snapshot.
@@ -235,7 +288,8 @@ class Snapshotter:
 
     # -- background -------------------------------------------------------------------
 
-    def _write(self, version: Version, copies: list[_Copy], record: bytes, copy_s: float, consumed: int | None) -> None:
+    def _write(self, version: Version, copies: list[_Copy], record: bytes, copy_s: float, consumed: int | None,
+               started: float) -> None:
         t0 = time.perf_counter()
         _lower_priority(self._writer_nice)
         try:
@@ -253,10 +307,13 @@ class Snapshotter:
             )
             nbytes += len(record)
             committed = self._commit_if_complete(version)
+            readable = time.perf_counter() - started if committed else None
             self._result = SnapshotResult(
                 version, self.host, len(copies) + 1, nbytes, copy_s, time.perf_counter() - t0, committed, consumed,
-                linked, linked_bytes,
+                linked, linked_bytes, readable,
             )
+            if self._store_buffers is not None:  # buffers for the next snapshot, made now rather than in its copy-out
+                self._store_buffers.prepare()
             log.info(
                 "rank %d wrote %s: %d shards, %.1f MB in %.2fs (copy %.3fs)%s%s",
                 self.rank,
@@ -284,9 +341,11 @@ class Snapshotter:
         def write(c: _Copy) -> None:
             key = (c.name, c.region)
             previous = self._written.get(key)
+            crc = None
             if previous is not None:
                 prev_version, prev_checksum = previous
-                if format_checksum(crc_of(c.data.contiguous().view(-1).view(torch.uint8).numpy())) == prev_checksum:
+                crc = crc_of(c.data.contiguous().view(-1).view(torch.uint8).numpy())
+                if format_checksum(crc) == prev_checksum:
                     try:
                         info = self.store.link_shard(self.job, prev_version, c.name, c.region, version)
                     except TenplexError as exc:  # not committed, collected, damaged: write it after all
@@ -298,8 +357,12 @@ class Snapshotter:
                             linked[0] += 1
                             linked[1] += c.data.numel() * c.data.element_size()
                         return
-            info = self.store.write_shard(self.job, version, c.name, c.region, c.data, dtype=c.dtype,
-                                          global_shape=c.global_shape)
+            if c.in_store:  # the copy is in the store's memory file already: linked into the version
+                assert self._store_buffers is not None
+                info = self._store_buffers.store(version, c.name, c.region, c.dtype, c.global_shape, crc=crc)
+            else:
+                info = self.store.write_shard(self.job, version, c.name, c.region, c.data, dtype=c.dtype,
+                                              global_shape=c.global_shape)
             with lock:
                 self._written[key] = (version, info.checksum)
 

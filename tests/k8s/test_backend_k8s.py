@@ -352,6 +352,16 @@ def test_worker_pods_mount_the_node_store_when_configured(api: ApiServerEmulator
     ]
     with pytest.raises(InvalidConfig, match="TENPLEX_STORE_HOST_PATH must be an absolute path"):
         replace(SETTINGS, store_host_path="relative/dir")
+    # with the store's memory tier, the node's tmpfs directory too, where the daemon sees it
+    memory = replace(settings, store_memory_host_path="/dev/shm/tenplex", store_memory_root="/var/lib/tenplex/memory")
+    with api.api_client() as api_client:
+        be = KubernetesBackend(api_client, memory, lambda name: api.get("elasticjobs", name, NS))
+        pod = be.pod_manifest(api.get("elasticjobs", "mnt", NS), ["python"], launches("mnt", 0, ["gpu-a"]))
+    (container,) = pod["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["TENPLEX_STORE_MEMORY_ROOT"] == "/var/lib/tenplex/memory"
+    assert {"name": "tenplex-store-memory", "mountPath": "/var/lib/tenplex/memory"} in container["volumeMounts"]
+    assert {"name": "tenplex-store-memory", "hostPath": {"path": "/dev/shm/tenplex", "type": "Directory"}} in pod["spec"]["volumes"]
 
 
 def test_placement_counts_the_gpus_of_pods_still_running_or_terminating(api: ApiServerEmulator,

@@ -180,6 +180,33 @@ def test_store_daemonset_contract() -> None:
     assert cspec["containers"][0]["ports"][0]["hostPort"] == 7171
     assert cspec["nodeSelector"] == {"nvidia.com/gpu.present": "true", "pool": "gpu"}
     assert "initContainers" not in cspec
+    assert "memory" not in volumes and "--memory-root" not in container["args"]  # no memory tier by default
+
+
+def test_store_memory_tier_values() -> None:
+    """store.memory: the daemon gets its tier flags and the node tmpfs directory (a hostPath shared with the
+    worker pods, which the scheduler mounts at the same path); the daemon's own parser takes the flags."""
+    docs = render("--set", "store.memory.enabled=true", "--set", "store.memory.budget=8Gi",
+                  "--set", "store.memory.hostPath=/dev/shm/tp", "--set", "store.memory.root=/var/lib/tenplex/memory")
+    spec = one(docs, "DaemonSet")["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    args = container["args"]
+    assert args[args.index("--memory-root") + 1] == "/var/lib/tenplex/memory"
+    assert args[args.index("--memory-bytes") + 1] == "8Gi"
+    from tenplex.cli import build_parser
+
+    parsed = build_parser().parse_args(args)
+    assert (parsed.memory_root, parsed.memory_bytes, parsed.evict_grace) == ("/var/lib/tenplex/memory", 8 << 30, 2.0)
+    assert parsed.spill_interval == 0.0
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["memory"]["hostPath"] == {"path": "/dev/shm/tp", "type": "DirectoryOrCreate"}
+    assert {"name": "memory", "mountPath": "/var/lib/tenplex/memory"} in container["volumeMounts"]
+    (init,) = spec["initContainers"]
+    assert init["command"][-1] == "/var/lib/tenplex/memory"  # the non-root daemon and workers own it too
+    env = {e["name"]: e.get("value") for e in one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert (env["TENPLEX_STORE_MEMORY_HOST_PATH"], env["TENPLEX_STORE_MEMORY_ROOT"]) == ("/dev/shm/tp", "/var/lib/tenplex/memory")
+    bad = helm("template", "rel", str(CHART), "--set", "store.memory.budget=lots", check=False)
+    assert bad.returncode != 0 and "budget" in bad.stderr
 
 
 def test_store_daemonset_reaches_the_persistent_tier_with_credentials_from_a_secret() -> None:

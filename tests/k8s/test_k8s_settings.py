@@ -53,6 +53,14 @@ def test_chart_values_reach_the_settings() -> None:
     assert off.store_host_path == ""  # worker pods upload their snapshots to the daemon instead
     moved = KubernetesSettings.from_env(scheduler_env("--set", "store.hostPath=/mnt/nvme0/tenplex"))
     assert moved.store_host_path == "/mnt/nvme0/tenplex"
+    assert moved.store_memory_host_path == ""  # no memory tier by default
+    memory = KubernetesSettings.from_env(scheduler_env("--set", "store.memory.enabled=true", "--set",
+                                                       "store.memory.hostPath=/run/tenplex", "--set", "store.memory.root=/mem"))
+    assert (memory.store_memory_host_path, memory.store_memory_root) == ("/run/tenplex", "/mem")
+    # workers that do not mount the store's directory upload to the daemon: they do not mount its memory either
+    unmounted = KubernetesSettings.from_env(scheduler_env("--set", "store.memory.enabled=true", "--set",
+                                                          "workers.mountStore=false"))
+    assert unmounted.store_memory_host_path == ""
 
 
 @pytest.mark.parametrize(
@@ -64,6 +72,8 @@ def test_chart_values_reach_the_settings() -> None:
         ({"TENPLEX_RENEW_DEADLINE_SECONDS": "20"}, "15 s, 20 s, 2 s"),
         ({"POD_NAMESPACE": ""}, "POD_NAMESPACE is empty"),
         ({"TENPLEX_STORE_ROOT": "relative"}, "'relative'"),
+        ({"TENPLEX_STORE_MEMORY_HOST_PATH": "shm/x"}, "TENPLEX_STORE_MEMORY_HOST_PATH must be an absolute path"),
+        ({"TENPLEX_STORE_MEMORY_HOST_PATH": "/dev/shm/t", "TENPLEX_STORE_HOST_PATH": ""}, "needs TENPLEX_STORE_HOST_PATH"),
     ],
 )
 def test_bad_values_name_the_variable(override: dict[str, str], message: str) -> None:

@@ -245,3 +245,38 @@ def test_scale_to_zero_suspends_and_a_scale_up_resumes_from_the_kept_state(tmp_p
     assert resume["version_from"] == kept and resume["steps_lost"] == 0 and resume["error"] is None
     assert resume["bytes_remote"] == resume["lower_bound_bytes"] > 0  # host-1's new ranks pulled their shards once
     assert int(kept.split("-")[0][1:]) == step  # the suspend snapshot is the step it stopped at
+
+
+def test_a_job_on_hosts_with_a_memory_tier_snapshots_into_memory_and_scales_from_it(tmp_path: Path) -> None:
+    """Every host's store has a memory tier (a directory on /dev/shm, a budget that holds every version the
+    job keeps): the workers snapshot into it, the scale-up's transfers read the versions from there (none
+    is ever evicted, so every read is a memory read), and the daemons spill them to disk meanwhile."""
+    from tenplex.store.client import StoreClient
+
+    with LocalScheduler(tmp_path, hosts=2, gpus_per_host=2, heartbeat_interval=0.3, memory_bytes=256 << 20) as sched:
+        cluster = sched.cluster
+        assert cluster.memory_root is not None and str(cluster.memory_root).startswith("/dev/shm/")
+        client = SchedulerClient(sched.url)
+        client.create(job("memtier", gpus=2, steps=18))
+        wait_for(client, "memtier", lambda s: running(0, SNAPSHOT_EVERY + 1)(s) and s["version"] is not None,
+                 "training on 2 GPUs with a committed snapshot")
+        client.scale("memtier", 4)
+        st = wait_for(client, "memtier", lambda s: s["phase"] == "Succeeded", "scaling to 4 GPUs and finishing")
+        assert st["step"] == 18 and st["gpus"] == 4
+        [up] = st["history"]
+        check_planned(up, from_gpus=2, to_gpus=4)
+        assert up["bytes_remote"] > 0  # the new host's ranks pulled their state from the old host's daemon
+        memory_root = cluster.memory_root
+        for host in cluster.hosts():
+            with StoreClient(host.store_url) as store:
+                versions = store.versions("memtier")
+                assert versions and all(v.committed and v.in_memory for v in versions), (host.name, versions)
+                deadline = time.monotonic() + 60
+                while not all(v.durable for v in store.versions("memtier")):
+                    assert time.monotonic() < deadline, f"{host.name}'s daemon did not spill its versions"
+                    time.sleep(0.1)
+                assert "tenplex_store_spilled_versions_total" in store.metrics()
+            assert (memory_root / host.name / "memtier").is_dir()
+        logs = "".join(p.read_text(errors="replace") for p in (tmp_path / "logs" / "memtier").rglob("*.log"))
+        assert "snapshots into the node store's memory tier" in logs
+    assert not memory_root.exists()  # the cluster removes the tmpfs directories it made

@@ -10,6 +10,9 @@ implementation subclasses it with a fixture that gives the store and its root on
 - :class:`TestClientOnMultiprocessDaemon`: the client of ``tenplex store serve --workers 2``, two processes
   on one port sharing the root (requests land on either);
 - and the persistent tier's store on ``file://`` and on moto's S3 server (``tests/store/test_persistent.py``).
+- :class:`TestLocalStoreWithMemoryTier` and :class:`TestClientOnDaemonWithMemoryTier`: the same with a
+  memory tier (versions written, committed and read in a tmpfs directory, spilled to disk in the
+  background by the store's spiller while the tests run); ``root`` is then the memory root.
 
 The daemons live for a whole class (each test uses a job of its own); a damaged shard is made by
 flipping a byte of a chunk file in the root, as a failing disk would (:meth:`StoreTests.damage`, which a
@@ -363,6 +366,21 @@ class TestLocalStore(StoreTests):
             yield s  # type: ignore[misc]
 
 
+MEMORY_BUDGET = 64 << 20  # every test version fits: they are written, linked and damaged in memory
+
+
+class TestLocalStoreWithMemoryTier(StoreTests):
+    @pytest.fixture
+    def root(self, memory_root: Path) -> Path:
+        return memory_root
+
+    @pytest.fixture
+    def store(self, root: Path, tmp_path: Path) -> Iterator[LocalStore]:
+        with LocalStore(tmp_path / "disk", chunk_bytes=CHUNK_BYTES, memory_root=root, memory_bytes=MEMORY_BUDGET,
+                        spill=True, spill_poll_s=0.02) as s:
+            yield s  # type: ignore[misc]
+
+
 @pytest.fixture(scope="module")
 def node_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeDaemon]:
     root = tmp_path_factory.mktemp("daemon")
@@ -410,6 +428,27 @@ class TestClientOnDaemon(StoreTests):
     @pytest.fixture
     def store(self, node_daemon: NodeDaemon) -> Iterator[StoreClient]:
         with StoreClient(node_daemon.url, TOKEN, retries=1, backoff=0.01) as c:
+            yield c
+
+
+@pytest.fixture(scope="module")
+def memory_daemon(tmp_path_factory: pytest.TempPathFactory, module_memory_root: Path) -> Iterator[NodeDaemon]:
+    root = tmp_path_factory.mktemp("memory-daemon")
+    store = LocalStore(root, chunk_bytes=CHUNK_BYTES, memory_root=module_memory_root, memory_bytes=MEMORY_BUDGET,
+                       spill=True, spill_poll_s=0.02)
+    with NodeDaemon(root, token=TOKEN, store=store) as d:
+        yield d
+
+
+class TestClientOnDaemonWithMemoryTier(StoreTests):
+    @pytest.fixture
+    def root(self, memory_daemon: NodeDaemon) -> Path:
+        assert memory_daemon.store.memory is not None
+        return memory_daemon.store.memory.root
+
+    @pytest.fixture
+    def store(self, memory_daemon: NodeDaemon) -> Iterator[StoreClient]:
+        with StoreClient(memory_daemon.url, TOKEN, retries=1, backoff=0.01) as c:
             yield c
 
 
