@@ -161,7 +161,7 @@ def _serve_workers(sock: socket.socket, store: LocalStore, token: str | None, wo
     with several cores one process cannot keep several parallel transfers
     busy. Workers share the root safely (the store's structural changes take
     a file lock; a transform is run by the process that took its submission,
-    the others read its record, see :mod:`tenplex.transformer.service`);
+    the others read its record, see :mod:`tenplex.transformer.tasks`);
     their Prometheus metrics are summed through a shared multiprocess
     directory. Each process may run ``transforms.max_running`` transforms.
     """

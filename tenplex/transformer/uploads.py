@@ -26,10 +26,11 @@ same shards to the same URI attach to the running or uploaded upload; a
 different request for an upload that failed, was cancelled or interrupted
 starts anew, one for a running or uploaded one is a 409. Records are JSON
 files under ``<root>/.uploads/<job>/`` with a lock file held by the process
-running the upload (``flock``), as for transforms
-(:mod:`tenplex.transformer.service`): a record that says running while
+running the upload, as for every recorded task of the daemon
+(:mod:`tenplex.transformer.tasks`): a record that says running while
 nobody holds its lock belongs to a daemon that died and reads
-``interrupted``. States::
+``interrupted``. A cancelled upload leaves what it wrote uncommitted.
+States::
 
     queued -> running -> uploaded | failed | cancelled | interrupted
 
@@ -51,22 +52,17 @@ record nor logged.
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 from anyio import to_thread
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from tenplex.errors import (
@@ -93,17 +89,12 @@ from tenplex.transformer.remote import (
     UploadRequest,
     UploadStatus,
 )
+from tenplex.transformer.tasks import RecordedTasks, TaskRun, add_task_routes, json_body
 
 log = logging.getLogger(__name__)
 
 RECORDS_DIR = ".uploads"
 """Under the store root; a dot name, which no job may have."""
-
-_RECORD_EVERY_S = 0.5
-_LOCK_TRIES = 50
-MAX_WAIT_S = 30.0
-RECORD_TTL_S = 7 * 86400.0
-_CANCEL_WAIT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -201,150 +192,66 @@ class _Cancelled(Exception):
 
 
 @dataclass
-class _Run:
-    request: UploadRequest
-    status: UploadStatus
-    lock_fd: int
+class _Run(TaskRun[UploadRequest, UploadStatus]):
     shards: list[ShardInfo] = field(default_factory=list)
-    cancel: threading.Event = field(default_factory=threading.Event)
-    interrupt: bool = False
-    written_at: float = 0.0
-    thread: threading.Thread | None = None
     done: set[int] = field(default_factory=set)
     """Indices of the shards uploaded (by any attempt)."""
     failed: threading.Event = field(default_factory=threading.Event)
     """Set when a shard of the current attempt fails: its other shards stop at their next piece."""
 
 
-class UploadService:
+class UploadService(RecordedTasks[UploadRequest, UploadStatus, _Run]):
     """The uploads of one node's store: started, followed, cancelled and recorded here; and the persistent
     tier's commit and retention requests. Thread-safe; one per daemon process."""
 
+    KIND = "upload"
+    ARTICLE = "an"
+    RECORDS_DIR = RECORDS_DIR
+    STATUS = UploadStatus
+
     def __init__(self, store: LocalStore, *, settings: UploadSettings | None = None,
                  registry: CollectorRegistry | None = None) -> None:
-        self.store = store
         self.settings = settings or UploadSettings()
         self.metrics = UploadMetrics(registry)
-        self._runs: dict[tuple[str, str], _Run] = {}
-        self._lock = threading.Lock()
-        self._slots = threading.BoundedSemaphore(self.settings.max_running)
         self._budget = _Budget(self.settings.memory_bytes)
-        self._finished = threading.Condition(self._lock)
-        self._closed = False
-
-    # -- records (as the transform service's) ----------------------------------------------
-
-    def _dir(self, job: str) -> Path:
-        return self.store.root / RECORDS_DIR / check_job(job)
-
-    def _record_path(self, job: str, version: str) -> Path:
-        return self._dir(job) / f"{version}.json"
-
-    def _lock_path(self, job: str, version: str) -> Path:
-        return self._dir(job) / f"{version}.lock"
-
-    def _cancel_path(self, job: str, version: str) -> Path:
-        return self._dir(job) / f"{version}.cancel"
-
-    def _read_record(self, job: str, version: str) -> UploadStatus | None:
-        try:
-            return UploadStatus.from_json(json.loads(self._record_path(job, version).read_text()))
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError, InvalidInput) as exc:
-            log.warning("upload record %s/%s is unreadable (%s); treating it as absent", job, version, exc)
-            return None
-
-    def _write_record(self, status: UploadStatus) -> None:
-        path = self._record_path(status.job, status.version)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        tmp.write_text(json.dumps(status.to_json()))
-        os.replace(tmp, path)
-
-    def _try_lock(self, job: str, version: str) -> int | None:
-        path = self._lock_path(job, version)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return None
-        return fd
-
-    def _lock_soon(self, job: str, version: str) -> int | None:
-        for _ in range(_LOCK_TRIES):
-            fd = self._try_lock(job, version)
-            if fd is not None:
-                return fd
-            time.sleep(0.01)
-        return None
-
-    def _prune(self, job: str) -> None:
-        now = time.time()
-        for path in self._dir(job).glob("*.json"):
-            record = self._read_record(job, path.name[: -len(".json")])
-            if record is not None and record.finished and now - (record.finished_at or now) > RECORD_TTL_S:
-                path.unlink(missing_ok=True)
-                self._lock_path(job, record.version).unlink(missing_ok=True)
-
-    # -- the API ----------------------------------------------------------------------------
+        super().__init__(store, max_running=self.settings.max_running)
 
     def submit(self, job: str, request: UploadRequest) -> tuple[UploadStatus, bool]:
-        """Start ``request`` (True) or attach to the upload it already is (False)."""
+        """Start ``request`` (True) or attach to the upload it already is (False): one with the same shards
+        and location attaches to a running or uploaded upload; any other record starts anew."""
         check_job(job)
-        version = str(request.version)
-        digest = request.digest
-        with self._lock:
-            if self._closed:
-                raise StoreUnavailable("the store daemon is stopping; submit the upload again once it is back")
-            run = self._runs.get((job, version))
-            if run is not None:
-                return self._same(run.status, digest), False
-            fd = self._lock_soon(job, version)
-            if fd is None:  # another process of this daemon runs it
-                record = self._read_record(job, version)
-                if record is None:
-                    raise Conflict(f"an upload of {version} of job {job!r} is being started; ask again")
-                return self._same(record, digest), False
-            try:
-                record = self._read_record(job, version)
-                if record is not None and record.state == UPLOADED:
-                    os.close(fd)
-                    fd = -1
-                    return self._same(record, digest), False
-                shards = self._local_shards(job, request)  # checked before anything is recorded
-                self._cancel_path(job, version).unlink(missing_ok=True)
-                self._prune(job)
-                status = UploadStatus(
-                    job=job, version=version, uri=request.uri, digest=digest, state=QUEUED, shards_total=len(shards),
-                    bytes_total=sum(s.nbytes for s in shards), submitted_at=time.time(),
-                    options=public_options(request.options) or None,
-                )
-                self._write_record(status)
-            except BaseException:
-                if fd >= 0:
-                    os.close(fd)
-                raise
-            run = _Run(request, status, fd, shards)
-            self._runs[(job, version)] = run
-            self.metrics.active.labels(QUEUED).inc()
-            run.thread = threading.Thread(target=self._execute, args=(run,), daemon=True,
-                                          name=f"tenplex-upload-{job}-{version}")
-            run.thread.start()
-        log.info("upload of %s of job %s to %s submitted: %d shards, %d bytes", version, job, request.uri,
-                 status.shards_total, status.bytes_total)
-        return status, True
+        return super().submit(job, request)
 
-    @staticmethod
-    def _same(status: UploadStatus, digest: str) -> UploadStatus:
-        if status.digest != digest:
-            raise Conflict(
-                f"an upload of {status.version} of job {status.job!r} to {status.uri} exists with other shards or "
-                f"another location (digest {status.digest}, this one {digest}, state {status.state})"
-            )
-        return status
+    def _what(self, job: str, version: str) -> str:
+        return f"upload of {version} of job {job!r}"
+
+    def _other_request(self, status: UploadStatus, digest: str) -> str:
+        return (f"an upload of {status.version} of job {status.job!r} to {status.uri} exists with other shards or "
+                f"another location (digest {status.digest}, this one {digest}, state {status.state})")
+
+    def _keeps(self, record: UploadStatus) -> bool:
+        return record.state == UPLOADED
+
+    def _new_run(self, job: str, version: str, request: UploadRequest, record: UploadStatus | None,
+                 lock_fd: int) -> _Run:
+        shards = self._local_shards(job, request)  # checked before anything is recorded
+        status = UploadStatus(
+            job=job, version=version, uri=request.uri, digest=request.digest, state=QUEUED, shards_total=len(shards),
+            bytes_total=sum(s.nbytes for s in shards), submitted_at=time.time(),
+            options=public_options(request.options) or None,
+        )
+        return _Run(request, status, lock_fd, shards=shards)
+
+    def _submitted(self, run: _Run) -> None:
+        self.metrics.active.labels(QUEUED).inc()
+        status = run.status
+        log.info("upload of %s of job %s to %s submitted: %d shards, %d bytes", status.version, status.job, status.uri,
+                 status.shards_total, status.bytes_total)
+
+    def _interrupted(self, record: UploadStatus) -> UploadStatus:
+        return replace(record, state=INTERRUPTED, finished_at=record.finished_at or time.time(),
+                       last_error=record.last_error or "the daemon running this upload stopped before it finished",
+                       error_code="interrupted", next_attempt_at=None)
 
     def _local_shards(self, job: str, request: UploadRequest) -> list[ShardInfo]:
         """The node's records of the requested shards: the version must be committed here and hold each exactly."""
@@ -358,92 +265,6 @@ class UploadService:
             raise NotFound(f"version {request.version} of job {job!r} on this node holds no shard exactly "
                            + ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
         return [held[(t, r)] for t, r in request.shards]
-
-    def status(self, job: str, version: str) -> UploadStatus:
-        version = str(check_version(version))
-        with self._lock:
-            run = self._runs.get((check_job(job), version))
-            if run is not None:
-                return run.status
-        record = self._read_record(job, version)
-        if record is None:
-            raise NotFound(f"no upload of {version} of job {job!r} on this node")
-        if record.finished:
-            return record
-        fd = self._try_lock(job, version)
-        if fd is None:  # its owner (another process of this daemon) runs it
-            return self._read_record(job, version) or record
-        try:
-            record = self._read_record(job, version) or record
-            with self._lock:
-                run = self._runs.get((job, version))
-            if run is not None:
-                return run.status
-            if not record.finished:  # nobody runs it: the daemon that did has died
-                record = replace(record, state=INTERRUPTED, finished_at=record.finished_at or time.time(),
-                                 last_error=record.last_error or "the daemon running this upload stopped before it finished",
-                                 error_code="interrupted", next_attempt_at=None)
-            return record
-        finally:
-            os.close(fd)
-
-    def wait(self, job: str, version: str, timeout: float) -> UploadStatus:
-        """:meth:`status` once the upload has finished or after ``timeout`` seconds (a long poll)."""
-        deadline = time.monotonic() + max(0.0, timeout)
-        while True:
-            current = self.status(job, version)
-            remaining = deadline - time.monotonic()
-            if current.finished or remaining <= 0:
-                return current
-            with self._finished:
-                self._finished.wait(min(remaining, 0.05))
-
-    def list(self, job: str) -> list[UploadStatus]:
-        d = self._dir(job)
-        names = sorted(p.name[: -len(".json")] for p in d.glob("*.json")) if d.is_dir() else []
-        out = []
-        for name in names:
-            with contextlib.suppress(NotFound, InvalidInput):
-                out.append(self.status(job, name))
-        return out
-
-    def cancel(self, job: str, version: str, *, wait_s: float = _CANCEL_WAIT_S) -> UploadStatus:
-        """Cancel a queued or running upload (what it wrote stays uncommitted) and answer its record once it
-        has stopped; a finished upload's record is forgotten (the persistent data is untouched)."""
-        version = str(check_version(version))
-        with self._lock:
-            run = self._runs.get((check_job(job), version))
-        if run is not None:
-            run.cancel.set()
-            if run.thread is not None:
-                run.thread.join(wait_s)
-            return run.status
-        current = self.status(job, version)
-        if current.finished:
-            self._record_path(job, version).unlink(missing_ok=True)
-            self._cancel_path(job, version).unlink(missing_ok=True)
-            return current
-        self._cancel_path(job, version).touch()  # the process running it looks for this file
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            current = self.status(job, version)
-            if current.finished:
-                break
-            time.sleep(0.05)
-        return current
-
-    def close(self, timeout: float = 30.0) -> None:
-        """Stop every running upload (recorded ``interrupted``: a new submission runs it again)."""
-        with self._lock:
-            self._closed = True
-            runs = list(self._runs.values())
-        for run in runs:
-            run.interrupt = True
-            run.cancel.set()
-        deadline = time.monotonic() + timeout
-        for run in runs:
-            if run.thread is not None:
-                run.thread.join(max(0.0, deadline - time.monotonic()))
 
     # -- the persistent tier's other requests --------------------------------------------------
 
@@ -462,29 +283,17 @@ class UploadService:
 
     # -- running ------------------------------------------------------------------------------
 
-    def _update(self, run: _Run, *, write: bool = True, **changes: Any) -> None:
-        with self._lock:
-            run.status = replace(run.status, **changes)
-        if write:
-            run.written_at = time.monotonic()
-            self._write_record(run.status)
-
     def _progress(self, run: _Run, nbytes: int, shard_done: bool) -> None:
         with self._lock:
             run.status = replace(run.status, bytes_done=run.status.bytes_done + nbytes,
                                  shards_done=run.status.shards_done + (1 if shard_done else 0))
-        if time.monotonic() - run.written_at >= _RECORD_EVERY_S:
-            run.written_at = time.monotonic()
-            self._write_record(run.status)
+        self._write_soon(run)
 
     def _check_cancel(self, run: _Run) -> None:
-        if not run.cancel.is_set() and self._cancel_path(run.status.job, run.status.version).exists():
-            run.cancel.set()
-        if run.cancel.is_set():
+        if self._cancel_requested(run):
             raise _Cancelled
 
     def _execute(self, run: _Run) -> None:
-        req = run.request
         job, version = run.status.job, run.status.version
         try:
             with self._slots:
@@ -507,26 +316,18 @@ class UploadService:
             log.exception("upload of %s of job %s failed unexpectedly", version, job)
             self._update(run, write=False, state=FAILED, finished_at=time.time(), next_attempt_at=None,
                          last_error=f"{type(exc).__name__}: {exc}", error_code="internal_error")
-        finally:
-            with self._lock:
-                final = run.status
-                try:
-                    self._write_record(final)
-                except OSError as exc:
-                    log.error("cannot write the record of upload %s/%s: %s", job, version, exc)
-                self._cancel_path(job, version).unlink(missing_ok=True)
-                self._runs.pop((job, version), None)
-                os.close(run.lock_fd)
-                self._finished.notify_all()
-            self.metrics.uploads.labels(final.state).inc()
-            self.metrics.active.labels(RUNNING if final.started_at is not None else QUEUED).dec()
-            if final.state == UPLOADED:
-                self.metrics.seconds.observe(final.seconds)
-                log.info("upload of %s of job %s to %s done: %d bytes in %.2f s (%d attempts)", version, job, req.uri,
-                         final.bytes_done, final.seconds, final.attempts)
-            else:
-                log.warning("upload of %s of job %s to %s %s after %d attempts: %s", version, job, req.uri, final.state,
-                            final.attempts, final.last_error)
+
+    def _ended(self, run: _Run, final: UploadStatus) -> None:
+        self.metrics.uploads.labels(final.state).inc()
+        self.metrics.active.labels(RUNNING if final.started_at is not None else QUEUED).dec()
+        job, version, uri = final.job, final.version, run.request.uri
+        if final.state == UPLOADED:
+            self.metrics.seconds.observe(final.seconds)
+            log.info("upload of %s of job %s to %s done: %d bytes in %.2f s (%d attempts)", version, job, uri,
+                     final.bytes_done, final.seconds, final.attempts)
+        else:
+            log.warning("upload of %s of job %s to %s %s after %d attempts: %s", version, job, uri, final.state,
+                        final.attempts, final.last_error)
 
     def _attempts(self, run: _Run) -> None:
         """Attempt after attempt, with exponential backoff, until every shard is uploaded or the retry time is up."""
@@ -663,42 +464,7 @@ def _query_options(request: Request) -> dict[str, Any]:
 def upload_router(service: UploadService) -> APIRouter:
     """The daemon's upload and persistent-tier routes (mounted by the node daemon behind its bearer-token check)."""
     router = APIRouter()
-
-    @router.post("/v1/jobs/{job}/uploads")
-    async def submit(job: str, request: Request) -> JSONResponse:
-        check_job(job)
-        body = await request.body()
-
-        def parse_and_submit() -> tuple[UploadStatus, bool]:
-            try:
-                obj = json.loads(body)
-            except ValueError as exc:
-                raise InvalidInput(f"the upload request is not JSON: {exc}") from None
-            return service.submit(job, UploadRequest.from_json(obj))
-
-        status, created = await to_thread.run_sync(parse_and_submit)
-        return JSONResponse(status.to_json(), status_code=201 if created else 200)
-
-    @router.get("/v1/jobs/{job}/uploads")
-    async def list_uploads(job: str) -> dict[str, Any]:
-        check_job(job)
-        records = await to_thread.run_sync(service.list, job)
-        return {"job": job, "uploads": [r.to_json() for r in records]}
-
-    @router.get("/v1/jobs/{job}/uploads/{version}")
-    async def get_upload(job: str, version: str, wait: float = 0.0) -> dict[str, Any]:
-        """``?wait=S`` (at most 30): answer once the upload has finished, or after S seconds."""
-        check_job(job)
-        if not 0.0 <= wait <= MAX_WAIT_S:
-            raise InvalidInput(f"wait must be between 0 and {MAX_WAIT_S:g} seconds, got {wait}")
-        status = await to_thread.run_sync(service.wait, job, version, wait)
-        return status.to_json()
-
-    @router.delete("/v1/jobs/{job}/uploads/{version}")
-    async def cancel_upload(job: str, version: str) -> dict[str, Any]:
-        check_job(job)
-        status = await to_thread.run_sync(service.cancel, job, version)
-        return status.to_json()
+    add_task_routes(router, service, parse=UploadRequest.from_json)
 
     @router.post("/v1/jobs/{job}/uploads/{version}/commit")
     async def commit(job: str, version: str, request: Request) -> dict[str, Any]:
@@ -707,11 +473,7 @@ def upload_router(service: UploadService) -> APIRouter:
         body = await request.body()
 
         def parse_and_commit() -> dict[str, Any]:
-            try:
-                obj = json.loads(body)
-            except ValueError as exc:
-                raise InvalidInput(f"the commit request is not JSON: {exc}") from None
-            return service.commit(job, version, CommitRequest.from_json(obj))
+            return service.commit(job, version, CommitRequest.from_json(json_body(body, "the commit request")))
 
         return await to_thread.run_sync(parse_and_commit)
 
