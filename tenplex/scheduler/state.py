@@ -340,6 +340,8 @@ class Reconfiguration:
     lower_bound_bytes: int = 0
     steps_lost: int = 0
     error: str | None = None
+    source: str | None = None
+    """Where ``version_from`` was read from when not the job's node stores: a resume's persistent location."""
     to_generation: int | None = None
     """The generation whose workers this change launched (their start-up milestones land here)."""
     marks: dict[str, float] = field(default_factory=dict)
