@@ -209,13 +209,14 @@ class Orchestrator:
             self.fail(f"{what}: the job's model does not match the saved state ({len(mismatch)} difference"
                       f"{'s' if len(mismatch) > 1 else ''}): {shown}")
             return
-        # A generation the saved version's name cannot clash with (same job name) nor an earlier attempt used.
-        gen = max(saved.version.generation + 1 if source_job == ctx.name else 0,
-                  ctx.next_generation() if st.last_plan is not None else 0)
+        # A generation after the saved version's (its name differs from it, under any job name) that no earlier
+        # attempt used.
+        gen = max(saved.version.generation + 1, ctx.next_generation() if st.last_plan is not None else 0)
         new_version = Version(saved.version.step, gen)
         try:
             plan = make_plan(saved.ptc, decision.ptc, job=ctx.name, old_version=saved.version,
-                             new_version=new_version, holders={}, alive=[], checkpoint=rf.uri, old_job=source_job)
+                             new_version=new_version, holders={}, alive=[h.name for h in hosts], checkpoint=rf.uri,
+                             old_job=source_job)
         except TenplexError as exc:
             self.fail(f"{what}: {exc.detail}")
             return
