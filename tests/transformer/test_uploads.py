@@ -119,12 +119,18 @@ def test_upload_resubmission_commit_and_retention(tmp_path: Path, location: str)
         # uploaded is not committed: nothing lists it as a persistent version yet
         listed = c.request_json("GET", _persistent(location))["versions"]
         assert not [v for v in listed if v.get("committed")], listed
-        # the scheduler's commit request: every region of the PTC
-        manifest = c.request_json("POST", _uploads(V, "/commit"), {"uri": location, "shards": shards})
+        # the scheduler's commit request: every region of the PTC, and the PTC itself (small metadata)
+        ptc = {"config": {"dp": 1}, "note": "kept with the version"}
+        with pytest.raises(NotFound, match="not committed"):
+            c.request_json("GET", _persistent(location, V).replace("?", "/ptc?"))
+        manifest = c.request_json("POST", _uploads(V, "/commit"), {"uri": location, "shards": shards, "ptc": ptc})
         assert manifest["committed"] and len(manifest["shards"]) == 3
         assert c.request_json("POST", _uploads(V, "/commit"), {"uri": location, "shards": shards}) == manifest
         listed = c.request_json("GET", _persistent(location))["versions"]
         assert [v["version"] for v in listed if v.get("committed")] == [V], listed
+        assert c.request_json("GET", _persistent(location, V).replace("?", "/ptc?")) == ptc
+        with pytest.raises(InvalidInput, match="'ptc' must be"):
+            c.request_json("POST", _uploads(V, "/commit"), {"uri": location, "shards": shards, "ptc": "{}"})
         # the bytes there are the node's, bit for bit
         with PersistentStore(location) as p:
             for name, (_shape, dtype, regions) in TENSORS.items():
