@@ -69,6 +69,8 @@ class Orchestrator:
         self.ctx = ctx
         self.launcher = launcher
         self.housekeeper = housekeeper
+        self._saved: resume_mod.SavedVersion | None = None
+        """The persistent version a ``resume_from`` job starts from, once read (not re-read while it waits)."""
 
     # -- placement --------------------------------------------------------------------------------------
 
@@ -193,11 +195,12 @@ class Orchestrator:
         what = f"cannot resume from {rf.version} of job {source_job!r} at {rf.uri}"
         clients = [ctx.client_for(h.store_url).request_json for h in hosts]
         try:
-            saved = resume_mod.find_saved(clients, rf, ctx.name)
+            saved = self._saved or resume_mod.find_saved(clients, rf, ctx.name)
             resume_mod.check_dataset(saved, ctx.spec.dataset.num_samples, ctx.spec.dataset.seed)
         except TenplexError as exc:
             self.fail(f"{what}: {exc.detail}")
             return
+        self._saved = saved
         try:
             decision = self.decide(st.requested_gpus or ctx.spec.gpus, [], saved.consumed_samples)
         except TenplexError as exc:
@@ -572,6 +575,7 @@ class Orchestrator:
         st.workers, st.hosts, st.gpus = [], [], 0
         st.downtime_started_at = st.restored_step = st.restore_version = st.stop_at_step = None
         st.resumed_from = None
+        self._saved = None
         ctx.enter(Phase.PENDING, None, f"{reason}; resuming again from the persistent version")
 
     def restart_from_beginning(self, reason: str, reached: int) -> None:
