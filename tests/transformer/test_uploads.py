@@ -348,3 +348,18 @@ def test_the_daemons_persist_a_version_and_a_reconfiguration_reads_the_lost_regi
     reports = transform_on_daemons(cluster, plan, hosts=["h0", "h2", "h3"])
     assert sum(r.bytes_checkpoint for r in reports.values()) == from_ckpt
     check_new_state(cluster, new, state, "lost", new_v)
+
+    # A copy of the job under another name, from the persistent version alone: every piece is read from the
+    # checkpoint under the original job's prefix, none from a node (they hold "lost", not "copy").
+    with pytest.raises(InvalidInput, match="reads only the checkpoint"):
+        make_plan(old, new, job="copy", old_version=old_v, new_version=new_v, holders={"h0": old_v},
+                  checkpoint=location, old_job="lost")
+    with pytest.raises(InvalidInput, match="needs the checkpoint"):
+        make_plan(old, new, job="copy", old_version=old_v, new_version=new_v, holders={}, old_job="lost")
+    copy = make_plan(old, new, job="copy", old_version=old_v, new_version=new_v, holders={}, alive={"h2", "h3"},
+                     checkpoint=location, old_job="lost")
+    assert copy.source_job == "lost" and copy.to_json()["old_job"] == "lost"
+    assert all(t.source == CHECKPOINT for hp in copy.hosts.values() for t in hp.transfers if t.nbytes)
+    reports = transform_on_daemons(cluster, copy, hosts=["h2", "h3"])
+    assert sum(r.bytes_checkpoint for r in reports.values()) == copy.network_bytes > 0
+    check_new_state(cluster, new, state, "copy", new_v)
