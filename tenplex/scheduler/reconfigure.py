@@ -197,6 +197,9 @@ class Orchestrator:
         try:
             saved = self._saved or resume_mod.find_saved(clients, rf, ctx.name)
             resume_mod.check_dataset(saved, ctx.spec.dataset.num_samples, ctx.spec.dataset.seed)
+            if ctx.spec.steps <= saved.version.step:
+                raise InvalidConfig(f"the job's steps ({ctx.spec.steps}) must go past the version's step "
+                                    f"{saved.version.step}: there would be nothing left to train")
         except TenplexError as exc:
             self.fail(f"{what}: {exc.detail}")
             return

@@ -208,6 +208,13 @@ def test_resume_from_errors_name_what_is_wrong(tmp_path: Path) -> None:
         assert "does not match the saved state" in st["message"] and "saved [" in st["message"], st["message"]
         assert st["workers"] == [] and st["history"] == [], st
 
+        # Nothing left to train.
+        spec = job("done", gpus=1, steps=Version.parse(saved).step)
+        spec["resume_from"] = {"uri": uri, "job": "orig", "version": saved}
+        client.create(spec)
+        st = _failed(client, "done")
+        assert f"must go past the version's step {Version.parse(saved).step}" in st["message"], st["message"]
+
         # Another dataset: the data position would name other samples.
         spec = job("otherdata", gpus=1, steps=10)
         spec["dataset"] = {**spec["dataset"], "seed": 7}
