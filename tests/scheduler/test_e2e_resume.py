@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from tenplex.core.version import Version
-from tenplex.errors import NotFound, TenplexError
+from tenplex.errors import InvalidInput, NotFound
 from tenplex.ptc.dtypes import storage_dtype
 from tenplex.scheduler.cli import SchedulerClient
 from tenplex.scheduler.server import LocalScheduler
@@ -59,6 +59,14 @@ def _failed(client: SchedulerClient, name: str, timeout: float = 120.0) -> dict:
         assert st["phase"] in ("Pending", "Reconfiguring"), st  # never trains from step 0 instead
         time.sleep(0.2)
     raise AssertionError(f"{name} did not fail: {st}")
+
+
+def _versions(client: StoreClient, job: str) -> list:
+    """The job's versions on a node store (none where it never ran)."""
+    try:
+        return client.versions(job)
+    except NotFound:
+        return []
 
 
 def _assert_equal_to_saved(sched: LocalScheduler, job: str, version: str, uri: str, source_job: str,
@@ -155,7 +163,7 @@ def test_resume_from_errors_name_what_is_wrong(tmp_path: Path) -> None:
                           ({"version": "latest"}, "uri")):
             spec = job("bad", gpus=1, steps=10)
             spec["resume_from"] = bad
-            with pytest.raises(TenplexError) as err:
+            with pytest.raises(InvalidInput) as err:  # a 400
                 client.create(spec)
             assert says in err.value.detail, (bad, err.value.detail)
 
@@ -198,6 +206,28 @@ def test_resume_from_errors_name_what_is_wrong(tmp_path: Path) -> None:
         client.create(spec)
         st = wait_for(client, "fromlatest", lambda s: s["phase"] == "Succeeded", "resuming from latest")
         assert st["resumed_from"]["version"] == saved, st["resumed_from"]
+
+        # A damaged copy (one chunk's bytes changed after the commit): the daemons' checksums catch it, the job
+        # fails naming the transfer's error, and nothing of it is committed on the nodes.
+        shutil.copytree(tmp_path / "persistent" / "orig", tmp_path / "persistent" / "dmg",
+                        ignore=shutil.ignore_patterns(str(torn)))
+        chunks = [f for f in (tmp_path / "persistent" / "dmg" / saved).rglob("*") if f.is_file()
+                  and f.name != "zarr.json"]
+        victim = max(chunks, key=lambda f: f.stat().st_size)
+        data = bytearray(victim.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        victim.write_bytes(bytes(data))
+        spec = job("damaged", gpus=1, steps=10 + Version.parse(saved).step)
+        spec["resume_from"] = {"uri": uri, "job": "dmg", "version": saved}
+        client.create(spec)
+        st = _failed(client, "damaged", timeout=180)
+        assert st["message"].startswith("transfer failed:"), st["message"]
+        assert "checksum" in st["message"].lower() or "crc" in st["message"].lower(), st["message"]
+        [rec] = st["history"]
+        assert rec["reason"] == "resume" and rec["error"] == st["message"], rec
+        for h in sched.cluster.describe():
+            with StoreClient(str(h["store_url"]), None) as c:
+                assert not [v for v in _versions(c, "damaged") if v.committed], h["name"]
 
         # A model that does not match the saved state (another width): refused before anything runs.
         spec = job("wrong", gpus=1, steps=10)
