@@ -19,6 +19,8 @@ tensor, shard) as zarr v3 nodes::
     <job>/<version>/<tensor>/r0-96_0-64/zarr.json    array per shard; attributes["tenplex"]: tensor, region,
                                                      dtype, global shape, crc32c of the C-order payload
     <job>/<version>/<tensor>/r0-96_0-64/c/0/1        its chunk objects: raw little-endian elements + crc32c
+    <job>/.ptc/<version>.json                        the PTC it was saved in (with its dataset position), when
+                                                     the commit brought one: what a job resumed from it reads
     <job>/.commits/<version>.json                    commit marker = the manifest, written last
 
 Why this shape:
