@@ -11,7 +11,9 @@ a message naming what is wrong.
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -260,3 +262,52 @@ def test_resume_from_errors_name_what_is_wrong(tmp_path: Path) -> None:
         st = _failed(client, "nowhere")
         assert st["message"].startswith("cannot resume from latest of job 'orig' at file://"), st["message"]
         assert "job 'orig' is not at file://" in st["message"] and "no/such/dir" in st["message"], st["message"]
+
+
+def test_a_resume_cut_short_by_a_lost_host_resumes_again_from_the_persistent_version(tmp_path: Path) -> None:
+    """The host building the resumed version dies mid-transfer (one chunk of the saved version is a FIFO
+    nobody writes to, so its daemon is stuck reading it when it is killed): the job neither fails nor starts
+    from step 0; it resumes again from the same persistent version on the other host."""
+    uri = (tmp_path / "persistent").as_uri()
+    with LocalScheduler(tmp_path / "sched", hosts=2, gpus_per_host=1, heartbeat_interval=0.3) as sched:
+        client = SchedulerClient(sched.url)
+        orig = job("orig", gpus=1, steps=200)
+        orig["checkpoint"] = {"uri": uri, "interval_steps": INTERVAL, "keep_last": 5}
+        client.create(orig)
+        st = wait_for(client, "orig", lambda s: bool(s.get("persisted")), "persisting a version", timeout=300)
+        client.delete("orig")
+        saved = st["persisted"][-1]
+        step = Version.parse(saved).step
+        chunks = [f for f in (tmp_path / "persistent" / "orig" / saved).rglob("*") if f.is_file()
+                  and f.name != "zarr.json"]
+        chunk = max(chunks, key=lambda f: f.stat().st_size)
+        held = tmp_path / "held-chunk"
+        chunk.rename(held)
+        os.mkfifo(chunk)
+
+        copy = job("copy", gpus=1, steps=step + 6)
+        copy["resume_from"] = {"uri": uri, "job": "orig", "version": saved}
+        client.create(copy)
+        first = wait_for(client, "copy", lambda s: s["stage"] == "transferring" and s["workers"]
+                         and all(w.get("pid") for w in s["workers"]), "transferring the resumed version")
+        time.sleep(2.0)  # the daemon is blocked opening the FIFO
+        assert client.job("copy")["status"]["stage"] == "transferring"
+        victim = first["hosts"][0]
+        chunk.unlink()  # the next attempt reads the real chunk; the blocked open never returns
+        held.rename(chunk)
+        daemon = next(h["pid"] for h in sched.cluster.describe() if h["name"] == victim)
+        for pid in [daemon] + [w["pid"] for w in first["workers"]]:
+            os.killpg(pid, signal.SIGKILL)
+        st = wait_for(client, "copy", lambda s: s["phase"] == "Succeeded", "resuming again and training to the end",
+                      timeout=300)
+
+    assert st["step"] == step + 6 and victim not in st["hosts"], st
+    assert st["resumed_from"]["version"] == saved and st["resumed_from"]["step"] == step, st["resumed_from"]
+    reasons = [r["reason"] for r in st["history"]]
+    assert reasons == ["resume", "failure", "resume"], st["history"]
+    cut, failure, again = st["history"]
+    assert "interrupted by a failure" in (cut["error"] or ""), cut
+    assert victim in (failure["error"] or "") or "transfer interrupted" in (failure["error"] or ""), failure
+    assert again["error"] is None and again["version_from"] == saved and victim not in again["to_hosts"], again
+    assert Version.parse(again["version_to"]).generation > Version.parse(cut["version_to"]).generation, (cut, again)
+    assert again["bytes_remote"] == again["lower_bound_bytes"] > 0, again
