@@ -32,6 +32,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from tenplex import registry
+from tenplex.core.protocol import JOB_NAME_PATTERN
 from tenplex.errors import InvalidInput
 from tenplex.k8s import cel
 
@@ -261,6 +262,21 @@ def _spec_schema() -> dict[str, Any]:
                     "intervalSteps": _int(1, "Write a persistent checkpoint every this many steps (default: every "
                                              "snapshot)."),
                     "keepLast": _int(1, "Persistent checkpoints kept; older ones are deleted (default 2)."),
+                },
+            },
+            "resumeFrom": {
+                "type": "object",
+                "description": "Optional: start from a persistent version (a resume after an outage, or a copy of "
+                               "a job) instead of step 0, in a layout planned for this job's GPUs.",
+                "required": ["uri"],
+                "properties": {
+                    "uri": _str("The persistent location the version was saved to (a job's checkpoint.uri), "
+                                "s3://bucket/prefix or file:///path.", minLength=1),
+                    "job": _str("The job the version was saved under (default: this job's name).",
+                                pattern=JOB_NAME_PATTERN),
+                    "version": _str("A committed persistent version (s<step>-g<generation>) or 'latest' (the "
+                                    "default): the newest committed one.",
+                                    pattern=r"^(latest|s(0|[1-9][0-9]{0,17})-g(0|[1-9][0-9]{0,8}))$"),
                 },
             },
         },
@@ -545,6 +561,8 @@ class ElasticJobSpec:
     checkpoint_uri: str | None = None
     checkpoint_interval_steps: int | None = None
     checkpoint_keep_last: int | None = None
+    resume_from: Mapping[str, Any] | None = None
+    """``spec.resumeFrom`` as given: uri, job, version."""
     training: TrainingSpec | None = None
     """None when the ElasticJob has no ``spec.training`` (the scheduler then cannot run it)."""
 
@@ -588,6 +606,7 @@ class ElasticJobSpec:
             checkpoint_uri=checkpoint.get("uri"),
             checkpoint_interval_steps=checkpoint.get("intervalSteps"),
             checkpoint_keep_last=checkpoint.get("keepLast"),
+            resume_from=dict(spec["resumeFrom"]) if spec.get("resumeFrom") is not None else None,
             training=TrainingSpec(
                 num_samples=training["dataset"]["numSamples"],
                 global_batch_size=training["dataset"]["globalBatchSize"],

@@ -52,7 +52,7 @@ from tenplex.scheduler.controller import JobController, SchedulerSettings
 from tenplex.scheduler.layouts import LayoutSpec
 from tenplex.scheduler.policy import Policy
 from tenplex.scheduler.service import Scheduler, SchedulerOptions
-from tenplex.scheduler.state import CheckpointSpec, JobSpec, Phase
+from tenplex.scheduler.state import LATEST, CheckpointSpec, JobSpec, Phase, ResumeSpec
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +101,8 @@ def job_spec_from_elasticjob(obj: Mapping[str, Any]) -> JobSpec:
         # Without intervalSteps every snapshot that completes is also persisted.
         checkpoint=CheckpointSpec(spec.checkpoint_uri, spec.checkpoint_interval_steps or t.snapshot_every,
                                   spec.checkpoint_keep_last or 2) if spec.checkpoint_uri else None,
+        resume_from=ResumeSpec(spec.resume_from["uri"], spec.resume_from.get("job"),
+                               spec.resume_from.get("version") or LATEST) if spec.resume_from else None,
     )
 
 

@@ -33,7 +33,7 @@ from tenplex.ptc import DatasetState, ParallelConfig
 from tenplex.scheduler.controller import JobController
 from tenplex.scheduler.layouts import LayoutSpec, registered_providers
 from tenplex.scheduler.service import Scheduler
-from tenplex.scheduler.state import CheckpointSpec, JobSpec, policy_from_json
+from tenplex.scheduler.state import CheckpointSpec, JobSpec, ResumeSpec, policy_from_json
 from tenplex.transformer.plan import Plan
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -62,6 +62,16 @@ class CheckpointBody(_Body):
         "daemons') or file:///path (a filesystem mounted on every node)."))
     interval_steps: int = Field(ge=1, le=1 << 40, description="Copy a committed version there every this many steps.")
     keep_last: int = Field(2, ge=1, le=1000, description="Persistent versions kept (older ones are deleted).")
+
+
+class ResumeBody(_Body):
+    uri: str = Field(min_length=1, max_length=2048, description=(
+        "The persistent location the version was saved to (a job's checkpoint.uri): s3://bucket/prefix or "
+        "file:///path."))
+    job: P.JobName | None = Field(None, description=(
+        "The job the version was saved under (another job's name for a copy of it); default: this job's name."))
+    version: str = Field("latest", pattern=r"^(latest|s(0|[1-9][0-9]{0,17})-g(0|[1-9][0-9]{0,8}))$", description=(
+        "A committed persistent version (s<step>-g<generation>) or 'latest': the newest committed one."))
 
 
 class DatasetBody(_Body):
@@ -96,6 +106,9 @@ class JobCreate(_Body):
         "Failure recoveries allowed in a row without a newer snapshot; the next failure fails the job."))
     checkpoint: CheckpointBody | None = Field(None, description=(
         "Persistent checkpoints, the fall-back when no replica of some region survives."))
+    resume_from: ResumeBody | None = Field(None, description=(
+        "Start from a persistent version (a resume after an outage, or a copy of a job) instead of step 0: its "
+        "state, step and data position, in a layout planned for this job's GPUs."))
     standby: bool = Field(False, description=(
         "Keep a warm standby on every usable host: a process with the job's code imported that forks the new "
         "workers of a reconfiguration (local backend)."))
@@ -194,6 +207,7 @@ def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
             max_restarts=body.max_restarts,
             standby=body.standby,
             checkpoint=CheckpointSpec(**body.checkpoint.model_dump()) if body.checkpoint is not None else None,
+            resume_from=ResumeSpec(**body.resume_from.model_dump()) if body.resume_from is not None else None,
             env=body.env,
         )
         ctl = scheduler.create(spec)

@@ -142,7 +142,11 @@ class JobContext:
     # -- small facts ----------------------------------------------------------------------------------
 
     def consumed_at(self, version: Version) -> int:
-        """The dataset position after ``version``'s step: where the next generation's sample order resumes."""
+        """The dataset position after ``version``'s step: where the next generation's sample order resumes
+        (for a job resumed from a persistent version, counted from that version's position)."""
+        base = self.status.resumed_from
+        if base is not None:
+            return int(base["consumed_samples"]) + (version.step - int(base["step"])) * self.spec.dataset.global_batch_size
         return self.spec.dataset.consumed_samples + version.step * self.spec.dataset.global_batch_size
 
     def config_text(self) -> str | None:

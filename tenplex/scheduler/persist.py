@@ -22,6 +22,7 @@ credentials live with the daemons, never in a plan or a record.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -64,6 +65,13 @@ def assign_uploads(ptc: PTC, holders: Sequence[str]) -> dict[str, list[tuple[str
         load[host] += nbytes
         out[host].append((name, region))
     return {h: v for h, v in out.items() if v}
+
+
+def version_ptc(ctx: JobContext, ptc: PTC, version: str) -> PTC:
+    """``ptc`` (the layout ``version`` was saved in) with the dataset position after ``version``'s step: the
+    small metadata kept with a persistent version, from which a job resumed from it plans and continues."""
+    at = ctx.consumed_at(Version.parse(version))
+    return dataclasses.replace(ptc, dataset=dataclasses.replace(ctx.spec.dataset, consumed_samples=at))
 
 
 def _uploads_path(job: str, version: str | None = None, *, suffix: str = "") -> str:
@@ -156,7 +164,8 @@ class Housekeeper:
                 expected = [[t.name, s.region.format()] for t in ptc.tensors for s in t.shards]
                 committer = sorted(parts)[0]
                 ctx.client_for(hosts[committer].store_url).request_json(
-                    "POST", _uploads_path(ctx.name, version, suffix="/commit"), {"uri": cp.uri, "shards": expected})
+                    "POST", _uploads_path(ctx.name, version, suffix="/commit"),
+                    {"uri": cp.uri, "shards": expected, "ptc": version_ptc(ctx, ptc, version).to_json()})
             except TenplexError as exc:
                 log.warning("job %s: persisting %s failed (attempt %d): %s", ctx.name, version, attempt, exc.detail)
                 self._set(state="retrying", error=exc.detail)

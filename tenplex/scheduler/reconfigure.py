@@ -39,6 +39,7 @@ from tenplex.errors import (
 )
 from tenplex.ptc import PTC, ParallelConfig, Placement
 from tenplex.scheduler import policy as policy_mod
+from tenplex.scheduler import resume as resume_mod
 from tenplex.scheduler.backend import HostInfo
 from tenplex.scheduler.context import JobContext
 from tenplex.scheduler.decide import choose_recovery, find_stop_version, missing_text, steps_reached
@@ -68,6 +69,8 @@ class Orchestrator:
         self.ctx = ctx
         self.launcher = launcher
         self.housekeeper = housekeeper
+        self._saved: resume_mod.SavedVersion | None = None
+        """The persistent version a ``resume_from`` job starts from, once read (not re-read while it waits)."""
 
     # -- placement --------------------------------------------------------------------------------------
 
@@ -160,6 +163,9 @@ class Orchestrator:
             st.requested_gpus = st.pending_reason = None
             self.suspend()
             return
+        if ctx.spec.resume_from is not None:
+            self.start_resumed()
+            return
         try:
             decision = self.decide(st.requested_gpus or ctx.spec.gpus, [], ctx.spec.dataset.consumed_samples)
         except TenplexError as exc:
@@ -173,6 +179,72 @@ class Orchestrator:
         self.launcher.launch(decision, generation=0)
         ctx.enter(Phase.RUNNING, None,
                   f"started in {decision.parallel.describe()} on {len(decision.placement.hosts)} hosts ({decision.reason})")
+
+    def start_resumed(self) -> None:
+        """The first start of a job with ``resume_from``: plan its layout from the persistent version's PTC,
+        every region read from the checkpoint (the job it was saved under, which may be another one), launch
+        the workers to restore it at its step and data position; :meth:`transfer` has the daemons build it."""
+        ctx, st = self.ctx, self.ctx.status
+        rf = ctx.spec.resume_from
+        assert rf is not None
+        hosts = [h for h in ctx.backend.hosts() if h.ready]
+        if not hosts:
+            st.message = "waiting: no ready host whose store daemon can read the persistent version"
+            return
+        source_job = rf.source_job(ctx.name)
+        what = f"cannot resume from {rf.version} of job {source_job!r} at {rf.uri}"
+        clients = [ctx.client_for(h.store_url).request_json for h in hosts]
+        try:
+            saved = self._saved or resume_mod.find_saved(clients, rf, ctx.name)
+            resume_mod.check_dataset(saved, ctx.spec.dataset.num_samples, ctx.spec.dataset.seed)
+            if ctx.spec.steps <= saved.version.step:
+                raise InvalidConfig(f"the job's steps ({ctx.spec.steps}) must go past the version's step "
+                                    f"{saved.version.step}: there would be nothing left to train")
+        except TenplexError as exc:
+            self.fail(f"{what}: {exc.detail}")
+            return
+        self._saved = saved
+        try:
+            decision = self.decide(st.requested_gpus or ctx.spec.gpus, [], saved.consumed_samples)
+        except TenplexError as exc:
+            st.message = f"waiting: {exc.detail}"
+            return
+        mismatch = resume_mod.model_mismatch(saved.ptc, decision.ptc)
+        if mismatch:
+            shown = "; ".join(mismatch[:10]) + (f"; and {len(mismatch) - 10} more" if len(mismatch) > 10 else "")
+            self.fail(f"{what}: the job's model does not match the saved state ({len(mismatch)} difference"
+                      f"{'s' if len(mismatch) > 1 else ''}): {shown}")
+            return
+        # A generation after the saved version's (its name differs from it, under any job name) that no earlier
+        # attempt used.
+        gen = max(saved.version.generation + 1, ctx.next_generation() if st.last_plan is not None else 0)
+        new_version = Version(saved.version.step, gen)
+        try:
+            plan = make_plan(saved.ptc, decision.ptc, job=ctx.name, old_version=saved.version,
+                             new_version=new_version, holders={}, alive=[h.name for h in hosts], checkpoint=rf.uri,
+                             old_job=source_job)
+        except TenplexError as exc:
+            self.fail(f"{what}: {exc.detail}")
+            return
+        ctx.set_ptc(gen, decision.ptc)
+        st.resumed_from = {"uri": rf.uri, "job": source_job, "version": str(saved.version),
+                           "step": saved.version.step, "consumed_samples": saved.consumed_samples}
+        st.requested_gpus = st.pending_reason = None
+        st.history.append(Reconfiguration(
+            reason="resume", started_at=time.time(), from_config=saved.describe(), from_gpus=len(saved.ptc.devices),
+            to_config=decision.parallel.describe(), to_gpus=decision.parallel.world_size,
+            to_hosts=list(decision.placement.hosts), version_from=str(saved.version), version_to=str(new_version),
+            lower_bound_bytes=plan.lower_bound_bytes, source=f"{rf.uri} (job {source_job})"))
+        ctx.mark("requested")
+        st.last_plan = {"plan": plan.to_json(), "parallel": decision.parallel.to_json(),
+                        "hosts": list(decision.placement.hosts), "gpus_per_node": decision.placement.gpus_per_node}
+        ctx.mark("planned")
+        st.restore_version = str(new_version)
+        self._launch_generation(decision, gen)
+        ctx.enter(Phase.RECONFIGURING, Stage.TRANSFERRING,
+                  f"resuming from {saved.version} of job {source_job!r} at {rf.uri} (step {saved.version.step}, "
+                  f"{saved.consumed_samples} samples consumed) in {decision.parallel.describe()}: "
+                  f"{plan.network_bytes} B from the checkpoint; new workers starting")
 
     # -- planned --------------------------------------------------------------------------------------------
 
@@ -483,6 +555,8 @@ class Orchestrator:
         if st.version is None:
             if suspending:
                 self.suspend()
+            elif ctx.spec.resume_from is not None:
+                self.resume_again(reason)
             else:
                 self.restart_from_beginning(reason, steps_reached(st))
             return
@@ -493,6 +567,19 @@ class Orchestrator:
                      f"{', '.join(st.persisted) or 'no version yet'})" if ctx.spec.checkpoint is not None
                      else " and the job has no persistent checkpoint")
                   + (f"; of {st.version} they lack {lacking}" if lacking else ""))
+
+    def resume_again(self, reason: str) -> None:
+        """A failure before a job resumed from a persistent version committed one of its own: start over from
+        that persistent version (not from step 0), under a generation no attempt used."""
+        ctx, st = self.ctx, self.ctx.status
+        ctx.backend.stop(ctx.name, ctx.worker_ids(), grace=2.0)
+        rec = st.history[-1]
+        rec.finished_at = time.time()
+        st.workers, st.hosts, st.gpus = [], [], 0
+        st.downtime_started_at = st.restored_step = st.restore_version = st.stop_at_step = None
+        st.resumed_from = None
+        self._saved = None
+        ctx.enter(Phase.PENDING, None, f"{reason}; resuming again from the persistent version")
 
     def restart_from_beginning(self, reason: str, reached: int) -> None:
         """A failure before any version was committed everywhere: nothing to recover, so start again at step 0.

@@ -26,7 +26,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from tenplex.core.protocol import JOB_NAME_PATTERN
-from tenplex.errors import InvalidConfig, NotFound
+from tenplex.core.version import Version
+from tenplex.errors import InvalidConfig, NotFound, TenplexError
 from tenplex.ptc import PTC, DatasetState, ParallelConfig
 from tenplex.scheduler.layouts import LayoutSpec
 from tenplex.scheduler.policy import Policy
@@ -78,14 +79,7 @@ class CheckpointSpec:
     keep_last: int = 2
 
     def __post_init__(self) -> None:
-        parts = urlsplit(self.uri)
-        if parts.scheme not in CHECKPOINT_URI_SCHEMES or not (parts.netloc or parts.path.strip("/")):
-            raise InvalidConfig(f"checkpoint uri must look like s3://bucket/prefix or file:///path, got {self.uri!r}")
-        if parts.scheme == "s3" and not parts.netloc:
-            raise InvalidConfig(f"checkpoint uri {self.uri!r} names no bucket")
-        if parts.query or parts.fragment or "@" in parts.netloc:
-            raise InvalidConfig(f"checkpoint uri {self.uri!r}: no credentials, query or fragment in it (the store "
-                                "daemons hold the credentials)")
+        check_persistent_uri(self.uri, "checkpoint")
         for name in ("interval_steps", "keep_last"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -107,6 +101,71 @@ class CheckpointSpec:
             raise InvalidConfig("checkpoint needs uri and interval_steps")
         return cls(uri=obj["uri"], interval_steps=obj["interval_steps"], keep_last=obj.get("keep_last", 2))
 
+
+def check_persistent_uri(uri: Any, what: str) -> str:
+    """A persistent location: ``s3://bucket/prefix`` or ``file:///path``, with nothing secret in it."""
+    if not isinstance(uri, str):
+        raise InvalidConfig(f"{what} uri must be a string, got {type(uri).__name__}")
+    parts = urlsplit(uri)
+    if parts.scheme not in CHECKPOINT_URI_SCHEMES or not (parts.netloc or parts.path.strip("/")):
+        raise InvalidConfig(f"{what} uri must look like s3://bucket/prefix or file:///path, got {uri!r}")
+    if parts.scheme == "s3" and not parts.netloc:
+        raise InvalidConfig(f"{what} uri {uri!r} names no bucket")
+    if parts.query or parts.fragment or "@" in parts.netloc:
+        raise InvalidConfig(f"{what} uri {uri!r}: no credentials, query or fragment in it (the store "
+                            "daemons hold the credentials)")
+    return uri
+
+
+LATEST = "latest"
+"""``resume_from.version``: the newest committed persistent version."""
+
+
+@dataclass(frozen=True)
+class ResumeSpec:
+    """Start a new job from a persistent version (a resume after a cluster outage, or a copy of a job) instead
+    of step 0: its state, step and dataset position are the version's; its layout is planned anew."""
+
+    uri: str
+    """The persistent location the version was saved to (a job's ``checkpoint.uri``)."""
+    job: str | None = None
+    """The job the version was saved under; None: the new job's own name."""
+    version: str = LATEST
+    """A version (``s40-g0``) or ``latest``: the newest committed one there."""
+
+    def __post_init__(self) -> None:
+        check_persistent_uri(self.uri, "resume_from")
+        if self.job is not None:
+            try:
+                check_job_name(self.job)
+            except InvalidConfig as exc:
+                raise InvalidConfig(f"resume_from job: {exc.detail}") from None
+        if not isinstance(self.version, str):
+            raise InvalidConfig(f"resume_from version must be a string, got {type(self.version).__name__}")
+        if self.version != LATEST:
+            try:
+                Version.parse(self.version)
+            except TenplexError as exc:
+                raise InvalidConfig(f"resume_from version must be 'latest' or a version: {exc.detail}") from None
+
+    def source_job(self, own: str) -> str:
+        return self.job if self.job is not None else own
+
+    def to_json(self) -> dict[str, Any]:
+        return {"uri": self.uri, "job": self.job, "version": self.version}
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any] | None) -> ResumeSpec | None:
+        if obj is None:
+            return None
+        if not isinstance(obj, Mapping):
+            raise InvalidConfig(f"resume_from must be an object, got {type(obj).__name__}")
+        unknown = sorted(set(obj) - {"uri", "job", "version"})
+        if unknown:
+            raise InvalidConfig(f"unknown resume_from fields: {', '.join(unknown)}")
+        if "uri" not in obj:
+            raise InvalidConfig("resume_from needs uri")
+        return cls(uri=obj["uri"], job=obj.get("job"), version=obj.get("version") or LATEST)
 
 
 @dataclass(frozen=True)
@@ -133,6 +192,8 @@ class JobSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     checkpoint: CheckpointSpec | None = None
     """Persistent checkpoints: the fall-back when no replica of some region survives (:mod:`tenplex.scheduler.persist`)."""
+    resume_from: ResumeSpec | None = None
+    """Start from a persistent version instead of step 0 (see :class:`ResumeSpec`)."""
     standby: bool = False
     """Keep a warm standby on every usable host (:mod:`tenplex.standby`): one process with the job's code
     imported that forks a reconfiguration's new workers, so they start without the interpreter's and the
@@ -184,6 +245,7 @@ class JobSpec:
             "env": dict(self.env),
             "standby": self.standby,
             "checkpoint": self.checkpoint.to_json() if self.checkpoint is not None else None,
+            "resume_from": self.resume_from.to_json() if self.resume_from is not None else None,
         }
 
     @classmethod
@@ -206,6 +268,7 @@ class JobSpec:
             env=dict(obj.get("env", {})),
             standby=bool(obj.get("standby", False)),
             checkpoint=CheckpointSpec.from_json(obj.get("checkpoint")),
+            resume_from=ResumeSpec.from_json(obj.get("resume_from")),
         )
 
 
@@ -277,6 +340,8 @@ class Reconfiguration:
     lower_bound_bytes: int = 0
     steps_lost: int = 0
     error: str | None = None
+    source: str | None = None
+    """Where ``version_from`` was read from when not the job's node stores: a resume's persistent location."""
     to_generation: int | None = None
     """The generation whose workers this change launched (their start-up milestones land here)."""
     marks: dict[str, float] = field(default_factory=dict)
@@ -391,6 +456,9 @@ class JobStatus:
     message: str = ""
     persisted: list[str] = field(default_factory=list)
     """Versions committed in the job's persistent location (its checkpoint), oldest first."""
+    resumed_from: dict[str, Any] | None = None
+    """The persistent version the job started from (its spec's ``resume_from``, resolved): uri, job, version,
+    step and consumed_samples (the dataset position there); None for a job started at step 0."""
     persist: dict[str, Any] | None = None
     """The latest copy to the persistent location: version, state (uploading, retrying, committed), attempts,
     error, bytes uploaded, times."""
@@ -438,6 +506,7 @@ class JobStatus:
             "message": self.message,
             "persisted": list(self.persisted),
             "persist": dict(self.persist) if self.persist is not None else None,
+            "resumed_from": dict(self.resumed_from) if self.resumed_from is not None else None,
             "standby_ready": self.standby_ready,
             "standby_wanted": self.standby_wanted,
             **({"last_plan": self.last_plan} if plan else {}),

@@ -19,6 +19,8 @@ tensor, shard) as zarr v3 nodes::
     <job>/<version>/<tensor>/r0-96_0-64/zarr.json    array per shard; attributes["tenplex"]: tensor, region,
                                                      dtype, global shape, crc32c of the C-order payload
     <job>/<version>/<tensor>/r0-96_0-64/c/0/1        its chunk objects: raw little-endian elements + crc32c
+    <job>/.ptc/<version>.json                        the PTC it was saved in (with its dataset position), when
+                                                     the commit brought one: what a job resumed from it reads
     <job>/.commits/<version>.json                    commit marker = the manifest, written last
 
 Why this shape:
@@ -111,6 +113,9 @@ ATTR = "tenplex"
 DEFAULT_CHUNK_BYTES = 8 << 20
 """Chunk objects of about this size (see the module doc)."""
 _COMMITS = ".commits"
+_PTCS = ".ptc"
+"""``{job}/.ptc/{version}.json``: the PTC a committed version was saved in (small metadata: a job resumed
+from the version plans its layout from it), written before the commit marker."""
 _META = "zarr.json"
 _CRC_BYTES = 4  # what zarr's crc32c codec appends to every chunk
 _PIECE_BYTES = 64 << 20  # shards larger than this are written and verified piece by piece
@@ -393,6 +398,10 @@ class PersistentStore(TensorStore):
     @staticmethod
     def _marker(job: str, version: Version) -> str:
         return f"{job}/{_COMMITS}/{version}.json"
+
+    @staticmethod
+    def _ptc_key(job: str, version: Version) -> str:
+        return f"{job}/{_PTCS}/{version}.json"
 
     # -- metadata ----------------------------------------------------------------------
 
@@ -772,6 +781,23 @@ class PersistentStore(TensorStore):
 
         return self._run(get(), f"manifest of {v} of job {job!r}")
 
+    def ptc_document(self, job: str, version: Version | str) -> dict[str, Any]:
+        """The PTC JSON a committed version was saved with (see :meth:`commit`). NotFound when the version is
+        not committed here, or was committed without one (by a Tenplex that did not keep it)."""
+        v = check_version(version)
+        check_job(job)
+
+        async def get() -> dict[str, Any]:
+            if await self._committed_manifest(job, v) is None:
+                raise await self._absent(job, v)
+            doc = await self._get_json(self._ptc_key(job, v))
+            if doc is None:
+                raise NotFound(f"version {v} of job {job!r} at {self.url} is committed without its PTC (it was "
+                               "persisted by an older Tenplex): its layout is unknown")
+            return doc
+
+        return self._run(get(), f"PTC of {v} of job {job!r}")
+
     def jobs(self) -> list[str]:
         out = []
         for name in self._run(self._list_dir(""), "listing jobs"):
@@ -864,15 +890,19 @@ class PersistentStore(TensorStore):
         return sorted(intact, key=_sort_key), problems
 
     def commit(self, job: str, version: Version | str,
-               expect: Sequence[tuple[str, Region, str | None]] | None = None) -> Manifest:
+               expect: Sequence[tuple[str, Region, str | None]] | None = None,
+               ptc: Mapping[str, Any] | None = None) -> Manifest:
         """Check the version (:meth:`verify_version`) and write its commit marker, last; its manifest.
 
         Refused with :class:`~tenplex.errors.Conflict` naming every shard that is missing, incomplete or
         damaged (nothing is written then). Committing a committed version changes nothing; with ``expect``
-        its shards must then be the expected ones.
+        its shards must then be the expected ones. ``ptc`` (the PTC's JSON, dataset position at the version
+        included) is kept with the version, written before the marker (:meth:`ptc_document` reads it).
         """
         v = check_version(version)
         check_job(job)
+        if ptc is not None and not isinstance(ptc, Mapping):
+            raise InvalidInput(f"the PTC of version {v} must be a JSON object, got {type(ptc).__name__}")
 
         async def run() -> Manifest:
             existing = await self._committed_manifest(job, v)
@@ -883,6 +913,8 @@ class PersistentStore(TensorStore):
                     if set(have) != set(want) or any(c is not None and have[k] != c for k, c in want.items()):
                         raise Conflict(f"version {v} of job {job!r} at {self.url} is committed with other shards "
                                        f"({len(have)}) than expected ({len(want)})")
+                if ptc is not None and await self._get_json(self._ptc_key(job, v)) is None:
+                    await self._put_json(self._ptc_key(job, v), dict(ptc))
                 return existing
             if expect is None and not await self._list_dir(self._vkey(job, v)):
                 raise await self._absent(job, v)
@@ -894,6 +926,8 @@ class PersistentStore(TensorStore):
             if not intact:
                 raise await self._absent(job, v)
             manifest = Manifest(job, v, True, intact)
+            if ptc is not None:
+                await self._put_json(self._ptc_key(job, v), dict(ptc))
             if self.root is not None:  # the data durable before the marker that promises it
                 await asyncio.to_thread(os.sync)
             await self._put_json(self._marker(job, v), manifest.to_json())
@@ -915,6 +949,8 @@ class PersistentStore(TensorStore):
                 raise NotFound(f"version {v} of job {job!r} is not at {self.url}")
             await self._backend.delete(self._marker(job, v))
             self._forget(job, v)
+            with contextlib.suppress(FileNotFoundError):
+                await self._backend.delete(self._ptc_key(job, v))
             await self._backend.delete_dir(self._vkey(job, v))
 
         self._run(run(), f"deleting {v} of job {job!r}")

@@ -585,7 +585,7 @@ def _fetch_batch(
     if client is not None and source not in state.dead:
         reads = [RegionRead(tr.tensor, tr.region, shard.buf[tr.region.relative_to(shard.dest.region).slices()]) for shard, tr in items]
         try:
-            client.read_regions(plan.job, plan.old_version, reads)
+            client.read_regions(plan.source_job, plan.old_version, reads)
         except StoreUnavailable as exc:
             state.mark_dead(source, exc)
         except TenplexError as exc:
@@ -640,7 +640,7 @@ def _fetch(
         first = False
         for attempt in (1, 2):
             try:
-                client.read_into(plan.job, plan.old_version, tr.tensor, tr.region, out)
+                client.read_into(plan.source_job, plan.old_version, tr.tensor, tr.region, out)
             except ChecksumMismatch as exc:
                 errors.append(f"{source}: {exc.detail}")
                 if attempt == 1:

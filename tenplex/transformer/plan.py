@@ -310,8 +310,16 @@ class Plan:
     checkpoint: str | None = None
     old_config: Mapping[str, Any] | None = None
     new_config: Mapping[str, Any] | None = None
+    old_job: str | None = None
+    """The job ``old_version`` belongs to, when not ``job``: a job resumed from another job's persistent
+    version (every piece then comes from the checkpoint)."""
     _table: _Table | None = field(default=None, repr=False, compare=False)
     """The arrays :func:`make_plan` built it from (whole-plan statistics without building every host's part)."""
+
+    @property
+    def source_job(self) -> str:
+        """The job whose ``old_version`` the sources are read from."""
+        return self.old_job if self.old_job is not None else self.job
 
     def host(self, name: str) -> HostPlan:
         try:
@@ -374,6 +382,7 @@ class Plan:
             "zero_fill_bytes": self.zero_fill_bytes,
             "lower_bound_bytes": self.lower_bound_bytes,
             "checkpoint": self.checkpoint,
+            **({"old_job": self.old_job} if self.old_job is not None else {}),
             "dataset": self.dataset.to_json() if self.dataset is not None else None,
             "old_config": dict(self.old_config) if self.old_config is not None else None,
             "new_config": dict(self.new_config) if self.new_config is not None else None,
@@ -401,6 +410,7 @@ class Plan:
                 checkpoint=obj.get("checkpoint"),
                 old_config=obj.get("old_config"),
                 new_config=obj.get("new_config"),
+                old_job=obj.get("old_job"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidInput(f"malformed plan: {type(exc).__name__}: {exc}") from None
@@ -867,6 +877,7 @@ def make_plan(
     holders: Mapping[str, Version | str] | None = None,
     alive: Collection[str] | None = None,
     checkpoint: str | None = None,
+    old_job: str | None = None,
 ) -> Plan:
     """Plan the transformation of ``old`` (held in ``old_version``) into ``new`` (``new_version``).
 
@@ -875,10 +886,21 @@ def make_plan(
     exactly ``old_version`` serve pieces. ``alive`` defaults to all old hosts.
     Regions that no source holds raise :class:`StateLost` naming them, unless
     ``checkpoint`` (a store URL holding ``old_version``) is given, in which
-    case they are read from there.
+    case they are read from there. ``old_job`` (another job's name) reads ``old_version`` of that job: only
+    from the checkpoint, so no host may hold it (``holders`` must name none).
     """
+    if old_job is not None and old_job != job:
+        if checkpoint is None:
+            raise InvalidInput(f"a plan from job {old_job!r}'s state into job {job!r} needs the checkpoint it is in")
+        if holders:
+            raise InvalidInput(f"a plan from job {old_job!r}'s state into job {job!r} reads only the checkpoint; "
+                               f"no host holds it, got holders {sorted(holders)}")
+        holders = {}
+    else:
+        old_job = None
     with _gc_paused():
-        return _make_plan(old, new, job, old_version, new_version, holders, alive, checkpoint)
+        plan = _make_plan(old, new, job, old_version, new_version, holders, alive, checkpoint)
+    return replace(plan, old_job=old_job) if old_job is not None else plan
 
 
 @contextmanager

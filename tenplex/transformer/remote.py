@@ -61,7 +61,8 @@ class TransformRequest:
     def digest(self) -> str:
         """Identifies the sub-plan: a resubmission with the same digest is the same transform."""
         text = json.dumps(self.plan.host(self.host).to_json(), sort_keys=True, separators=(",", ":"))
-        head = f"{self.plan.job}|{self.plan.old_version}|{self.plan.new_version}|{self.plan.checkpoint}|"
+        head = f"{self.plan.job}|{self.plan.old_version}|{self.plan.new_version}|{self.plan.checkpoint}|" + (
+            f"{self.plan.old_job}|" if self.plan.old_job is not None else "")
         return hashlib.sha256((head + text).encode()).hexdigest()[:20]
 
     def to_json(self) -> dict[str, Any]:
@@ -453,21 +454,29 @@ class CommitRequest:
     uri: str
     shards: tuple[tuple[str, Region, str | None], ...]
     options: Mapping[str, Any] | None = None
+    ptc: Mapping[str, Any] | None = None
+    """The PTC JSON of the version (its dataset position at the version's step): kept with the version so that
+    a job resumed from it plans its layout from it."""
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"uri": self.uri, "shards": [[t, r.format(), c] if c is not None else [t, r.format()]
                                                            for t, r, c in self.shards]}
         if self.options is not None:
             out["options"] = dict(self.options)
+        if self.ptc is not None:
+            out["ptc"] = dict(self.ptc)
         return out
 
     @classmethod
     def from_json(cls, obj: Any) -> CommitRequest:
         if not isinstance(obj, dict):
             raise InvalidInput(f"a commit request is a JSON object, got {type(obj).__name__}")
-        unknown = sorted(set(obj) - {"uri", "shards", "options"})
+        unknown = sorted(set(obj) - {"uri", "shards", "options", "ptc"})
         if unknown:
             raise InvalidInput(f"unknown fields in the commit request: {', '.join(unknown)}")
+        ptc = obj.get("ptc")
+        if ptc is not None and not isinstance(ptc, dict):
+            raise InvalidInput(f"'ptc' must be the PTC's JSON object, got {type(ptc).__name__}")
         if "uri" not in obj:
             raise InvalidInput("the commit request needs 'uri'")
         shards = obj.get("shards")
@@ -485,7 +494,7 @@ class CommitRequest:
             raise InvalidInput("'shards' names a shard twice")
         options = obj.get("options")
         return cls(uri=check_uri(obj["uri"]), shards=tuple(items),
-                   options=check_options(options) if options is not None else None)
+                   options=check_options(options) if options is not None else None, ptc=ptc)
 
 
 def uploads_path(job: str, version: Version | str | None = None, *, wait: float = 0.0) -> str:

@@ -19,6 +19,7 @@ Routes (mounted by the node daemon, behind its bearer token)::
                                                       every expected shard missing or damaged there
     GET    /v1/jobs/{job}/persistent?uri=...          the job's versions at the persistent location
     GET    /v1/jobs/{job}/persistent/{version}?uri=...   a persistent version's manifest
+    GET    /v1/jobs/{job}/persistent/{version}/ptc?uri=...   the PTC it was saved in (sent with the commit)
     DELETE /v1/jobs/{job}/persistent/{version}?uri=...   retention: delete a version there
 
 An upload is identified by (job, version) and a submission is idempotent: the
@@ -277,7 +278,7 @@ class UploadService(RecordedTasks[UploadRequest, UploadStatus, _Run]):
         v = check_version(version)
         check_job(job)
         with self.persistent(request.uri, dict(request.options or {})) as store:
-            manifest = store.commit(job, v, expect=request.shards)
+            manifest = store.commit(job, v, expect=request.shards, ptc=request.ptc)
         log.info("version %s of job %s committed at %s (%d shards checked)", v, job, request.uri, len(request.shards))
         return manifest.to_json()
 
@@ -495,6 +496,18 @@ def upload_router(service: UploadService) -> APIRouter:
         def run() -> dict[str, Any]:
             with service.persistent(uri, _query_options(request)) as store:
                 return store.manifest(job, version).to_json()
+
+        return await to_thread.run_sync(run)
+
+    @router.get("/v1/jobs/{job}/persistent/{version}/ptc")
+    async def persistent_ptc(job: str, version: str, request: Request, uri: str) -> dict[str, Any]:
+        """The PTC a committed persistent version was saved in (its layout and dataset position)."""
+        check_job(job)
+        check_version(version)
+
+        def run() -> dict[str, Any]:
+            with service.persistent(uri, _query_options(request)) as store:
+                return store.ptc_document(job, version)
 
         return await to_thread.run_sync(run)
 

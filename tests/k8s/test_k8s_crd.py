@@ -147,6 +147,27 @@ def test_spec_view_applies_defaults_and_reads_everything() -> None:
     assert spec.node_selector == {"pool": "a"} and spec.env == ({"name": "A", "value": "1"},)
 
 
+def test_resume_from_is_validated_and_reaches_the_job_spec() -> None:
+    from tenplex.k8s.operator import job_spec_from_elasticjob
+    from tenplex.scheduler.state import ResumeSpec
+
+    training = {"steps": 50, "snapshotEvery": 5, "heartbeatTimeoutSeconds": 60,
+                "dataset": {"numSamples": 4096, "globalBatchSize": 8}}
+    obj = job(training=training, resumeFrom={"uri": "s3://b/jobs", "job": "orig", "version": "s40-g1"})
+    assert crd.elasticjob_errors(obj) == []
+    assert crd.ElasticJobSpec.from_object(obj).resume_from == {"uri": "s3://b/jobs", "job": "orig", "version": "s40-g1"}
+    assert job_spec_from_elasticjob(obj).resume_from == ResumeSpec("s3://b/jobs", "orig", "s40-g1")
+    latest = job(training=training, resumeFrom={"uri": "file:///mnt/ckpt"})
+    assert job_spec_from_elasticjob(latest).resume_from == ResumeSpec("file:///mnt/ckpt", None, "latest")
+    assert job_spec_from_elasticjob(job(training=training)).resume_from is None
+    [bad_version] = crd.elasticjob_errors(job(resumeFrom={"uri": "file:///c", "version": "40"}))
+    assert bad_version.startswith("spec.resumeFrom.version: '40' does not match"), bad_version
+    [bad_job] = crd.elasticjob_errors(job(resumeFrom={"uri": "file:///c", "job": "Orig"}))
+    assert bad_job.startswith("spec.resumeFrom.job: 'Orig' does not match"), bad_job
+    [no_uri] = crd.elasticjob_errors(job(resumeFrom={"job": "orig"}))
+    assert no_uri == "spec.resumeFrom: 'uri' is a required property", no_uri
+
+
 def test_status_round_trip_and_conditions() -> None:
     reconf = crd.Reconfiguration(reason="scale", from_gpus=0, to_gpus=4, from_parallel=None,
                                  to_parallel=crd.Parallel(2, 2, 1), downtime_seconds=3.5, bytes_local=10,

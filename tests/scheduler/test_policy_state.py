@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 
@@ -16,6 +17,7 @@ from tenplex.scheduler.state import (
     JobStatus,
     Phase,
     Reconfiguration,
+    ResumeSpec,
     Stage,
     StateDir,
     WorkerRecord,
@@ -132,6 +134,25 @@ def test_job_spec_validation_messages():
         spec(max_restarts=-1)
 
 
+def test_resume_from_is_checked_and_round_trips() -> None:
+    r = ResumeSpec("s3://bucket/jobs", job="orig", version="s40-g1")
+    assert ResumeSpec.from_json(r.to_json()) == r and r.source_job("copy") == "orig"
+    assert ResumeSpec.from_json({"uri": "file:///ckpt"}) == ResumeSpec("file:///ckpt", None, "latest")
+    assert ResumeSpec("file:///ckpt").source_job("gpt") == "gpt"
+    s = spec(resume_from=r)
+    assert JobSpec.from_json(json.loads(json.dumps(s.to_json()))) == s
+    assert JobSpec.from_json({k: v for k, v in spec().to_json().items() if k != "resume_from"}).resume_from is None
+    for bad, says in (({"uri": "http://x/y"}, "resume_from uri must look like"),
+                      ({"uri": "s3://b/p?secret=1"}, "no credentials"),
+                      ({"uri": "file:///c", "version": "40"}, "resume_from version must be 'latest' or a version"),
+                      ({"uri": "file:///c", "job": "Bad_Name"}, "resume_from job"),
+                      ({"uri": "file:///c", "extra": 1}, "unknown resume_from fields: extra"),
+                      ({"job": "orig"}, "resume_from needs uri"),
+                      ("file:///c", "resume_from must be an object")):
+        with pytest.raises(InvalidConfig, match=re.escape(says)):
+            ResumeSpec.from_json(bad)  # type: ignore[arg-type]
+
+
 def test_state_round_trips_and_writes_atomically(tmp_path):
     state = StateDir(tmp_path)
     s = spec(gpus_per_pod=2, max_restarts=5)
@@ -200,7 +221,9 @@ def test_a_status_serializes_every_field_and_round_trips() -> None:
         failures_without_progress=1, workers=[WorkerRecord("w-g3-r0", 0, "h0", 0, 3, pid=7)],
         history=[Reconfiguration(reason="scale", started_at=1.0, from_config="dp1 x tp1 x pp1",
                                  marks={"requested": 1.0}, phases={"planning": 0.1})],
-        message="m", persisted=["s4-g1"], persist={"version": "s8-g2", "state": "uploading"}, standby_ready=1,
+        message="m", persisted=["s4-g1"], persist={"version": "s8-g2", "state": "uploading"},
+        resumed_from={"uri": "file:///ckpt", "job": "orig", "version": "s6-g0", "step": 6, "consumed_samples": 48},
+        standby_ready=1,
         standby_wanted=2, last_plan={"plan": {}}, updated_at=3.0)
     defaults = JobStatus()
     for f in dataclasses.fields(JobStatus):

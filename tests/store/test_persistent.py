@@ -241,6 +241,31 @@ def test_retention_keeps_the_newest_committed_versions(pstore: PersistentStore) 
     assert pstore.read("j", "s30-g0", "w", Region.full((8,)), "int32").tolist() == [30] * 8
 
 
+def test_a_committed_version_keeps_its_ptc_until_it_is_deleted(pstore: PersistentStore) -> None:
+    ptc = {"format": "example", "config": {"dp": 2}, "dataset": {"consumed_samples": 80}}
+    pstore.write_shard("j", "s10-g0", "w", Region.full((8,)), np.arange(8, dtype=np.int32), dtype="int32",
+                       global_shape=(8,))
+    with pytest.raises(NotFound, match="not committed"):
+        pstore.ptc_document("j", "s10-g0")
+    with pytest.raises(InvalidInput, match="JSON object"):
+        pstore.commit("j", "s10-g0", ptc=[1, 2])  # type: ignore[arg-type]
+    pstore.commit("j", "s10-g0", ptc=ptc)
+    assert pstore.ptc_document("j", "s10-g0") == ptc
+    # the PTC is not a version, nor a tensor of one
+    assert [str(v.version) for v in pstore.versions("j")] == ["s10-g0"]
+    assert [s.tensor for s in pstore.manifest("j", "s10-g0").shards] == ["w"]
+    # committed without one (an older Tenplex): said so
+    pstore.write_shard("j", "s20-g0", "w", Region.full((8,)), np.arange(8, dtype=np.int32), dtype="int32",
+                       global_shape=(8,))
+    pstore.commit("j", "s20-g0")
+    with pytest.raises(NotFound, match="without its PTC"):
+        pstore.ptc_document("j", "s20-g0")
+    pstore.delete("j", "s10-g0")
+    with pytest.raises(NotFound):
+        pstore.ptc_document("j", "s10-g0")
+    assert not [k for k in _objects(pstore, "j/") if "s10-g0" in k]
+
+
 def test_a_version_is_plain_zarr_v3(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     data = random_array((20, 12), "float16", seed=14)

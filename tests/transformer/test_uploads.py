@@ -119,12 +119,18 @@ def test_upload_resubmission_commit_and_retention(tmp_path: Path, location: str)
         # uploaded is not committed: nothing lists it as a persistent version yet
         listed = c.request_json("GET", _persistent(location))["versions"]
         assert not [v for v in listed if v.get("committed")], listed
-        # the scheduler's commit request: every region of the PTC
-        manifest = c.request_json("POST", _uploads(V, "/commit"), {"uri": location, "shards": shards})
+        # the scheduler's commit request: every region of the PTC, and the PTC itself (small metadata)
+        ptc = {"config": {"dp": 1}, "note": "kept with the version"}
+        with pytest.raises(NotFound, match="not committed"):
+            c.request_json("GET", _persistent(location, V).replace("?", "/ptc?"))
+        manifest = c.request_json("POST", _uploads(V, "/commit"), {"uri": location, "shards": shards, "ptc": ptc})
         assert manifest["committed"] and len(manifest["shards"]) == 3
         assert c.request_json("POST", _uploads(V, "/commit"), {"uri": location, "shards": shards}) == manifest
         listed = c.request_json("GET", _persistent(location))["versions"]
         assert [v["version"] for v in listed if v.get("committed")] == [V], listed
+        assert c.request_json("GET", _persistent(location, V).replace("?", "/ptc?")) == ptc
+        with pytest.raises(InvalidInput, match="'ptc' must be"):
+            c.request_json("POST", _uploads(V, "/commit"), {"uri": location, "shards": shards, "ptc": "{}"})
         # the bytes there are the node's, bit for bit
         with PersistentStore(location) as p:
             for name, (_shape, dtype, regions) in TENSORS.items():
@@ -342,3 +348,18 @@ def test_the_daemons_persist_a_version_and_a_reconfiguration_reads_the_lost_regi
     reports = transform_on_daemons(cluster, plan, hosts=["h0", "h2", "h3"])
     assert sum(r.bytes_checkpoint for r in reports.values()) == from_ckpt
     check_new_state(cluster, new, state, "lost", new_v)
+
+    # A copy of the job under another name, from the persistent version alone: every piece is read from the
+    # checkpoint under the original job's prefix, none from a node (they hold "lost", not "copy").
+    with pytest.raises(InvalidInput, match="reads only the checkpoint"):
+        make_plan(old, new, job="copy", old_version=old_v, new_version=new_v, holders={"h0": old_v},
+                  checkpoint=location, old_job="lost")
+    with pytest.raises(InvalidInput, match="needs the checkpoint"):
+        make_plan(old, new, job="copy", old_version=old_v, new_version=new_v, holders={}, old_job="lost")
+    copy = make_plan(old, new, job="copy", old_version=old_v, new_version=new_v, holders={}, alive={"h2", "h3"},
+                     checkpoint=location, old_job="lost")
+    assert copy.source_job == "lost" and copy.to_json()["old_job"] == "lost"
+    assert all(t.source == CHECKPOINT for hp in copy.hosts.values() for t in hp.transfers if t.nbytes)
+    reports = transform_on_daemons(cluster, copy, hosts=["h2", "h3"])
+    assert sum(r.bytes_checkpoint for r in reports.values()) == copy.network_bytes > 0
+    check_new_state(cluster, new, state, "copy", new_v)
