@@ -46,6 +46,7 @@ import logging
 import os
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -123,7 +124,7 @@ class TaskRun(Generic[RequestT, StatusT]):
 RunT = TypeVar("RunT", bound=TaskRun[Any, Any])
 
 
-class RecordedTasks(Generic[RequestT, StatusT, RunT]):
+class RecordedTasks(ABC, Generic[RequestT, StatusT, RunT]):
     """The tasks of one kind of one node's store: started, followed, cancelled and recorded here.
 
     Thread-safe; one per daemon process (processes sharing a root coordinate
@@ -151,35 +152,35 @@ class RecordedTasks(Generic[RequestT, StatusT, RunT]):
 
     # -- what a service says ------------------------------------------------------------
 
+    @abstractmethod
     def _what(self, job: str, version: str) -> str:
         """The task in messages, without its article: ``transform of job 'j' to 3``."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _other_request(self, status: StatusT, digest: str) -> str:
         """The 409's message when a request with ``digest`` meets ``status`` with another digest."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _keeps(self, record: StatusT) -> bool:
         """Whether a submission attaches to this record (or is a 409) rather than starting the task anew
         (asked of a record nobody runs)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _new_run(self, job: str, version: str, request: RequestT, record: StatusT | None, lock_fd: int) -> RunT:
         """A new run of ``request`` (state queued), once its request is checked; ``record`` is the one it
         replaces. Raising refuses the submission (nothing is recorded)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _interrupted(self, record: StatusT) -> StatusT:
         """``record`` (queued or running, but nobody runs it) as ``interrupted``."""
-        raise NotImplementedError
 
     def _submitted(self, run: RunT) -> None:
         """Called as a run is queued (holding the service's lock)."""
 
+    @abstractmethod
     def _execute(self, run: RunT) -> None:
         """Runs the task in its thread, within a slot (:attr:`_slots`) it takes, and leaves how it ended in
         ``run.status``; the final record is written after it returns."""
-        raise NotImplementedError
 
     def _ended(self, run: RunT, final: StatusT) -> None:
         """Called once the final record is written and the lock let go (metrics, the log)."""

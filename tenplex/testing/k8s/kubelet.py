@@ -70,6 +70,7 @@ import ssl
 import subprocess
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -229,7 +230,7 @@ def terminated(container: str, image: str, code: int) -> dict[str, Any]:
     }
 
 
-class _Kubelet:
+class _Kubelet(ABC):
     """What every test kubelet does with the API: watch its node's pods, admit, report, confirm deletions."""
 
     def __init__(self, api_client: client.ApiClient, node: str, host_ip: str) -> None:
@@ -375,11 +376,13 @@ class _Kubelet:
             self._pods[meta.uid] = entry
         self._start(pod, entry)
 
+    @abstractmethod
     def _start(self, pod: client.V1Pod, entry: _Pod) -> None:
-        raise NotImplementedError
+        """Start the pod's container (the entry is recorded); report it running or failed."""
 
+    @abstractmethod
     def _begin_termination(self, entry: _Pod) -> None:
-        raise NotImplementedError
+        """The pod is being deleted: end its container within its grace period."""
 
     # -- reports ---------------------------------------------------------------------
 
