@@ -95,6 +95,7 @@ from tenplex.store.buffers import (
 from tenplex.store.model import Manifest, ShardInfo, VersionInfo, format_checksum
 from tenplex.store.names import (
     check_job,
+    check_shard_target,
     check_tensor,
     check_version,
     region_from_key,
@@ -1162,19 +1163,7 @@ class LocalStore(TensorStore):
         piece_bytes: int = _PIECE_BYTES,
     ) -> ShardWriter:
         """Start writing a shard; check everything that can be checked before any byte arrives."""
-        check_job(job)
-        v = check_version(version)
-        check_tensor(tensor)
-        check_dtype(dtype)
-        try:
-            gshape = tuple(int(n) for n in global_shape)
-        except (TypeError, ValueError):
-            raise InvalidInput(f"global shape {global_shape!r} is not a list of integers") from None
-        if any(n < 0 for n in gshape):
-            raise InvalidInput(f"global shape {list(gshape)} has a negative dimension")
-        if not isinstance(region, Region):
-            raise InvalidInput(f"region must be a Region, got {type(region).__name__}")
-        region.check_within(gshape)
+        v, gshape = check_shard_target(job, version, tensor, dtype, global_shape, region)
         if self._is_committed(job, v):
             raise Conflict(f"version {v} of job {job!r} is committed; committed versions are immutable")
         self._check_tensor_consistent(job, v, tensor, dtype, gshape)

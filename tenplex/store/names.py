@@ -10,9 +10,11 @@ own bookkeeping entries, which all start with a dot.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 from tenplex.core.version import Version
 from tenplex.errors import InvalidInput
+from tenplex.ptc.dtypes import check_dtype
 from tenplex.ptc.region import Region
 
 # Kubernetes-like: starts alphanumeric, then alphanumerics, '.', '_', '-'.
@@ -55,6 +57,26 @@ def check_tensor(name: str) -> str:
             )
     return name
 
+
+
+def check_shard_target(job: str, version: Version | str, tensor: str, dtype: str, global_shape: Sequence[int],
+                       region: Region) -> tuple[Version, tuple[int, ...]]:
+    """Check a shard a store is asked to write (names, dtype, a non-negative global shape, a region inside
+    it) before any byte arrives; the version and the global shape as the store keeps them."""
+    check_job(job)
+    v = check_version(version)
+    check_tensor(tensor)
+    check_dtype(dtype)
+    try:
+        gshape = tuple(int(n) for n in global_shape)
+    except (TypeError, ValueError):
+        raise InvalidInput(f"global shape {global_shape!r} is not a list of integers") from None
+    if any(n < 0 for n in gshape):
+        raise InvalidInput(f"global shape {list(gshape)} has a negative dimension")
+    if not isinstance(region, Region):
+        raise InvalidInput(f"region must be a Region, got {type(region).__name__}")
+    region.check_within(gshape)
+    return v, gshape
 
 def tensor_dirname(name: str) -> str:
     """The one directory entry that holds a tensor's shards ('/' is encoded; '%' never occurs in names)."""

@@ -94,6 +94,7 @@ from tenplex.store.locations import check_options, check_uri
 from tenplex.store.model import Manifest, ShardInfo, VersionInfo, format_checksum
 from tenplex.store.names import (
     check_job,
+    check_shard_target,
     check_tensor,
     check_version,
     region_from_key,
@@ -635,19 +636,7 @@ class PersistentStore(TensorStore):
         global shape first (a few requests); an uploader that has checked the version once and writes
         the shards of one committed node version leaves it off.
         """
-        check_job(job)
-        v = check_version(version)
-        check_tensor(tensor)
-        check_dtype(dtype)
-        try:
-            gshape = tuple(int(n) for n in global_shape)
-        except (TypeError, ValueError):
-            raise InvalidInput(f"global shape {global_shape!r} is not a list of integers") from None
-        if any(n < 0 for n in gshape):
-            raise InvalidInput(f"global shape {list(gshape)} has a negative dimension")
-        if not isinstance(region, Region):
-            raise InvalidInput(f"region must be a Region, got {type(region).__name__}")
-        region.check_within(gshape)
+        v, gshape = check_shard_target(job, version, tensor, dtype, global_shape, region)
         if check:
             self._run(self._check_writable(job, v, tensor, dtype, gshape), f"writing {tensor!r} into {v}")
         return PersistentShardWriter(self, job, v, tensor, region, dtype, gshape, piece_bytes)
