@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 from urllib.parse import quote, urlencode, urlsplit
 
 from tenplex.core.version import Version
@@ -106,8 +106,34 @@ class TransformRequest:
                    checkpoint_options=check_options(options) if options is not None else None)
 
 
+class _TaskProgress:
+    """What a daemon task's record says of its progress (transforms and uploads alike): done, how long it has
+    run, and its rate in bytes per second since it started (an upload's backoff waits included)."""
+
+    final_states: ClassVar[frozenset[str]]
+    state: str
+    bytes_done: int
+    started_at: float | None
+    finished_at: float | None
+
+    @property
+    def finished(self) -> bool:
+        return self.state in self.final_states
+
+    @property
+    def seconds(self) -> float:
+        if self.started_at is None:
+            return 0.0
+        return max(0.0, (self.finished_at or time.time()) - self.started_at)
+
+    @property
+    def rate(self) -> float:
+        s = self.seconds
+        return self.bytes_done / s if s > 0 else 0.0
+
+
 @dataclass(frozen=True)
-class TransformStatus:
+class TransformStatus(_TaskProgress):
     """The record of one transform on one node, as stored and as answered."""
 
     job: str
@@ -126,21 +152,7 @@ class TransformStatus:
     report: Mapping[str, Any] | None = None
     """The executor's :class:`TransformReport` once committed: bytes local/remote/linked/zero, requests."""
 
-    @property
-    def finished(self) -> bool:
-        return self.state in FINAL_STATES
-
-    @property
-    def seconds(self) -> float:
-        if self.started_at is None:
-            return 0.0
-        return max(0.0, (self.finished_at or time.time()) - self.started_at)
-
-    @property
-    def rate(self) -> float:
-        """Bytes placed per second since the transform started."""
-        s = self.seconds
-        return self.bytes_done / s if s > 0 else 0.0
+    final_states: ClassVar[frozenset[str]] = FINAL_STATES
 
     def transform_report(self) -> TransformReport:
         if self.report is None:
@@ -374,7 +386,7 @@ class UploadRequest:
 
 
 @dataclass(frozen=True)
-class UploadStatus:
+class UploadStatus(_TaskProgress):
     """The record of one upload on one node, as stored and as answered (never with credentials)."""
 
     job: str
@@ -399,21 +411,7 @@ class UploadStatus:
     options: Mapping[str, Any] | None = None
     """The public connection options (no credentials)."""
 
-    @property
-    def finished(self) -> bool:
-        return self.state in UPLOAD_FINAL_STATES
-
-    @property
-    def seconds(self) -> float:
-        if self.started_at is None:
-            return 0.0
-        return max(0.0, (self.finished_at or time.time()) - self.started_at)
-
-    @property
-    def rate(self) -> float:
-        """Bytes uploaded per second since the upload started (backoff waits included)."""
-        s = self.seconds
-        return self.bytes_done / s if s > 0 else 0.0
+    final_states: ClassVar[frozenset[str]] = UPLOAD_FINAL_STATES
 
     def to_json(self) -> dict[str, Any]:
         return {
