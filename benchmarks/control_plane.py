@@ -92,6 +92,17 @@ def role_agent(args: argparse.Namespace) -> None:
     server.stop(timeout=5)
 
 
+def _thread_cpu_clock(tid: int) -> int:
+    """The CPU clock of kernel thread ``tid`` (Linux's MAKE_THREAD_CPUCLOCK(tid, CPUCLOCK_SCHED)).
+
+    Not ``time.pthread_getcpuclockid``: given the handle of a thread that has
+    just exited, it reads the freed thread descriptor and can crash the process
+    (it did: a segfault in libc while the transfer's thread pool wound down);
+    a dead TID here only makes ``clock_gettime`` fail with EINVAL.
+    """
+    return (~tid << 3) | 6
+
+
 class CpuSampler:
     """Per-thread CPU time, attributed to (thread group, function) by sampling the stacks of threads that ran.
 
@@ -142,11 +153,11 @@ class CpuSampler:
         while not self._stop.wait(self.interval):
             frames = sys._current_frames()
             for t in threading.enumerate():
-                if t.ident is None or t.ident == me:
+                if t.ident is None or t.ident == me or t.native_id is None:
                     continue
                 try:
-                    cpu = time.clock_gettime(time.pthread_getcpuclockid(t.ident))
-                except (OSError, ProcessLookupError):
+                    cpu = time.clock_gettime(_thread_cpu_clock(t.native_id))
+                except OSError:  # the thread ended since enumerate()
                     continue
                 used = cpu - self._last.get(t.ident, cpu)
                 self._last[t.ident] = cpu
@@ -258,17 +269,6 @@ class Probe(threading.Thread):
 
     def latest(self) -> dict[str, Any]:
         return self.samples[-1][2] if self.samples else {}
-
-
-def stage_times(log_path: Path, since: float) -> list[tuple[float, str]]:
-    """(time, "Phase/stage") of the job controller's transitions after ``since``, from the scheduler's log."""
-    out = []
-    pattern = re.compile(rf"^(\d+\.\d+) tenplex\.scheduler\.controller \[[^]]*\] job {JOB}: (\w+(?:/\w+)?) - ")
-    for line in log_path.read_text().splitlines():
-        m = pattern.match(line)
-        if m and float(m.group(1)) >= since:
-            out.append((float(m.group(1)), m.group(2)))
-    return out
 
 
 def pct(values: list[float], q: float) -> float:
@@ -391,43 +391,44 @@ def main() -> None:
         prof3, cpu3 = read_json(out / "scheduler-cpu.json"), proc_cpu(sched.pid)
         counts3 = request(f"{agent_url}/counts")
         rec = st["history"][-1]
-        stages = stage_times(out / "scheduler.log", t_req - 0.5)
         print(f"reconfiguration {rec['from_config']} -> {rec['to_config']} ({rec['from_gpus']} -> {rec['to_gpus']} GPUs), "
               f"load {os.getloadavg()[0]:.1f}:")
-        marks = [(t_req, "scale requested")] + stages
-        for (ta, what), (tb, _) in zip(marks, marks[1:] + [(t_done, "")], strict=True):
-            print(f"    {ta - t_req:7.2f} s  {what:<28} {tb - ta:6.2f} s")
-        print(f"    {t_done - t_req:7.2f} s  training again (first step of generation 1 seen)")
         timeline = request(f"{agent_url}/timeline")
-        for gen, marks_of in sorted(timeline.items()):
-            print(f"  workers of {gen}: " + ", ".join(f"{k} {v - t_req:+.2f} s" for k, v in sorted(
-                marks_of.items(), key=lambda kv: kv[1]) if v >= t_req - 1))
         hosts_json = json.loads((out / "hosts.json").read_text())
         records = []
         for h in hosts_json:
             with contextlib.suppress(OSError):
                 records.append(request(f"{h['store_url']}/v1/jobs/{JOB}/transforms/{rec['version_to']}"))
+        # One time line: the scheduler's milestones (the job record's marks), the simulated workers' (the
+        # agent's: the last rank of each generation) and the daemons' transforms (their records).
+        events = [(t_req, "scale requested (driver)")]
+        events += [(t, f"{name} (scheduler)") for name, t in rec["marks"].items()]
+        for gen, marks_of in sorted(timeline.items()):
+            events += [(t, f"{name} ({gen.split('/')[-1]} workers)") for name, t in marks_of.items() if t >= t_req - 1]
         busy = (0.0, 0.0)
         if records:
-            submitted = [r["submitted_at"] for r in records]
             started = [r["started_at"] for r in records if r.get("started_at")]
             finished = [r["finished_at"] for r in records if r.get("finished_at")]
             busy = (min(started), max(finished))
-            print(f"  transforms on {len(records)} daemons: submitted {min(submitted) - t_req:+.2f} .. "
-                  f"{max(submitted) - t_req:+.2f} s, started {busy[0] - t_req:+.2f} .. {max(started) - t_req:+.2f} s, "
-                  f"the last committed {busy[1] - t_req:+.2f} s (each {statistics.median(r['finished_at'] - r['started_at'] for r in records):.2f} s median)")
-        entered = {what: ta for ta, what in stages}
-        planning = entered.get("Reconfiguring/transferring", t_req) - entered.get("Reconfiguring/planning", t_req)
-        transfer = entered.get("Reconfiguring/restarting", t_req) - entered.get("Reconfiguring/transferring", t_req)
-        launched = next((ta for ta, what in stages if what == "Running"), t_done)
+            events += [(min(r["submitted_at"] for r in records), f"first sub-plan submitted (of {len(records)})"),
+                       (max(r["submitted_at"] for r in records), "last sub-plan submitted"),
+                       (busy[0], "first transform started"), (busy[1], "last transform committed")]
+            print(f"  transforms on {len(records)} daemons: each {statistics.median(r['finished_at'] - r['started_at'] for r in records):.2f} s median")
+        events.append((t_done, "training again (first step of the new generation seen by the driver)"))
+        events.sort()
+        for (ta, what), (tb, _) in zip(events, events[1:] + [(t_done, "")], strict=True):
+            print(f"    {ta - t_req:+8.2f} s  {what:<58} {tb - ta:6.2f} s to the next")
+        print("  phases (job record): " + ", ".join(f"{k} {v:.2f} s" for k, v in rec["phases"].items()))
+        marks = rec["marks"]
+        planning = marks.get("planned", t_req) - marks.get("committed", t_req)
         g0 = timeline.get(f"{JOB}/g0", {})
         writes = g0.get("snapshot_written", t_req) - g0.get("stop_step", t_req)
-        data = (busy[1] - busy[0]) + writes
-        print(f"  orchestration to the launch of the new workers: {launched - t_req:.2f} s, of which planning "
-              f"{planning:.2f} s (stage), the transfer stage {transfer:.2f} s (the daemons busy {busy[1] - busy[0]:.2f} s of it), "
-              f"the workers writing their snapshot {writes:.2f} s: {launched - t_req - planning:.2f} s beyond planning, "
-              f"{launched - t_req - planning - data:.2f} s beyond planning and moving data; until they train: "
-              f"{t_done - t_req:.2f} s")
+        moving = busy[1] - busy[0]
+        total = t_done - t_req
+        beyond = total - planning - writes - moving
+        print(f"  from the request to training again {total:.2f} s = planning {planning:.2f} s + the workers writing "
+              f"their snapshot {writes:.2f} s + the daemons moving the state {moving:.2f} s + orchestration "
+              f"{beyond:.2f} s (target < 5 s beyond planning and moving data)")
         print(f"  state: {rec['bytes_remote']} B over the network (lower bound {rec['lower_bound_bytes']} B), "
               f"{rec['bytes_local']} B local; workers: "
               + ", ".join(f"{k} {counts3[k] - counts2[k]}" for k in ("register", "ptc", "snapshot", "exit", "heartbeat"))

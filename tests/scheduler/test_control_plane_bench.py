@@ -30,3 +30,7 @@ def test_simulated_workers_go_through_a_reconfiguration(tmp_path: Path) -> None:
     assert network is not None and network.group(1) == network.group(2), text
     assert re.search(r"workers: register 8, ptc \d+, snapshot 16, exit 16", text), text
     assert "transforms on 4 daemons" in text and "training again" in text, text
+    # The time line comes from the job record's milestones: the scheduler's stages are all there.
+    for mark in ("stopped (scheduler)", "committed (scheduler)", "planned (scheduler)", "transferred (scheduler)"):
+        assert mark in text, text
+    assert re.search(r"planning [\d.]+ s \+ .* \+ orchestration -?[\d.]+ s", text), text
