@@ -15,7 +15,7 @@ import re
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal
 
 from fastapi import Depends, FastAPI, Query, Request
@@ -172,7 +172,7 @@ def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
         return JSONResponse({"error": code, "detail": str(exc.detail)}, status_code=exc.status_code)
 
     app.add_middleware(_Timing, metrics=metrics)
-    app.add_middleware(_Heartbeats, scheduler=scheduler, token=token, metrics=metrics)
+    app.add_middleware(_WorkerReports, scheduler=scheduler, token=token, metrics=metrics)
 
     # -- health and metrics ----------------------------------------------------
 
@@ -285,25 +285,35 @@ def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
 
     @app.post(P.HEARTBEAT_PATH, tags=["workers"], summary="Heartbeat with the last completed step",
               response_model=P.HeartbeatReply, openapi_extra=_json_body(P.HeartbeatRequest),
-              description="Answered by the API's heartbeat path (see `_Heartbeats`) before routing; same contract.")
+              description="Answered by the API's worker-report path (see `_WorkerReports`) before routing; "
+                          "same contract.")
     async def heartbeat(job: P.JobName, worker_id: P.WorkerId, request: Request) -> Response:
         auth(request)
-        return Response(await _heartbeat(scheduler, job, worker_id, await request.body()), media_type="application/json")
+        return Response(await _worker_report(scheduler, "heartbeat", job, worker_id, await request.body()),
+                        media_type="application/json")
 
-    @app.post(P.SNAPSHOT_PATH, tags=["workers"], summary="A worker wrote its part of a version", dependencies=[Auth])
-    def snapshot(job: P.JobName, worker_id: P.WorkerId, body: P.SnapshotReport) -> P.Ack:
-        scheduler.get(job).snapshot_report(worker_id, body)
-        return P.Ack()
+    @app.post(P.SNAPSHOT_PATH, tags=["workers"], summary="A worker wrote its part of a version",
+              response_model=P.Ack, openapi_extra=_json_body(P.SnapshotReport),
+              description="Answered by the API's worker-report path (see `_WorkerReports`) before routing; "
+                          "same contract.")
+    async def snapshot(job: P.JobName, worker_id: P.WorkerId, request: Request) -> Response:
+        auth(request)
+        return Response(await _worker_report(scheduler, "snapshot", job, worker_id, await request.body()),
+                        media_type="application/json")
 
     @app.post(P.PEER_FAILURE_PATH, tags=["workers"], summary="A worker saw a peer fail", dependencies=[Auth])
     def peer_failure(job: P.JobName, worker_id: P.WorkerId, body: P.PeerFailureReport) -> P.Ack:
         scheduler.get(job).peer_failure(worker_id, body)
         return P.Ack()
 
-    @app.post(P.EXIT_PATH, tags=["workers"], summary="A worker is exiting", dependencies=[Auth])
-    def exit_report(job: P.JobName, worker_id: P.WorkerId, body: P.ExitReport) -> P.Ack:
-        scheduler.get(job).exit_report(worker_id, body)
-        return P.Ack()
+    @app.post(P.EXIT_PATH, tags=["workers"], summary="A worker is exiting",
+              response_model=P.Ack, openapi_extra=_json_body(P.ExitReport),
+              description="Answered by the API's worker-report path (see `_WorkerReports`) before routing; "
+                          "same contract.")
+    async def exit_report(job: P.JobName, worker_id: P.WorkerId, request: Request) -> Response:
+        auth(request)
+        return Response(await _worker_report(scheduler, "exit", job, worker_id, await request.body()),
+                        media_type="application/json")
 
     return app
 
@@ -355,38 +365,52 @@ class _Views:
         return view
 
 
-async def _heartbeat(scheduler: Scheduler, job: str, worker_id: str, raw: bytes) -> bytes:
-    """A heartbeat's reply: the body parsed by pydantic from the raw bytes, the reply serialized by it, and the
-    controller called on the event loop when its lock is free (held only briefly then: a heartbeat is a few
+_ACK = P.Ack().model_dump_json().encode()
+
+_REPORTS: dict[str, tuple[type[BaseModel], str, Callable[[JobController, str, Any], BaseModel | None]]] = {
+    "heartbeat": (P.HeartbeatRequest, P.HEARTBEAT_PATH, lambda ctl, w, body: ctl.heartbeat(w, body)),
+    "snapshot": (P.SnapshotReport, P.SNAPSHOT_PATH, lambda ctl, w, body: ctl.snapshot_report(w, body)),
+    "exit": (P.ExitReport, P.EXIT_PATH, lambda ctl, w, body: ctl.exit_report(w, body)),
+}
+"""The worker reports every worker sends (``kind`` -> body model, route, controller call): a heartbeat every
+second or so, and at every planned change a snapshot and an exit report from each worker at once."""
+
+
+async def _worker_report(scheduler: Scheduler, kind: str, job: str, worker_id: str, raw: bytes) -> bytes:
+    """A worker report's reply: the body parsed by pydantic from the raw bytes, the reply serialized by it, and
+    the controller called on the event loop when its lock is free (held only briefly then: a report is a few
     dictionary updates), else from a worker thread as other routes are."""
+    model, _path, call = _REPORTS[kind]
     try:
-        body = P.HeartbeatRequest.model_validate_json(raw)
+        body = model.model_validate_json(raw)
     except ValidationError as exc:
         raise InvalidInput(_validation_detail(exc.errors(), ("body",))) from None
     ctl = scheduler.get(job)
     if ctl.lock.acquire(blocking=False):
         try:
-            reply = ctl.heartbeat(worker_id, body)
+            reply = call(ctl, worker_id, body)
         finally:
             ctl.lock.release()
     else:
-        reply = await run_in_threadpool(ctl.heartbeat, worker_id, body)
-    return reply.model_dump_json().encode()
+        reply = await run_in_threadpool(call, ctl, worker_id, body)
+    return reply.model_dump_json().encode() if reply is not None else _ACK
 
 
-_HEARTBEAT = re.compile(r"^/v1/jobs/([^/]+)/workers/([^/]+)/heartbeat$")
+_WORKER_REPORT = re.compile(r"^/v1/jobs/([^/]+)/workers/([^/]+)/(heartbeat|snapshot|exit)$")
 _JOB_NAME = re.compile(P.JOB_NAME_PATTERN)
 _WORKER_ID = re.compile(P.WORKER_ID_PATTERN)
 
 
-class _Heartbeats:
-    """Worker heartbeats answered before routing: the one request every worker sends every second or so.
+class _WorkerReports:
+    """Worker reports answered before routing: heartbeats, snapshot and exit reports (:data:`_REPORTS`).
 
-    A thousand workers send a thousand a second; through the framework's
-    routing, dependencies and request objects each cost several times the
-    work of the heartbeat itself (``benchmarks/control_plane.py``). This
-    ASGI layer answers ``POST /v1/jobs/{job}/workers/{worker_id}/heartbeat``
-    itself, with the route's contract (bearer token, body and reply models,
+    A thousand workers send a thousand heartbeats a second, and two thousand
+    reports within a second or two when a planned change stops them; through
+    the framework's routing, dependencies, request objects and worker threads
+    each cost several times the work of the report itself
+    (``benchmarks/control_plane.py``). This ASGI layer answers
+    ``POST /v1/jobs/{job}/workers/{worker_id}/{heartbeat,snapshot,exit}``
+    itself, with the routes' contract (bearer token, body and reply models,
     errors as ``{"error", "detail"}``, latency in the request histogram);
     anything else, and a path whose names are malformed, goes on to the app.
     """
@@ -398,7 +422,7 @@ class _Heartbeats:
         self.metrics = metrics
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        m = _HEARTBEAT.match(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        m = _WORKER_REPORT.match(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
         if m is None or not _JOB_NAME.match(m.group(1)) or not _WORKER_ID.match(m.group(2)):
             await self.app(scope, receive, send)
             return
@@ -416,7 +440,8 @@ class _Heartbeats:
                 chunks.append(message.get("body", b""))
                 if not message.get("more_body"):
                     break
-            status, body = 200, await _heartbeat(self.scheduler, m.group(1), m.group(2), b"".join(chunks))
+            status, body = 200, await _worker_report(self.scheduler, m.group(3), m.group(1), m.group(2),
+                                                     b"".join(chunks))
         except TenplexError as exc:
             status, body = exc.http_status, json.dumps(exc.to_json()).encode()
             if isinstance(exc, Unauthorized):
@@ -424,7 +449,7 @@ class _Heartbeats:
         headers.append((b"content-length", str(len(body)).encode()))
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
-        self.metrics.requests.labels(P.HEARTBEAT_PATH, "POST", str(status)).observe(time.perf_counter() - start)
+        self.metrics.requests.labels(_REPORTS[m.group(3)][1], "POST", str(status)).observe(time.perf_counter() - start)
 
 
 class _Timing:

@@ -169,6 +169,18 @@ def test_job_lifecycle_errors(scheduler):
     status, body = call(url, "POST", "/v1/jobs/life/workers/w-0/heartbeat", raw=b"{not json")
     assert status == 400 and body["error"] == "invalid_input" and body["detail"].startswith("body")
     assert call(url, "POST", "/v1/jobs/life/workers/-bad-/heartbeat", {"generation": 0, "step": 1})[0] == 400
+    # So do snapshot and exit reports (every worker sends both at once when a planned change stops it).
+    snapshot = {"generation": 0, "step": 3, "version": "s3-g0", "host": "host-0", "committed": True}
+    leaving = {"generation": 0, "step": 3, "status": "stopped", "exit_code": 0}
+    for kind, report in (("snapshot", snapshot), ("exit", leaving)):
+        assert call(url, "POST", f"/v1/jobs/life/workers/w-0/{kind}", report) == (
+            404, {"error": "not_found", "detail": "job 'life' has no worker 'w-0' in generation 0"}), kind
+        assert call(url, "POST", f"/v1/jobs/life/workers/w-0/{kind}", report, token="wrong")[1]["error"] == \
+            "unauthorized"
+        assert call(url, "POST", f"/v1/jobs/nope/workers/w-0/{kind}", report)[0] == 404
+        status, body = call(url, "POST", f"/v1/jobs/life/workers/w-0/{kind}", {**report, "step": -1})
+        assert status == 400 and body["error"] == "invalid_input" and body["detail"].startswith("body.step"), body
+        assert call(url, "POST", f"/v1/jobs/life/workers/-bad-/{kind}", report)[0] == 400
     assert call(url, "DELETE", "/v1/jobs/life") == (200, {"deleted": "life"})
     assert call(url, "GET", "/v1/jobs/life")[0] == 404
 
