@@ -269,10 +269,19 @@ class Orchestrator:
         self.ctx.enter(Phase.RECONFIGURING, Stage.SNAPSHOT, f"workers stopped after step {self.ctx.status.stop_at_step}")
 
     def await_snapshot(self) -> None:
+        """The stop version, once it is committed on every host of the generation. The workers' snapshot
+        reports say so first (each committing worker reports its host's commit): when they cover every host the
+        stores are not asked; otherwise (a report lost with its worker) the stores, the ground truth, are."""
         ctx, st = self.ctx, self.ctx.status
         need = set(ctx.ptc(st.generation).hosts)
-        outcome = find_stop_version(st, self.holders(), need, stage_age=ctx.stage_age,
-                                    stop_timeout=ctx.settings.stop_timeout)
+        reported: dict[str, list[str]] = {}
+        for version, hosts in st.committed.items():
+            for host in hosts:
+                reported.setdefault(host, []).append(version)
+        outcome = find_stop_version(st, reported, need, stage_age=0.0, stop_timeout=ctx.settings.stop_timeout)
+        if outcome.version is None:
+            outcome = find_stop_version(st, self.holders(), need, stage_age=ctx.stage_age,
+                                        stop_timeout=ctx.settings.stop_timeout)
         if outcome.failure is not None:
             self.begin_failure(outcome.failure)
         elif outcome.version is not None:
