@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from tenplex.core.version import Version
+from tenplex.errors import NotFound
 from tenplex.ptc.dtypes import storage_dtype
 from tenplex.ptc.region import Region
 from tenplex.store.model import Manifest, ShardInfo, VersionInfo
@@ -185,6 +186,16 @@ class TensorStore(ABC):
     @abstractmethod
     def versions(self, job: str) -> list[VersionInfo]:
         """All versions of a job here, committed or not, ordered by (step, generation)."""
+
+    def is_committed(self, job: str, version: Version | str) -> bool:
+        """Whether ``version`` of ``job`` is committed here (False for an unknown job or version): what a
+        worker waiting for its version asks, many times a second while the version is being built. The default
+        asks :meth:`versions`; a store that can answer without looking at the versions' contents does."""
+        want = Version.parse(str(version))
+        try:
+            return any(v.version == want and v.committed for v in self.versions(job))
+        except NotFound:
+            return False
 
     @abstractmethod
     def jobs(self) -> list[str]:

@@ -1564,6 +1564,13 @@ class LocalStore(TensorStore):
             out.append(VersionInfo(v, m.committed, m.nbytes, durable=m.committed and m.durable, in_memory=in_memory))
         return out
 
+    def is_committed(self, job: str, version: Version | str) -> bool:
+        """A stat of the version's commit marker (or its memory tier's): :meth:`versions` would scan every
+        shard of a version still being written, which is exactly when waiting workers ask."""
+        v = check_version(version)
+        check_job(job)
+        return self._is_committed(job, v)
+
     def commit(self, job: str, version: Version | str) -> Manifest:
         """Make a version visible as committed, atomically; a no-op on a committed version.
 

@@ -46,7 +46,7 @@ from fastapi import FastAPI
 
 from tenplex.core import protocol as P
 from tenplex.core.version import Version
-from tenplex.errors import InvalidConfig, NotFound, TenplexError
+from tenplex.errors import InvalidConfig, TenplexError
 from tenplex.ptc import PTC, Region, dtypes
 from tenplex.scheduler.backend import LocalBackend, LocalCluster, WorkerLaunch
 from tenplex.scheduler.controller import SchedulerSettings
@@ -380,11 +380,7 @@ class Agent:
         loop = asyncio.get_running_loop()
         deadline = time.monotonic() + COMMIT_WAIT_S
         while time.monotonic() < deadline:
-            try:
-                infos = await loop.run_in_executor(self._io, store.versions, job)
-            except NotFound:
-                infos = []
-            if any(str(v.version) == version and v.committed for v in infos):
+            if await loop.run_in_executor(self._io, store.is_committed, job, version):
                 return True
             await asyncio.sleep(COMMIT_POLL_S)
         return False

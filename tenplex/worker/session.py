@@ -35,7 +35,7 @@ from torch import nn
 
 from tenplex.core import protocol as p
 from tenplex.core.version import Version
-from tenplex.errors import InvalidConfig, NotFound, StateLost
+from tenplex.errors import InvalidConfig, StateLost
 from tenplex.ptc import PTC, DatasetState, ParallelConfig
 from tenplex.store import TensorStore, open_store
 from tenplex.worker.control import ControlClient, Heartbeat, agree_stop
@@ -288,13 +288,10 @@ class ElasticWorker:
         deadline = time.monotonic() + timeout_s
         waited = False
         while True:
-            try:
-                if any(v.version == version and v.committed for v in self.store.versions(self.setup.job)):
-                    if waited:
-                        log.info("rank %d: %s is committed on this node; restoring", self.setup.rank, version)
-                    return
-            except NotFound:
-                pass
+            if self.store.is_committed(self.setup.job, version):
+                if waited:
+                    log.info("rank %d: %s is committed on this node; restoring", self.setup.rank, version)
+                return
             if time.monotonic() > deadline:
                 raise StateLost(f"version {version} of job {self.setup.job!r} was not committed in this node's "
                                 f"store within {timeout_s:.0f} s")

@@ -206,6 +206,16 @@ class StoreTests:
         with pytest.raises(NotFound):
             store.commit(job, "s2-g0")
 
+    def test_is_committed_says_what_versions_says(self, store: TensorStore, job: str) -> None:
+        assert not store.is_committed(job, "s1-g0")  # no such job yet
+        store.write_shard(job, "s1-g0", "w", Region.full((2,)), np.zeros(2, np.int8), dtype="int8", global_shape=(2,))
+        assert not store.is_committed(job, "s1-g0") and not store.is_committed(job, Version(2, 0))
+        store.commit(job, "s1-g0")
+        assert store.is_committed(job, "s1-g0") and store.is_committed(job, Version(1, 0))
+        assert not store.is_committed(job, "s1-g1")
+        store.delete(job, "s1-g0")
+        assert not store.is_committed(job, "s1-g0")
+
     def test_versions_jobs_and_manifests(self, store: TensorStore, job: str) -> None:
         for v in ("s10-g0", "s2-g1", "s2-g0", "s10-g2"):
             store.write_shard(job, v, "a/b.c", Region.full((2,)), np.zeros(2, np.float64), dtype="float64", global_shape=(2,))
