@@ -4,7 +4,8 @@ A training script does::
 
     worker = ElasticWorker.from_scheduler()            # or ElasticWorker(WorkerSetup(...)) standalone
     worker.init_process_group()                        # rendezvous at the assignment's master
-    model, optimizer, lr_scheduler = build(worker.parallel, ...)
+    model, optimizer, lr_scheduler = build(worker.parallel, ...)    # on "meta" + materialize() when
+    worker.prepare(model, optimizer)                                 #   not worker.needs_initial_values
     start = worker.restore(model, optimizer, lr_scheduler)   # state and data position of the version
     for step, ids in worker.batches(dp_rank, start):           # this rank's sample ids per step
         loss = train_step(ids)
@@ -201,6 +202,18 @@ class ElasticWorker:
     def parallel(self) -> ParallelConfig:
         return self.setup.parallel
 
+    @property
+    def needs_initial_values(self) -> bool:
+        """Whether the model needs its initial values: False when the assignment restores a version.
+
+        A restore overwrites every parameter and optimizer state tensor, so a
+        job that restores should build and parallelize its model on the
+        ``meta`` device and allocate it without values
+        (:func:`~tenplex.worker.state.materialize`): no random draws, no
+        collectives that distribute them. A fresh job builds its seeded values.
+        """
+        return self.setup.restore_version is None
+
     def mark(self, name: str, when: float | None = None) -> None:
         """Milestone ``name`` reached (:data:`~tenplex.core.protocol.WORKER_MARKS`): the scheduler splits
         a reconfiguration's downtime into phases with them."""
@@ -238,10 +251,12 @@ class ElasticWorker:
         Run right after building the parallelized model: a layout provider that
         disagrees with the live job is an error at start-up, naming the first
         differing tensor, not a corrupt snapshot later. Creating AdamW's state
-        (zeros, step 0) before the first step does not change its updates.
+        (zeros, step 0) before the first step does not change its updates; when
+        a restore follows, the state is allocated without values (it is
+        overwritten).
         """
         if optimizer is not None:
-            ensure_optimizer_state(model, optimizer, self.setup.ptc)
+            ensure_optimizer_state(model, optimizer, self.setup.ptc, zeros=self.needs_initial_values)
         check_layout(live_pieces(model, optimizer), self.setup.ptc, self.setup.rank)
 
     def restore(
