@@ -104,3 +104,27 @@ def test_a_resuming_worker_builds_on_meta_and_restores_into_storage_without_valu
     assert worker2.finish() == 0
     for a, b in zip(model.parameters(), model2.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_rank_waits_for_its_rendezvous_store_to_listen_and_gives_up_after_its_timeout() -> None:
+    import socket
+    import threading
+
+    from tenplex.worker.session import wait_for_listener
+
+    with socket.socket() as probe:  # a port nothing listens on (yet)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    assert wait_for_listener("127.0.0.1", port, timeout_s=0.05) >= 0.05  # nothing there: returns after the timeout
+
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", port))
+    opened = threading.Timer(0.1, server.listen)  # rank 0 arrives a little later
+    opened.start()
+    try:
+        assert wait_for_listener("127.0.0.1", port, timeout_s=30) >= 0.1
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()  # it listens now
+    finally:
+        opened.join()
+        server.close()
