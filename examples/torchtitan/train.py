@@ -46,8 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = TitanConfig(flavor=args.flavor, n_layers=args.layers, seq_len=args.seq_len, microbatch_size=args.microbatch_size)
 
     def build_job(parallel: ParallelConfig, local_batch_size: int, init_values: bool):
-        # torchtitan builds on meta already; its init_weights sets the RoPE cache with the parameters, so it
-        # runs whether or not a restore follows (see build_stage).
+        # init_values is not used: see build_stage.
         return build_stage(cfg, parallel, local_batch_size=local_batch_size, seed=args.seed, lr=args.lr)
 
     vocab = llama3_configs[cfg.flavor](attn_backend="flex").vocab_size
