@@ -20,7 +20,11 @@ whose length grows with the state (final snapshot, transfer, restore);
 the demo's model (637 KiB of state) and a ~1 GB one (``--large``), each with
 warm standbys (the job's ``standby``) and without.
 
-Run: .venv/bin/python benchmarks/downtime.py [--sizes demo large] [--standby on off] [--json OUT]
+"Steady step" is the median training step of the new layout after its first
+(rank 0's own timing, from its log), so the first step's phase can be judged
+against a normal step of the same model and layout.
+
+Run: .venv/bin/python benchmarks/downtime.py [--sizes demo large] [--standby on off] [--json OUT] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ import argparse
 import json
 import logging
 import os
+import re
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -96,6 +102,18 @@ def steady(gen: int, steps_past: int) -> Callable[[dict[str, Any]], bool]:
     return pred
 
 
+STEP_LINE = re.compile(r" step (\d+) loss \S+ \((\d+) ms,")
+"""Rank 0's log line of each step (examples/gpt/train.py): step number and its time."""
+
+
+def step_times(root: Path, job: str, generation: int) -> list[float]:
+    """Seconds of each step rank 0 of ``generation`` logged, in order (its first step first)."""
+    logs = sorted((root / "logs" / job / f"g{generation}").glob(f"*-g{generation}-r0.log"))
+    if not logs:
+        return []
+    return [int(m.group(2)) / 1000 for m in STEP_LINE.finditer(logs[0].read_text(errors="replace"))]
+
+
 def run(size: str, standby: bool, root: Path) -> list[dict[str, Any]]:
     spec = job_spec(size, standby)
     name = spec["name"]
@@ -123,9 +141,12 @@ def run(size: str, standby: bool, root: Path) -> list[dict[str, Any]]:
     for rec in final["history"]:
         phases = rec["phases"]
         data = sum(phases.get(k, 0.0) for k in DATA_PHASES)
+        steps = step_times(root, name, rec["to_generation"]) if rec.get("to_generation") is not None else []
         out.append({"size": size, "standby": standby, "event": rec["reason"], "from": rec["from_config"],
                     "to": rec["to_config"], "downtime_s": rec["downtime_seconds"], "data_s": round(data, 3),
                     "fixed_s": round(rec["downtime_seconds"] - data, 3),
+                    "first_step_compute_s": steps[0] if steps else None,
+                    "steady_step_s": round(statistics.median(steps[1:]), 3) if len(steps) > 1 else None,
                     "bytes_remote": rec["bytes_remote"], "bytes_local": rec["bytes_local"],
                     "phases": {k: phases[k] for k in PHASES if k in phases}})
     return out
@@ -136,18 +157,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sizes", nargs="+", choices=sorted(SIZES), default=["demo", "large"])
     ap.add_argument("--standby", nargs="+", choices=["on", "off"], default=["on", "off"])
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--keep", type=Path, help="run in this directory and keep it (scheduler state, workers' logs)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     results = []
     for size in args.sizes:
         for sb in args.standby:
-            with tempfile.TemporaryDirectory(prefix="downtime-") as tmp:
-                rows = run(size, sb == "on", Path(tmp))
+            if args.keep is not None:
+                root = args.keep / f"{size}-standby-{sb}"
+                root.mkdir(parents=True, exist_ok=False)
+                rows = run(size, sb == "on", root)
+            else:
+                with tempfile.TemporaryDirectory(prefix="downtime-") as tmp:
+                    rows = run(size, sb == "on", Path(tmp))
             results += rows
             for r in rows:
                 ok = "meets" if r["fixed_s"] <= TARGET_FIXED_S else "misses"
+                steady = f"{r['steady_step_s']:.2f} s" if r["steady_step_s"] is not None else "-"
                 print(f"{size:5s} standby {sb:3s} {r['event']:8s} downtime {r['downtime_s']:6.2f} s = data "
-                      f"{r['data_s']:5.2f} s + fixed {r['fixed_s']:5.2f} s ({ok} {TARGET_FIXED_S} s); moved "
+                      f"{r['data_s']:5.2f} s + fixed {r['fixed_s']:5.2f} s ({ok} {TARGET_FIXED_S} s); first step "
+                      f"{r['phases'].get('first_step', 0.0):.2f} s, steady step {steady}; moved "
                       f"{human_bytes(r['bytes_remote'])} remote, {human_bytes(r['bytes_local'])} local", flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))

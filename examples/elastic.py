@@ -55,8 +55,10 @@ class ElasticJob(Protocol):
     def train_step(self, tokens: torch.Tensor) -> float: ...
 
 
-BuildJob = Callable[[ParallelConfig, int], ElasticJob]
-"""``(parallel, local_batch_size) -> job`` on the initialized default process group."""
+BuildJob = Callable[[ParallelConfig, int, bool], ElasticJob]
+"""``(parallel, local_batch_size, init_values) -> job`` on the initialized default process group; ``init_values``
+is False when a restore overwrites every value (the model may be built on ``meta`` and materialized without
+values: :func:`tenplex.worker.state.materialize`)."""
 BuildPTC = Callable[[ParallelConfig, Placement, DatasetState], PTC]
 """Picklable (a module-level function or a ``functools.partial`` of one): it runs in a subprocess."""
 
@@ -135,7 +137,7 @@ def elastic_main(args: argparse.Namespace, build_job: BuildJob, build_ptc: Build
         parallel = worker.parallel
         dataset = worker.dataset
         assert dataset is not None
-        job = build_job(parallel, dataset.global_batch_size // parallel.dp)
+        job = build_job(parallel, dataset.global_batch_size // parallel.dp, worker.needs_initial_values)
         if job.dp_rank != parallel.coords(rank)["dp"]:
             raise InvalidConfig(f"the job puts rank {rank} at dp {job.dp_rank}, Tenplex at {parallel.coords(rank)['dp']}")
         worker.prepare(job.module, job.optimizer)  # the derived PTC agrees with the live model, or fail here

@@ -17,6 +17,7 @@ if os.environ.get("STANDBY_IMPORTS"):
 
 def main() -> int:
     print(f"worker {os.environ.get('WHO', '?')} pid {os.getpid()} pgid {os.getpgid(0)} argv {sys.argv[1:]}", flush=True)
+    print(f"local store imported before the worker ran: {'tenplex.store.local' in sys.modules}", flush=True)
     time.sleep(float(os.environ.get("SLEEP", "0")))
     return int(os.environ.get("CODE", "0"))
 

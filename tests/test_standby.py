@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tenplex.core.commands import STANDBY_READY, PythonCommand
+from tenplex.core.protocol import ENV_STORE_ROOT
 from tenplex.errors import InvalidConfig, InvalidInput
 from tenplex.scheduler.backend import LocalBackend, LocalCluster, WorkerLaunch
 
@@ -37,7 +38,8 @@ def _read_line(stream) -> str:  # type: ignore[no-untyped-def]
 
 def test_a_standby_imports_once_and_forks_each_worker_with_its_own_env_log_session_and_exit_code(tmp_path: Path) -> None:
     imports = tmp_path / "imports"
-    env = {**os.environ, "STANDBY_IMPORTS": str(imports), "PYTHONPATH": str(REPO)}
+    # with a node store directory, as the local backend gives it, the standby also imports the local store
+    env = {**os.environ, "STANDBY_IMPORTS": str(imports), "PYTHONPATH": str(REPO), ENV_STORE_ROOT: str(tmp_path)}
     proc = subprocess.Popen([sys.executable, "-m", "tenplex", "worker", "standby", "--", *JOB], env=env, cwd=REPO,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
@@ -61,6 +63,7 @@ def test_a_standby_imports_once_and_forks_each_worker_with_its_own_env_log_sessi
             text = (tmp_path / f"{who}.log").read_text()
             # its own environment, its own session (pgid = pid), the command's arguments
             assert f"worker {who} pid {pid} pgid {pid} argv ['--flag', 'x']" in text, text
+            assert "local store imported before the worker ran: True" in text, text
         # the module ran as __main__ in each worker, but was imported once: by the standby
         assert [line.split()[1] for line in imports.read_text().splitlines()] == ["tests.standby_fixture"]
         proc.stdin.close()

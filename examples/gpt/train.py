@@ -57,7 +57,7 @@ from tenplex.errors import InvalidConfig
 from tenplex.ptc import PTC, DatasetState, ParallelConfig, Placement
 from tenplex.ptc.dtypes import storage_dtype
 from tenplex.worker.session import ElasticWorker, WorkerSetup
-from tenplex.worker.state import live_pieces
+from tenplex.worker.state import live_pieces, materialize
 
 log = logging.getLogger("examples.gpt.train")
 
@@ -201,15 +201,25 @@ def build_job(
     n_microbatches: int | None = None,
     schedule: str = "1f1b",
     device: torch.device | None = None,
+    init_values: bool = True,
 ) -> GPTJob:
-    """Build this rank's part of the job on an initialized default process group."""
+    """Build this rank's part of the job on an initialized default process group.
+
+    ``init_values=False`` (a worker that restores: every value is overwritten)
+    builds and parallelizes the stage on the ``meta`` device and allocates it
+    on ``device`` without values (:func:`tenplex.worker.state.materialize`):
+    no full-size random draws, no scatter of them from tensor-parallel rank 0.
+    The model has no buffers, so nothing else needs a value.
+    """
     check_supported(cfg, parallel)
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     mesh = build_mesh(parallel, device.type)
     coords = parallel.coords(dist.get_rank())
-    module = build_stage(cfg, parallel, coords["pp"], seed=seed, device=device)
+    module = build_stage(cfg, parallel, coords["pp"], seed=seed, device=device if init_values else torch.device("meta"))
     parallelize(module, mesh, parallel)
+    if not init_values:
+        materialize(module, device)
     optimizer = torch.optim.AdamW(module.parameters(), lr=lr, weight_decay=weight_decay)
     sched = None
     micro = (n_microbatches or parallel.pp) if parallel.pp > 1 else 1
@@ -352,7 +362,8 @@ def elastic_main(args: argparse.Namespace) -> int:
         worker.init_process_group()
         parallel = worker.parallel
         job = build_job(
-            cfg, parallel, seed=args.seed, lr=args.lr, n_microbatches=args.microbatches, schedule=args.schedule
+            cfg, parallel, seed=args.seed, lr=args.lr, n_microbatches=args.microbatches, schedule=args.schedule,
+            init_values=worker.needs_initial_values,
         )
         worker.prepare(job.module, job.optimizer)  # the derived PTC agrees with the live model, or fail here
         start = worker.restore(job.module, job.optimizer, seed=args.seed)

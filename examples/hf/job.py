@@ -40,6 +40,7 @@ from tenplex.errors import InvalidConfig  # noqa: E402
 from tenplex.ptc import PTC, DatasetState, ParallelConfig, Placement  # noqa: E402
 from tenplex.ptc.provider import layout_provider  # noqa: E402
 from tenplex.ptc.torch_layout import TRANSFORMERS_MESH_ROLES, derive_ptc_from_stages  # noqa: E402
+from tenplex.worker.state import materialize  # noqa: E402
 
 MESH_ROLES = {name: role.value for name, role in TRANSFORMERS_MESH_ROLES.items()}
 """transformers 5.x's mesh names (``pp, dp_replicate, fsdp, tp``; ``efsdp``/``ep`` refused)."""
@@ -139,17 +140,33 @@ class HFStage:
 
 
 def build_stage(
-    cfg: HFConfig, parallel: ParallelConfig, *, device: torch.device | str = "cpu", seed: int = 0, lr: float = 1e-3
+    cfg: HFConfig,
+    parallel: ParallelConfig,
+    *,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    lr: float = 1e-3,
+    init_values: bool = True,
 ) -> HFStage:
-    """The model as transformers distributes it on the initialized default process group (``meta``: not materialized)."""
+    """The model as transformers distributes it on the initialized default process group (``meta``: not materialized).
+
+    ``init_values=False`` (a worker that restores every value) builds and
+    distributes it on ``meta`` and allocates it on ``device`` without values
+    (:func:`tenplex.worker.state.materialize`); the rotary embedding's
+    ``inv_freq`` buffers, which no restore sets, are computed by transformers'
+    own ``_init_weights``.
+    """
     dc, _, mesh = LlamaForCausalLM.prepare_distribute_model(distributed_config(cfg, parallel))
     torch.manual_seed(seed)
-    with torch.device(device):
+    build_on = device if init_values else "meta"
+    with torch.device(build_on):
         model = LlamaForCausalLM(cfg.llama())
     model = LlamaForCausalLM.maybe_distribute_model(model, dc, mesh)
     stage = HFStage(cfg, parallel, model, mesh)
     if torch.device(device).type == "meta":
         return stage
+    if not init_values:
+        materialize(model, device, init_buffers=_init_buffers)
     model.train()
     if not torch.cuda.is_available():  # gloo has no PREMUL_SUM (CPU only)
         from examples.torchtitan.cpu import force_sum_reductions
@@ -157,6 +174,15 @@ def build_stage(
         force_sum_reductions(model)
     stage.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     return stage
+
+
+def _init_buffers(model: nn.Module) -> None:
+    """Set the buffers of a model materialized without values: transformers' initialisation of each module that
+    owns buffers (the rotary embeddings' ``inv_freq``; their parameters, if any, are restored afterwards)."""
+    init_module = model._init_weights  # the PreTrainedModel hook that also sets rotary buffers
+    for module in model.modules():
+        if next(module.buffers(recurse=False), None) is not None:
+            init_module(module)
 
 
 def meta_stage(cfg: HFConfig, stage: int, parallel: ParallelConfig) -> nn.Module:

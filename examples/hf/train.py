@@ -53,8 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         seq_len=args.seq_len,
     )
 
-    def build_job(parallel: ParallelConfig, local_batch_size: int):
-        return build_stage(cfg, parallel, seed=args.seed, lr=args.lr)
+    def build_job(parallel: ParallelConfig, local_batch_size: int, init_values: bool):
+        return build_stage(cfg, parallel, seed=args.seed, lr=args.lr, init_values=init_values)
 
     return elastic_main(args, build_job, partial(_ptc, cfg), vocab=cfg.vocab_size, seq_len=cfg.seq_len)
 

@@ -244,6 +244,13 @@ def build_stage(
     On ``device="meta"`` nothing is materialized (the layout provider's use);
     otherwise the parameters are materialized and initialized by torchtitan
     from ``seed``, FSDP2 is told to reduce with sums on CPU, and AdamW is built.
+
+    A worker that restores runs this too: the model is built on ``meta`` and
+    materialized with ``to_empty`` either way (no values drawn before), and
+    ``init_weights`` stays because it is torchtitan's one public way to set the
+    RoPE cache, a buffer no restore sets; the parameters it initializes in the
+    same pass (drawn shard by shard; torchtitan debugmodel-sized here) are then
+    overwritten.
     """
     device = torch.device(device)
     set_spmd_backend(SPMD_BACKEND)

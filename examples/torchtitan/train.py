@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = TitanConfig(flavor=args.flavor, n_layers=args.layers, seq_len=args.seq_len, microbatch_size=args.microbatch_size)
 
-    def build_job(parallel: ParallelConfig, local_batch_size: int):
+    def build_job(parallel: ParallelConfig, local_batch_size: int, init_values: bool):
+        # init_values is not used: see build_stage.
         return build_stage(cfg, parallel, local_batch_size=local_batch_size, seed=args.seed, lr=args.lr)
 
     vocab = llama3_configs[cfg.flavor](attn_backend="flex").vocab_size

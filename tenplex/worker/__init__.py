@@ -6,7 +6,7 @@
 - :class:`ElasticSampler`: the data order driven by the PTC's dataset state.
 - :class:`ControlClient`, :class:`Heartbeat`, :func:`agree_stop`: the scheduler protocol.
 - :mod:`~tenplex.worker.state`: the live layout (DTensor regions, optimizer state names) and its check
-  against a PTC; :mod:`~tenplex.worker.trainer_state`: RNG, LR scheduler, step and data position.
+  against a PTC; :func:`materialize`: a model built on ``meta`` allocated without values, for a restore; :mod:`~tenplex.worker.trainer_state`: RNG, LR scheduler, step and data position.
 """
 
 from tenplex.errors import SchedulerUnavailable
@@ -15,7 +15,7 @@ from tenplex.worker.restore import RestoreResult, restore
 from tenplex.worker.sampler import ElasticSampler
 from tenplex.worker.session import ElasticWorker, WorkerSetup
 from tenplex.worker.snapshot import SnapshotResult, Snapshotter
-from tenplex.worker.state import LocalPiece, check_layout, live_pieces
+from tenplex.worker.state import LocalPiece, check_layout, live_pieces, materialize
 
 __all__ = [
     "ControlClient",
@@ -31,5 +31,6 @@ __all__ = [
     "agree_stop",
     "check_layout",
     "live_pieces",
+    "materialize",
     "restore",
 ]

@@ -75,7 +75,7 @@ def restore(
     if not manifest.committed:
         raise Conflict(f"version {v} of job {job!r} is not committed in this host's store; it cannot be restored")
     if optimizer is not None:
-        created = ensure_optimizer_state(model, optimizer, ptc)
+        created = ensure_optimizer_state(model, optimizer, ptc, zeros=False)  # all overwritten below
         if created:
             log.debug("rank %d: created %d optimizer state tensors to restore into", rank, created)
     pieces = live_pieces(model, optimizer)

@@ -4,7 +4,8 @@ A training script does::
 
     worker = ElasticWorker.from_scheduler()            # or ElasticWorker(WorkerSetup(...)) standalone
     worker.init_process_group()                        # rendezvous at the assignment's master
-    model, optimizer, lr_scheduler = build(worker.parallel, ...)
+    model, optimizer, lr_scheduler = build(worker.parallel, ...)    # on "meta" + materialize() when
+    worker.prepare(model, optimizer)                                 #   not worker.needs_initial_values
     start = worker.restore(model, optimizer, lr_scheduler)   # state and data position of the version
     for step, ids in worker.batches(dp_rank, start):           # this rank's sample ids per step
         loss = train_step(ids)
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -160,6 +162,8 @@ class ElasticWorker:
         self.snapshots: list[Version] = []
         self._last_snapshot_step: int | None = None
         self._first_step_marked = False
+        self.marks: dict[str, float] = {}
+        """This worker's milestones so far (wall clock)."""
 
     @classmethod
     def from_scheduler(
@@ -176,6 +180,11 @@ class ElasticWorker:
                 raise InvalidConfig(f"{p.ENV_SNAPSHOT_EVERY} must be a positive integer, got {text!r}")
             snapshot_every = int(text)
         control = ControlClient.from_env(env)
+        if env.get(p.ENV_STORE_ROOT):
+            # The node store will be opened from its directory: its implementation loads zarr (about 150 modules,
+            # 0.1 s alone, up to 2 s measured while a reconfiguration loads the machine). Imported before
+            # registering, it is part of the worker's imports (or of its standby's), not of the rendezvous.
+            import tenplex.store.local  # noqa: F401
         rank = int(env[p.ENV_RANK]) if env.get(p.ENV_RANK) else None
         assignment = control.register(host=env.get(p.ENV_HOST) or None, rank=rank)
         registered = time.time()
@@ -201,16 +210,39 @@ class ElasticWorker:
     def parallel(self) -> ParallelConfig:
         return self.setup.parallel
 
+    @property
+    def needs_initial_values(self) -> bool:
+        """Whether the model needs its initial values: False when the assignment restores a version.
+
+        A restore overwrites every parameter and optimizer state tensor, so a
+        job that restores should build and parallelize its model on the
+        ``meta`` device and allocate it without values
+        (:func:`~tenplex.worker.state.materialize`): no random draws, no
+        collectives that distribute them. A fresh job builds its seeded values.
+        """
+        return self.setup.restore_version is None
+
     def mark(self, name: str, when: float | None = None) -> None:
         """Milestone ``name`` reached (:data:`~tenplex.core.protocol.WORKER_MARKS`): the scheduler splits
-        a reconfiguration's downtime into phases with them."""
+        a reconfiguration's downtime into phases with them (the slowest worker's), and this worker logs its
+        own start-up with them at its first step."""
+        when = time.time() if when is None else when
+        self.marks[name] = when
         if self.heartbeat is not None:
             self.heartbeat.mark(name, when)
 
     # -- start ------------------------------------------------------------------------
 
     def init_process_group(self, backend: str | None = None, timeout_s: float = 300.0) -> None:
-        """``torch.distributed`` rendezvous at the assignment's master (env:// style, set here)."""
+        """``torch.distributed`` rendezvous at the assignment's master (env:// style, set here).
+
+        Rank 0 hosts the rendezvous store (torch's ``TCPStore``). A client that
+        finds nothing listening yet backs off before it tries again: 0.4 to 0.7 s
+        measured (torch 2.13), paid whenever rank 0 is even a few milliseconds
+        later than a peer, which after a reconfiguration is a coin toss. So the
+        other ranks first wait for rank 0's port to listen, polling every few
+        milliseconds (:func:`wait_for_listener`), and connect at the first try.
+        """
         import datetime
 
         import torch.distributed as dist
@@ -224,6 +256,10 @@ class ElasticWorker:
         os.environ[p.ENV_WORLD_SIZE] = str(self.setup.world_size)
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
+        started = time.monotonic()
+        waited = 0.0
+        if self.setup.rank != 0 and self.setup.world_size > 1:
+            waited = wait_for_listener(self.setup.master_addr, self.setup.master_port, timeout_s)
         dist.init_process_group(
             backend,
             rank=self.setup.rank,
@@ -231,6 +267,8 @@ class ElasticWorker:
             timeout=datetime.timedelta(seconds=timeout_s),
         )
         self.mark("process_group")
+        log.info("rank %d: process group up in %.3f s (%.3f s waiting for rank 0's store at %s:%d)", self.setup.rank,
+                 time.monotonic() - started, waited, self.setup.master_addr, self.setup.master_port)
 
     def prepare(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Create the optimizer state eagerly and check the live layout against the PTC.
@@ -238,10 +276,12 @@ class ElasticWorker:
         Run right after building the parallelized model: a layout provider that
         disagrees with the live job is an error at start-up, naming the first
         differing tensor, not a corrupt snapshot later. Creating AdamW's state
-        (zeros, step 0) before the first step does not change its updates.
+        (zeros, step 0) before the first step does not change its updates; when
+        a restore follows, the state is allocated without values (it is
+        overwritten).
         """
         if optimizer is not None:
-            ensure_optimizer_state(model, optimizer, self.setup.ptc)
+            ensure_optimizer_state(model, optimizer, self.setup.ptc, zeros=self.needs_initial_values)
         check_layout(live_pieces(model, optimizer), self.setup.ptc, self.setup.rank)
 
     def restore(
@@ -337,6 +377,7 @@ class ElasticWorker:
         if not self._first_step_marked:
             self._first_step_marked = True
             self.mark("first_step")
+            self._log_start_up()
         if self.heartbeat is not None:
             self.heartbeat.update(step, loss)
         local_stop = self._local_stop_at()
@@ -381,6 +422,14 @@ class ElasticWorker:
         self._last_snapshot_step = step
         self.snapshots.append(version)
         return version
+
+    def _log_start_up(self) -> None:
+        """One line: each start-up milestone of this worker, in seconds after its first."""
+        known = [(name, self.marks[name]) for name in p.WORKER_MARKS if name in self.marks]
+        if known:
+            first = min(t for _, t in known)
+            log.info("rank %d start-up: %s", self.setup.rank,
+                     ", ".join(f"{name} +{t - first:.3f}" for name, t in sorted(known, key=lambda kv: kv[1])))
 
     def _local_stop_at(self) -> int | None:
         candidates = [s for s in (self.setup.stop_at_step, self.heartbeat.stop_at_step if self.heartbeat else None) if s is not None]
@@ -437,6 +486,31 @@ class ElasticWorker:
             )
         except Exception as exc:
             log.warning("could not report snapshot %s: %s", result.version, exc)
+
+
+LISTEN_POLL_S = 0.005
+
+
+def wait_for_listener(host: str, port: int, timeout_s: float, poll_s: float = LISTEN_POLL_S) -> float:
+    """Until something accepts TCP connections at ``host:port`` (a peer's rendezvous store); the seconds waited.
+
+    Each probe connects and closes at once (the store drops a client that
+    says nothing). A name that does not resolve yet (a pod not yet in DNS)
+    counts as not listening. After ``timeout_s`` it returns anyway: the
+    caller's own connect then fails with its own error.
+    """
+    started = time.monotonic()
+    deadline = started + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=min(1.0, timeout_s)).close()
+            break
+        except OSError:
+            if time.monotonic() >= deadline:
+                log.warning("nothing listens at %s:%d after %.0f s", host, port, timeout_s)
+                break
+            time.sleep(poll_s)
+    return time.monotonic() - started
 
 
 def process_start_time() -> float | None:

@@ -15,13 +15,15 @@ that off the live model and optimizer:
   (``step``) are whole.
 
 :func:`check_layout` compares it with the device's part of a PTC and names the
-first tensor that differs, with both layouts.
+first tensor that differs, with both layouts. :func:`materialize` allocates a
+model built on the ``meta`` device without values, for a worker that restores
+(its initial values would all be overwritten).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -128,14 +130,16 @@ def live_pieces(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> li
     return pieces
 
 
-def ensure_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, ptc: PTC) -> int:
+def ensure_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, ptc: PTC, *, zeros: bool = True) -> int:
     """Create the optimizer state the PTC names but the optimizer lacks (it has not stepped yet).
 
     A state tensor of the parameter's global shape is created like the
-    parameter (``zeros_like``: same DTensor placements, same device), any other
-    (``step``) as a plain zero tensor of the PTC's shape and dtype on CPU, which
-    is where AdamW keeps its step counter. Values do not matter: restore
-    overwrites them all. Returns the number of tensors created.
+    parameter (same DTensor placements, same device), any other (``step``) as a
+    plain tensor of the PTC's shape and dtype on CPU, which is where AdamW keeps
+    its step counter. With ``zeros`` they are zeros, which is AdamW's own
+    initial state (a fresh job's first step is unchanged); without, they are
+    left uninitialised, for a restore that overwrites them all (no pass over
+    memory that is about to be written). Returns the number of tensors created.
     """
     created = 0
     for name, p in named_parameters(model):
@@ -150,11 +154,78 @@ def ensure_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, p
                 continue
             dtype = ptc_dtypes.torch_dtype(t.dtype)
             if tuple(t.shape) == tuple(p.shape) and t.shape:
-                state[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+                like = torch.zeros_like if zeros else torch.empty_like
+                state[key] = like(p, dtype=dtype, memory_format=torch.preserve_format)
             else:
-                state[key] = torch.zeros(t.shape, dtype=dtype)
+                state[key] = (torch.zeros if zeros else torch.empty)(t.shape, dtype=dtype)
             created += 1
     return created
+
+
+def materialize(
+    module: nn.Module,
+    device: torch.device | str,
+    *,
+    init_buffers: Callable[[nn.Module], None] | None = None,
+) -> int:
+    """Storage without values for a module built (and parallelized) on the ``meta`` device, for a restore to fill.
+
+    A worker that restores a version overwrites every parameter and optimizer
+    state tensor it holds (:func:`check_layout` guarantees the PTC covers them
+    all), so initial values are wasted work, and for a large model it is the
+    bulk of its start-up: the random draws, and the collectives with which
+    DTensor's ``distribute_tensor`` makes them agree (a scatter or broadcast
+    from rank 0 of every tensor parallelized with real values). A job that
+    restores builds and parallelizes on ``meta`` instead (DTensor TP, FSDP2
+    ``fully_shard`` and ``replicate`` accept meta parameters and skip that
+    communication; this is how torchtitan builds every model), then calls this,
+    before it creates its optimizer: ``module.to_empty(device=device)`` allocates
+    each parameter and buffer without writing it (DTensors keep their
+    placements; FSDP2 re-registers its sharded parameters; tied parameters are
+    tied again).
+
+    Buffers are not restored (a job's state is its parameters and optimizer
+    state), so none may be left without a value: buffers that had values
+    already (made off ``meta``) keep them, and those made on ``meta`` (e.g. a
+    RoPE cache) are set by ``init_buffers(module)``, the job's own buffer
+    initialisation; without one they are an :class:`InvalidConfig` naming
+    them, raised before anything is allocated. A module with nothing on
+    ``meta`` is left as it is. Returns the number of tensors allocated.
+    """
+    tensors = [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]
+    if not any(t.is_meta for _, t in tensors):
+        return 0
+    buffers = dict(module.named_buffers())
+    unset = sorted(name for name, b in buffers.items() if b.is_meta)
+    if unset and init_buffers is None:
+        raise InvalidConfig(
+            f"buffers {unset[:5]}{' and more' if len(unset) > 5 else ''} were built on the meta device and a restore "
+            "does not set buffers: pass init_buffers (the model's own buffer initialisation) to materialize"
+        )
+    kept = {name: b for name, b in buffers.items() if not b.is_meta}
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}  # a tied parameter: every module that holds it
+    for mod in module.modules():
+        for pname, param in mod._parameters.items():
+            if param is not None:
+                owners.setdefault(id(param), []).append((mod, pname))
+    module.to_empty(device=device)
+    for places in owners.values():  # to_empty gives each holder of a tied parameter its own copy: tie again
+        first = getattr(places[0][0], places[0][1])
+        for mod, pname in places[1:]:
+            setattr(mod, pname, first)
+    with torch.no_grad():
+        now = dict(module.named_buffers())
+        for name, value in kept.items():
+            now[name].copy_(value)
+        if unset and init_buffers is not None:
+            init_buffers(module)
+    left = sorted(name for name, t in (*module.named_parameters(), *module.named_buffers()) if t.is_meta)
+    if left:
+        raise InvalidConfig(f"tensors {left[:5]} are still on the meta device after materializing the module")
+    count = len({id(t) for _, t in tensors})
+    log.info("materialized %d tensors on %s without values (%d buffers initialised, %d kept)", count, device,
+             len(unset), len(kept))
+    return count
 
 
 def expected_pieces(ptc: PTC, device: int) -> dict[str, tuple[tuple[int, ...], str, Region]]:

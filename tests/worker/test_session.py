@@ -11,9 +11,10 @@ from tenplex.core.version import Version
 from tenplex.ptc import DatasetState, Device, ParallelConfig
 from tenplex.store.local import LocalStore
 from tenplex.worker.session import ElasticWorker, WorkerSetup
+from tenplex.worker.state import materialize
 
 from .test_control import TOKEN, FakeJob, scheduler  # noqa: F401  (fixture)
-from .test_snapshot_restore import make, replicated_ptc
+from .test_snapshot_restore import Tiny, make, replicated_ptc
 
 
 def run_loop(worker: ElasticWorker, model: torch.nn.Module, opt: torch.optim.Optimizer, sched: object) -> list[tuple[int, list[int]]]:
@@ -80,3 +81,50 @@ def test_standalone_periodic_snapshots_and_resume(tmp_path: Path) -> None:
     assert worker2.finish() == 0
     for a, b in zip(model.parameters(), model2.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_resuming_worker_builds_on_meta_and_restores_into_storage_without_values(tmp_path: Path) -> None:
+    setup, (model, opt, sched) = setup_for(tmp_path, total_steps=5)
+    worker = ElasticWorker(setup, snapshot_every=2)
+    assert worker.needs_initial_values  # a fresh job: its seeded values are its start
+    seen = run_loop(worker, model, opt, sched)
+    assert worker.finish() == 0
+
+    setup2, _ = setup_for(tmp_path, total_steps=5, restore_version=Version(4, 3))
+    worker2 = ElasticWorker(setup2)
+    assert not worker2.needs_initial_values  # every value comes from s4-g3
+    with torch.device("meta"):
+        model2 = Tiny(seed=7)
+    assert materialize(model2, "cpu") == 5 and all(p.device.type == "cpu" for p in model2.parameters())
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2, weight_decay=0.1)
+    sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, lambda s: 1.0 / (1 + s))
+    worker2.prepare(model2, opt2)
+    assert worker2.restore(model2, opt2, sched2) == 4
+    assert run_loop(worker2, model2, opt2, sched2) == [seen[-1]]
+    assert worker2.finish() == 0
+    for a, b in zip(model.parameters(), model2.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_rank_waits_for_its_rendezvous_store_to_listen_and_gives_up_after_its_timeout() -> None:
+    import socket
+    import threading
+
+    from tenplex.worker.session import wait_for_listener
+
+    with socket.socket() as probe:  # a port nothing listens on (yet)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    assert wait_for_listener("127.0.0.1", port, timeout_s=0.05) >= 0.05  # nothing there: returns after the timeout
+
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", port))
+    opened = threading.Timer(0.1, server.listen)  # rank 0 arrives a little later
+    opened.start()
+    try:
+        assert wait_for_listener("127.0.0.1", port, timeout_s=30) >= 0.1
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()  # it listens now
+    finally:
+        opened.join()
+        server.close()

@@ -368,3 +368,45 @@ def test_unchanged_shards_are_linked_from_the_previous_snapshot_not_written(tmp_
     snap.snapshot(4, 0, model, None)
     third = snap.wait()
     assert third is not None and third.shards_linked == 0 and store.verify(JOB, "s4-g0") == []
+
+
+class Tied(nn.Module):
+    """A tied embedding and two buffers: one the model computes (non-persistent), one it stores."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(5, 4)
+        self.out = nn.Linear(4, 5, bias=False)
+        self.out.weight = self.emb.weight
+        self.register_buffer("scale", torch.arange(4.0))
+        self.register_buffer("cache", torch.ones(3), persistent=False)
+
+
+def test_materialize_allocates_meta_modules_keeps_ties_and_buffers_and_names_buffers_left_unset() -> None:
+    from tenplex.worker.state import materialize
+
+    with torch.device("meta"):
+        model = Tied()
+    with pytest.raises(InvalidConfig, match=r"buffers \['cache', 'scale'\] .* init_buffers"):
+        materialize(model, "cpu")
+    assert all(t.is_meta for t in model.state_dict().values())  # refused before anything was allocated
+
+    def init_buffers(m: nn.Module) -> None:
+        m.scale.copy_(torch.arange(4.0))
+        m.cache.fill_(1.0)
+
+    assert materialize(model, "cpu", init_buffers=init_buffers) == 3  # the tied weight once, two buffers
+    assert model.out.weight is model.emb.weight and model.emb.weight.device.type == "cpu"
+    assert torch.equal(model.scale, torch.arange(4.0)) and torch.equal(model.cache, torch.ones(3))
+
+    with torch.device("meta"):
+        kept = Tied()
+    kept.scale = torch.full((4,), 7.0)  # buffers with values are kept; only those on meta need init_buffers
+    kept.cache = torch.zeros(3)
+    assert materialize(kept, "cpu") == 3
+    assert torch.equal(kept.scale, torch.full((4,), 7.0)) and torch.equal(kept.cache, torch.zeros(3))
+
+    real, *_ = make()
+    before = {k: v.clone() for k, v in real.state_dict().items()}
+    assert materialize(real, "cpu") == 0  # nothing on meta: values left as they are
+    assert all(torch.equal(before[k], v) for k, v in real.state_dict().items())
