@@ -9,6 +9,7 @@ are 4xx, never 5xx.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import re
@@ -222,13 +223,16 @@ def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
                  "Never waits on a busy job controller for more than 50 ms: while it holds the job (planning a "
                  "large job, recording a registration), the answer is the job's last consistent view."))
     async def get_job(job: P.JobName) -> Response:
-        # The read every dashboard and `tenplex job get` polls: answered on the event loop when the job's lock
-        # is free (a copy of the record and the C JSON encoder: a millisecond or two for a thousand workers),
-        # else from a worker thread that waits for the lock at most VIEW_WAIT_S.
+        # The read every dashboard and `tenplex job get` polls, answered on the event loop (a copy of the
+        # record and the C JSON encoder: a millisecond or two for a thousand workers). A busy lock is looked
+        # at again every few milliseconds for at most VIEW_WAIT_S, then the last view answers; no worker
+        # thread is taken (they may all be waiting for this job's lock, registering a thousand workers).
         ctl = scheduler.get(job)
-        view = _view.now(ctl)
+        deadline = time.monotonic() + VIEW_WAIT_S
+        while (view := _view.now(ctl)) is None and time.monotonic() < deadline:
+            await asyncio.sleep(VIEW_POLL_S)
         if view is None:
-            view = await run_in_threadpool(_view, ctl, wait=VIEW_WAIT_S)
+            view = _view.last(ctl) or await run_in_threadpool(_view, ctl)
         return Response(json.dumps(view, separators=(",", ":"), allow_nan=False), media_type="application/json")
 
     @app.delete("/v1/jobs/{job}", tags=["jobs"], summary="Stop a job's workers and forget it", dependencies=[Auth])
@@ -340,6 +344,8 @@ def _json_body(model: type[BaseModel]) -> dict[str, Any]:
 
 VIEW_WAIT_S = 0.05
 """How long a read of a job waits for its controller's lock before it answers with the job's last view."""
+VIEW_POLL_S = 0.004
+"""How often a read on the event loop looks at a busy lock again."""
 
 
 class _Views:
@@ -358,8 +364,7 @@ class _Views:
 
     def __call__(self, ctl: JobController, *, wait: float | None = None) -> dict[str, Any]:
         if not ctl.lock.acquire(timeout=-1 if wait is None else wait):
-            with self._lock:
-                last = self._last.get(ctl)
+            last = self.last(ctl)
             if last is not None:
                 return last
             ctl.lock.acquire()
@@ -370,6 +375,11 @@ class _Views:
         if not ctl.lock.acquire(blocking=False):
             return None
         return self._build(ctl)
+
+    def last(self, ctl: JobController) -> dict[str, Any] | None:
+        """The job's last view (None before the first)."""
+        with self._lock:
+            return self._last.get(ctl)
 
     def _build(self, ctl: JobController) -> dict[str, Any]:
         """The view, from a caller that holds the job's lock (released here)."""

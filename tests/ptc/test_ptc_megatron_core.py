@@ -28,11 +28,13 @@ several DDP buckets, and Megatron-LM's padded vocabulary with core names.
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -135,11 +137,16 @@ def core(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, A
     (tmp / "spec.json").write_text(json.dumps({"worlds": worlds}))
     env = {**os.environ, "TENPLEX_MEGATRON_CORE": str(MEGATRON_CORE), "OMP_NUM_THREADS": "1",
            "PYTHONWARNINGS": "ignore"}
-    started = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, str(WORKER), str(tmp / "spec.json"), str(tmp)],
-        env=env, capture_output=True, text=True, timeout=840, check=False,
-    )
+    # One launch at a time on this machine: megatron-core's process groups leave ~1,500 gloo threads in each
+    # of the 4 ranks, and two launches at once on 2 cores took 14 min instead of 40 s (a CI run where both
+    # xdist workers started this module's fixture at once).
+    with open(Path(tempfile.gettempdir()) / "tenplex-megatron-core-test.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        started = time.perf_counter()
+        proc = subprocess.run(
+            [sys.executable, str(WORKER), str(tmp / "spec.json"), str(tmp)],
+            env=env, capture_output=True, text=True, timeout=840, check=False,
+        )
     errors = "\n".join(p.read_text() for p in sorted(tmp.glob("*.err")))
     assert proc.returncode == 0, f"{proc.stderr[-4000:]}\n{errors}"
     print(f"megatron-core: {len(CASES)} cases in {time.perf_counter() - started:.1f} s")
