@@ -159,13 +159,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--keep", type=Path, help="run in this directory and keep it (scheduler state, workers' logs)")
     args = ap.parse_args(argv)
+    if args.keep is not None and any((args.keep / f"{size}-standby-{sb}").exists()
+                                     for size in args.sizes for sb in args.standby):
+        ap.error(f"--keep {args.keep} holds an earlier run already: give a new directory")
     logging.basicConfig(level=logging.WARNING)
     results = []
     for size in args.sizes:
         for sb in args.standby:
             if args.keep is not None:
                 root = args.keep / f"{size}-standby-{sb}"
-                root.mkdir(parents=True, exist_ok=False)
+                root.mkdir(parents=True)
                 rows = run(size, sb == "on", root)
             else:
                 with tempfile.TemporaryDirectory(prefix="downtime-") as tmp:
