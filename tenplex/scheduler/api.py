@@ -294,37 +294,30 @@ def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
     def assignment(job: P.JobName, worker_id: P.WorkerId) -> P.Assignment:
         return scheduler.get(job).worker_assignment(worker_id)
 
-    @app.post(P.HEARTBEAT_PATH, tags=["workers"], summary="Heartbeat with the last completed step",
-              response_model=P.HeartbeatReply, openapi_extra=_json_body(P.HeartbeatRequest),
-              description="Answered by the API's worker-report path (see `_WorkerReports`) before routing; "
-                          "same contract.")
-    async def heartbeat(job: P.JobName, worker_id: P.WorkerId, request: Request) -> Response:
-        auth(request)
-        return Response(await _worker_report(scheduler, "heartbeat", job, worker_id, await request.body()),
-                        media_type="application/json")
+    def report_route(kind: str, name: str, summary: str, reply: type[BaseModel]) -> None:
+        """A worker report's route: answered by `_WorkerReports` before routing; here for the OpenAPI document
+        and for an app without that layer."""
+        model, path, _call = _REPORTS[kind]
 
-    @app.post(P.SNAPSHOT_PATH, tags=["workers"], summary="A worker wrote its part of a version",
-              response_model=P.Ack, openapi_extra=_json_body(P.SnapshotReport),
-              description="Answered by the API's worker-report path (see `_WorkerReports`) before routing; "
-                          "same contract.")
-    async def snapshot(job: P.JobName, worker_id: P.WorkerId, request: Request) -> Response:
-        auth(request)
-        return Response(await _worker_report(scheduler, "snapshot", job, worker_id, await request.body()),
-                        media_type="application/json")
+        async def answer(job: P.JobName, worker_id: P.WorkerId, request: Request) -> Response:
+            auth(request)
+            return Response(await _worker_report(scheduler, kind, job, worker_id, await request.body()),
+                            media_type="application/json")
+
+        app.post(path, tags=["workers"], summary=summary, name=name, response_model=reply,
+                 openapi_extra=_json_body(model),
+                 description="Answered by the API's worker-report path (see `_WorkerReports`) before routing; "
+                             "same contract.")(answer)
+
+    report_route("heartbeat", "heartbeat", "Heartbeat with the last completed step", P.HeartbeatReply)
+    report_route("snapshot", "snapshot", "A worker wrote its part of a version", P.Ack)
 
     @app.post(P.PEER_FAILURE_PATH, tags=["workers"], summary="A worker saw a peer fail", dependencies=[Auth])
     def peer_failure(job: P.JobName, worker_id: P.WorkerId, body: P.PeerFailureReport) -> P.Ack:
         scheduler.get(job).peer_failure(worker_id, body)
         return P.Ack()
 
-    @app.post(P.EXIT_PATH, tags=["workers"], summary="A worker is exiting",
-              response_model=P.Ack, openapi_extra=_json_body(P.ExitReport),
-              description="Answered by the API's worker-report path (see `_WorkerReports`) before routing; "
-                          "same contract.")
-    async def exit_report(job: P.JobName, worker_id: P.WorkerId, request: Request) -> Response:
-        auth(request)
-        return Response(await _worker_report(scheduler, "exit", job, worker_id, await request.body()),
-                        media_type="application/json")
+    report_route("exit", "exit_report", "A worker is exiting", P.Ack)
 
     return app
 
