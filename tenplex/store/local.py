@@ -168,6 +168,22 @@ def _write_json_atomic(path: Path, obj: Any, *, durable: bool) -> None:
         _fsync_path(path.parent, directory=True)
 
 
+def _version_markers(directory: Path) -> Iterator[tuple[Version, Path]]:
+    """(version, path) of the ``<version>.json`` markers in ``directory`` (none when it does not exist); other
+    names (temporary files, anything hidden) are skipped."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return
+    for name in names:
+        if name.startswith(".") or not name.endswith(".json"):
+            continue
+        try:
+            yield Version.parse(name[:-5]), directory / name
+        except InvalidInput:
+            continue
+
+
 def _read_meta(node_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """A zarr node's metadata document and our record in it (zarr v3 spec: ``attributes`` of zarr.json)."""
     with open(node_dir / "zarr.json", encoding="utf-8") as f:
@@ -771,19 +787,9 @@ class LocalStore(TensorStore):
         best: tuple[Version, Path] | None = None
         dirs = [self._job_dir(job) / _COMMITS] + ([self._mjob(job) / _COMMITS] if self._mroot is not None else [])
         for cdir in dirs:
-            try:
-                names = os.listdir(cdir)
-            except FileNotFoundError:
-                continue
-            for name in names:
-                if name.startswith(".") or not name.endswith(".json"):
-                    continue
-                try:
-                    v = Version.parse(name[:-5])
-                except InvalidInput:
-                    continue
+            for v, marker in _version_markers(cdir):
                 if best is None or v > best[0]:
-                    best = (v, cdir / name)
+                    best = (v, marker)
         if best is None:
             return 0
         return self._marker_nbytes(best[1]) or 0
@@ -793,18 +799,10 @@ class LocalStore(TensorStore):
         only those with (True) or without (False) a disk copy."""
         out = []
         for job in self._memory_jobs():
-            cdir = self._mjob(job) / _COMMITS
-            try:
-                names = os.listdir(cdir)
-            except FileNotFoundError:
-                continue
-            for name in names:
-                if name.startswith(".") or not name.endswith(".json"):
-                    continue
+            for v, marker in _version_markers(self._mjob(job) / _COMMITS):
                 try:
-                    v = Version.parse(name[:-5])
-                    mtime = os.stat(cdir / name).st_mtime
-                except (InvalidInput, FileNotFoundError):
+                    mtime = os.stat(marker).st_mtime
+                except FileNotFoundError:
                     continue
                 if spilled is None or self._marker(job, v).is_file() == spilled:
                     out.append((mtime, job, v))
@@ -1026,19 +1024,11 @@ class LocalStore(TensorStore):
         now = time.time()
         done = 0
         for job in self._memory_jobs():
-            edir = self._mjob(job) / _EVICTING
-            try:
-                names = os.listdir(edir)
-            except FileNotFoundError:
-                continue
-            for name in names:
-                if name.startswith(".") or not name.endswith(".json"):
-                    continue
+            for v, marker in _version_markers(self._mjob(job) / _EVICTING):
                 try:
-                    v = Version.parse(name[:-5])
-                    if os.stat(edir / name).st_mtime + self.memory.evict_grace_s > now:
+                    if os.stat(marker).st_mtime + self.memory.evict_grace_s > now:
                         continue
-                except (InvalidInput, FileNotFoundError):
+                except FileNotFoundError:
                     continue
                 trash = None
                 with self._locked(job):
