@@ -1492,12 +1492,9 @@ class LocalStore(TensorStore):
         v = check_version(version)
         check_job(job)
         markers = [self._marker(job, v)] + ([self._mmarker(job, v)] if self._mroot is not None else [])
-        for marker in markers:
-            try:
-                with open(marker, encoding="utf-8") as f:
-                    return Manifest.from_json(json.load(f))
-            except FileNotFoundError:
-                pass
+        for marker in markers:  # committed on disk, else in memory; neither: still being written, or unknown
+            with contextlib.suppress(FileNotFoundError), open(marker, encoding="utf-8") as f:
+                return Manifest.from_json(json.load(f))
         if not self._job_exists(job):
             raise NotFound(f"job {job!r} is not in this store")
         vdir, _in_memory = self._working_dir(job, v)
