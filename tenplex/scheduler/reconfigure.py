@@ -278,6 +278,7 @@ class Orchestrator:
         for version, hosts in st.committed.items():
             for host in hosts:
                 reported.setdefault(host, []).append(version)
+        # stage_age 0: incomplete reports are never a failure; the stores decide that below
         outcome = find_stop_version(st, reported, need, stage_age=0.0, stop_timeout=ctx.settings.stop_timeout)
         if outcome.version is None:
             outcome = find_stop_version(st, self.holders(), need, stage_age=ctx.stage_age,
