@@ -136,3 +136,99 @@ def test_a_job_asking_for_standbys_on_a_backend_without_them_is_refused(tmp_path
     with pytest.raises(InvalidInput, match="Python worker commands"):
         Scheduler(LocalBackend(LocalCluster(root=tmp_path / "c2"), host_timeout=None), StateDir(tmp_path / "s2"),
                   SchedulerSettings(url="http://127.0.0.1:1")).create(bad)
+
+
+class _Scheduler:
+    """The scheduler's side of a pod standby's connection (what the Kubernetes backend's links do)."""
+
+    def __init__(self, port: int, token: str | None) -> None:
+        import socket
+
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                self.sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        self.lines = self.sock.makefile("r")
+        if token is not None:
+            self.send({"hello": {"token": token}})
+
+    def send(self, message: dict) -> None:
+        import json
+
+        self.sock.sendall((json.dumps(message) + "\n").encode())
+
+    def read(self) -> str:
+        line = self.lines.readline().strip()
+        assert line, "the standby closed the connection"
+        return line
+
+    def close(self) -> None:
+        self.lines.close()
+        self.sock.close()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_pod_standby_runs_its_first_assignment_then_takes_launches_stops_and_replays_over_tcp(tmp_path: Path) -> None:
+    import json
+
+    port = _free_port()
+    ranks = [{"RANK": "4", "LOCAL_RANK": "0", "TENPLEX_WORKER_ID": "j-g0-r4", "WHO": "r4"},
+             {"RANK": "5", "LOCAL_RANK": "1", "TENPLEX_WORKER_ID": "j-g0-r5", "WHO": "r5", "CODE": "3"}]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TENPLEX_NODE_IP": "127.0.0.1", "TENPLEX_TOKEN": "secret",
+           "TENPLEX_POD_RANKS": json.dumps(ranks), "FROM_POD": "kept"}
+    out = tmp_path / "pod.log"
+    with open(out, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "tenplex", "worker", "standby", "--port", str(port), "--", *JOB],
+                                env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        intruder = _Scheduler(port, "wrong")
+        assert intruder.read().startswith("refused ")  # then closed: no launch without the job's token
+        assert intruder.lines.readline() == ""
+        intruder.close()
+        sched = _Scheduler(port, "secret")
+        assert sched.read() == STANDBY_READY
+        seen: dict[str, int] = {}
+        codes: dict[int, int] = {}
+        while len(codes) < 2:  # the replay and the ends of the pod's first assignment (one rank per entry)
+            word, pid, rest = sched.read().split()
+            if word == "started":
+                seen[rest] = int(pid)
+            else:
+                codes[int(pid)] = int(rest)
+        assert set(seen) == {"j-g0-r4", "j-g0-r5"}
+        assert codes == {seen["j-g0-r4"]: 0, seen["j-g0-r5"]: 3}
+        # a launch with the pod's environment under the request's
+        sched.send({"env": {"TENPLEX_WORKER_ID": "j-g1-r0", "WHO": "g1", "SLEEP": "60"}, "inherit": True})
+        word, pid, wid = sched.read().split()
+        assert (word, wid) == ("started", "j-g1-r0")
+        deadline = time.monotonic() + 30
+        while f"worker g1 pid {pid}" not in out.read_text():  # it runs (a stop before it printed would be fine too)
+            assert time.monotonic() < deadline, out.read_text()
+            time.sleep(0.05)
+        sched.close()  # a scheduler that goes away ends nothing; the next one hears everything again
+        sched = _Scheduler(port, "secret")
+        lines = [sched.read() for _ in range(6)]
+        assert lines[0] == STANDBY_READY and f"started {pid} j-g1-r0" in lines
+        sched.send({"stop": int(pid), "grace": 5})
+        assert sched.read() == f"exited {pid} {128 + signal.SIGTERM}"
+        sched.send({"stop": "x"})
+        assert sched.read().startswith("refused ")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0  # its latest worker ended by the stop asked for (not a failure it saw)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = out.read_text()
+    assert f"worker r4 pid {seen['j-g0-r4']}" in text and f"worker g1 pid {pid}" in text, text

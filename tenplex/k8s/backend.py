@@ -37,6 +37,26 @@ taken from a range (default 29500-29999) and is unique among the live rank-0
 pods of the node, which carry it in the annotation ``tenplex.io/master-port``.
 The same host network serves gloo/NCCL between nodes.
 
+**Standby pods** (a job with ``standby``): a pod's GPUs are bound when it is
+created, so no process started elsewhere could use them, and a new pod costs
+its start, an interpreter and the job's imports. The worker pods of such a
+job outlive their generation instead: each runs ``tenplex worker standby
+--port PORT`` (:mod:`tenplex.standby`) as its main process, which forks the
+pod's first workers from its environment and then takes the next ones from
+the scheduler over a TCP connection to its node's address and the port in
+its ``tenplex.io/standby-port`` annotation (labelled ``tenplex.io/standby``;
+:mod:`tenplex.k8s.standbys` holds the connections). At a launch, a live pod
+of the job on the planned node with the same GPUs and no running worker is
+given the new generation's workers (its labels and annotations are patched
+to say which; the request carries their environment, nothing else); the
+planned pods left without one are created as usual, and the job's idle pods
+the new placement leaves unused are deleted, freeing their GPUs. A stop ends
+the workers in their pods and keeps the pods; a pod whose standby does not
+answer is deleted instead. What a standby pod holds between generations is
+what its worker held: its GPUs (counted as the job's own when it is placed
+again), the job's modules in host memory, one port. A node new to the job
+starts its pods as without standby; from its next change on they are warm.
+
 Pods and nodes are watched (:class:`~tenplex.k8s.informer.Informer`), so
 ``hosts()`` and ``exited()`` answer from a cache that the watches keep current,
 and listeners hear of a failed or deleted worker pod, a node that turns
@@ -45,6 +65,7 @@ NotReady or unschedulable, as soon as the API server tells.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -71,6 +92,7 @@ from tenplex.errors import Conflict, InvalidConfig, NotFound, StoreUnavailable
 from tenplex.k8s import crd
 from tenplex.k8s.informer import Informer
 from tenplex.k8s.settings import KubernetesSettings
+from tenplex.k8s.standbys import PodLink, StandbyLinks
 from tenplex.launcher import ENV_LOCAL_WORLD_SIZE, ENV_POD_RANKS
 from tenplex.scheduler.backend import Backend, HostInfo, WorkerLaunch
 
@@ -87,11 +109,18 @@ LABEL_RANKS = "tenplex.io/ranks"
 ANNOTATION_WORKERS = "tenplex.io/workers"
 """On a multi-rank pod: the worker ids it runs, comma-separated, in local-rank order."""
 ANNOTATION_MASTER_PORT = "tenplex.io/master-port"
+ANNOTATION_STANDBY_PORT = "tenplex.io/standby-port"
+"""On a standby pod: the port its standby listens on, on its node's address (unique among the node's live pods)."""
+LABEL_STANDBY = "tenplex.io/standby"
+"""``"true"`` on a standby pod (a worker pod that outlives its generation, see the module docstring)."""
+STANDBY_PORT_NAME = "standby"
 LAUNCHER_COMMAND = ("tenplex", "worker", "launch", "--")
 """What a multi-rank pod runs before the job's command (the image's ``tenplex`` entry point)."""
 RANK_ENV = (ENV_RANK, ENV_LOCAL_RANK, ENV_WORKER_ID)
 """Per-rank variables: always in a multi-rank pod's TENPLEX_POD_RANKS, never in its shared environment."""
 PORT_RESERVATION_SECONDS = 120.0
+LAUNCH_DELETE_GRACE = 10.0
+"""The grace period of a job's standby pods that a launch deletes (idle ones: they have nothing to save)."""
 STOP_MARGIN_SECONDS = 15.0
 """How long past a deleted pod's grace period :meth:`KubernetesBackend.stop` waits for its kubelet to confirm."""
 
@@ -214,9 +243,10 @@ class KubernetesBackend(Backend):
     def __init__(self, api_client: client.ApiClient, settings: KubernetesSettings,
                  elasticjob: Callable[[str], Mapping[str, Any]], *, master_ports: tuple[int, int] = (29500, 29999),
                  watch_timeout: int = 60, sync_timeout: float = 30.0, gpu_resource: str = crd.GPU_RESOURCE,
-                 stop_margin: float = STOP_MARGIN_SECONDS) -> None:
+                 stop_margin: float = STOP_MARGIN_SECONDS, token: str | None = None) -> None:
         """``elasticjob(name)`` returns the ElasticJob object of a job (raises NotFound for none); ``stop_margin``:
-        how long past a deleted pod's grace period :meth:`stop` waits for its kubelet's confirmation."""
+        how long past a deleted pod's grace period :meth:`stop` waits for its kubelet's confirmation; ``token``:
+        the scheduler's token, which its workers (and their standby pods) hold too."""
         lo, hi = master_ports
         if not 0 < lo <= hi < 65536:
             raise InvalidConfig(f"master port range must be within 1..65535 and ordered, got {lo}-{hi}")
@@ -235,6 +265,9 @@ class KubernetesBackend(Backend):
         self._job_namespace: dict[str, str] = {}
         self._pod_of: dict[tuple[str, str], str] = {}
         """(job, worker id) -> the name of the pod running it, where that is not the worker id (multi-rank pods)."""
+        self._assigned: dict[tuple[str, str], str] = {}
+        """(job, worker id) -> the uid of the standby pod given that worker (its cached annotations may lag)."""
+        self.standbys = StandbyLinks(token, on_exit=self._on_standby_exit)
         self._started = False
         selector = f"{crd.LABEL_ROLE} in ({crd.ROLE_WORKER},{crd.ROLE_STORE})"
         self.nodes = Informer("nodes", self.core.list_node, watch_timeout=watch_timeout)
@@ -267,6 +300,7 @@ class KubernetesBackend(Backend):
     def close(self) -> None:
         for inf in (self.nodes, *self.pods):
             inf.stop()
+        self.standbys.close()
         self._started = False
 
     def add_listener(self, listener: Listener) -> None:
@@ -314,12 +348,29 @@ class KubernetesBackend(Backend):
                                         detail=f"store pod {name}: {kind} {_phase(pod)}, {ready}"))
             return
         job = labels.get(crd.LABEL_JOB)
+        if labels.get(LABEL_STANDBY) == "true":
+            self._follow_standby(kind, pod)
         if kind == "DELETED":
             self._emit(ClusterEvent("worker-deleted", job=job, node=node, detail=f"worker pod {name} was deleted"))
         elif _phase(pod) in ("Failed", "Succeeded") and (old is None or _phase(old) != _phase(pod)):
             code = pod_exit_code(pod, WORKER_CONTAINER)
             self._emit(ClusterEvent("worker-exited", job=job, node=node,
                                     detail=f"worker pod {name} {_phase(pod)} (exit code {code})"))
+
+    def _follow_standby(self, kind: str, pod: Mapping[str, Any]) -> None:
+        """Connect to a standby pod once it runs; forget it once it is ending or gone."""
+        meta = pod["metadata"]
+        address = (pod.get("status") or {}).get("hostIP")
+        port = (meta.get("annotations") or {}).get(ANNOTATION_STANDBY_PORT, "")
+        if kind == "DELETED" or meta.get("deletionTimestamp") or _phase(pod) in ("Succeeded", "Failed"):
+            self.standbys.forget(meta["uid"])
+        elif _phase(pod) == "Running" and address and port.isdigit():
+            self.standbys.watch(meta["uid"], f"{meta['namespace']}/{meta['name']}", _labels(pod).get(crd.LABEL_JOB, ""),
+                                address, int(port))
+
+    def _on_standby_exit(self, link: PodLink, worker_id: str, code: int) -> None:
+        self._emit(ClusterEvent("worker-exited", job=link.job,
+                                detail=f"worker {worker_id} in standby pod {link.pod} exited with {code}"))
 
     # -- hosts --------------------------------------------------------------------------------
 
@@ -358,8 +409,10 @@ class KubernetesBackend(Backend):
         return held
 
     def gpus_held_by(self, job: str, worker_ids: Sequence[str]) -> dict[str, int]:
-        """Node -> GPUs held by the live pods of these workers (a multi-rank pod once)."""
+        """Node -> GPUs held by the live pods of these workers (a multi-rank pod once) and by the job's standby
+        pods (its own, whatever they run: the next placement reuses or deletes them)."""
         pods = {p["metadata"]["uid"]: p for wid in worker_ids if (p := self._worker_pod(job, wid)) is not None}
+        pods.update((p["metadata"]["uid"], p) for p in self._standby_pods(job))
         held: dict[str, int] = {}
         for pod in pods.values():
             node = (pod.get("spec") or {}).get("nodeName")
@@ -415,10 +468,12 @@ class KubernetesBackend(Backend):
         with self._lock:
             namespace = self._job_namespace.get(job)
             name = self._pod_of.get((job, worker_id), worker_id)
+            assigned = self._assigned.get((job, worker_id))
         if namespace is not None:
             informer = self._informer_for(namespace)
             pod = informer.get(namespace, name)
-            if pod is not None and _is_worker_of(pod, job) and worker_id in pod_workers(pod):
+            if pod is not None and _is_worker_of(pod, job) and (
+                    worker_id in pod_workers(pod) or pod["metadata"].get("uid") == assigned):
                 return pod
             candidates = informer.items()
         else:
@@ -446,9 +501,10 @@ class KubernetesBackend(Backend):
         return self.pod_manifest(job_obj, command, (w,))
 
     def pod_manifest(self, job_obj: Mapping[str, Any], command: Sequence[str],
-                     workers: Sequence[WorkerLaunch]) -> dict[str, Any]:
+                     workers: Sequence[WorkerLaunch], standby_port: int | None = None) -> dict[str, Any]:
         """The pod running ``workers`` (one group of :func:`pod_groups`; public so that tests and
-        ``kubectl``-minded readers can see exactly what runs)."""
+        ``kubectl``-minded readers can see exactly what runs); with ``standby_port``, a standby pod whose
+        standby listens there (see the module docstring)."""
         spec = crd.ElasticJobSpec.from_object(job_obj)
         meta = job_obj["metadata"]
         job = meta["name"]
@@ -456,18 +512,12 @@ class KubernetesBackend(Backend):
             raise InvalidConfig(f"job {job}: a worker pod runs gpusPerPod={spec.gpus_per_pod} ranks, got "
                                 f"{len(workers)} ({[w.worker_id for w in workers]})")
         w = workers[0]
-        shared, per_rank = _split_env(job, workers)
+        shared, per_rank = self._pod_env(job, workers)
         env: list[dict[str, Any]] = []
-        for key, value in shared.items():
-            if key == ENV_TOKEN and self.settings.auth_secret:
-                env.append({"name": key, "valueFrom": {"secretKeyRef": {
-                    "name": self.settings.auth_secret, "key": self.settings.auth_secret_key}}})
-                continue
-            if key == ENV_LOCAL_RANK:
-                value = "0"  # one GPU per pod: the process's device is cuda:0 whatever its local rank on the node
-            elif key == ENV_LOCAL_WORLD_SIZE:
-                value = str(len(workers))  # the ranks address the pod's GPUs, which they alone see
-            env.append({"name": key, "value": str(value)})
+        if ENV_TOKEN in workers[0].env and self.settings.auth_secret:
+            env.append({"name": ENV_TOKEN, "valueFrom": {"secretKeyRef": {
+                "name": self.settings.auth_secret, "key": self.settings.auth_secret_key}}})
+        env += [{"name": key, "value": value} for key, value in shared.items()]
         if per_rank is not None:
             env.append({"name": ENV_POD_RANKS, "value": json.dumps(per_rank, separators=(",", ":"))})
         env += [dict(e) for e in spec.env if "valueFrom" in e]
@@ -481,17 +531,26 @@ class KubernetesBackend(Backend):
             "requests": {**dict(spec.resources.get("requests") or {}), self._gpu: gpus},
             "limits": {**dict(spec.resources.get("limits") or {}), self._gpu: gpus},
         }
-        argv = list(command) if per_rank is None else [*LAUNCHER_COMMAND, *command]
+        if standby_port is not None:  # the standby forks the pod's ranks itself (TENPLEX_POD_RANKS, as the launcher)
+            argv = [command[0], "-m", "tenplex", "worker", "standby", "--port", str(standby_port), "--", *command]
+        else:
+            argv = list(command) if per_rank is None else [*LAUNCHER_COMMAND, *command]
         container: dict[str, Any] = {"name": WORKER_CONTAINER, "image": spec.image or self.settings.worker_image,
                                      "command": argv, "env": env, "resources": resources}
+        if standby_port is not None:
+            container["ports"] = [{"name": STANDBY_PORT_NAME, "containerPort": standby_port, "protocol": "TCP"}]
         if spec.image_pull_policy:
             container["imagePullPolicy"] = spec.image_pull_policy
         generation = str(w.env.get(ENV_GENERATION, "0"))
         annotations = {}
         labels = {**crd.job_labels(job), LABEL_GENERATION: generation, LABEL_RANK: str(w.rank)}
-        if len(workers) > 1:
+        if len(workers) > 1 or standby_port is not None:  # a standby pod keeps its name while its workers change
             annotations[ANNOTATION_WORKERS] = ",".join(x.worker_id for x in workers)
+        if len(workers) > 1:
             labels[LABEL_RANKS] = f"{workers[0].rank}-{workers[-1].rank}"
+        if standby_port is not None:
+            labels[LABEL_STANDBY] = "true"
+            annotations[ANNOTATION_STANDBY_PORT] = str(standby_port)
         master = next((x for x in workers if x.rank == 0), None)
         if master is not None and "MASTER_PORT" in master.env:
             annotations[ANNOTATION_MASTER_PORT] = str(master.env["MASTER_PORT"])
@@ -534,6 +593,19 @@ class KubernetesBackend(Backend):
             "spec": pod_spec,
         }
 
+    def _pod_env(self, job: str, workers: Sequence[WorkerLaunch]) -> tuple[dict[str, str], list[dict[str, str]] | None]:
+        """The plain values of a pod's environment (:func:`_split_env`, as the pod's ranks see it: ``LOCAL_RANK``
+        and ``LOCAL_WORLD_SIZE`` address the pod's own GPUs), and each rank's own variables for several; the
+        token is left out when the pod takes it from the scheduler's Secret."""
+        shared, per_rank = _split_env(job, workers)
+        if self.settings.auth_secret:
+            shared.pop(ENV_TOKEN, None)
+        if ENV_LOCAL_RANK in shared:
+            shared[ENV_LOCAL_RANK] = "0"  # one GPU per pod: the process's device is cuda:0 whatever its rank on the node
+        if ENV_LOCAL_WORLD_SIZE in shared:
+            shared[ENV_LOCAL_WORLD_SIZE] = str(len(workers))  # the ranks address the pod's GPUs, which they alone see
+        return shared, per_rank
+
     def launch(self, job: str, command: Sequence[str], workers: Sequence[WorkerLaunch], log_dir: Path) -> dict[str, int | None]:
         """Create the workers' pods (one per ``gpusPerPod`` ranks of a node, see :func:`pod_groups`);
         an existing pod of the same generation is taken as already launched."""
@@ -544,15 +616,33 @@ class KubernetesBackend(Backend):
             raise InvalidConfig(f"job {job}: its ElasticJob is being deleted: no new worker pods")
         namespace = job_obj["metadata"].get("namespace") or "default"
         informer = self._informer_for(namespace)
-        groups = pod_groups(workers, crd.ElasticJobSpec.from_object(job_obj).gpus_per_pod)
-        manifests = [self.pod_manifest(job_obj, command, group) for group in groups]  # all valid before any is made
+        spec = crd.ElasticJobSpec.from_object(job_obj)
+        groups = pod_groups(workers, spec.gpus_per_pod)
+        reuse = self._standbys_for(job, groups) if spec.standby else {}
+        fresh = [g for i, g in enumerate(groups) if i not in reuse]
+        manifests = [self.pod_manifest(job_obj, command, group,  # all valid before any is made
+                                       standby_port=self._free_port(group[0].host) if spec.standby else None)
+                     for group in fresh]
         with self._lock:
             self._job_namespace[job] = namespace
-            for group in groups:
+            for group in fresh:
                 for x in group[1:]:
                     self._pod_of[(job, x.worker_id)] = group[0].worker_id
         self._remove_finished(job, {str(w.env.get(ENV_GENERATION, "0")) for w in workers})
-        for group, manifest in zip(groups, manifests, strict=True):
+        if spec.standby:
+            kept = {p["metadata"]["uid"] for p in reuse.values()}
+            self._delete_and_wait(job, [p for p in self._standby_pods(job) if p["metadata"]["uid"] not in kept],
+                                  grace=LAUNCH_DELETE_GRACE)  # their GPUs may be what the fresh pods need
+            for i, pod in reuse.items():
+                try:
+                    self._give(job, pod, groups[i])
+                except StoreUnavailable as exc:  # it stopped answering: a fresh pod instead
+                    log.warning("job %s: %s; replacing pod %s", job, exc.detail, pod["metadata"]["name"])
+                    self._delete_and_wait(job, [pod], grace=LAUNCH_DELETE_GRACE)
+                    fresh.append(groups[i])
+                    manifests.append(self.pod_manifest(job_obj, command, groups[i],
+                                                       standby_port=self._free_port(groups[i][0].host)))
+        for group, manifest in zip(fresh, manifests, strict=True):
             w = group[0]
             try:
                 resp = self.core.create_namespaced_pod(namespace, manifest, _preload_content=False)
@@ -574,6 +664,53 @@ class KubernetesBackend(Backend):
             log.info("job %s: created pod %s/%s (ranks %s on node %s)", job, namespace, w.worker_id,
                      ", ".join(str(x.rank) for x in group), w.host)
         return {w.worker_id: None for w in workers}
+
+    def _standby_pods(self, job: str) -> list[dict[str, Any]]:
+        """The job's live standby pods (not being deleted, not ended)."""
+        return [p for p in self.job_pods(job) if _labels(p).get(LABEL_STANDBY) == "true"
+                and not p["metadata"].get("deletionTimestamp") and _phase(p) not in ("Succeeded", "Failed")]
+
+    def _standbys_for(self, job: str, groups: Sequence[tuple[WorkerLaunch, ...]]) -> dict[int, dict[str, Any]]:
+        """Which group of workers each idle standby pod of the job takes: one on the group's node with as many
+        GPUs as it has ranks, whose standby answers and runs nothing."""
+        idle: dict[str, list[dict[str, Any]]] = {}
+        for pod in self._standby_pods(job):
+            if _phase(pod) == "Running" and self.standbys.idle(pod["metadata"]["uid"]):
+                idle.setdefault(pod["spec"]["nodeName"], []).append(pod)
+        chosen: dict[int, dict[str, Any]] = {}
+        for i, group in enumerate(groups):
+            pool = idle.get(group[0].host, [])
+            pod = next((p for p in pool if pod_gpus(p, self._gpu) == len(group)), None)
+            if pod is not None:
+                pool.remove(pod)
+                chosen[i] = pod
+        return chosen
+
+    def _give(self, job: str, pod: Mapping[str, Any], group: Sequence[WorkerLaunch]) -> None:
+        """Make a standby pod run ``group``: say so on the pod (labels, annotations), then ask its standby."""
+        meta = pod["metadata"]
+        master = next((x for x in group if x.rank == 0), None)
+        body = {"metadata": {
+            "labels": {LABEL_GENERATION: str(group[0].env.get(ENV_GENERATION, "0")), LABEL_RANK: str(group[0].rank),
+                       LABEL_RANKS: f"{group[0].rank}-{group[-1].rank}" if len(group) > 1 else None},
+            "annotations": {ANNOTATION_WORKERS: ",".join(x.worker_id for x in group),
+                            ANNOTATION_MASTER_PORT: str(master.env["MASTER_PORT"])
+                            if master is not None and "MASTER_PORT" in master.env else None},
+        }}
+        try:
+            self.core.patch_namespaced_pod(meta["name"], meta["namespace"], body)
+        except client.ApiException as exc:
+            raise StoreUnavailable(f"the API server refused to relabel standby pod {meta['name']}: "
+                                   f"{exc.status} {_api_message(exc)}") from None
+        with self._lock:
+            for x in group:
+                self._pod_of[(job, x.worker_id)] = meta["name"]
+                self._assigned[(job, x.worker_id)] = meta["uid"]
+        shared, per_rank = self._pod_env(job, group)
+        requests = [{"env": {**shared, **own}, "inherit": True} for own in (per_rank or [{}])]
+        pids = self.standbys.launch(meta["uid"], requests)
+        log.info("job %s: standby pod %s runs %s (ranks %s on node %s) as pids %s", job, meta["name"],
+                 ", ".join(pids), ", ".join(str(x.rank) for x in group), group[0].host, ", ".join(map(str, pids.values())))
 
     def _create_after(self, terminating: Mapping[str, Any], manifest: dict[str, Any], informer: Informer) -> None:
         """Create ``manifest`` once the pod of that name that is being deleted is gone (its grace period and a
@@ -610,15 +747,43 @@ class KubernetesBackend(Backend):
                     log.warning("job %s: could not remove finished pod %s: %s", job, meta["name"], _api_message(exc))
 
     def stop(self, job: str, worker_ids: Sequence[str], *, grace: float = 10.0) -> None:
-        """Delete the pods (the kubelet sends SIGTERM, then SIGKILL after ``grace``) and wait until they are gone.
+        """End these workers: in a standby pod, its standby stops them and the pod stays (see the module
+        docstring); any other pod is deleted (the kubelet sends SIGTERM, then SIGKILL after ``grace``), and the
+        call waits until they are gone.
 
         A pod is gone once its kubelet has confirmed that its containers ended. The wait covers the pods on
         Ready nodes; a NotReady node's kubelet cannot confirm, so its pods stay Terminating (and keep their GPUs
         in :meth:`hosts`) without holding the caller up. A pod still there after the grace period and a margin
-        is left Terminating with a warning: its GPUs stay counted as held until it is gone.
+        is left Terminating with a warning: its GPUs stay counted as held until it is gone. A standby pod whose
+        workers do not end by then, or whose standby cannot be reached, is deleted the same way.
         """
         found = {p["metadata"]["name"]: p for wid in worker_ids if (p := self._worker_pod(job, wid)) is not None}
         pods = list(found.values())  # a multi-rank pod once, whichever of its workers were named
+        seconds = max(0, math.ceil(grace))
+        deadline = time.monotonic() + seconds + self._stop_margin
+        asked: list[tuple[dict[str, Any], dict[str, int]]] = []
+        delete: list[dict[str, Any]] = []
+        for pod in pods:
+            uid = pod["metadata"]["uid"]
+            if _labels(pod).get(LABEL_STANDBY) != "true" or _phase(pod) != "Running" or not self.standbys.ready(uid):
+                delete.append(pod)
+                continue
+            try:
+                asked.append((pod, self.standbys.request_stop(uid, [w for w in worker_ids if w in pod_workers(pod)
+                                                                    or self._assigned.get((job, w)) == uid], seconds)))
+            except StoreUnavailable as exc:
+                log.warning("job %s: %s; deleting pod %s instead", job, exc.detail, pod["metadata"]["name"])
+                delete.append(pod)
+        self._delete_and_wait(job, delete, grace=grace)
+        for pod, pids in asked:
+            left = self.standbys.wait_ended(pod["metadata"]["uid"], pids, deadline)
+            if left:
+                log.warning("job %s: workers %s in standby pod %s did not end %.0fs after their stop: deleting the pod",
+                            job, left, pod["metadata"]["name"], seconds + self._stop_margin)
+                self._delete_and_wait(job, [pod], grace=0)
+
+    def _delete_and_wait(self, job: str, pods: Sequence[Mapping[str, Any]], *, grace: float) -> None:
+        """Delete these pods and wait until they are gone (see :meth:`stop`)."""
         seconds = max(0, math.ceil(grace))
         for pod in pods:
             meta = pod["metadata"]
@@ -628,6 +793,8 @@ class KubernetesBackend(Backend):
             except client.ApiException as exc:
                 if exc.status != 404:
                     log.warning("job %s: deleting pod %s failed: %s %s", job, meta["name"], exc.status, _api_message(exc))
+        if not pods:
+            return
         deadline = time.monotonic() + seconds + self._stop_margin
         left: list[str] = []
         while time.monotonic() < deadline:
@@ -662,33 +829,65 @@ class KubernetesBackend(Backend):
                 out[wid] = None
                 continue
             phase = _phase(pod)
-            if phase == "Succeeded":
+            if _labels(pod).get(LABEL_STANDBY) == "true" and phase not in ("Succeeded", "Failed"):
+                code = self.standbys.exit_code(pod["metadata"]["uid"], wid)  # its pod lives on: its standby says
+                if code is not None:
+                    out[wid] = code
+            elif phase == "Succeeded":
                 out[wid] = 0
             elif phase == "Failed":
                 out[wid] = pod_exit_code(pod, WORKER_CONTAINER)
         return out
 
     def master_port(self, host: HostInfo) -> int:
-        """A rendezvous port on ``host`` not used by another live rank-0 pod there (see the module docstring)."""
+        """A rendezvous port on ``host`` not used by another live pod there (see the module docstring)."""
+        return self._free_port(host.name)
+
+    def _free_port(self, node: str) -> int:
+        """A port of the range that no live pod on ``node`` announces (a rank 0's rendezvous, a standby's) and
+        that was not handed out there in the last :data:`PORT_RESERVATION_SECONDS`: the pods use the host network."""
         lo, hi = self._ports
         used: set[int] = set()
         for pod in self._pods():
             ann = (pod.get("metadata") or {}).get("annotations") or {}
-            if (pod.get("spec") or {}).get("nodeName") == host.name and ANNOTATION_MASTER_PORT in ann \
-                    and _phase(pod) not in ("Succeeded", "Failed"):
-                try:
-                    used.add(int(ann[ANNOTATION_MASTER_PORT]))
-                except ValueError:
-                    continue
+            if (pod.get("spec") or {}).get("nodeName") != node or _phase(pod) in ("Succeeded", "Failed"):
+                continue
+            for key in (ANNOTATION_MASTER_PORT, ANNOTATION_STANDBY_PORT):
+                with contextlib.suppress(KeyError, ValueError):
+                    used.add(int(ann[key]))
         now = time.monotonic()
         with self._lock:
             self._reserved = {k: t for k, t in self._reserved.items() if now - t < PORT_RESERVATION_SECONDS}
-            used |= {port for (node, port) in self._reserved if node == host.name}
+            used |= {port for (n, port) in self._reserved if n == node}
             for port in range(lo, hi + 1):
                 if port not in used:
-                    self._reserved[(host.name, port)] = now
+                    self._reserved[(node, port)] = now
                     return port
-        raise InvalidConfig(f"no free rendezvous port on node {host.name}: all of {lo}-{hi} are taken by live jobs")
+        raise InvalidConfig(f"no free port on node {node}: all of {lo}-{hi} are taken by live jobs' rendezvous "
+                            "and standbys")
+
+    # -- standbys -------------------------------------------------------------------------------
+
+    supports_standby = True
+
+    def keep_standby(self, job: str, command: Sequence[str], env: Mapping[str, str], log_dir: Path) -> int:
+        """The job's standby pods are its worker pods, kept by :meth:`launch` and :meth:`stop`: nothing to start
+        here; how many there are."""
+        return len(self._standby_pods(job))
+
+    def standby_ready(self, job: str) -> int:
+        return sum(1 for p in self._standby_pods(job) if self.standbys.ready(p["metadata"]["uid"]))
+
+    def release(self, job: str) -> None:
+        """Delete the job's standby pods (it ended or was suspended: no next generation to keep them for)."""
+        for pod in self._standby_pods(job):
+            meta = pod["metadata"]
+            try:
+                self.core.delete_namespaced_pod(meta["name"], meta["namespace"], propagation_policy="Background")
+                log.info("job %s: deleted standby pod %s", job, meta["name"])
+            except client.ApiException as exc:
+                if exc.status != 404:
+                    log.warning("job %s: could not delete standby pod %s: %s", job, meta["name"], _api_message(exc))
 
     def job_pods(self, job: str) -> list[dict[str, Any]]:
         """The job's worker pods as cached (for the operator's status and for tests)."""

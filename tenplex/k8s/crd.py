@@ -32,7 +32,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from tenplex import registry
-from tenplex.core.protocol import JOB_NAME_PATTERN
+from tenplex.core.protocol import ENV_NODE_IP, JOB_NAME_PATTERN
 from tenplex.errors import InvalidInput
 from tenplex.k8s import cel
 
@@ -54,7 +54,6 @@ ROLE_SCHEDULER = "scheduler"
 STORE_PORT = 7070
 SCHEDULER_PORT = 8080
 DEFAULT_STORE_ROOT = "/var/lib/tenplex/store"
-ENV_NODE_IP = "TENPLEX_NODE_IP"
 ENV_STORE_URL = "TENPLEX_STORE_URL"
 ENV_TOKEN = "TENPLEX_TOKEN"
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -173,6 +172,13 @@ def _spec_schema() -> dict[str, Any]:
             "gpusPerPod": _int(1, "GPUs (nvidia.com/gpu) and ranks of each worker pod, and the granularity of gpus. "
                                      "Above 1, a pod runs that many ranks of one node under 'tenplex worker "
                                      "launch', each selecting its GPU by LOCAL_RANK.", default=1),
+            "standby": {
+                "type": "boolean", "default": False,
+                "description": "Keep the worker pods between generations, each running a warm standby of the job's "
+                               "code (tenplex worker standby): a reconfiguration gives a live pod on a kept node the "
+                               "next generation's workers (no pod start, interpreter or imports). The pods hold their "
+                               "GPUs between generations; the command must be `python -m MODULE` or `python SCRIPT`.",
+            },
             "gpus": _int(0, "Desired total GPU count; 0 suspends the job keeping its state."),
             "minGpus": _int(1, "Fewest GPUs the job may run on (failures below this fail the job)."),
             "maxGpus": _int(1, "Most GPUs the job may be scaled to."),
@@ -548,6 +554,7 @@ class ElasticJobSpec:
     model: Mapping[str, Any]
     precision: str = "fp32"
     gpus_per_pod: int = 1
+    standby: bool = False
     args: tuple[str, ...] = ()
     env: tuple[Mapping[str, Any], ...] = ()
     min_gpus: int | None = None
@@ -586,6 +593,7 @@ class ElasticJobSpec:
             model=copy.deepcopy(spec["layout"].get("model", {})),
             precision=spec["layout"]["precision"],
             gpus_per_pod=spec["gpusPerPod"],
+            standby=bool(spec.get("standby", False)),
             args=tuple(spec.get("args", ())),
             env=tuple(spec.get("env", ())),
             min_gpus=spec.get("minGpus"),

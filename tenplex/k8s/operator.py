@@ -96,6 +96,7 @@ def job_spec_from_elasticjob(obj: Mapping[str, Any]) -> JobSpec:
         heartbeat_timeout=float(t.heartbeat_timeout_seconds),
         max_restarts=t.max_restarts,
         gpus_per_pod=spec.gpus_per_pod,
+        standby=spec.standby,
         image=spec.image,
         env=env,
         # Without intervalSteps every snapshot that completes is also persisted.
@@ -138,7 +139,7 @@ class KubernetesScheduler(Scheduler):
         self.k8s_settings = settings
         self.index = ElasticJobIndex(api_client, settings, watch_timeout=watch_timeout)
         backend = KubernetesBackend(api_client, settings, self.index.get, master_ports=master_ports,
-                                    watch_timeout=watch_timeout, stop_margin=stop_margin)
+                                    watch_timeout=watch_timeout, stop_margin=stop_margin, token=scheduler_settings.token)
         self.jobstore = KubeJobStore(api_client, self.index, state_root)
         super().__init__(backend, self.jobstore, scheduler_settings, store_client=store_client)
         self.kube_backend = backend

@@ -107,7 +107,7 @@ def elasticjob(name: str, gpus: int, *, namespace: str = NS, provider: str = "me
                model: dict[str, Any] | None = None, command: list[str] | None = None, steps: int = 1000,
                snapshot_every: int = 10, env: list[dict[str, Any]] | None = None, max_gpus: int = 4,
                table: list[dict[str, int]] | None = None, training: bool = True,
-               gpus_per_pod: int | None = None, max_restarts: int | None = None) -> dict[str, Any]:
+               gpus_per_pod: int | None = None, max_restarts: int | None = None, standby: bool = False) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "image": "tenplex:test",
         "command": command or ["python", "-m", "examples.gpt.train"],
@@ -119,6 +119,8 @@ def elasticjob(name: str, gpus: int, *, namespace: str = NS, provider: str = "me
     }
     if gpus_per_pod is not None:
         spec["gpusPerPod"] = gpus_per_pod
+    if standby:
+        spec["standby"] = True
     if training:
         spec["training"] = {"steps": steps, "snapshotEvery": snapshot_every, "heartbeatTimeoutSeconds": 120,
                             "dataset": {"numSamples": 4096, "globalBatchSize": 8}}

@@ -209,7 +209,7 @@ def test_master_ports_are_unique_per_node_among_live_jobs(api: ApiServerEmulator
     assert backend.master_port(backend.host("gpu-b")) == 29500  # another node: its own ports
     backend.launch("gpt", ["python"], launches("gpt", 0, ["gpu-a"], {"MASTER_PORT": "29502"}), tmp_path)
     eventually(lambda: worker_pods(api, "gpt"), "the rank-0 pod")
-    with pytest.raises(InvalidConfig, match=r"no free rendezvous port on node gpu-a: all of 29500-29502"):
+    with pytest.raises(InvalidConfig, match=r"no free port on node gpu-a: all of 29500-29502"):
         backend.master_port(a)
 
 

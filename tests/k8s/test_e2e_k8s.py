@@ -45,7 +45,14 @@ from kubernetes import client
 
 from tenplex.errors import NotFound
 from tenplex.k8s import crd
-from tenplex.k8s.backend import ANNOTATION_MASTER_PORT, LABEL_RANKS
+from tenplex.k8s.backend import (
+    ANNOTATION_MASTER_PORT,
+    ANNOTATION_STANDBY_PORT,
+    ANNOTATION_WORKERS,
+    LABEL_GENERATION,
+    LABEL_RANKS,
+    LABEL_STANDBY,
+)
 from tenplex.k8s.operator import KubernetesScheduler
 from tenplex.k8s.settings import KubernetesSettings
 from tenplex.scheduler.api import create_app
@@ -502,6 +509,75 @@ def test_multi_gpu_pods_train_scale_suspend_resume_and_complete(api: ApiServerEm
     phases = eventually(lambda: (ph := [p["status"]["phase"] for p in worker_pods(api, "gpt")]) == ["Succeeded"] * 2
                         and ph, "both pods Succeeded", timeout=90)
     assert phases == ["Succeeded", "Succeeded"]
+
+
+def test_standby_pods_run_the_next_generations_and_survive_a_scheduler_restart(
+        api: ApiServerEmulator, cluster: Cluster, deployment: Deployment) -> None:
+    """A job with ``standby``: its worker pods outlive their generation. Scaled 1 -> 2, node-0's pod (the same
+    pod, uid and all) runs generation 1's rank 0 while node-1 gets a new standby pod; scaled back to 1, node-1's
+    pod is deleted and node-0's runs generation 2. The scheduler restarts, hears from the pod what it missed,
+    and when that worker's process is killed inside its pod, recovers into the same pod, to the last step; then
+    the job's pods are deleted."""
+    sched = deployment.sched
+    assert sched is not None
+    steps = 30
+    job = elasticjob("gpt", 1, provider="example-gpt", model=MODEL, command=WORKER, steps=steps,
+                     snapshot_every=SNAPSHOT_EVERY, max_gpus=2, standby=True,
+                     env=[{"name": "OMP_NUM_THREADS", "value": "1"}, {"name": "GLOO_SOCKET_IFNAME", "value": "lo"}])
+    api.create("elasticjobs", job, NS)
+    wait_job(sched, "gpt", lambda s: s.phase == Phase.RUNNING and s.step >= 3, "training on 1 GPU", cluster=cluster)
+    (first,) = worker_pods(api, "gpt")
+    meta = first["metadata"]
+    assert meta["name"] == "gpt-g0-r0" and meta["labels"][LABEL_STANDBY] == "true"
+    assert meta["annotations"][ANNOTATION_WORKERS] == "gpt-g0-r0" and ANNOTATION_STANDBY_PORT in meta["annotations"]
+    assert first["spec"]["containers"][0]["command"][1:5] == ["-m", "tenplex", "worker", "standby"]
+    uid = meta["uid"]
+
+    def scale(n: int) -> None:
+        with api.api_client() as api_client:
+            client.CustomObjectsApi(api_client).patch_namespaced_custom_object_scale(
+                crd.GROUP, crd.VERSION, NS, crd.PLURAL, "gpt", {"spec": {"replicas": n}})
+
+    def pods_of(generation: int, count: int) -> list[dict[str, Any]]:
+        return eventually(lambda: (p := worker_pods(api, "gpt")) and len(p) == count and all(
+            x["metadata"]["labels"][LABEL_GENERATION] == str(generation) for x in p) and p,
+            f"{count} pods of generation {generation}", timeout=90)
+
+    scale(2)
+    wait_job(sched, "gpt", lambda s: s.phase == Phase.RUNNING and s.generation == 1 and s.step >= 9,
+             "training on 2 GPUs", cluster=cluster)
+    kept, new = pods_of(1, 2)
+    assert (kept["metadata"]["uid"], kept["spec"]["nodeName"]) == (uid, "node-0")  # the same pod, given rank 0
+    assert kept["metadata"]["annotations"][ANNOTATION_WORKERS] == "gpt-g1-r0"
+    assert kept["metadata"]["annotations"][ANNOTATION_MASTER_PORT]  # rank 0's rendezvous port, for other jobs to avoid
+    assert (new["metadata"]["name"], new["spec"]["nodeName"], new["metadata"]["labels"][LABEL_STANDBY]) == (
+        "gpt-g1-r1", "node-1", "true")
+    pod_log = cluster.kubelets["node-0"].log_path("gpt-g0-r0")
+    assert "started worker gpt-g1-r0" in pod_log.read_text()
+
+    scale(1)
+    wait_job(sched, "gpt", lambda s: s.phase == Phase.RUNNING and s.generation == 2 and s.step >= 15,
+             "training on 1 GPU again", cluster=cluster)
+    (kept,) = pods_of(2, 1)
+    assert kept["metadata"]["uid"] == uid and kept["metadata"]["annotations"][ANNOTATION_WORKERS] == "gpt-g2-r0"
+    assert ANNOTATION_MASTER_PORT in kept["metadata"]["annotations"]
+
+    sched = deployment.restart()  # the pods go on; the new scheduler connects to them and hears everything again
+    backend = sched.kube_backend
+    pid = eventually(lambda: (link := backend.standbys.link(uid)) and link.greeted and link.pids.get("gpt-g2-r0"),
+                     "the restarted scheduler to hear from the standby pod", timeout=60)
+    os.kill(pid, signal.SIGKILL)  # the worker dies in its pod; the pod and its standby live on
+    st = wait_job(sched, "gpt", lambda s: s.phase == Phase.SUCCEEDED, "recovering and finishing", cluster=cluster)
+    assert st.step == steps
+    assert [(r.reason, r.from_gpus, r.to_gpus) for r in st.history] == [
+        ("scale", 1, 2), ("scale", 2, 1), ("failure", 1, 1)], _history(sched, "gpt")
+    failure = st.history[-1]
+    assert "gpt-g2-r0 exited with code 137" in (failure.error or ""), failure.error
+    assert 0 <= failure.steps_lost < 2 * SNAPSHOT_EVERY
+    text = pod_log.read_text()
+    assert "started worker gpt-g3-r0" in text  # recovered into the same pod
+    # The job ended: no next generation to keep pods for.
+    eventually(lambda: worker_pods(api, "gpt") == [], "the standby pods deleted", timeout=90)
 
 
 def _relists(sched: KubernetesScheduler) -> list[int]:

@@ -246,7 +246,7 @@ def test_rbac_is_least_privilege() -> None:
     expected = {("", "nodes", v, ()) for v in ("list", "watch")}
     expected |= {("tenplex.io", "elasticjobs", v, ()) for v in ("list", "watch")}
     expected |= {("tenplex.io", "elasticjobs/status", "patch", ())}
-    expected |= {("", "pods", v, ()) for v in ("create", "list", "watch", "delete")}
+    expected |= {("", "pods", v, ()) for v in ("create", "list", "watch", "patch", "delete")}
     expected |= {("", "events", "create", ())}
     expected |= {("", "configmaps", v, ()) for v in ("create", "get", "list", "patch", "delete")}
     expected |= {("policy", "poddisruptionbudgets", "create", ())}

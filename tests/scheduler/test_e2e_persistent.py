@@ -32,7 +32,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # a shared 2-core mac
 INTERVAL = 6
 """Persist every this many steps (snapshots every 3, so every other snapshot)."""
 BUCKET = "tenplex-e2e"
-STEPS = 60
+STEPS = 150
+"""Long enough that the kill lands while the job trains: the persisted version it waits for can come late
+(the daemons upload in the background, slowly on a loaded 2-core machine); with 60 steps the job once finished
+first, and the test killed a host that had nothing left to lose."""
 
 
 def dp1_job(name: str, uri: str, steps: int) -> dict:
@@ -85,6 +88,7 @@ def test_a_dp1_job_that_loses_a_host_continues_from_the_persistent_tier(tmp_path
                           and Version.parse(s["version"]).step > Version.parse(s["persisted"][-1]).step,
                           "training with a persisted version and a newer snapshot", timeout=300)
         assert sorted(before["hosts"]) == ["host-0", "host-1"]
+        assert before["phase"] == "Running" and _reached(before) < STEPS - 10, before  # else: nothing to recover
         _kill_host(sched, before, "host-1")
         # The step the job had reached: the survivor is stuck in a collective with the dead host, its last
         # report is final; follow the status until the scheduler has acted on the failure.

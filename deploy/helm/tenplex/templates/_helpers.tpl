@@ -66,7 +66,8 @@ tenplex.io/role: {{ .role }}
 {{- /* What the scheduler does to jobs and their pods; granted cluster-wide or per watched namespace. */}}
 {{- define "tenplex.jobRules" }}
 {{- /* Exactly what the scheduler calls (tests/k8s/test_k8s_rbac.py records it and compares): ElasticJobs are
-       watched and only their status is written; worker pods are created, watched and deleted. */}}
+       watched and only their status is written; worker pods are created, watched and deleted, and a standby
+       pod's labels and annotations are patched when it is given a new generation's workers. */}}
 - apiGroups: ["tenplex.io"]
   resources: ["elasticjobs"]
   verbs: ["list", "watch"]
@@ -75,7 +76,7 @@ tenplex.io/role: {{ .role }}
   verbs: ["patch"]
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["create", "list", "watch", "delete"]
+  verbs: ["create", "list", "watch", "patch", "delete"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
