@@ -35,7 +35,6 @@ starts in a fraction of a second and stays small while the ranks train.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
@@ -47,61 +46,21 @@ from dataclasses import dataclass, field
 from types import FrameType
 
 from tenplex import standby
+from tenplex.core.commands import (
+    ENV_POD_RANKS,
+    LocalRank,
+    parse_pod_ranks,
+    pod_rank_env,
+)
 from tenplex.errors import InvalidInput
 
 log = logging.getLogger(__name__)
 
-ENV_POD_RANKS = "TENPLEX_POD_RANKS"
-"""JSON list, one object of environment overrides per local rank of the pod."""
-ENV_RANK = "RANK"
-ENV_LOCAL_RANK = "LOCAL_RANK"
-ENV_LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
 EXIT_BAD_INPUT = 2
 EXIT_NOT_EXECUTABLE = 127
 DEFAULT_FAILURE_GRACE = 5.0
 POLL_SECONDS = 0.05
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-
-@dataclass(frozen=True)
-class LocalRank:
-    """One rank the pod runs: its global and local rank and the environment it differs in."""
-
-    rank: int
-    local_rank: int
-    env: Mapping[str, str]
-
-
-def parse_pod_ranks(text: str | None) -> tuple[LocalRank, ...]:
-    """The local ranks described by ``$TENPLEX_POD_RANKS`` (see the module docstring), in local-rank order."""
-    if text is None or not text.strip():
-        raise InvalidInput(f"{ENV_POD_RANKS} is not set: it must hold a JSON list with one object of environment "
-                           f"overrides per local rank, e.g. [{{\"RANK\":\"0\",\"LOCAL_RANK\":\"0\"}}]")
-    try:
-        raw = json.loads(text)
-    except ValueError as exc:
-        raise InvalidInput(f"{ENV_POD_RANKS} is not valid JSON ({exc}): {text[:200]!r}") from None
-    if not isinstance(raw, list) or not raw:
-        raise InvalidInput(f"{ENV_POD_RANKS} must be a non-empty JSON list of objects, got {text[:200]!r}")
-    ranks: list[LocalRank] = []
-    for index, entry in enumerate(raw):
-        if not isinstance(entry, dict):
-            raise InvalidInput(f"{ENV_POD_RANKS}[{index}] must be an object of environment variables, got {entry!r}")
-        bad = {k: v for k, v in entry.items() if not k or "=" in k or not isinstance(v, str) or "\0" in v}
-        if bad:
-            raise InvalidInput(f"{ENV_POD_RANKS}[{index}]: environment variables need a name without '=' and a "
-                               f"string value, got {bad!r}")
-        numbers: dict[str, int] = {}
-        for key in (ENV_RANK, ENV_LOCAL_RANK):
-            value = entry.get(key)
-            if value is None or not value.isdigit():
-                raise InvalidInput(f"{ENV_POD_RANKS}[{index}]: {key} must be a non-negative integer, got {value!r}")
-            numbers[key] = int(value)
-        ranks.append(LocalRank(numbers[ENV_RANK], numbers[ENV_LOCAL_RANK], dict(entry)))
-    for key, values in ((ENV_RANK, [r.rank for r in ranks]), (ENV_LOCAL_RANK, [r.local_rank for r in ranks])):
-        if len(set(values)) != len(values):
-            raise InvalidInput(f"{ENV_POD_RANKS}: every local rank needs its own {key}, got {values}")
-    return tuple(sorted(ranks, key=lambda r: r.local_rank))
 
 
 def exit_status(returncode: int) -> int:
@@ -139,10 +98,7 @@ class PodLauncher:
 
     def child_env(self, rank: LocalRank) -> dict[str, str]:
         """The environment of one rank's process: the shared environment, then its overrides."""
-        env = {k: v for k, v in self.base_env.items() if k != ENV_POD_RANKS}
-        env.setdefault(ENV_LOCAL_WORLD_SIZE, str(len(self.ranks)))
-        env.update(rank.env)
-        return env
+        return pod_rank_env(self.base_env, rank, len(self.ranks))
 
     def run(self) -> int:
         """Start the ranks, wait for all of them, and return the pod's exit code."""

@@ -45,7 +45,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import IO
 
-from tenplex.core.commands import STANDBY_READY, PythonCommand
+from tenplex.core.commands import (
+    ENV_POD_RANKS,
+    STANDBY_READY,
+    PythonCommand,
+    parse_pod_ranks,
+    pod_rank_env,
+)
 from tenplex.core.protocol import ENV_NODE_IP, ENV_STORE_ROOT, ENV_TOKEN, ENV_WORKER_ID
 from tenplex.errors import InvalidInput
 
@@ -236,13 +242,10 @@ class PodStandby:
 
     def first_assignment(self) -> list[dict[str, object]]:
         """The launch requests the pod's own environment describes (one per rank of ``TENPLEX_POD_RANKS``)."""
-        from tenplex.launcher import ENV_POD_RANKS, PodLauncher, parse_pod_ranks
-
         if ENV_POD_RANKS not in self.environ:
             return [{"env": dict(self.environ)}]
         ranks = parse_pod_ranks(self.environ[ENV_POD_RANKS])
-        launcher = PodLauncher(["-"], ranks, self.environ)
-        return [{"env": launcher.child_env(rank)} for rank in ranks]
+        return [{"env": pod_rank_env(self.environ, rank, len(ranks))} for rank in ranks]
 
     def run(self) -> int:
         listener = socket.create_server(self.address, reuse_port=False)
@@ -398,8 +401,6 @@ class PodStandby:
             self._say("refused the pod is being deleted")
             return
         if message.get("inherit"):  # the pod's environment, less its first assignment's ranks, under the request's
-            from tenplex.launcher import ENV_POD_RANKS
-
             base = {k: v for k, v in self.environ.items() if k != ENV_POD_RANKS}
             message = {**message, "env": {**base, **message["env"]}, "inherit": False}  # type: ignore[dict-item]
         pid = self._fork(message, listener)

@@ -55,8 +55,6 @@ TEST_MACHINERY = ("tenplex.testing", "examples")
 SIBLINGS: dict[tuple[str, str], str] = {
     ("tenplex.interop", "tenplex.worker"): "DCP export and import read and write the trainer-state record "
     "(tenplex.worker.trainer_state) that workers store with each version",
-    ("tenplex.k8s", "tenplex.launcher"): "a multi-GPU worker pod runs `tenplex worker launch`; the Kubernetes "
-    "backend sets the launcher's environment (TENPLEX_POD_RANKS)",
     ("tenplex.launcher", "tenplex.standby"): "`tenplex worker standby` is registered beside `tenplex worker launch` "
     "in the worker command group",
 }

@@ -1,4 +1,5 @@
-"""What a Python worker command runs, so that a process already running Python can run it in place.
+"""What a Python worker command runs, so that a process already running Python can run it in place; and the
+ranks a worker pod runs (``TENPLEX_POD_RANKS``), which its launcher and its standby both start.
 
 The warm standby workers (:mod:`tenplex.standby`) import a job's code
 ahead of time and then run it as ``__main__``; the backends check a job's
@@ -9,10 +10,11 @@ from __future__ import annotations
 
 import ast
 import importlib
+import json
 import logging
 import runpy
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +22,11 @@ from tenplex.errors import InvalidInput
 
 log = logging.getLogger(__name__)
 
+ENV_POD_RANKS = "TENPLEX_POD_RANKS"
+"""JSON list, one object of environment overrides per local rank of the pod."""
+ENV_RANK = "RANK"
+ENV_LOCAL_RANK = "LOCAL_RANK"
+ENV_LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
 STANDBY_READY = "ready"
 """What a standby worker writes on its standard output once its imports are done (backends count them)."""
 
@@ -95,3 +102,52 @@ def _preload_script_imports(script: Path) -> list[str]:
         except Exception as exc:  # the worker will import it again and fail where its user can see it
             log.warning("standby: preloading %s failed (%s); the worker will import it itself", name, exc)
     return loaded
+
+
+@dataclass(frozen=True)
+class LocalRank:
+    """One rank the pod runs: its global and local rank and the environment it differs in."""
+
+    rank: int
+    local_rank: int
+    env: Mapping[str, str]
+
+
+def parse_pod_ranks(text: str | None) -> tuple[LocalRank, ...]:
+    """The local ranks described by ``$TENPLEX_POD_RANKS`` (see the module docstring), in local-rank order."""
+    if text is None or not text.strip():
+        raise InvalidInput(f"{ENV_POD_RANKS} is not set: it must hold a JSON list with one object of environment "
+                           f"overrides per local rank, e.g. [{{\"RANK\":\"0\",\"LOCAL_RANK\":\"0\"}}]")
+    try:
+        raw = json.loads(text)
+    except ValueError as exc:
+        raise InvalidInput(f"{ENV_POD_RANKS} is not valid JSON ({exc}): {text[:200]!r}") from None
+    if not isinstance(raw, list) or not raw:
+        raise InvalidInput(f"{ENV_POD_RANKS} must be a non-empty JSON list of objects, got {text[:200]!r}")
+    ranks: list[LocalRank] = []
+    for index, entry in enumerate(raw):
+        if not isinstance(entry, dict):
+            raise InvalidInput(f"{ENV_POD_RANKS}[{index}] must be an object of environment variables, got {entry!r}")
+        bad = {k: v for k, v in entry.items() if not k or "=" in k or not isinstance(v, str) or "\0" in v}
+        if bad:
+            raise InvalidInput(f"{ENV_POD_RANKS}[{index}]: environment variables need a name without '=' and a "
+                               f"string value, got {bad!r}")
+        numbers: dict[str, int] = {}
+        for key in (ENV_RANK, ENV_LOCAL_RANK):
+            value = entry.get(key)
+            if value is None or not value.isdigit():
+                raise InvalidInput(f"{ENV_POD_RANKS}[{index}]: {key} must be a non-negative integer, got {value!r}")
+            numbers[key] = int(value)
+        ranks.append(LocalRank(numbers[ENV_RANK], numbers[ENV_LOCAL_RANK], dict(entry)))
+    for key, values in ((ENV_RANK, [r.rank for r in ranks]), (ENV_LOCAL_RANK, [r.local_rank for r in ranks])):
+        if len(set(values)) != len(values):
+            raise InvalidInput(f"{ENV_POD_RANKS}: every local rank needs its own {key}, got {values}")
+    return tuple(sorted(ranks, key=lambda r: r.local_rank))
+
+
+def pod_rank_env(base: Mapping[str, str], rank: LocalRank, count: int) -> dict[str, str]:
+    """One rank's environment in a pod of ``count`` ranks: the pod's (less ``TENPLEX_POD_RANKS``), then its own."""
+    env = {k: v for k, v in base.items() if k != ENV_POD_RANKS}
+    env.setdefault(ENV_LOCAL_WORLD_SIZE, str(count))
+    env.update(rank.env)
+    return env

@@ -72,13 +72,14 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from kubernetes import client
 
+from tenplex.core.commands import ENV_LOCAL_WORLD_SIZE, ENV_POD_RANKS
 from tenplex.core.protocol import (
     ENV_GENERATION,
     ENV_LOCAL_RANK,
@@ -93,7 +94,6 @@ from tenplex.k8s import crd
 from tenplex.k8s.informer import Informer
 from tenplex.k8s.settings import KubernetesSettings
 from tenplex.k8s.standbys import PodLink, StandbyLinks
-from tenplex.launcher import ENV_LOCAL_WORLD_SIZE, ENV_POD_RANKS
 from tenplex.scheduler.backend import Backend, HostInfo, WorkerLaunch
 
 log = logging.getLogger(__name__)
@@ -620,8 +620,10 @@ class KubernetesBackend(Backend):
         groups = pod_groups(workers, spec.gpus_per_pod)
         reuse = self._standbys_for(job, groups) if spec.standby else {}
         fresh = [g for i, g in enumerate(groups) if i not in reuse]
+        rendezvous = {(w.host, int(w.env["MASTER_PORT"])) for w in workers  # not a standby's port too
+                      if w.rank == 0 and str(w.env.get("MASTER_PORT", "")).isdigit()}
         manifests = [self.pod_manifest(job_obj, command, group,  # all valid before any is made
-                                       standby_port=self._free_port(group[0].host) if spec.standby else None)
+                                       standby_port=self._free_port(group[0].host, rendezvous) if spec.standby else None)
                      for group in fresh]
         with self._lock:
             self._job_namespace[job] = namespace
@@ -641,7 +643,7 @@ class KubernetesBackend(Backend):
                     self._delete_and_wait(job, [pod], grace=LAUNCH_DELETE_GRACE)
                     fresh.append(groups[i])
                     manifests.append(self.pod_manifest(job_obj, command, groups[i],
-                                                       standby_port=self._free_port(groups[i][0].host)))
+                                                       standby_port=self._free_port(groups[i][0].host, rendezvous)))
         for group, manifest in zip(fresh, manifests, strict=True):
             w = group[0]
             try:
@@ -843,11 +845,12 @@ class KubernetesBackend(Backend):
         """A rendezvous port on ``host`` not used by another live pod there (see the module docstring)."""
         return self._free_port(host.name)
 
-    def _free_port(self, node: str) -> int:
-        """A port of the range that no live pod on ``node`` announces (a rank 0's rendezvous, a standby's) and
-        that was not handed out there in the last :data:`PORT_RESERVATION_SECONDS`: the pods use the host network."""
+    def _free_port(self, node: str, taken: Collection[tuple[str, int]] = ()) -> int:
+        """A port of the range that no live pod on ``node`` announces (a rank 0's rendezvous, a standby's), that
+        was not handed out there in the last :data:`PORT_RESERVATION_SECONDS` and is not in ``taken`` (node,
+        port): the pods use the host network."""
         lo, hi = self._ports
-        used: set[int] = set()
+        used: set[int] = {port for n, port in taken if n == node}
         for pod in self._pods():
             ann = (pod.get("metadata") or {}).get("annotations") or {}
             if (pod.get("spec") or {}).get("nodeName") != node or _phase(pod) in ("Succeeded", "Failed"):

@@ -77,10 +77,25 @@ class StandbyLinks:
         self._thread.start()
 
     def close(self) -> None:
-        for uid in list(self._links):
-            self.forget(uid)
+        """Close every connection (the pods and their workers go on) and end the thread."""
+        with self._changed:
+            links = list(self._links.values())
+            self._links.clear()
+        if self._loop.is_closed():
+            return
+        with contextlib.suppress(Exception):
+            asyncio.run_coroutine_threadsafe(self._end(links), self._loop).result(timeout=5)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+    @staticmethod
+    async def _end(links: Sequence[PodLink]) -> None:
+        tasks = [link.task for link in links if link.task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     # -- which pods -----------------------------------------------------------------------------
 

@@ -16,8 +16,10 @@ from tenplex.errors import Conflict, InvalidConfig, InvalidInput, NotFound
 from tenplex.k8s import crd
 from tenplex.k8s.backend import (
     ANNOTATION_MASTER_PORT,
+    ANNOTATION_STANDBY_PORT,
     ANNOTATION_WORKERS,
     LABEL_RANKS,
+    LABEL_STANDBY,
     ClusterEvent,
     KubernetesBackend,
     pod_groups,
@@ -120,6 +122,31 @@ def test_a_host_whose_store_pod_is_not_ready_is_lost_until_it_is_ready_again(api
     api.delete("pods", "store-gpu-a", NS)
     eventually(lambda: not backend.host("gpu-a").ready, "gpu-a lost while its store pod is deleted")
     assert ("store-lost", "gpu-a") in [(e.kind, e.node) for e in events]
+
+
+def test_a_standby_pod_runs_the_standby_on_a_port_no_other_pod_of_its_node_takes(
+        api: ApiServerEmulator, backend: KubernetesBackend, tmp_path: Path) -> None:
+    api.patch("elasticjobs", "gpt", {"spec": {"standby": True}}, NS)
+    backend.launch("gpt", ["python", "-m", "examples.gpt.train"], launches("gpt", 0, ["gpu-a"]), tmp_path)
+    (pod,) = eventually(lambda: worker_pods(api, "gpt"), "the standby pod")
+    meta, (container,) = pod["metadata"], pod["spec"]["containers"]
+    port = int(meta["annotations"][ANNOTATION_STANDBY_PORT])
+    # 29500 is rank 0's rendezvous (announced by the same pod): the standby takes the next free port
+    assert (port, meta["annotations"][ANNOTATION_MASTER_PORT]) == (29501, "29500")
+    assert container["command"] == ["python", "-m", "tenplex", "worker", "standby", "--port", "29501", "--",
+                                    "python", "-m", "examples.gpt.train"]
+    assert container["ports"] == [{"name": "standby", "containerPort": 29501, "protocol": "TCP"}]
+    assert meta["labels"][LABEL_STANDBY] == "true" and meta["annotations"][ANNOTATION_WORKERS] == "gpt-g0-r0"
+    # The pod is the job's: its GPU counts as free to the job's next placement, and the third port of the
+    # range is all the node has left.
+    assert backend.gpus_held_by("gpt", []) == {"gpu-a": 1}
+    assert backend.master_port(backend.host("gpu-a")) == 29502
+    with pytest.raises(InvalidConfig, match="no free port on node gpu-a"):
+        backend.master_port(backend.host("gpu-a"))
+    # Its standby does not answer (nothing runs behind this test's pods): a stop deletes the pod instead.
+    assert backend.standby_ready("gpt") == 0 and backend.keep_standby("gpt", ["python"], {}, tmp_path) == 1
+    backend.stop("gpt", ["gpt-g0-r0"], grace=1)
+    assert worker_pods(api, "gpt") == []
 
 
 def test_worker_pods_are_pinned_owned_and_get_the_worker_environment(api: ApiServerEmulator,

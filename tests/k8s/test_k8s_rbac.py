@@ -5,8 +5,10 @@ which holds the chart's rendered Roles and ClusterRoles (as ``helm install``
 creates them) and authorizes every request with them. One run goes through
 every kind of call the scheduler makes: leader election, two ElasticJobs in
 two namespaces (pods, budgets, state ConfigMaps, status, Events), failures
-that relaunch workers and prune old PTCs, a restart that resumes the jobs from
-the API server, and the jobs' deletion. Then the recorded requests (verb,
+that relaunch workers and prune old PTCs, a job with standby pods whose
+failure gives its live pod the next generation (a real standby process, run
+by a test kubelet, relabelled by the scheduler), a restart that resumes the
+jobs from the API server, and the jobs' deletion. Then the recorded requests (verb,
 group, resource, subresource, namespace) are compared with the rendered rules:
 none refused (nothing missing) and every granted verb used (least privilege),
 for both namespace modes of the chart. Every other operator and end-to-end
@@ -15,6 +17,11 @@ test checks the first half too (``assert_rbac_clean``).
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import sys
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -25,6 +32,8 @@ from tenplex.scheduler.controller import SchedulerSettings
 from tenplex.scheduler.state import Phase
 from tenplex.testing.k8s import rbac
 from tenplex.testing.k8s.emulator import ApiServerEmulator
+from tenplex.testing.k8s.kubelet import LocalKubelet
+from tenplex.testing.k8s.rbac import User
 
 from .cluster import (
     NodeAgents,
@@ -38,6 +47,7 @@ from .cluster import (
     store_pod,
 )
 
+REPO = Path(__file__).resolve().parents[2]
 RELEASE_NS = "tenplex"
 JOB_NAMESPACES = ("ml", "research")
 IDENTITY = "rel-tenplex-scheduler-6d5f7c9b8-abcde"
@@ -53,8 +63,46 @@ def start_scheduler(api: ApiServerEmulator, state: Path, watch: tuple[str, ...])
     return sched
 
 
+def standby_jobs(api: ApiServerEmulator, sched: KubernetesScheduler, stack: ExitStack, tmp_path: Path) -> None:
+    """A node of its own with a test kubelet that runs its pods (a real store daemon, the jobs' standby pods);
+    in each job namespace a job with ``standby`` whose worker dies in its pod: the pod is given generation 1
+    (patched)."""
+    node, ip = "gpu-c", "127.0.0.4"
+    api.add_node(node, gpus=len(JOB_NAMESPACES), address=ip)
+    kubelet = LocalKubelet(stack.enter_context(api.api_client(User.node(node))), node, ip, tmp_path / node,
+                           base_env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)
+    stack.enter_context(kubelet)
+    with socket.socket() as probe:
+        probe.bind((ip, 0))
+        port = probe.getsockname()[1]
+    api.create("pods", store_pod(node, store_daemonset(api, RELEASE_NS), namespace=RELEASE_NS, port=port, command=[
+        sys.executable, "-m", "tenplex", "store", "serve", "--root", str(tmp_path / node / "store"), "--host", ip,
+        "--port", str(port)]), RELEASE_NS)
+    for ns in JOB_NAMESPACES:  # one after the other, as above
+        name = f"sb-{ns}"
+        api.create("elasticjobs", elasticjob(name, 1, namespace=ns, standby=True, max_restarts=5,
+                                             command=[sys.executable, "-m", "tests.standby_fixture"],
+                                             env=[{"name": "SLEEP", "value": "600"}]), ns)
+        (pod,) = eventually(lambda j=name, n=ns: (p := live_worker_pods(api, j, n)) and p[0]["status"]["phase"]
+                            == "Running" and p, f"{name}'s standby pod running", timeout=60)
+        uid = pod["metadata"]["uid"]
+        pid = eventually(lambda u=uid, j=name: (link := sched.kube_backend.standbys.link(u)) and link.pids.get(f"{j}-g0-r0"),
+                         f"{name}'s worker in its standby pod", timeout=60)
+        os.kill(pid, signal.SIGKILL)
+        eventually(lambda u=uid, j=name, n=ns: [(p["metadata"]["uid"], p["metadata"]["labels"]["tenplex.io/generation"])
+                                               for p in live_worker_pods(api, j, n)] == [(u, "1")],
+                   f"{name}'s pod given generation 1", timeout=60)
+
+
 def run_everything(api: ApiServerEmulator, agents: NodeAgents, tmp_path: Path, watch: tuple[str, ...]) -> None:
     """Every path of the scheduler that talks to the API server."""
+    stack = ExitStack()
+    with stack:
+        _run_everything(api, agents, tmp_path, watch, stack)
+
+
+def _run_everything(api: ApiServerEmulator, agents: NodeAgents, tmp_path: Path, watch: tuple[str, ...],
+                    stack: ExitStack) -> None:
     api.create_namespace(RELEASE_NS)
     for ns in JOB_NAMESPACES:
         api.create_namespace(ns)
@@ -89,6 +137,7 @@ def run_everything(api: ApiServerEmulator, agents: NodeAgents, tmp_path: Path, w
         # Each job got a node of its own: the other's GPUs were held.
         nodes = {p["spec"]["nodeName"] for ns in JOB_NAMESPACES for p in live_worker_pods(api, f"gpt-{ns}", ns)}
         assert nodes == {"gpu-a", "gpu-b"}
+        standby_jobs(api, sched, stack, tmp_path)
     finally:
         sched.close()
 
@@ -99,9 +148,11 @@ def run_everything(api: ApiServerEmulator, agents: NodeAgents, tmp_path: Path, w
             assert ctl.status.generation == 2
         for ns in JOB_NAMESPACES:
             api.delete("elasticjobs", f"gpt-{ns}", ns)
+            api.delete("elasticjobs", f"sb-{ns}", ns)
         eventually(lambda: not sched.list(), "the jobs deleted")
         for ns in JOB_NAMESPACES:
             eventually(lambda n=ns: not live_worker_pods(api, f"gpt-{n}", n), f"gpt-{ns}'s pods gone")
+            eventually(lambda n=ns: not live_worker_pods(api, f"sb-{n}", n), f"sb-{ns}'s standby pod gone", timeout=60)
     finally:
         sched.close()
     assert api.gpu_overbookings() == []
