@@ -26,6 +26,31 @@ each child does that itself. What a standby holds while it waits: one
 process with the job's modules imported (a few hundred MB of host memory with
 torch), no GPU, no port. ``tenplex worker standby -- COMMAND...`` is the
 entry point; the local backend keeps one per host for a job with ``standby``.
+
+**In a worker pod** (``--port PORT``; the Kubernetes backend's standby pods,
+see :mod:`tenplex.k8s.backend`): a pod's GPUs are bound when it is created,
+so a process forked elsewhere could not use them; the standby is instead the
+pod's main process, and the pod outlives its generation. It forks the pod's
+first assignment from its own environment at once (one worker, or one per
+entry of ``TENPLEX_POD_RANKS``, as ``tenplex worker launch`` would), then
+listens on ``$TENPLEX_NODE_IP:PORT`` (the pod uses the host network) for its
+scheduler. The same JSON lines arrive over that connection, after a first
+``{"hello": {"token": ...}}`` that must carry the job's token when the pod
+has one (``TENPLEX_TOKEN``); a request with ``"inherit": true`` gives the
+worker the pod's environment with the request's ``env`` over it (so what the
+pod got from Kubernetes, its Secret's token included, never travels in a
+request), and ``{"stop": PID, "grace": SECONDS}`` ends a worker (SIGTERM to
+its process group, SIGKILL after the grace). Each hello is answered with
+``ready`` and a replay of every worker the pod has run (``started PID
+WORKER``, then ``exited PID CODE`` for those that ended), so a scheduler that
+restarts or reconnects loses no exit. Workers log to the pod's output. The
+connection closing ends nothing; SIGTERM (the pod's deletion) is passed to
+the running workers, and the standby exits once they have, with the code of
+the first of its latest assignment's workers that failed on its own (not by
+a stop), else 0. If the standby itself is killed, its workers are killed with
+it (``PR_SET_PDEATHSIG``), as a container's processes end with its main
+process. Nothing of the tensors passes here: a request is a worker's
+environment.
 """
 
 from __future__ import annotations
@@ -69,13 +94,28 @@ def _exit_code(status: int) -> int:
     return os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1
 
 
+def _die_with(parent: int) -> None:
+    """Have the kernel SIGKILL this process when its parent (the pod's standby) ends, as a container's processes
+    end with its main process: a worker of a pod whose standby was killed must not train on outside it."""
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:  # it ended before the request took effect
+        os._exit(128 + signal.SIGKILL)
+
+
 def _become_worker(message: Mapping[str, object], command: PythonCommand, close: Sequence[int] = (),
-                   mask: set[signal.Signals] | None = None) -> int:
+                   mask: set[signal.Signals] | None = None, parent: int | None = None) -> int:
     """In the forked child: the worker's session, environment and log, then its code; its exit code.
 
     ``close``: the standby's own descriptors (its listening socket and connection), which the worker must
     not hold: a port or a connection kept open by a worker would outlive the standby."""
     os.setsid()  # its own process group: the backend stops a worker and what it starts, nothing else
+    if parent is not None:
+        _die_with(parent)
     for fd in close:
         with contextlib.suppress(OSError):
             os.close(fd)
@@ -113,17 +153,20 @@ def _become_worker(message: Mapping[str, object], command: PythonCommand, close:
     return 0
 
 
-def _fork_worker(message: Mapping[str, object], command: PythonCommand, close: Sequence[int] = ()) -> int:
-    """Fork a child that becomes the worker of ``message``; its pid (in the parent).
+def _fork_worker(message: Mapping[str, object], command: PythonCommand, close: Sequence[int] = (),
+                 die_with_parent: bool = False) -> int:
+    """Fork a child that becomes the worker of ``message``; its pid (in the parent). ``die_with_parent``: the
+    worker is killed when this process ends (a pod's standby; the local backend's workers outlive theirs).
 
     SIGTERM and SIGINT are held across the fork: until the child has put back their default handling, the
     standby's own handlers (inherited) would swallow a stop sent to a worker that had just started."""
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_SIGNALS)
+    parent = os.getpid() if die_with_parent else None
     pid = os.fork()
     if pid == 0:  # the child: becomes the worker, never returns here
         code = 1
         try:
-            code = _become_worker(message, command, close, mask)
+            code = _become_worker(message, command, close, mask, parent)
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
@@ -266,7 +309,7 @@ class PodStandby:
 
     def _fork(self, message: Mapping[str, object], listener: socket.socket) -> int:
         close = [listener.fileno()] + ([self._conn.fileno()] if self._conn is not None else [])
-        pid = _fork_worker(message, self.command, close)
+        pid = _fork_worker(message, self.command, close, die_with_parent=True)
         self._workers[pid] = _PodWorker(_worker_id(message))
         log.info("standby: started worker %s as pid %d", self._workers[pid].worker_id, pid)
         return pid

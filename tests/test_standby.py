@@ -232,3 +232,34 @@ def test_a_pod_standby_runs_its_first_assignment_then_takes_launches_stops_and_r
             proc.kill()
     text = out.read_text()
     assert f"worker r4 pid {seen['j-g0-r4']}" in text and f"worker g1 pid {pid}" in text, text
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_pod_standbys_workers_end_with_it_as_a_containers_processes_do(tmp_path: Path) -> None:
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TENPLEX_NODE_IP": "127.0.0.1", "TENPLEX_WORKER_ID": "j-g0-r0",
+           "SLEEP": "120"}
+    proc = subprocess.Popen([sys.executable, "-m", "tenplex", "worker", "standby", "--port", str(port), "--", *JOB],
+                            env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        sched = _Scheduler(port, "")
+        assert sched.read() == STANDBY_READY
+        word, pid, wid = sched.read().split()
+        assert (word, wid) == ("started", "j-g0-r0")
+        sched.close()
+        os.kill(int(pid), 0)  # it runs
+        proc.kill()  # the kubelet's SIGKILL after the grace period, or the standby crashing
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while _alive(int(pid)):
+            assert time.monotonic() < deadline, f"worker {pid} outlived its pod's standby"
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            proc.kill()

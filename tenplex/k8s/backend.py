@@ -633,8 +633,12 @@ class KubernetesBackend(Backend):
         self._remove_finished(job, {str(w.env.get(ENV_GENERATION, "0")) for w in workers})
         if spec.standby:
             kept = {p["metadata"]["uid"] for p in reuse.values()}
-            self._delete_and_wait(job, [p for p in self._standby_pods(job) if p["metadata"]["uid"] not in kept],
-                                  grace=LAUNCH_DELETE_GRACE)  # their GPUs may be what the fresh pods need
+            unused = [p for p in self._standby_pods(job) if p["metadata"]["uid"] not in kept]
+            # Their GPUs may be what the fresh pods on their node need: those are waited for; the others end
+            # in the background (waiting for them would stand training still for nothing: ~1 s a pod).
+            busy = {g[0].host for g in fresh}
+            self._delete_pods(job, [p for p in unused if p["spec"]["nodeName"] not in busy], grace=LAUNCH_DELETE_GRACE)
+            self._delete_and_wait(job, [p for p in unused if p["spec"]["nodeName"] in busy], grace=LAUNCH_DELETE_GRACE)
             for i, pod in reuse.items():
                 try:
                     self._give(job, pod, groups[i])
@@ -784,8 +788,8 @@ class KubernetesBackend(Backend):
                             job, left, pod["metadata"]["name"], seconds + self._stop_margin)
                 self._delete_and_wait(job, [pod], grace=0)
 
-    def _delete_and_wait(self, job: str, pods: Sequence[Mapping[str, Any]], *, grace: float) -> None:
-        """Delete these pods and wait until they are gone (see :meth:`stop`)."""
+    def _delete_pods(self, job: str, pods: Sequence[Mapping[str, Any]], *, grace: float) -> None:
+        """Delete these pods (their kubelets send SIGTERM, then SIGKILL after ``grace``); no wait."""
         seconds = max(0, math.ceil(grace))
         for pod in pods:
             meta = pod["metadata"]
@@ -795,8 +799,13 @@ class KubernetesBackend(Backend):
             except client.ApiException as exc:
                 if exc.status != 404:
                     log.warning("job %s: deleting pod %s failed: %s %s", job, meta["name"], exc.status, _api_message(exc))
+
+    def _delete_and_wait(self, job: str, pods: Sequence[Mapping[str, Any]], *, grace: float) -> None:
+        """Delete these pods and wait until they are gone (see :meth:`stop`)."""
         if not pods:
             return
+        self._delete_pods(job, pods, grace=grace)
+        seconds = max(0, math.ceil(grace))
         deadline = time.monotonic() + seconds + self._stop_margin
         left: list[str] = []
         while time.monotonic() < deadline:
@@ -883,14 +892,7 @@ class KubernetesBackend(Backend):
 
     def release(self, job: str) -> None:
         """Delete the job's standby pods (it ended or was suspended: no next generation to keep them for)."""
-        for pod in self._standby_pods(job):
-            meta = pod["metadata"]
-            try:
-                self.core.delete_namespaced_pod(meta["name"], meta["namespace"], propagation_policy="Background")
-                log.info("job %s: deleted standby pod %s", job, meta["name"])
-            except client.ApiException as exc:
-                if exc.status != 404:
-                    log.warning("job %s: could not delete standby pod %s: %s", job, meta["name"], _api_message(exc))
+        self._delete_pods(job, self._standby_pods(job), grace=LAUNCH_DELETE_GRACE)
 
     def job_pods(self, job: str) -> list[dict[str, Any]]:
         """The job's worker pods as cached (for the operator's status and for tests)."""

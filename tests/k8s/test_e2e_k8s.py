@@ -580,6 +580,34 @@ def test_standby_pods_run_the_next_generations_and_survive_a_scheduler_restart(
     eventually(lambda: worker_pods(api, "gpt") == [], "the standby pods deleted", timeout=90)
 
 
+@pytest.mark.parametrize("cluster", [2], indirect=True)
+def test_multi_gpu_standby_pods_take_the_next_generations_ranks(api: ApiServerEmulator, cluster: Cluster,
+                                                                 scheduler: KubernetesScheduler) -> None:
+    """``gpusPerPod: 2`` with standby: the pod's standby forks both ranks of its first assignment, and on a
+    scale 2 -> 4 the same pod is given ranks 0-1 of generation 1 (one request per rank) while node-1 gets a
+    new pod for ranks 2-3; the job runs to its last step."""
+    steps = 15
+    job = elasticjob("gpt", 2, provider="example-gpt", model=MODEL, command=WORKER, steps=steps,
+                     snapshot_every=SNAPSHOT_EVERY, max_gpus=4, gpus_per_pod=2, standby=True,
+                     table=[{"gpus": 2, "dp": 2, "tp": 1, "pp": 1}, {"gpus": 4, "dp": 4, "tp": 1, "pp": 1}],
+                     env=[{"name": "OMP_NUM_THREADS", "value": "1"}, {"name": "GLOO_SOCKET_IFNAME", "value": "lo"}])
+    api.create("elasticjobs", job, NS)
+    wait_job(scheduler, "gpt", lambda s: s.phase == Phase.RUNNING and s.step >= 3, "training on one 2-GPU pod",
+             cluster=cluster)
+    (pod,) = worker_pods(api, "gpt")
+    assert pod["metadata"]["annotations"][ANNOTATION_WORKERS] == "gpt-g0-r0,gpt-g0-r1"
+    with api.api_client() as api_client:
+        client.CustomObjectsApi(api_client).patch_namespaced_custom_object_scale(
+            crd.GROUP, crd.VERSION, NS, crd.PLURAL, "gpt", {"spec": {"replicas": 4}})
+    st = wait_job(scheduler, "gpt", lambda s: s.phase == Phase.SUCCEEDED, "scaling to 4 GPUs and finishing",
+                  cluster=cluster)
+    assert st.step == steps and [(r.reason, r.from_gpus, r.to_gpus) for r in st.history] == [("scale", 2, 4)]
+    log = cluster.kubelets["node-0"].log_path("gpt-g0-r0").read_text()  # generation 0's pod ran generation 1's ranks
+    assert "started worker gpt-g1-r0" in log and "started worker gpt-g1-r1" in log, log[-2000:]
+    assert "started worker gpt-g1-r2" in cluster.kubelets["node-1"].log_path("gpt-g1-r2").read_text()
+    eventually(lambda: worker_pods(api, "gpt") == [], "the standby pods deleted once the job ended", timeout=90)
+
+
 def _relists(sched: KubernetesScheduler) -> list[int]:
     return [sched.index.relists, sched.kube_backend.nodes.relists, *(p.relists for p in sched.kube_backend.pods)]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -116,8 +117,14 @@ def test_a_dp1_job_that_loses_a_host_continues_from_the_persistent_tier(tmp_path
     # `before` showed, even the snapshot `before` called newest, while the kill was being prepared)
     assert rolled_to.step >= max(Version.parse(v).step for v in before["persisted"]), (failure, before["persisted"])
     trail = [(s["generation"], s["phase"], s["step"], s["version"], s["persisted"]) for s in seen]
-    # The steps lost are exactly those since that version: the step reached when the host died, minus its step.
-    assert failure["steps_lost"] == reached - rolled_to.step > 0, (failure, reached, trail)
+    # The steps lost are those since that version: the step reached when the host died, minus its step. The
+    # scheduler counts what the workers reported; this test saw it through polls of the status, so it may have
+    # missed the last few steps' reports (a CI run: it saw 70, the scheduler counted 72), never more than the
+    # step at which the survivor reported its peer's failure.
+    counted = rolled_to.step + failure["steps_lost"]
+    peer = re.search(r"peer failure at step (\d+)", failure["error"] or "")
+    assert failure["steps_lost"] > 0 and reached <= counted <= (int(peer.group(1)) if peer else reached), (
+        failure, reached, trail)
     # host-2's part came from the persistent tier, over the network.
     assert failure["bytes_remote"] > 0, failure
     # The persistent location holds committed versions only, at most keep_last of them.
