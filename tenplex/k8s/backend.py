@@ -608,7 +608,8 @@ class KubernetesBackend(Backend):
 
     def launch(self, job: str, command: Sequence[str], workers: Sequence[WorkerLaunch], log_dir: Path) -> dict[str, int | None]:
         """Create the workers' pods (one per ``gpusPerPod`` ranks of a node, see :func:`pod_groups`);
-        an existing pod of the same generation is taken as already launched."""
+        an existing pod of the same generation is taken as already launched. For a job with ``standby``, the
+        job's idle standby pods on the planned nodes are given their workers first (see the module docstring)."""
         if not command:
             raise InvalidConfig(f"job {job!r} has no worker command")
         job_obj = self._elasticjob(job)
@@ -645,6 +646,10 @@ class KubernetesBackend(Backend):
                 except StoreUnavailable as exc:  # it stopped answering: a fresh pod instead
                     log.warning("job %s: %s; replacing pod %s", job, exc.detail, pod["metadata"]["name"])
                     self._delete_and_wait(job, [pod], grace=LAUNCH_DELETE_GRACE)
+                    with self._lock:
+                        for x in groups[i]:
+                            self._assigned.pop((job, x.worker_id), None)
+                            self._pod_of[(job, x.worker_id)] = groups[i][0].worker_id
                     fresh.append(groups[i])
                     manifests.append(self.pod_manifest(job_obj, command, groups[i],
                                                        standby_port=self._free_port(groups[i][0].host, rendezvous)))

@@ -40,6 +40,7 @@ from .cluster import (
     chart_rbac,
     elasticjob,
     eventually,
+    free_port_block,
     live_worker_pods,
     scheduler_client,
     scheduler_user,
@@ -56,8 +57,11 @@ IDENTITY = "rel-tenplex-scheduler-6d5f7c9b8-abcde"
 def start_scheduler(api: ApiServerEmulator, state: Path, watch: tuple[str, ...]) -> KubernetesScheduler:
     settings = KubernetesSettings(namespace=RELEASE_NS, identity=IDENTITY, watch_namespaces=watch,
                                   lease_duration_seconds=3, renew_deadline_seconds=2, retry_period_seconds=1)
+    # Ports no concurrent test's rendezvous can hold (a TCPStore binds every address): the standby pods' too.
+    base = free_port_block(20)
     sched = KubernetesScheduler(scheduler_client(api, RELEASE_NS, watch), settings,
-                                SchedulerSettings(url="http://127.0.0.1:9", poll_interval=0.1), state, watch_timeout=5)
+                                SchedulerSettings(url="http://127.0.0.1:9", poll_interval=0.1), state, watch_timeout=5,
+                                master_ports=(base, base + 19))
     sched.recover()
     assert sched.operator.leading.wait(20), "the scheduler never took the Lease"
     return sched
