@@ -39,7 +39,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -139,17 +139,44 @@ def run(size: str, standby: bool, root: Path) -> list[dict[str, Any]]:
     Console(width=200).print(phases_table(final["history"]))
     out = []
     for rec in final["history"]:
-        phases = rec["phases"]
-        data = sum(phases.get(k, 0.0) for k in DATA_PHASES)
         steps = step_times(root, name, rec["to_generation"]) if rec.get("to_generation") is not None else []
-        out.append({"size": size, "standby": standby, "event": rec["reason"], "from": rec["from_config"],
-                    "to": rec["to_config"], "downtime_s": rec["downtime_seconds"], "data_s": round(data, 3),
-                    "fixed_s": round(rec["downtime_seconds"] - data, 3),
-                    "first_step_compute_s": steps[0] if steps else None,
-                    "steady_step_s": round(statistics.median(steps[1:]), 3) if len(steps) > 1 else None,
-                    "bytes_remote": rec["bytes_remote"], "bytes_local": rec["bytes_local"],
-                    "phases": {k: phases[k] for k in PHASES if k in phases}})
+        out.append({**record_row(rec, size, standby), "first_step_compute_s": steps[0] if steps else None,
+                    "steady_step_s": round(statistics.median(steps[1:]), 3) if len(steps) > 1 else None})
     return out
+
+
+def record_row(rec: dict[str, Any], size: str, standby: bool) -> dict[str, Any]:
+    """One reconfiguration record of the job status as a result row: its downtime split into data and fixed."""
+    phases = rec["phases"]
+    data = sum(phases.get(k, 0.0) for k in DATA_PHASES)
+    return {"size": size, "standby": standby, "event": rec["reason"], "from": rec["from_config"],
+            "to": rec["to_config"], "from_hosts": rec["from_hosts"], "to_hosts": rec["to_hosts"],
+            "downtime_s": rec["downtime_seconds"], "data_s": round(data, 3),
+            "fixed_s": round(rec["downtime_seconds"] - data, 3),
+            "bytes_remote": rec["bytes_remote"], "bytes_local": rec["bytes_local"],
+            "phases": {k: phases[k] for k in PHASES if k in phases}}
+
+
+def each_run(args: argparse.Namespace, run_one: Callable[[str, bool, Path], list[dict[str, Any]]],
+             prefix: str) -> Iterator[tuple[str, str, list[dict[str, Any]]]]:
+    """(size, "on"/"off", rows) of ``run_one`` for each size and standby setting asked for, each in a directory
+    of its own: under ``--keep`` (kept), else a temporary one."""
+    for size in args.sizes:
+        for sb in args.standby:
+            if args.keep is not None:
+                root = args.keep / f"{size}-standby-{sb}"
+                root.mkdir(parents=True)
+                yield size, sb, run_one(size, sb == "on", root)
+            else:
+                with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+                    yield size, sb, run_one(size, sb == "on", Path(tmp))
+
+
+def keep_is_new(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse a ``--keep`` directory that holds an earlier run already."""
+    if args.keep is not None and any((args.keep / f"{size}-standby-{sb}").exists()
+                                     for size in args.sizes for sb in args.standby):
+        ap.error(f"--keep {args.keep} holds an earlier run already: give a new directory")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,28 +186,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--keep", type=Path, help="run in this directory and keep it (scheduler state, workers' logs)")
     args = ap.parse_args(argv)
-    if args.keep is not None and any((args.keep / f"{size}-standby-{sb}").exists()
-                                     for size in args.sizes for sb in args.standby):
-        ap.error(f"--keep {args.keep} holds an earlier run already: give a new directory")
+    keep_is_new(ap, args)
     logging.basicConfig(level=logging.WARNING)
     results = []
-    for size in args.sizes:
-        for sb in args.standby:
-            if args.keep is not None:
-                root = args.keep / f"{size}-standby-{sb}"
-                root.mkdir(parents=True)
-                rows = run(size, sb == "on", root)
-            else:
-                with tempfile.TemporaryDirectory(prefix="downtime-") as tmp:
-                    rows = run(size, sb == "on", Path(tmp))
-            results += rows
-            for r in rows:
-                ok = "meets" if r["fixed_s"] <= TARGET_FIXED_S else "misses"
-                steady = f"{r['steady_step_s']:.2f} s" if r["steady_step_s"] is not None else "-"
-                print(f"{size:5s} standby {sb:3s} {r['event']:8s} downtime {r['downtime_s']:6.2f} s = data "
-                      f"{r['data_s']:5.2f} s + fixed {r['fixed_s']:5.2f} s ({ok} {TARGET_FIXED_S} s); first step "
-                      f"{r['phases'].get('first_step', 0.0):.2f} s, steady step {steady}; moved "
-                      f"{human_bytes(r['bytes_remote'])} remote, {human_bytes(r['bytes_local'])} local", flush=True)
+    for size, sb, rows in each_run(args, run, "downtime-"):
+        results += rows
+        for r in rows:
+            ok = "meets" if r["fixed_s"] <= TARGET_FIXED_S else "misses"
+            steady = f"{r['steady_step_s']:.2f} s" if r["steady_step_s"] is not None else "-"
+            print(f"{size:5s} standby {sb:3s} {r['event']:8s} downtime {r['downtime_s']:6.2f} s = data "
+                  f"{r['data_s']:5.2f} s + fixed {r['fixed_s']:5.2f} s ({ok} {TARGET_FIXED_S} s); first step "
+                  f"{r['phases'].get('first_step', 0.0):.2f} s, steady step {steady}; moved "
+                  f"{human_bytes(r['bytes_remote'])} remote, {human_bytes(r['bytes_local'])} local", flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     missed = [r for r in results if r["standby"] and r["fixed_s"] > TARGET_FIXED_S]

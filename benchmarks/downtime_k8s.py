@@ -36,9 +36,6 @@ import os
 import signal
 import socket
 import sys
-import tempfile
-import time
-from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -58,10 +55,9 @@ from tenplex.k8s.settings import KubernetesSettings  # noqa: E402
 from tenplex.scheduler.api import create_app  # noqa: E402
 from tenplex.scheduler.cli import phases_table  # noqa: E402
 from tenplex.scheduler.controller import SchedulerSettings  # noqa: E402
-from tenplex.scheduler.state import DATA_PHASES, PHASES  # noqa: E402
 from tenplex.serving import BackgroundServer, bind_socket  # noqa: E402
 from tenplex.testing.k8s.emulator import ApiServerEmulator  # noqa: E402
-from tenplex.testing.k8s.kubelet import LocalKubelet  # noqa: E402
+from tenplex.testing.k8s.kubelet import LocalKubelet, wait_for  # noqa: E402
 from tenplex.testing.k8s.rbac import User  # noqa: E402
 
 NS = "default"
@@ -112,20 +108,9 @@ def start_cluster(api: ApiServerEmulator, root: Path, stack: ExitStack) -> dict[
                             "--host", ip, "--port", str(port)],
                 "env": [{"name": "TENPLEX_TOKEN", "valueFrom": {"secretKeyRef": {"name": "tenplex-auth",
                                                                                  "key": "token"}}}]}]}}, NS)
-    wait(lambda: all((api.get("pods", f"store-{n}", NS).get("status") or {}).get("phase") == "Running"
-                     for n in NODES), "the store pods running", 60)
+    wait_for(lambda: all((api.get("pods", f"store-{n}", NS).get("status") or {}).get("phase") == "Running"
+                         for n in NODES), 60, 0.1, "the store pods running")
     return kubelets
-
-
-def wait(pred: Callable[[], Any], what: str, timeout: float = 600) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = pred()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out while {what}")
-        time.sleep(0.1)
 
 
 def run(size: str, standby: bool, root: Path) -> list[dict[str, Any]]:
@@ -162,7 +147,7 @@ def run(size: str, standby: bool, root: Path) -> list[dict[str, Any]]:
 
         def steady(gen: int, what: str) -> dict[str, Any]:
             pred = local.steady(gen, every)
-            return wait(lambda: (st := status()) and pred(st) and st, what)
+            return wait_for(lambda: (st := status()) and pred(st) and st, 600, 0.1, what)
 
         def scale(n: int) -> None:
             client.CustomObjectsApi(admin).patch_namespaced_custom_object_scale(
@@ -198,14 +183,7 @@ def run(size: str, standby: bool, root: Path) -> list[dict[str, Any]]:
         if rec["downtime_seconds"] is None:  # interrupted by the next event (a failure during it): no downtime
             print(f"{rec['reason']} {rec['from_hosts']} -> {rec['to_hosts']} did not finish: {rec['error']}", flush=True)
             continue
-        phases = rec["phases"]
-        data = sum(phases.get(k, 0.0) for k in DATA_PHASES)
-        rows.append({"size": size, "standby": standby, "event": rec["reason"], "from": rec["from_config"],
-                     "to": rec["to_config"], "from_hosts": rec["from_hosts"], "to_hosts": rec["to_hosts"],
-                     "downtime_s": rec["downtime_seconds"], "data_s": round(data, 3),
-                     "fixed_s": round(rec["downtime_seconds"] - data, 3),
-                     "bytes_remote": rec["bytes_remote"], "bytes_local": rec["bytes_local"],
-                     "phases": {k: phases[k] for k in PHASES if k in phases}})
+        rows.append(local.record_row(rec, size, standby))
     return rows
 
 
@@ -216,26 +194,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--keep", type=Path, help="run in this directory and keep it (pod logs, scheduler state)")
     args = ap.parse_args(argv)
-    if args.keep is not None and args.keep.exists():
-        ap.error(f"--keep {args.keep} exists already: give a new directory")
+    local.keep_is_new(ap, args)
     logging.basicConfig(level=logging.WARNING)
     results = []
-    for size in args.sizes:
-        for sb in args.standby:
-            if args.keep is not None:
-                rows = run(size, sb == "on", args.keep / f"{size}-standby-{sb}")
-            else:
-                with tempfile.TemporaryDirectory(prefix="downtime-k8s-") as tmp:
-                    rows = run(size, sb == "on", Path(tmp))
-            results += rows
-            for r in rows:
-                ok = "meets" if r["fixed_s"] <= local.TARGET_FIXED_S else "misses"
-                launch = sum(r["phases"].get(k, 0.0) for k in ("launch", "imports"))
-                print(f"{size:5s} standby {sb:3s} {r['event']:8s} {r['from_hosts']} -> {r['to_hosts']}: downtime "
-                      f"{r['downtime_s']:6.2f} s = data {r['data_s']:5.2f} s + fixed {r['fixed_s']:5.2f} s ({ok} "
-                      f"{local.TARGET_FIXED_S} s); launch+imports {launch:.2f} s, first step "
-                      f"{r['phases'].get('first_step', 0.0):.2f} s; moved {human_bytes(r['bytes_remote'])} remote",
-                      flush=True)
+    for size, sb, rows in local.each_run(args, run, "downtime-k8s-"):
+        results += rows
+        for r in rows:
+            ok = "meets" if r["fixed_s"] <= local.TARGET_FIXED_S else "misses"
+            launch = sum(r["phases"].get(k, 0.0) for k in ("launch", "imports"))
+            print(f"{size:5s} standby {sb:3s} {r['event']:8s} {r['from_hosts']} -> {r['to_hosts']}: downtime "
+                  f"{r['downtime_s']:6.2f} s = data {r['data_s']:5.2f} s + fixed {r['fixed_s']:5.2f} s ({ok} "
+                  f"{local.TARGET_FIXED_S} s); launch+imports {launch:.2f} s, first step "
+                  f"{r['phases'].get('first_step', 0.0):.2f} s; moved {human_bytes(r['bytes_remote'])} remote",
+                  flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0

@@ -76,6 +76,7 @@ from tenplex.core.commands import (
     PythonCommand,
     parse_pod_ranks,
     pod_rank_env,
+    signal_group,
 )
 from tenplex.core.protocol import ENV_NODE_IP, ENV_STORE_ROOT, ENV_TOKEN, ENV_WORKER_ID
 from tenplex.errors import InvalidInput
@@ -121,8 +122,7 @@ def _become_worker(message: Mapping[str, object], command: PythonCommand, close:
             os.close(fd)
     env = message.get("env")
     assert isinstance(env, dict)
-    if not message.get("inherit"):
-        os.environ.clear()
+    os.environ.clear()
     os.environ.update(env)
     log_path = message.get("log")
     sys.stdout.flush()
@@ -248,8 +248,8 @@ def serve(command: Sequence[str], requests: IO[str] | None = None, replies: IO[s
                 continue
             try:
                 message = _parse(line)
-                if "stop" in message or "hello" in message:
-                    raise InvalidInput("stop and hello are requests of a pod's standby (--port)")
+                if "stop" in message or "hello" in message or message.get("inherit"):
+                    raise InvalidInput("stop, hello and inherit are for a pod's standby (--port)")
             except InvalidInput as exc:
                 log.error("standby: %s", exc.detail)
                 say(f"refused {exc.detail}")
@@ -336,14 +336,6 @@ class PodStandby:
     def _running(self) -> list[int]:
         return [pid for pid, w in self._workers.items() if w.code is None]
 
-    def _signal(self, pid: int, sig: int) -> None:
-        """The worker's process group; the worker alone if it has not made its group yet (just forked)."""
-        try:
-            os.killpg(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
-
     def _reap(self) -> None:
         now = time.monotonic()
         for pid in self._running():
@@ -357,7 +349,7 @@ class PodStandby:
                 self._say(f"exited {pid} {w.code}")
             elif w.kill_at is not None and now >= w.kill_at:
                 log.warning("standby: worker %s (pid %d) still running after its stop's grace: SIGKILL", w.worker_id, pid)
-                self._signal(pid, signal.SIGKILL)
+                signal_group(pid, signal.SIGKILL)
                 w.kill_at = None
         ended = [pid for pid, w in self._workers.items() if w.code is not None]
         for pid in ended[:max(0, len(ended) - MAX_ENDED_KEPT)]:
@@ -372,7 +364,7 @@ class PodStandby:
                     log.info("standby: SIGTERM: passed on to workers %s", self._running())
                     for pid in self._running():
                         self._workers[pid].stopped = True
-                        self._signal(pid, signal.SIGTERM)
+                        signal_group(pid, signal.SIGTERM)
                     forwarded = True
                 if not self._running():
                     latest = [self._workers[pid] for pid in self._latest if pid in self._workers]
@@ -434,7 +426,7 @@ class PodStandby:
             if not isinstance(pid, int) or not isinstance(grace, int | float) or grace < 0:
                 self._say(f"refused a stop needs a pid and a grace >= 0 seconds, got {line[:100]}")
             elif pid in self._workers and self._workers[pid].code is None:
-                self._signal(pid, signal.SIGTERM)
+                signal_group(pid, signal.SIGTERM)
                 self._workers[pid].stopped = True
                 self._workers[pid].kill_at = time.monotonic() + float(grace)
             return

@@ -9,9 +9,11 @@ command with :meth:`PythonCommand.parse` before they keep standbys for it.
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib
 import json
 import logging
+import os
 import runpy
 import sys
 from collections.abc import Mapping, Sequence
@@ -143,6 +145,16 @@ def parse_pod_ranks(text: str | None) -> tuple[LocalRank, ...]:
         if len(set(values)) != len(values):
             raise InvalidInput(f"{ENV_POD_RANKS}: every local rank needs its own {key}, got {values}")
     return tuple(sorted(ranks, key=lambda r: r.local_rank))
+
+
+def signal_group(pid: int, sig: int) -> None:
+    """Signal a worker's process group (the worker and anything it started); the process alone when it has no
+    group of its own (yet: a worker just forked makes its session first thing)."""
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
 
 
 def pod_rank_env(base: Mapping[str, str], rank: LocalRank, count: int) -> dict[str, str]:

@@ -78,9 +78,9 @@ ENV_HOST = "TENPLEX_HOST"
 ENV_GENERATION = "TENPLEX_GENERATION"
 """The layout generation the worker was launched for."""
 ENV_SNAPSHOT_EVERY = "TENPLEX_SNAPSHOT_EVERY"
+"""The job's snapshot interval in steps: it bounds the steps a failure can lose."""
 ENV_NODE_IP = "TENPLEX_NODE_IP"
 """A worker pod's node address (Kubernetes' downward API ``status.hostIP``): where its standby listens."""
-"""The job's snapshot interval in steps: it bounds the steps a failure can lose."""
 
 # torchrun's variables, read as well.
 ENV_RANK = "RANK"

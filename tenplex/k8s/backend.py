@@ -72,7 +72,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -621,10 +621,11 @@ class KubernetesBackend(Backend):
         groups = pod_groups(workers, spec.gpus_per_pod)
         reuse = self._standbys_for(job, groups) if spec.standby else {}
         fresh = [g for i, g in enumerate(groups) if i not in reuse]
-        rendezvous = {(w.host, int(w.env["MASTER_PORT"])) for w in workers  # not a standby's port too
-                      if w.rank == 0 and str(w.env.get("MASTER_PORT", "")).isdigit()}
+        for w in workers:  # the rendezvous port is not a standby's too (master_port reserved it, unless given)
+            if w.rank == 0 and str(w.env.get("MASTER_PORT", "")).isdigit():
+                self._reserve(w.host, int(w.env["MASTER_PORT"]))
         manifests = [self.pod_manifest(job_obj, command, group,  # all valid before any is made
-                                       standby_port=self._free_port(group[0].host, rendezvous) if spec.standby else None)
+                                       standby_port=self._free_port(group[0].host) if spec.standby else None)
                      for group in fresh]
         with self._lock:
             self._job_namespace[job] = namespace
@@ -652,7 +653,7 @@ class KubernetesBackend(Backend):
                             self._pod_of[(job, x.worker_id)] = groups[i][0].worker_id
                     fresh.append(groups[i])
                     manifests.append(self.pod_manifest(job_obj, command, groups[i],
-                                                       standby_port=self._free_port(groups[i][0].host, rendezvous)))
+                                                       standby_port=self._free_port(groups[i][0].host)))
         for group, manifest in zip(fresh, manifests, strict=True):
             w = group[0]
             try:
@@ -768,20 +769,20 @@ class KubernetesBackend(Backend):
         is left Terminating with a warning: its GPUs stay counted as held until it is gone. A standby pod whose
         workers do not end by then, or whose standby cannot be reached, is deleted the same way.
         """
-        found = {p["metadata"]["name"]: p for wid in worker_ids if (p := self._worker_pod(job, wid)) is not None}
-        pods = list(found.values())  # a multi-rank pod once, whichever of its workers were named
+        found: dict[str, tuple[dict[str, Any], list[str]]] = {}  # a multi-rank pod once, with the workers named
+        for wid in worker_ids:
+            if (p := self._worker_pod(job, wid)) is not None:
+                found.setdefault(p["metadata"]["uid"], (p, []))[1].append(wid)
         seconds = max(0, math.ceil(grace))
         deadline = time.monotonic() + seconds + self._stop_margin
         asked: list[tuple[dict[str, Any], dict[str, int]]] = []
         delete: list[dict[str, Any]] = []
-        for pod in pods:
-            uid = pod["metadata"]["uid"]
+        for uid, (pod, wids) in found.items():
             if _labels(pod).get(LABEL_STANDBY) != "true" or _phase(pod) != "Running" or not self.standbys.ready(uid):
                 delete.append(pod)
                 continue
             try:
-                asked.append((pod, self.standbys.request_stop(uid, [w for w in worker_ids if w in pod_workers(pod)
-                                                                    or self._assigned.get((job, w)) == uid], seconds)))
+                asked.append((pod, self.standbys.request_stop(uid, wids, seconds)))
             except StoreUnavailable as exc:
                 log.warning("job %s: %s; deleting pod %s instead", job, exc.detail, pod["metadata"]["name"])
                 delete.append(pod)
@@ -859,12 +860,15 @@ class KubernetesBackend(Backend):
         """A rendezvous port on ``host`` not used by another live pod there (see the module docstring)."""
         return self._free_port(host.name)
 
-    def _free_port(self, node: str, taken: Collection[tuple[str, int]] = ()) -> int:
-        """A port of the range that no live pod on ``node`` announces (a rank 0's rendezvous, a standby's), that
-        was not handed out there in the last :data:`PORT_RESERVATION_SECONDS` and is not in ``taken`` (node,
-        port): the pods use the host network."""
+    def _reserve(self, node: str, port: int) -> None:
+        with self._lock:
+            self._reserved[(node, port)] = time.monotonic()
+
+    def _free_port(self, node: str) -> int:
+        """A port of the range that no live pod on ``node`` announces (a rank 0's rendezvous, a standby's) and
+        that was not reserved there in the last :data:`PORT_RESERVATION_SECONDS`: the pods use the host network."""
         lo, hi = self._ports
-        used: set[int] = {port for n, port in taken if n == node}
+        used: set[int] = set()
         for pod in self._pods():
             ann = (pod.get("metadata") or {}).get("annotations") or {}
             if (pod.get("spec") or {}).get("nodeName") != node or _phase(pod) in ("Succeeded", "Failed"):

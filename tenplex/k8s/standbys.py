@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tenplex.core.commands import STANDBY_READY
+from tenplex.core.protocol import ENV_WORKER_ID
 from tenplex.errors import InvalidConfig, StoreUnavailable
 
 log = logging.getLogger(__name__)
@@ -155,7 +156,7 @@ class StandbyLinks:
 
         StoreUnavailable when the pod does not answer in time (the caller may replace the pod); InvalidConfig
         when it refuses."""
-        wanted = [str(dict(r["env"]).get("TENPLEX_WORKER_ID", "-")) for r in requests]  # type: ignore[call-overload]
+        wanted = [str(dict(r["env"]).get(ENV_WORKER_ID, "-")) for r in requests]  # type: ignore[call-overload]
         with self._changed:
             link = self._links.get(uid)
             if link is None or not link.greeted:

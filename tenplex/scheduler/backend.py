@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from tenplex.core.commands import STANDBY_READY, PythonCommand
+from tenplex.core.commands import STANDBY_READY, PythonCommand, signal_group
 from tenplex.core.protocol import ENV_STORE_ROOT
 from tenplex.errors import InvalidConfig, InvalidInput, NotFound, StoreUnavailable, TenplexError
 
@@ -421,13 +421,13 @@ class LocalCluster:
             hosts = [h for h in self._hosts.values() if h.managed]
         for h in hosts:
             if h.pid is not None and h.info.ready:
-                _kill_group(h.pid, signal.SIGTERM)
+                signal_group(h.pid, signal.SIGTERM)
         for h in hosts:
             if h.process is not None:
                 try:
                     h.process.wait(timeout=10)
                 except subprocess.TimeoutExpired:
-                    _kill_group(h.process.pid, signal.SIGKILL)
+                    signal_group(h.process.pid, signal.SIGKILL)
                     h.process.wait(timeout=10)
         if self._own_memory_root and self.memory_root is not None:
             shutil.rmtree(self.memory_root, ignore_errors=True)  # the tmpfs directory this cluster made
@@ -619,13 +619,13 @@ class LocalBackend(Backend):
                 elif (job, wid) in self._adopted:
                     targets.append((wid, self._adopted[(job, wid)], None))
         for _wid, pid, _proc in targets:
-            _kill_group(pid, signal.SIGTERM)
+            signal_group(pid, signal.SIGTERM)
         deadline = time.monotonic() + grace
         for _wid, pid, proc in targets:
             while _running(pid, proc) and time.monotonic() < deadline:
                 time.sleep(0.05)
             if _running(pid, proc):
-                _kill_group(pid, signal.SIGKILL)
+                signal_group(pid, signal.SIGKILL)
                 if proc is not None:
                     proc.wait(timeout=10)
 
@@ -755,12 +755,3 @@ def _running(pid: int, proc: subprocess.Popen | None) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
     except OSError:
         return False
-
-
-def _kill_group(pid: int, sig: int) -> None:
-    """Signal the process group (the worker and anything it started); fall back to the process."""
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
