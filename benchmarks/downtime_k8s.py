@@ -34,7 +34,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import sys
 from contextlib import ExitStack
 from pathlib import Path
@@ -56,6 +55,7 @@ from tenplex.scheduler.api import create_app  # noqa: E402
 from tenplex.scheduler.cli import phases_table  # noqa: E402
 from tenplex.scheduler.controller import SchedulerSettings  # noqa: E402
 from tenplex.serving import BackgroundServer, bind_socket  # noqa: E402
+from tenplex.sockets import free_port  # noqa: E402
 from tenplex.testing.k8s.emulator import ApiServerEmulator  # noqa: E402
 from tenplex.testing.k8s.kubelet import LocalKubelet, wait_for  # noqa: E402
 from tenplex.testing.k8s.rbac import User  # noqa: E402
@@ -64,12 +64,6 @@ NS = "default"
 TOKEN = "downtime-token"
 NODES = {"node-0": "127.0.9.2", "node-1": "127.0.9.3", "node-2": "127.0.9.4"}
 STORE_LABELS = {crd.LABEL_ROLE: crd.ROLE_STORE, "app.kubernetes.io/name": "tenplex"}
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def elasticjob(size: str, standby: bool) -> dict[str, Any]:

@@ -1,6 +1,14 @@
-"""Socket settings for bulk transfers between processes of one node.
+"""Socket helpers: settings for bulk transfers between processes of one node, and ports to listen on.
 
-Why this exists: where the node's default TCP congestion control paces its
+Ports (:func:`free_port`): a port a process will bind *later* (a rendezvous
+port handed to workers that start seconds after, a daemon's port given on its
+command line) is chosen below the kernel's ephemeral range. Port 0's answer is
+an ephemeral port, and until the listener binds it any outgoing connection on
+the machine may take it as its local port, which fails the bind with
+EADDRINUSE (in a rendezvous: rank 0 exits, its peers wait). A port below the
+range is only ever taken by another bind.
+
+Congestion control, why it is set: where the node's default TCP congestion control paces its
 sending (BBR does, in the kernel's TCP stack itself when the interface has no
 ``fq`` queueing discipline, as loopback never has), every segment arms a
 timer. Between two processes of the same node there is no network to pace
@@ -19,9 +27,13 @@ hosts keep the node's setting: that is the cluster operator's choice.
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import logging
+import random
 import socket
+from contextlib import ExitStack
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -72,3 +84,48 @@ def create_connection(
             sock.close()
             last = exc
     raise last if last is not None else OSError(f"getaddrinfo returned nothing for {host}:{port}")
+
+
+PORT_FLOOR = 20000
+"""The lowest port :func:`free_port` hands out (below it lie well-known services' registered ports)."""
+
+
+def ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (32768, Linux's default, where it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port(address: str = "127.0.0.1", count: int = 1, *, avoid: frozenset[int] = frozenset()) -> int:
+    """The first of ``count`` consecutive ports that are free on ``address`` now, below the ephemeral range.
+
+    Free means this process could bind each of them (not in ``avoid``) a
+    moment ago; nothing is held, so two callers may still pick the same one
+    (1 in several thousand). Where the machine leaves fewer than 1000 ports
+    between :data:`PORT_FLOOR` and its ephemeral range, the kernel's own
+    choice (port 0) is returned, raced as it is. An ``address`` this machine
+    does not have (a host elsewhere, another network namespace) cannot be
+    probed: any port not in ``avoid`` is taken as free.
+    """
+    low = ephemeral_low()
+    if low - PORT_FLOOR < 1000 + count:
+        with socket.socket() as s:
+            s.bind((address, 0))
+            return int(s.getsockname()[1])
+    span = low - PORT_FLOOR - count + 1
+    start = random.randrange(span)
+    for i in range(span):
+        base = PORT_FLOOR + (start + i) % span
+        if any(base + k in avoid for k in range(count)):
+            continue
+        try:
+            with ExitStack() as stack:
+                for port in range(base, base + count):
+                    stack.enter_context(socket.socket()).bind((address, port))
+        except OSError as exc:
+            if exc.errno != errno.EADDRNOTAVAIL:
+                continue
+        return base
+    raise OSError(errno.EADDRINUSE, f"no {count} consecutive free ports on {address} in {PORT_FLOOR}-{low - 1}")

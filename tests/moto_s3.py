@@ -9,7 +9,6 @@ back with its objects: what an outage looks like to a client.
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -100,9 +99,3 @@ class MotoS3:
             yield
         finally:
             self.start()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

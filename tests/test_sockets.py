@@ -1,4 +1,5 @@
-"""Same-node TCP connections start unpaced; others keep the node's congestion control."""
+"""Same-node TCP connections start unpaced; others keep the node's congestion control. Ports to listen on
+lie below the ephemeral range."""
 
 from __future__ import annotations
 
@@ -10,12 +11,18 @@ import pytest
 
 from tenplex.ptc.region import Region
 from tenplex.serving import bind_socket
-from tenplex.sockets import UNPACED_CONGESTION, create_connection, is_loopback, set_unpaced
+from tenplex.sockets import (
+    PORT_FLOOR,
+    UNPACED_CONGESTION,
+    create_connection,
+    ephemeral_low,
+    free_port,
+    is_loopback,
+    set_unpaced,
+)
 from tenplex.store.client import StoreClient
 from tenplex.store.local import LocalStore
 from tenplex.store.server import StoreServer
-
-pytestmark = pytest.mark.skipif(not hasattr(socket, "TCP_CONGESTION"), reason="no TCP_CONGESTION on this platform")
 
 
 def _congestion(sock: socket.socket) -> bytes:
@@ -24,6 +31,7 @@ def _congestion(sock: socket.socket) -> bytes:
 
 @pytest.fixture(scope="module")
 def unpaced_allowed() -> None:
+    """Skips where the platform has no TCP_CONGESTION, or this process may set neither algorithm."""
     with socket.socket() as probe:
         if not set_unpaced(probe):
             pytest.skip(f"neither of {UNPACED_CONGESTION} is allowed for this process")
@@ -69,3 +77,25 @@ def test_a_refused_connection_is_an_error_as_before() -> None:
     listener.close()
     with pytest.raises(ConnectionRefusedError):
         create_connection(("127.0.0.1", port), timeout=5)
+
+
+def test_free_ports_lie_below_the_ephemeral_range_consecutive_free_and_not_among_those_to_avoid() -> None:
+    low = ephemeral_low()
+    if low - PORT_FLOOR < 1100:
+        pytest.skip(f"this kernel's ephemeral range starts at {low}: no room below it")
+    base = free_port("127.0.0.1", 8)
+    assert base >= PORT_FLOOR and base + 8 <= low
+    with socket.socket() as a, socket.socket() as b:  # all 8 bindable; one held is not handed out again
+        for port in range(base, base + 8):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port))
+        a.bind(("127.0.0.1", base))
+        a.listen()
+        avoid = frozenset(range(PORT_FLOOR, low)) - {base, base + 1, base + 2}
+        # of the three allowed, base is held: a block of 2 can only start at base + 1
+        assert free_port("127.0.0.1", 2, avoid=avoid) == base + 1
+        b.bind(("127.0.0.1", base + 1))
+        with pytest.raises(OSError, match="no 2 consecutive free ports"):
+            free_port("127.0.0.1", 2, avoid=avoid)
+    # an address this machine does not have cannot be probed: any port not avoided is taken
+    assert free_port("198.18.255.254", avoid=avoid) in {base, base + 1, base + 2}

@@ -15,6 +15,7 @@ from tenplex.core.commands import STANDBY_READY, PythonCommand
 from tenplex.core.protocol import ENV_STORE_ROOT
 from tenplex.errors import InvalidConfig, InvalidInput
 from tenplex.scheduler.backend import LocalBackend, LocalCluster, WorkerLaunch
+from tenplex.sockets import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 JOB = [sys.executable, "-m", "tests.standby_fixture", "--flag", "x"]
@@ -172,18 +173,10 @@ class _Scheduler:
         self.sock.close()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_pod_standby_runs_its_first_assignment_then_takes_launches_stops_and_replays_over_tcp(tmp_path: Path) -> None:
     import json
 
-    port = _free_port()
+    port = free_port()
     ranks = [{"RANK": "4", "LOCAL_RANK": "0", "TENPLEX_WORKER_ID": "j-g0-r4", "WHO": "r4"},
              {"RANK": "5", "LOCAL_RANK": "1", "TENPLEX_WORKER_ID": "j-g0-r5", "WHO": "r5", "CODE": "3"}]
     env = {**os.environ, "PYTHONPATH": str(REPO), "TENPLEX_NODE_IP": "127.0.0.1", "TENPLEX_TOKEN": "secret",
@@ -242,7 +235,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_a_pod_standbys_workers_end_with_it_as_a_containers_processes_do(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO), "TENPLEX_NODE_IP": "127.0.0.1", "TENPLEX_WORKER_ID": "j-g0-r0",
            "SLEEP": "120"}
     proc = subprocess.Popen([sys.executable, "-m", "tenplex", "worker", "standby", "--port", str(port), "--", *JOB],

@@ -9,15 +9,12 @@ address, workers as OS processes with torchrun's environment) and
 from __future__ import annotations
 
 import contextlib
-import errno
 import http.client
 import json
 import logging
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -32,6 +29,7 @@ from pathlib import Path
 from tenplex.core.commands import STANDBY_READY, PythonCommand, signal_group
 from tenplex.core.protocol import ENV_STORE_ROOT
 from tenplex.errors import InvalidConfig, InvalidInput, NotFound, StoreUnavailable, TenplexError
+from tenplex.sockets import free_port
 
 log = logging.getLogger(__name__)
 
@@ -131,15 +129,10 @@ class Backend(ABC):
 class RendezvousPorts:
     """Hands out rendezvous ports on hosts whose ports this machine can probe (the local backend).
 
-    Not port 0's answer: that is an ephemeral port, and until rank 0 binds it
-    (seconds later, after the workers start) any outgoing connection on the
-    machine may take it, which fails the rendezvous with EADDRINUSE. A port
-    below the kernel's ephemeral range is only ever taken by a bind; the ones
-    handed out recently (``hold`` seconds) are not handed out again, so two
-    generations launched back to back never share one.
+    Below the kernel's ephemeral range (:func:`tenplex.sockets.free_port` says
+    why); the ones handed out recently (``hold`` seconds) are not handed out
+    again, so two generations launched back to back never share one.
     """
-
-    FLOOR = 20000
 
     def __init__(self, *, hold: float = 120.0) -> None:
         self.hold = hold
@@ -147,43 +140,18 @@ class RendezvousPorts:
         self._lock = threading.Lock()
 
     def pick(self, address: str) -> int:
-        low = _ephemeral_low()
-        if low is None:  # no room below the ephemeral range: the kernel's choice, raced as it is
-            with socket.socket() as s:
-                s.bind((address, 0))
-                return s.getsockname()[1]
-        floor = self.FLOOR
         now = time.monotonic()
         with self._lock:
             for key, when in list(self._given.items()):
                 if now - when > self.hold:
                     del self._given[key]
-            start = random.randrange(floor, low)
-            for i in range(low - floor):
-                port = floor + (start - floor + i) % (low - floor)
-                if (address, port) in self._given:
-                    continue
-                with socket.socket() as s:
-                    try:
-                        s.bind((address, port))
-                    except OSError as exc:
-                        # Not an address of this machine (a host elsewhere, or in another network namespace):
-                        # its ports cannot be probed from here; the ones handed out recently are still avoided.
-                        if exc.errno != errno.EADDRNOTAVAIL:
-                            continue
-                self._given[(address, port)] = now
-                return port
-        raise InvalidConfig(f"no free rendezvous port on {address} in {floor}-{low - 1}")
-
-
-def _ephemeral_low() -> int | None:
-    """The first port of the kernel's ephemeral range (32768 where it cannot be read); None when it
-    leaves fewer than 1000 ports above :attr:`RendezvousPorts.FLOOR` below it."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    return low if low > RendezvousPorts.FLOOR + 1000 else None
+            recent = frozenset(port for (addr, port) in self._given if addr == address)
+            try:
+                port = free_port(address, avoid=recent)
+            except OSError as exc:
+                raise InvalidConfig(f"no free rendezvous port on {address}: {exc.strerror}") from exc
+            self._given[(address, port)] = now
+            return port
 
 
 # -- the local backend -------------------------------------------------------------

@@ -10,33 +10,24 @@ An uninterrupted run in the first layout is the baseline.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 
 from tenplex.core.version import Version
 from tenplex.ptc import PTC, DatasetState, ParallelConfig, Placement
+from tenplex.sockets import free_port
 from tenplex.store.client import StoreClient
 from tenplex.store.server import StoreServer
 from tenplex.transformer import make_plan
 from tenplex.transformer.execute import execute_host_plan
+from tests.ranks import rank_env, run_rank_processes
 
-REPO = Path(__file__).resolve().parents[2]
 GPUS_PER_NODE = 2
 LayoutFn = Callable[[ParallelConfig, Placement, DatasetState], PTC]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def placement(parallel: ParallelConfig) -> Placement:
@@ -50,7 +41,7 @@ def run_ranks(module: str, job_args: list[str], parallel: ParallelConfig, ptc: P
     out.mkdir(parents=True, exist_ok=True)
     ptc.save(out / "ptc.json")
     port = free_port()
-    procs = []
+    argvs = []
     for rank in range(parallel.world_size):
         args = [sys.executable, "-m", module, *job_args,
                 "--dp", str(parallel.dp), "--tp", str(parallel.tp), "--pp", str(parallel.pp), "--zero", str(parallel.zero),
@@ -60,30 +51,10 @@ def run_ranks(module: str, job_args: list[str], parallel: ParallelConfig, ptc: P
             args += ["--restore", str(restore)]
         if snapshot_at is not None:
             args += ["--snapshot-at", str(snapshot_at)]
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(parallel.world_size),
-               "LOCAL_RANK": str(rank % GPUS_PER_NODE), "LOCAL_WORLD_SIZE": str(GPUS_PER_NODE),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-        log = open(out / f"r{rank}.log", "wb")  # noqa: SIM115 (closed below)
-        procs.append((subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT), log))
-    failed = []
-    try:
-        for rank, (proc, _) in enumerate(procs):
-            try:
-                code = proc.wait(timeout=240)
-            except subprocess.TimeoutExpired:
-                code = "timeout"
-            if code != 0:
-                failed.append(rank)
-                break
-    finally:
-        for proc, log in procs:  # a failed or hung rank leaves its peers waiting in a collective: end them
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            log.close()
-    if failed:
-        logs = "\n".join(f"--- rank {r} ---\n" + (out / f"r{r}.log").read_text()[-3000:] for r in failed)
-        pytest.fail(f"ranks {failed} of {parallel.describe()} failed:\n{logs}")
+        argvs.append(args)
+    world = parallel.world_size
+    run_rank_processes(argvs, [rank_env(r, world, port, GPUS_PER_NODE) for r in range(world)],
+                       [out / f"r{r}.log" for r in range(world)], what=f"ranks of {parallel.describe()}")
     return [{**json.loads((out / f"r{r}.json").read_text()), "path": str(out / f"r{r}.json")}
             for r in range(parallel.world_size)]
 

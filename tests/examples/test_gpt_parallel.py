@@ -15,11 +15,7 @@ configuration below in turn; the assertions are per configuration:
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -30,8 +26,9 @@ from examples.gpt.layout import gpt_ptc
 from examples.gpt.model import GPT, GPTConfig, cross_entropy_loss
 from examples.gpt.train import SyntheticTokens
 from tenplex.ptc import DatasetState, ParallelConfig, Placement, Region
+from tenplex.sockets import free_port
+from tests.ranks import rank_env, run_rank_processes
 
-REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("gpt_worker.py")
 WORLD = 4
 # vocab 66 is not divisible by 4: uneven vocab shards under tp4 and FSDP2 dp4
@@ -56,12 +53,6 @@ def _parallel(key: str) -> ParallelConfig:
     return ParallelConfig.from_json({k: v for k, v in CONFIGS[key].items() if k != "schedule"})
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def gloo_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
     """Run every configuration on 4 gloo processes; results[config][rank]."""
@@ -74,39 +65,10 @@ def gloo_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dic
             spec["schedule"] = conf["schedule"]
         specs[key] = spec
     (tmp / "spec.json").write_text(json.dumps(specs))
-    port = _free_port()
-    procs = []
-    for rank in range(WORLD):
-        env = dict(os.environ)
-        env.update(
-            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-            PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]),
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(WORKER), str(tmp / "spec.json"), str(tmp)],
-                env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            )
-        )
-    deadline = time.monotonic() + 240
-    failed = None
-    while any(p.poll() is None for p in procs):
-        if time.monotonic() > deadline:
-            failed = "timed out"
-            break
-        if any(p.returncode not in (None, 0) for p in procs):
-            failed = "a rank failed"
-            break
-        time.sleep(0.2)
-    if failed:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    outputs = [p.communicate()[0] for p in procs]
-    if failed or any(p.returncode != 0 for p in procs):
-        tails = "\n".join(f"--- rank {r} (rc {p.returncode}):\n{out[-3000:]}" for r, (p, out) in enumerate(zip(procs, outputs, strict=True)))
-        pytest.fail(f"gloo workers: {failed or 'non-zero exit'}\n{tails}")
+    port = free_port()
+    run_rank_processes([[sys.executable, str(WORKER), str(tmp / "spec.json"), str(tmp)]] * WORLD,
+                       [rank_env(r, WORLD, port, WORLD) for r in range(WORLD)], [tmp / f"rank{r}.log" for r in range(WORLD)],
+                       what="gloo workers", timeout=240)
     per_rank = [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
     return {key: [per_rank[r][key] for r in range(WORLD)] for key in CONFIGS}
 

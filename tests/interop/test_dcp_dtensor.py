@@ -5,7 +5,6 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +12,7 @@ import pytest
 import torch
 
 from tenplex.interop.dcp import export_dcp
+from tenplex.sockets import free_port
 
 from .conftest import JOB, RECORDED, VERSION, Cluster, bits, random_state, source_ptc, write_version
 
@@ -25,12 +25,6 @@ PLACEMENTS = {
     "optim/layers.0.w/exp_avg": "replicate",
     "optim/layers.0.w/step": "replicate",
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _load_rank(rank: int, world: int, port: int, ckpt: str, expected_file: str, out: Any) -> None:
@@ -78,7 +72,7 @@ def test_export_loads_into_dtensors_of_another_layout(cluster: Cluster, tmp_path
     torch.save(state, expected)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_load_rank, args=(r, 2, port, str(ckpt), str(expected), out)) for r in range(2)]
     for p in procs:
         p.start()

@@ -4,12 +4,9 @@ scheduler's identity with the chart's RBAC."""
 from __future__ import annotations
 
 import functools
-import random
-import socket
 import subprocess
 import time
 from collections.abc import Callable
-from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -196,25 +193,3 @@ def assert_rbac_clean(api: ApiServerEmulator, namespace: str = NS) -> None:
     assert not warnings, f"the API server dropped fields the scheduler sent: {warnings}"
 
 
-def free_port_block(count: int) -> int:
-    """The first of ``count`` consecutive ports, all free now and below the kernel's ephemeral range.
-
-    Rendezvous ports must not be ephemeral ones: every outgoing connection of
-    the test (HTTP to the stores and the API server, gloo) takes a port from
-    that range, and one of them holding a job's port makes its rank 0 fail
-    with EADDRINUSE (production's default range, 29500-29999, lies below it).
-    """
-    ranges = Path("/proc/sys/net/ipv4/ip_local_port_range")
-    low = int(ranges.read_text().split()[0]) if ranges.exists() else 32768
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, low - count)
-        try:
-            with ExitStack() as stack:
-                for port in range(base, base + count):
-                    s = stack.enter_context(socket.socket())
-                    s.bind(("0.0.0.0", port))
-            return base
-        except OSError:
-            continue
-    raise RuntimeError(f"no {count} consecutive free ports below {low}")

@@ -58,6 +58,7 @@ from tenplex.scheduler.api import create_app
 from tenplex.scheduler.controller import SchedulerSettings
 from tenplex.scheduler.state import Phase
 from tenplex.serving import BackgroundServer, bind_socket
+from tenplex.sockets import free_port
 from tenplex.store.client import StoreClient
 from tenplex.testing.k8s.emulator import ApiServerEmulator
 from tenplex.testing.k8s.kubelet import LocalKubelet
@@ -68,7 +69,6 @@ from .cluster import (
     assert_rbac_clean,
     elasticjob,
     eventually,
-    free_port_block,
     scheduler_client,
     store_daemonset,
     store_pod,
@@ -89,12 +89,6 @@ PROBE_PERIOD_SCALE = 0.2
 STEPS = 30
 WORKER = [sys.executable, "-m", "examples.gpt.train", "--layers", "4", "--dim", "32", "--heads", "4", "--vocab", "64",
           "--seq-len", "16", "--samples", "4096", "--global-batch", "8", "--snapshot-every", str(SNAPSHOT_EVERY)]
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class Cluster:
@@ -166,7 +160,7 @@ class Deployment:
         self._sock: socket.socket | None = bind_socket("127.0.0.1", 0)
         self.port = self._sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.base = free_port_block(21)
+        self.base = free_port("0.0.0.0", 21)
         self.starts = 0
         self.sched: KubernetesScheduler | None = None
         self.server: BackgroundServer | None = None

@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import os
 import signal
-import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -16,6 +15,7 @@ import pytest
 from kubernetes import client
 
 from tenplex.k8s import crd
+from tenplex.sockets import free_port
 from tenplex.testing.k8s.emulator import ApiServerEmulator
 from tenplex.testing.k8s.kubelet import LocalKubelet, ReadinessProbe, expand, wait_for
 
@@ -233,12 +233,6 @@ class Health(http.server.BaseHTTPRequestHandler):
         pass
 http.server.ThreadingHTTPServer((os.environ['HOST'], int(os.environ['PORT'])), Health).serve_forever()
 """
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def ready_state(k8s: Clients, name: str) -> tuple[str, dict[str, str], bool]:

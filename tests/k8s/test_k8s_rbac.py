@@ -30,6 +30,7 @@ from tenplex.k8s.operator import KubernetesScheduler
 from tenplex.k8s.settings import KubernetesSettings
 from tenplex.scheduler.controller import SchedulerSettings
 from tenplex.scheduler.state import Phase
+from tenplex.sockets import free_port
 from tenplex.testing.k8s import rbac
 from tenplex.testing.k8s.emulator import ApiServerEmulator
 from tenplex.testing.k8s.kubelet import LocalKubelet
@@ -40,7 +41,6 @@ from .cluster import (
     chart_rbac,
     elasticjob,
     eventually,
-    free_port_block,
     live_worker_pods,
     scheduler_client,
     scheduler_user,
@@ -58,7 +58,7 @@ def start_scheduler(api: ApiServerEmulator, state: Path, watch: tuple[str, ...])
     settings = KubernetesSettings(namespace=RELEASE_NS, identity=IDENTITY, watch_namespaces=watch,
                                   lease_duration_seconds=3, renew_deadline_seconds=2, retry_period_seconds=1)
     # Ports no concurrent test's rendezvous can hold (a TCPStore binds every address): the standby pods' too.
-    base = free_port_block(20)
+    base = free_port("0.0.0.0", 20)
     sched = KubernetesScheduler(scheduler_client(api, RELEASE_NS, watch), settings,
                                 SchedulerSettings(url="http://127.0.0.1:9", poll_interval=0.1), state, watch_timeout=5,
                                 master_ports=(base, base + 19))

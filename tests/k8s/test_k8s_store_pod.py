@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import sys
 import urllib.error
 import urllib.request
@@ -11,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tenplex.k8s import crd
+from tenplex.sockets import free_port
 from tenplex.testing.k8s.emulator import ApiServerEmulator
 from tenplex.testing.k8s.kubelet import LocalKubelet, wait_for
 
@@ -19,12 +19,6 @@ from .test_k8s_chart import one, render
 
 IMAGE = "tenplex:test"
 NS = "tenplex"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("0.0.0.0", 0))
-        return int(sock.getsockname()[1])
 
 
 def http_status(url: str, token: str | None = None) -> int:
@@ -40,7 +34,7 @@ def http_status(url: str, token: str | None = None) -> int:
 
 @pytest.mark.slow
 def test_rendered_store_pod_serves_health_and_metrics(api: ApiServerEmulator, k8s: Clients, tmp_path: Path) -> None:
-    port, root = free_port(), tmp_path / "store"
+    port, root = free_port("0.0.0.0"), tmp_path / "store"
     docs = render("--set", f"store.root={root}", "--set", f"store.hostPath={root}", "--set", f"store.port={port}",
                   "--set", "store.fixPermissions=false", "--set", "auth.token=t0ken",
                   "--set", "image.repository=tenplex", "--set", "image.tag=test")

@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
-import socket
 import sys
 import traceback
 from datetime import timedelta
@@ -42,6 +41,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from tenplex.sockets import free_port
 
 
 def _import_megatron() -> None:
@@ -187,19 +188,13 @@ def _rank(rank: int, world: int, port: int, cases: dict[str, Any], out_dir: Path
         raise
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> int:
     spec_path, out_dir = Path(sys.argv[1]), Path(sys.argv[2])
     _import_megatron()
     fork = multiprocessing.get_context("fork")
     failed = []
     for world_text, cases in json.loads(spec_path.read_text())["worlds"].items():
-        world, port = int(world_text), _free_port()
+        world, port = int(world_text), free_port()
         procs = [fork.Process(target=_rank, args=(r, world, port, cases, out_dir)) for r in range(world)]
         for proc in procs:
             proc.start()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import pytest
 from tenplex.errors import TenplexError
 from tenplex.scheduler.cli import SchedulerClient
 from tenplex.scheduler.server import LocalScheduler
+from tenplex.sockets import free_port
 from tenplex.testing.faults import kill_host, kill_worker
 
 pytestmark = pytest.mark.slow
@@ -108,12 +108,6 @@ def test_scale_up_scale_down_and_worker_sigkill(tmp_path: Path) -> None:
     assert failure["version_from"] is not None and failure["bytes_remote"] == failure["lower_bound_bytes"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start_scheduler(state: Path, port: int, log: Path) -> subprocess.Popen:
     with open(log, "ab") as out:
         proc = subprocess.Popen(
@@ -146,7 +140,7 @@ def _kill_everything(state: Path) -> None:
 
 
 def test_scheduler_killed_during_reconfiguration_resumes(tmp_path: Path) -> None:
-    state, port, log = tmp_path / "state", _free_port(), tmp_path / "scheduler.log"
+    state, port, log = tmp_path / "state", free_port(), tmp_path / "scheduler.log"
     proc = _start_scheduler(state, port, log)
     try:
         client = SchedulerClient(f"http://127.0.0.1:{port}", timeout=10)

@@ -282,7 +282,7 @@ def test_a_version_is_plain_zarr_v3(tmp_path: Path) -> None:
 
 
 def test_an_unreachable_object_store_is_store_unavailable(tmp_path: Path) -> None:
-    from tests.moto_s3 import free_port
+    from tenplex.sockets import free_port
 
     with PersistentStore("s3://nowhere-bucket/x", options={"endpoint": f"http://127.0.0.1:{free_port()}"},
                          timeout_s=2.0, retries=0) as store:

@@ -15,9 +15,6 @@ k+1..2k. Checked:
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,12 +26,13 @@ from examples.gpt.layout import gpt_ptc
 from examples.gpt.model import GPTConfig
 from tenplex.core.version import Version
 from tenplex.ptc import PTC, DatasetState, ParallelConfig, Placement
+from tenplex.sockets import free_port
 from tenplex.store.client import StoreClient
 from tenplex.store.server import StoreServer
 from tenplex.transformer import make_plan
 from tenplex.transformer.execute import execute_host_plan
+from tests.ranks import rank_env, run_rank_processes
 
-REPO = Path(__file__).resolve().parents[2]
 JOB = "continuity"
 CFG = GPTConfig(vocab=64, dim=32, n_layers=4, n_heads=4, seq_len=16)
 GLOBAL_BATCH = 8
@@ -55,12 +53,6 @@ SAME_LAYOUT = {
     "tp2pp2-restart": ParallelConfig(tp=2, pp=2),
     "fsdp-dp2-restart": ParallelConfig(dp=2, zero=3),
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def placement(parallel: ParallelConfig) -> Placement:
@@ -98,7 +90,7 @@ def run_workers(
     ptc_file = out / "ptc.json"
     ptc.save(ptc_file)
     port = free_port()
-    procs = []
+    argvs = []
     for rank in range(parallel.world_size):
         host = ptc.device(rank).host
         args = [
@@ -114,27 +106,10 @@ def run_workers(
             args += ["--restore", str(restore)]
         if snapshot_at is not None:
             args += ["--snapshot-at", str(snapshot_at)]
-        env = {
-            **os.environ,
-            "RANK": str(rank), "WORLD_SIZE": str(parallel.world_size), "LOCAL_RANK": str(rank % GPUS_PER_NODE),
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": str(REPO),
-        }
-        log = open(out / f"rank{rank}.log", "wb")  # noqa: SIM115 (closed below)
-        procs.append((subprocess.Popen(args, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT), log))
-    failed = []
-    for rank, (proc, log) in enumerate(procs):
-        try:
-            code = proc.wait(timeout=240)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            code = "timeout"
-        log.close()
-        if code != 0:
-            failed.append(rank)
-    if failed:
-        logs = "\n".join(f"--- rank {r} ---\n" + (out / f"rank{r}.log").read_text()[-3000:] for r in failed)
-        pytest.fail(f"workers {failed} of {parallel.describe()} failed:\n{logs}")
+        argvs.append(args)
+    world = parallel.world_size
+    run_rank_processes(argvs, [rank_env(r, world, port, GPUS_PER_NODE) for r in range(world)],
+                       [out / f"rank{r}.log" for r in range(world)], what=f"workers of {parallel.describe()}")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(parallel.world_size)]
 
 

@@ -7,7 +7,6 @@ hands out one assignment, records heartbeats and reports, and can be told to ask
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -22,6 +21,7 @@ from fastapi.responses import JSONResponse
 from tenplex.core import protocol as p
 from tenplex.errors import InvalidInput, NotFound, SchedulerUnavailable, Unauthorized
 from tenplex.ptc import PTC, Device, Region, TensorKind, build_tensor
+from tenplex.sockets import free_port
 from tenplex.worker.control import ControlClient, Heartbeat, agree_stop
 
 TOKEN = "s3cret"
@@ -114,12 +114,6 @@ def make_app(state: FakeJob) -> FastAPI:
         return p.Ack()
 
     return app
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

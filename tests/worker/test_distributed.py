@@ -5,20 +5,15 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
-import socket
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tenplex.sockets import free_port
+
 from .test_control import TOKEN, FakeJob, scheduler  # noqa: F401  (fixture)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _init(rank: int, world: int, port: int, timeout_s: float = 60) -> None:
