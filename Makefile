@@ -71,7 +71,7 @@ demo: install
 
 test: install tools netns-tools megatron-core
 	$(VENV)/bin/ruff check tenplex tests benchmarks examples
-	$(PY) -m pytest -q -n 2 --dist loadgroup tests
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=25 tests
 
 lint: install
 	$(VENV)/bin/ruff check tenplex tests benchmarks examples
