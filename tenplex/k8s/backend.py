@@ -646,7 +646,9 @@ class KubernetesBackend(Backend):
                     self._give(job, pod, groups[i])
                 except StoreUnavailable as exc:  # it stopped answering: a fresh pod instead
                     log.warning("job %s: %s; replacing pod %s", job, exc.detail, pod["metadata"]["name"])
-                    self._delete_and_wait(job, [pod], grace=LAUNCH_DELETE_GRACE)
+                    # The shortest grace, as for workers that outlive their stop: what does not answer its scheduler
+                    # would not act on a SIGTERM either, and the fresh pod on its node may need its GPUs now.
+                    self._delete_and_wait(job, [pod], grace=1)
                     with self._lock:
                         for x in groups[i]:
                             self._assigned.pop((job, x.worker_id), None)
@@ -792,11 +794,16 @@ class KubernetesBackend(Backend):
             if left:
                 log.warning("job %s: workers %s in standby pod %s did not end %.0fs after their stop: deleting the pod",
                             job, left, pod["metadata"]["name"], seconds + self._stop_margin)
-                self._delete_and_wait(job, [pod], grace=0)
+                self._delete_and_wait(job, [pod], grace=1)
 
     def _delete_pods(self, job: str, pods: Sequence[Mapping[str, Any]], *, grace: float) -> None:
-        """Delete these pods (their kubelets send SIGTERM, then SIGKILL after ``grace``); no wait."""
-        seconds = max(0, math.ceil(grace))
+        """Delete these pods (their kubelets send SIGTERM, then SIGKILL after ``grace``, at least 1 s); no wait.
+
+        Never a grace of 0: the API server takes that as a forced deletion and removes the pod at once, while
+        its containers still run and hold its GPUs; no one could then tell when a new pod may have them (a
+        successor created at once is rejected by the node's kubelet for lack of GPUs, as the e2e test of a
+        standby pod that stops answering found)."""
+        seconds = max(1, math.ceil(grace))
         for pod in pods:
             meta = pod["metadata"]
             try:
@@ -811,7 +818,7 @@ class KubernetesBackend(Backend):
         if not pods:
             return
         self._delete_pods(job, pods, grace=grace)
-        seconds = max(0, math.ceil(grace))
+        seconds = max(1, math.ceil(grace))
         deadline = time.monotonic() + seconds + self._stop_margin
         left: list[str] = []
         while time.monotonic() < deadline:

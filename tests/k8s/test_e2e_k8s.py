@@ -578,6 +578,49 @@ def test_multi_gpu_standby_pods_take_the_next_generations_ranks(api: ApiServerEm
     eventually(lambda: worker_pods(api, "gpt") == [], "the standby pods deleted once the job ended", timeout=90)
 
 
+def test_a_standby_pod_that_stops_answering_when_given_workers_is_replaced_by_a_fresh_pod(
+        api: ApiServerEmulator, cluster: Cluster, scheduler: KubernetesScheduler,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The job's idle standby pod on node-0 is chosen for generation 1 and its standby stops answering right
+    then (SIGSTOP, after the choice, before the request): the launch waits its timeout, deletes the pod with no
+    grace (the kubelet SIGKILLs it) and creates a fresh pod for the rank on the same GPU; the job trains on to
+    its last step from the snapshot of the stop."""
+    steps = 15
+    job = elasticjob("gpt", 1, provider="example-gpt", model=MODEL, command=WORKER, steps=steps,
+                     snapshot_every=SNAPSHOT_EVERY, max_gpus=2, standby=True,
+                     env=[{"name": "OMP_NUM_THREADS", "value": "1"}, {"name": "GLOO_SOCKET_IFNAME", "value": "lo"}])
+    api.create("elasticjobs", job, NS)
+    wait_job(scheduler, "gpt", lambda s: s.phase == Phase.RUNNING and s.step >= 3, "training on 1 GPU",
+             cluster=cluster)
+    (first,) = worker_pods(api, "gpt")
+    backend = scheduler.kube_backend
+    choose = backend._standbys_for
+    stalled: list[str] = []
+
+    def chosen_then_stalled(job_name: str, groups: Any) -> dict[int, dict[str, Any]]:
+        chosen = choose(job_name, groups)
+        for pod in chosen.values():
+            cluster.kubelets[pod["spec"]["nodeName"]].kill(pod["metadata"]["name"], sig=signal.SIGSTOP)
+            stalled.append(pod["metadata"]["name"])
+        return chosen
+
+    monkeypatch.setattr(backend, "_standbys_for", chosen_then_stalled)
+    with api.api_client() as api_client:
+        client.CustomObjectsApi(api_client).patch_namespaced_custom_object_scale(
+            crd.GROUP, crd.VERSION, NS, crd.PLURAL, "gpt", {"spec": {"replicas": 2}})
+    wait_job(scheduler, "gpt", lambda s: s.phase == Phase.RUNNING and s.generation == 1 and s.step >= 9,
+             "training on 2 GPUs after the replacement", cluster=cluster)
+    assert stalled == ["gpt-g0-r0"]
+    pods = {p["metadata"]["name"]: p for p in worker_pods(api, "gpt")}
+    assert set(pods) == {"gpt-g1-r0", "gpt-g1-r1"}, sorted(pods)  # the stalled pod is gone
+    assert first["metadata"]["uid"] not in {p["metadata"]["uid"] for p in pods.values()}
+    assert pods["gpt-g1-r0"]["spec"]["nodeName"] == "node-0"  # its GPU, freed by the deletion
+    assert all(p["metadata"]["labels"][LABEL_STANDBY] == "true" for p in pods.values())  # warm for the next change
+    st = wait_job(scheduler, "gpt", lambda s: s.phase == Phase.SUCCEEDED, "finishing", cluster=cluster)
+    assert st.step == steps and [(r.reason, r.from_gpus, r.to_gpus) for r in st.history] == [("scale", 1, 2)]
+    eventually(lambda: worker_pods(api, "gpt") == [], "the standby pods deleted once the job ended", timeout=90)
+
+
 def _relists(sched: KubernetesScheduler) -> list[int]:
     return [sched.index.relists, sched.kube_backend.nodes.relists, *(p.relists for p in sched.kube_backend.pods)]
 
