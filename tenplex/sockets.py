@@ -104,13 +104,16 @@ def free_port(address: str = "127.0.0.1", count: int = 1, *, avoid: frozenset[in
     Free means this process could bind each of them (not in ``avoid``) a
     moment ago; nothing is held, so two callers may still pick the same one
     (1 in several thousand). Where the machine leaves fewer than 1000 ports
-    between :data:`PORT_FLOOR` and its ephemeral range, the kernel's own
-    choice (port 0) is returned, raced as it is. An ``address`` this machine
+    between :data:`PORT_FLOOR` and its ephemeral range, a single port is the
+    kernel's own choice (port 0), raced as it is, and a block cannot be had
+    (OSError). An ``address`` this machine
     does not have (a host elsewhere, another network namespace) cannot be
     probed: any port not in ``avoid`` is taken as free.
     """
     low = ephemeral_low()
     if low - PORT_FLOOR < 1000 + count:
+        if count != 1:
+            raise OSError(errno.EADDRINUSE, f"no room for {count} consecutive ports below the ephemeral range ({low})")
         with socket.socket() as s:
             s.bind((address, 0))
             return int(s.getsockname()[1])

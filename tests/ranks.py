@@ -42,19 +42,18 @@ def run_rank_processes(
     deadline = time.monotonic() + timeout
     why = ""
     try:
-        while [p.poll() for p in procs].count(None):  # poll every rank: any() would stop at the first running
-            failed = [r for r, p in enumerate(procs) if p.returncode not in (None, 0)]
+        while True:
+            codes = [p.poll() for p in procs]  # every rank's: one that failed may not be the first still running
+            failed = [r for r, code in enumerate(codes) if code not in (None, 0)]
             if failed:
-                why = f"rank {failed[0]} exited with {procs[failed[0]].returncode}"
+                why = f"rank {failed[0]} exited with {codes[failed[0]]}"
+                break
+            if None not in codes:
                 break
             if time.monotonic() > deadline:
                 why = f"not done after {timeout:.0f} s"
                 break
             time.sleep(0.1)
-        else:
-            failed = [r for r, p in enumerate(procs) if p.returncode != 0]
-            if failed:
-                why = f"rank {failed[0]} exited with {procs[failed[0]].returncode}"
     finally:
         hung = [p for p in procs if p.poll() is None]
         for p in hung:
@@ -73,12 +72,11 @@ def run_rank_processes(
         pytest.fail(f"{what}: {why}\n{tails}")
 
 
-def rank_env(rank: int, world: int, port: int, gpus_per_node: int, **extra: str) -> dict[str, str]:
+def rank_env(rank: int, world: int, port: int, gpus_per_node: int) -> dict[str, str]:
     """torchrun's environment for one rank on 127.0.0.1 (one thread each: the CI machine has 2 cores)."""
     return {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % gpus_per_node),
             "LOCAL_WORLD_SIZE": str(gpus_per_node), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-            **extra}
+            "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
 
 
 def _tail(path: Path, size: int = 3000) -> str:

@@ -629,9 +629,6 @@ class KubernetesBackend(Backend):
                      for group in fresh]
         with self._lock:
             self._job_namespace[job] = namespace
-            for group in fresh:
-                for x in group[1:]:
-                    self._pod_of[(job, x.worker_id)] = group[0].worker_id
         self._remove_finished(job, {str(w.env.get(ENV_GENERATION, "0")) for w in workers})
         if spec.standby:
             kept = {p["metadata"]["uid"] for p in reuse.values()}
@@ -649,13 +646,16 @@ class KubernetesBackend(Backend):
                     # The shortest grace, as for workers that outlive their stop: what does not answer its scheduler
                     # would not act on a SIGTERM either, and the fresh pod on its node may need its GPUs now.
                     self._delete_and_wait(job, [pod], grace=1)
-                    with self._lock:
-                        for x in groups[i]:
-                            self._assigned.pop((job, x.worker_id), None)
-                            self._pod_of[(job, x.worker_id)] = groups[i][0].worker_id
                     fresh.append(groups[i])
                     manifests.append(self.pod_manifest(job_obj, command, groups[i],
                                                        standby_port=self._free_port(groups[i][0].host)))
+        with self._lock:  # a new pod is named after its first worker (also one _give had put on a standby pod)
+            for group in fresh:
+                self._pod_of.pop((job, group[0].worker_id), None)
+                for x in group:
+                    self._assigned.pop((job, x.worker_id), None)
+                for x in group[1:]:
+                    self._pod_of[(job, x.worker_id)] = group[0].worker_id
         for group, manifest in zip(fresh, manifests, strict=True):
             w = group[0]
             try:
