@@ -246,7 +246,10 @@ class KubernetesBackend(Backend):
                  stop_margin: float = STOP_MARGIN_SECONDS, token: str | None = None) -> None:
         """``elasticjob(name)`` returns the ElasticJob object of a job (raises NotFound for none); ``stop_margin``:
         how long past a deleted pod's grace period :meth:`stop` waits for its kubelet's confirmation; ``token``:
-        the scheduler's token, which its workers (and their standby pods) hold too."""
+        the scheduler's admin token. Workers hold it too (from the auth Secret) only when the scheduler signs no
+        job-scoped credentials; otherwise each pod's environment carries its job's own credential, which is
+        also what its standby expects in the hello."""
+        self._token = token
         lo, hi = master_ports
         if not 0 < lo <= hi < 65536:
             raise InvalidConfig(f"master port range must be within 1..65535 and ordered, got {lo}-{hi}")
@@ -366,7 +369,7 @@ class KubernetesBackend(Backend):
             self.standbys.forget(meta["uid"])
         elif _phase(pod) == "Running" and address and port.isdigit():
             self.standbys.watch(meta["uid"], f"{meta['namespace']}/{meta['name']}", _labels(pod).get(crd.LABEL_JOB, ""),
-                                address, int(port))
+                                address, int(port), token=_pod_token(pod))
 
     def _on_standby_exit(self, link: PodLink, worker_id: str, code: int) -> None:
         self._emit(ClusterEvent("worker-exited", job=link.job,
@@ -514,7 +517,7 @@ class KubernetesBackend(Backend):
         w = workers[0]
         shared, per_rank = self._pod_env(job, workers)
         env: list[dict[str, Any]] = []
-        if ENV_TOKEN in workers[0].env and self.settings.auth_secret:
+        if self._token_from_secret(workers):
             env.append({"name": ENV_TOKEN, "valueFrom": {"secretKeyRef": {
                 "name": self.settings.auth_secret, "key": self.settings.auth_secret_key}}})
         env += [{"name": key, "value": value} for key, value in shared.items()]
@@ -593,12 +596,18 @@ class KubernetesBackend(Backend):
             "spec": pod_spec,
         }
 
+    def _token_from_secret(self, workers: Sequence[WorkerLaunch]) -> bool:
+        """Whether the pod reads ``TENPLEX_TOKEN`` from the auth Secret: when it is the shared admin token. A job's
+        own credential (signed, scoped to the job, expiring) is a plain value of the pod's environment."""
+        token = workers[0].env.get(ENV_TOKEN)
+        return bool(token and self.settings.auth_secret and token == self._token)
+
     def _pod_env(self, job: str, workers: Sequence[WorkerLaunch]) -> tuple[dict[str, str], list[dict[str, str]] | None]:
         """The plain values of a pod's environment (:func:`_split_env`, as the pod's ranks see it: ``LOCAL_RANK``
         and ``LOCAL_WORLD_SIZE`` address the pod's own GPUs), and each rank's own variables for several; the
         token is left out when the pod takes it from the scheduler's Secret."""
         shared, per_rank = _split_env(job, workers)
-        if self.settings.auth_secret:
+        if self._token_from_secret(workers):
             shared.pop(ENV_TOKEN, None)
         if ENV_LOCAL_RANK in shared:
             shared[ENV_LOCAL_RANK] = "0"  # one GPU per pod: the process's device is cuda:0 whatever its rank on the node
@@ -919,6 +928,16 @@ class KubernetesBackend(Backend):
             if h.name == name:
                 return h
         raise NotFound(f"node {name!r} has no allocatable {self._gpu} or is not known to the Kubernetes backend")
+
+
+def _pod_token(pod: Mapping[str, Any]) -> str | None:
+    """The plain ``TENPLEX_TOKEN`` of a pod's worker container (a job's credential), None when it has none."""
+    for container in (pod.get("spec") or {}).get("containers") or ():
+        if container.get("name") == WORKER_CONTAINER:
+            for e in container.get("env") or ():
+                if e.get("name") == ENV_TOKEN and "value" in e:
+                    return str(e["value"])
+    return None
 
 
 def _split_env(job: str, workers: Sequence[WorkerLaunch]) -> tuple[dict[str, str], list[dict[str, str]] | None]:

@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from tenplex.core.auth import ENV_AUTH_KEYS
 from tenplex.core.commands import STANDBY_READY, PythonCommand, signal_group
 from tenplex.core.protocol import ENV_STORE_ROOT
 from tenplex.errors import InvalidConfig, InvalidInput, NotFound, StoreUnavailable, TenplexError
@@ -200,6 +201,8 @@ class LocalCluster:
 
     root: Path
     token: str | None = None
+    auth_keys: Path | None = None
+    """The key set the started daemons verify the scheduler's job-scoped credentials with."""
     gpus_per_host: int = 2
     memory_bytes: int | None = None
     memory_root: Path | None = None
@@ -220,6 +223,8 @@ class LocalCluster:
         env = dict(os.environ)
         if self.token:
             env["TENPLEX_TOKEN"] = self.token
+        if self.auth_keys is not None:
+            env[ENV_AUTH_KEYS] = str(self.auth_keys)
         logf = open(root / "store.log", "ab")  # noqa: SIM115 - handed to the child process
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         logf.close()

@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from tenplex.core.auth import Issuer
 from tenplex.core.protocol import ExitReport
 from tenplex.core.version import Version
 from tenplex.ptc import PTC
@@ -36,6 +37,9 @@ class SchedulerSettings:
     url: str
     """The scheduler's base URL as the workers reach it."""
     token: str | None = None
+    """The admin token: the scheduler's own credential towards the daemons (and the operator's)."""
+    credentials: Issuer | None = None
+    """Signs job-scoped credentials (:mod:`tenplex.core.auth`); None: workers and transforms get ``token``."""
     poll_interval: float = 0.2
     stop_timeout: float = 120.0
     """How long workers may take to reach the stop step and snapshot it."""
@@ -44,6 +48,15 @@ class SchedulerSettings:
     heartbeat_interval: float = 1.0
     ptc_inline_limit: int = 256 << 10
     """PTCs larger than this JSON size are fetched by the workers from ``/ptc`` instead of inlined."""
+
+    def worker_credential(self, job: str) -> str | None:
+        """What ``job``'s workers hold (``TENPLEX_TOKEN``): its own signed credential, or the shared token
+        when the scheduler has no key set."""
+        return self.credentials.worker(job) if self.credentials is not None else self.token
+
+    def transform_grant(self, job: str) -> str | None:
+        """What a transform of ``job`` reads its source daemons with: a read grant for that job alone."""
+        return self.credentials.grant(job) if self.credentials is not None else self.token
 
 
 @dataclass
