@@ -89,6 +89,7 @@ from tenplex.core.protocol import (
     ENV_TOKEN,
     ENV_WORKER_ID,
 )
+from tenplex.core.tls import ENV_TLS_CA
 from tenplex.errors import Conflict, InvalidConfig, NotFound, StoreUnavailable
 from tenplex.k8s import crd
 from tenplex.k8s.informer import Informer
@@ -99,6 +100,8 @@ from tenplex.scheduler.backend import Backend, HostInfo, WorkerLaunch
 log = logging.getLogger(__name__)
 
 WORKER_CONTAINER = "worker"
+TLS_CA_VOLUME = "tenplex-tls-ca"
+TLS_CA_DIR = "/etc/tenplex/tls-ca"
 STORE_PORT_NAME = "store"
 STORE_VOLUME = "tenplex-store"
 MEMORY_VOLUME = "tenplex-store-memory"
@@ -443,7 +446,8 @@ class KubernetesBackend(Backend):
             store_ip = ((store or {}).get("status") or {}).get("hostIP") or address
             port = self._store_port(store) if store is not None else self.settings.store_port
             info = HostInfo(
-                name=name, gpus=gpus, store_url=f"http://{store_ip}:{port}", address=address,
+                name=name, gpus=gpus, store_url=f"{'https' if self.settings.tls_secret else 'http'}://{store_ip}:{port}",
+                address=address,
                 ready=node_ready(node) and store is not None and _store_usable(store),
                 schedulable=not (node.get("spec") or {}).get("unschedulable"),
             )
@@ -579,6 +583,13 @@ class KubernetesBackend(Backend):
                 container["volumeMounts"].append({"name": MEMORY_VOLUME, "mountPath": self.settings.store_memory_root})
                 pod_spec["volumes"].append({"name": MEMORY_VOLUME, "hostPath": {"path": self.settings.store_memory_host_path,
                                                                                 "type": "Directory"}})
+        if self.settings.tls_secret:
+            # The CA the stores' and the scheduler's certificates are verified against (tenplex.core.tls).
+            env.append({"name": ENV_TLS_CA, "value": f"{TLS_CA_DIR}/ca.crt"})
+            container.setdefault("volumeMounts", []).append({"name": TLS_CA_VOLUME, "mountPath": TLS_CA_DIR,
+                                                            "readOnly": True})
+            pod_spec.setdefault("volumes", []).append({"name": TLS_CA_VOLUME, "secret": {
+                "secretName": self.settings.tls_secret, "items": [{"key": "ca.crt", "path": "ca.crt"}]}})
         if spec.tolerations:
             pod_spec["tolerations"] = [dict(t) for t in spec.tolerations]
         if self.settings.worker_service_account:
