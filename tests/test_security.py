@@ -113,7 +113,10 @@ def test_a_worker_of_job_a_gets_403_on_job_b_on_its_own_and_a_peers_daemon(daemo
                      lambda: c.write_shard("b", "s2-g0", "w", Region.full(SHAPE), np.zeros(SHAPE, np.float32),
                                            dtype="float32", global_shape=SHAPE),
                      lambda: c.commit("b", V1), lambda: c.delete("b", V1), lambda: c.delete("a", V1),
-                     lambda: c.metrics(), lambda: c.request_json("GET", transforms_path("a", "s2-g1"))):
+                     lambda: c.link_shard("b", V1, "w", FULL, "s2-g0"), lambda: c.metrics(),
+                     lambda: c.request_json("GET", transforms_path("a", "s2-g1")),
+                     lambda: c.request_json("GET", "/v1/jobs/b/uploads"),
+                     lambda: c.request_json("GET", "/v1/jobs/a/uploads")):
             with pytest.raises(Forbidden):
                 call()
         # its own job: read, write a new version, commit; the job list shows it alone

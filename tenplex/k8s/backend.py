@@ -246,13 +246,15 @@ class KubernetesBackend(Backend):
     def __init__(self, api_client: client.ApiClient, settings: KubernetesSettings,
                  elasticjob: Callable[[str], Mapping[str, Any]], *, master_ports: tuple[int, int] = (29500, 29999),
                  watch_timeout: int = 60, sync_timeout: float = 30.0, gpu_resource: str = crd.GPU_RESOURCE,
-                 stop_margin: float = STOP_MARGIN_SECONDS, token: str | None = None) -> None:
+                 stop_margin: float = STOP_MARGIN_SECONDS, token: str | None = None,
+                 job_credentials: bool = False) -> None:
         """``elasticjob(name)`` returns the ElasticJob object of a job (raises NotFound for none); ``stop_margin``:
         how long past a deleted pod's grace period :meth:`stop` waits for its kubelet's confirmation; ``token``:
-        the scheduler's admin token. Workers hold it too (from the auth Secret) only when the scheduler signs no
-        job-scoped credentials; otherwise each pod's environment carries its job's own credential, which is
-        also what its standby expects in the hello."""
+        the scheduler's admin token. Workers hold it too (from the auth Secret) only without ``job_credentials``;
+        with them (the scheduler signs each job's own credential) each pod's environment carries its job's
+        credential as a plain value, which is also what its standby expects in the hello."""
         self._token = token
+        self._job_credentials = job_credentials
         lo, hi = master_ports
         if not 0 < lo <= hi < 65536:
             raise InvalidConfig(f"master port range must be within 1..65535 and ordered, got {lo}-{hi}")
@@ -608,10 +610,9 @@ class KubernetesBackend(Backend):
         }
 
     def _token_from_secret(self, workers: Sequence[WorkerLaunch]) -> bool:
-        """Whether the pod reads ``TENPLEX_TOKEN`` from the auth Secret: when it is the shared admin token. A job's
-        own credential (signed, scoped to the job, expiring) is a plain value of the pod's environment."""
-        token = workers[0].env.get(ENV_TOKEN)
-        return bool(token and self.settings.auth_secret and token == self._token)
+        """Whether the pod reads ``TENPLEX_TOKEN`` from the auth Secret: when the workers hold the shared token. A
+        job's own credential (signed, scoped to the job, expiring) is a plain value of the pod's environment."""
+        return bool(workers[0].env.get(ENV_TOKEN) and self.settings.auth_secret and not self._job_credentials)
 
     def _pod_env(self, job: str, workers: Sequence[WorkerLaunch]) -> tuple[dict[str, str], list[dict[str, str]] | None]:
         """The plain values of a pod's environment (:func:`_split_env`, as the pod's ranks see it: ``LOCAL_RANK``

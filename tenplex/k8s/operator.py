@@ -140,7 +140,8 @@ class KubernetesScheduler(Scheduler):
         self.k8s_settings = settings
         self.index = ElasticJobIndex(api_client, settings, watch_timeout=watch_timeout)
         backend = KubernetesBackend(api_client, settings, self.index.get, master_ports=master_ports,
-                                    watch_timeout=watch_timeout, stop_margin=stop_margin, token=scheduler_settings.token)
+                                    watch_timeout=watch_timeout, stop_margin=stop_margin, token=scheduler_settings.token,
+                                    job_credentials=scheduler_settings.credentials is not None)
         self.jobstore = KubeJobStore(api_client, self.index, state_root)
         super().__init__(backend, self.jobstore, scheduler_settings, store_client=store_client)
         self.kube_backend = backend
