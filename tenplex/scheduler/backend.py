@@ -29,6 +29,7 @@ from pathlib import Path
 from tenplex.core.auth import ENV_AUTH_KEYS
 from tenplex.core.commands import STANDBY_READY, PythonCommand, signal_group
 from tenplex.core.protocol import ENV_STORE_ROOT
+from tenplex.core.tls import client_context
 from tenplex.errors import InvalidConfig, InvalidInput, NotFound, StoreUnavailable, TenplexError
 from tenplex.sockets import free_port
 
@@ -444,10 +445,18 @@ def _parse_host(h: Mapping[str, object], index: int, root: Path) -> _LocalHost:
 
 
 def _answers(url: str, timeout: float) -> bool:
-    """Whether the daemon at ``url`` answers ``GET /healthz`` with 200 within ``timeout``."""
+    """Whether the daemon at ``url`` answers ``GET /healthz`` with 200 within ``timeout`` (``https``: verified
+    against ``$TENPLEX_TLS_CA``, see :mod:`tenplex.core.tls`)."""
     parts = url.split("://", 1)[-1].split("/", 1)[0]
     host, _, port = parts.rpartition(":")
-    conn = http.client.HTTPConnection(host.strip("[]"), int(port), timeout=timeout)
+    conn: http.client.HTTPConnection
+    try:
+        if url.startswith("https://"):
+            conn = http.client.HTTPSConnection(host.strip("[]"), int(port), timeout=timeout, context=client_context())
+        else:
+            conn = http.client.HTTPConnection(host.strip("[]"), int(port), timeout=timeout)
+    except ValueError:
+        return False
     try:
         conn.request("GET", "/healthz")
         resp = conn.getresponse()

@@ -22,6 +22,7 @@ from typing import Any
 from tenplex.core.auth import Issuer
 from tenplex.core.protocol import ExitReport
 from tenplex.core.version import Version
+from tenplex.errors import InvalidConfig
 from tenplex.ptc import PTC
 from tenplex.scheduler.backend import Backend
 from tenplex.scheduler.state import JobSpec, JobStatus, JobStore, Phase, Stage, phase_split
@@ -48,6 +49,12 @@ class SchedulerSettings:
     heartbeat_interval: float = 1.0
     ptc_inline_limit: int = 256 << 10
     """PTCs larger than this JSON size are fetched by the workers from ``/ptc`` instead of inlined."""
+
+    def __post_init__(self) -> None:
+        if self.credentials is not None and not self.token:
+            raise InvalidConfig("job-scoped credentials (a key set) need the admin token as well (--token or "
+                                "$TENPLEX_TOKEN): it is the scheduler's own credential towards the daemons and the "
+                                "operator's towards the scheduler")
 
     def worker_credential(self, job: str) -> str | None:
         """What ``job``'s workers hold (``TENPLEX_TOKEN``): its own signed credential, or the shared token
