@@ -377,3 +377,28 @@ def test_tls_daemon_and_scheduler_verify_against_the_configured_ca(tmp_path: Pat
         with pytest.raises((TenplexError, OSError), match="CERTIFICATE_VERIFY_FAILED"):
             SchedulerClient(server.url, ADMIN, timeout=10).job("a")
     assert os.environ[ENV_TLS_CA] == str(wrong.ca)
+
+
+def test_tenplex_auth_rotates_retires_and_hands_out_a_jobs_reader_credential(daemons, keys, tmp_path: Path,
+                                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    from tenplex.cli import main
+
+    path = tmp_path / "keys.json"
+    assert main(["auth", "new-keys", str(path)]) == 0
+    first = json.loads(path.read_text())["active"]
+    assert main(["auth", "rotate", str(path)]) == 0
+    rotated = json.loads(path.read_text())
+    assert rotated["active"] != first and set(rotated["keys"]) == {first, rotated["active"]}
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert main(["auth", "retire", str(path), rotated["active"]]) == 1  # not the active key
+    assert main(["auth", "retire", str(path), first]) == 0
+    assert set(json.loads(path.read_text())["keys"]) == {rotated["active"]}
+    assert main(["auth", "token", "--keys", str(path), "--role", "admin", "--job", "a"]) == 1
+    capsys.readouterr()
+    # a reader credential for job a, signed with the daemons' key set: lists a's versions, nothing of b's
+    assert main(["auth", "token", "--keys", str(keys.path), "--role", "reader", "--job", "a", "--ttl", "10m"]) == 0
+    cred = capsys.readouterr().out.strip()
+    assert main(["store", "ls", daemons["h0"].url, "a", "--token", cred]) == 0
+    assert V1 in capsys.readouterr().out
+    assert main(["store", "ls", daemons["h0"].url, "b", "--token", cred]) == 1
+    assert "forbidden" in capsys.readouterr().err
