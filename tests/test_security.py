@@ -320,6 +320,13 @@ def test_a_job_credential_reaches_only_its_own_jobs_routes_on_the_scheduler(sche
         assert status == 401 and answer["error"] == "unauthorized", answer
     assert _jobs(scheduler) == before
     assert SchedulerClient(scheduler.url, ADMIN).request("GET", "/v1/hosts")  # the operator's credential reaches it
+    # a reader credential of job a: its GET routes only
+    reader = Issuer(KeySet(scheduler.state_dir / AUTH_KEYS_FILE)).grant("a")
+    assert _raw(scheduler.url, "GET", "/v1/jobs/a", reader)[0] == 200
+    for method, path, body in (("GET", "/v1/jobs/b", None), ("POST", "/v1/jobs/a/events", {"kind": "peer_failure"}),
+                               ("POST", "/v1/jobs/a/workers/a-g0-r0/heartbeat", {"step": 1})):
+        assert _raw(scheduler.url, method, path, reader, json.dumps(body).encode() if body else None)[0] == 403
+    assert _jobs(scheduler) == before
 
 
 def test_hostile_input_under_a_job_credential_changes_nothing_outside_the_job(scheduler, daemons, issuer) -> None:

@@ -5,8 +5,9 @@ the protocol of :mod:`tenplex.core.protocol`. Everything but
 ``/healthz`` needs ``Authorization: Bearer <credential>`` when the scheduler has a
 token or a key set (:mod:`tenplex.core.auth`): the admin credential reaches
 every route; a job's worker credential only that job's routes (its status,
-plan, PTC, ``peer_failure`` events, the worker protocol), never another job's,
-the job list, the hosts, metrics, a scale, a cordon or a delete. Every error is
+plan, PTC, ``peer_failure`` events, the worker protocol), a job's reader
+credential only its GET routes; never another job's, the job list, the hosts,
+metrics, a scale, a cordon or a delete. Every error is
 ``{"error": code, "detail": message}``; bad requests are 4xx, never 5xx.
 """
 
@@ -169,7 +170,7 @@ def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
         what = f"{request.method} {getattr(request.scope.get('route'), 'path', request.url.path)}"
         if not isinstance(job, str) or (request.method, what.split(" ", 1)[1]) in _ADMIN_JOB_ROUTES:
             require_admin(principal, what)
-        elif not principal.can_write(job):
+        elif not (principal.can_write(job) or (request.method == "GET" and principal.can_read(job))):
             raise Forbidden(f"a {principal.describe()} may not call {what} of job {job!r}")
         return principal
 
