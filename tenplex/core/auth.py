@@ -141,7 +141,7 @@ class KeySet:
             stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
             if stamp == self._stamp:
                 return
-            active, keys = _parse_keys(self.path.read_text())
+            active, keys = parse_key_set(self.path.read_text())
         except (OSError, ValueError, InvalidConfig) as exc:
             if strict:
                 raise InvalidConfig(f"auth key set {self.path}: {exc}") from None
@@ -168,7 +168,9 @@ class KeySet:
         return self._active, self._keys[self._active]
 
 
-def _parse_keys(text: str) -> tuple[str, dict[str, bytes]]:
+def parse_key_set(text: str) -> tuple[str, dict[str, bytes]]:
+    """The active key id and every key of a key-set file's text; :class:`InvalidConfig` (or ``ValueError`` for
+    text that is not JSON) saying what is wrong."""
     obj = json.loads(text)
     if not isinstance(obj, dict) or not isinstance(obj.get("keys"), dict) or not obj["keys"]:
         raise InvalidConfig('expected {"active": KID, "keys": {KID: SECRET, ...}} with at least one key')

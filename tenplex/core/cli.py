@@ -15,7 +15,7 @@ import secrets
 import time
 from pathlib import Path
 
-from tenplex.core.auth import ROLE_ADMIN, ROLES, Issuer, KeySet, _parse_keys
+from tenplex.core.auth import ROLE_ADMIN, ROLES, Issuer, KeySet, parse_key_set
 from tenplex.errors import InvalidInput
 
 
@@ -61,7 +61,7 @@ def parse_duration(text: str) -> float:
 def _read(path: Path) -> dict[str, object]:
     try:
         text = path.read_text()
-        _parse_keys(text)
+        parse_key_set(text)
     except OSError as exc:
         raise InvalidInput(f"cannot read the key set {path}: {exc.strerror}") from None
     except ValueError as exc:
