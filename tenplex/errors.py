@@ -57,8 +57,17 @@ class InvalidConfig(InvalidInput):
 
 
 class Unauthorized(TenplexError):
+    """No credential, or one that is forged, expired or signed with an unknown key."""
+
     code = "unauthorized"
     http_status = 401
+
+
+class Forbidden(TenplexError):
+    """A valid credential that does not reach this job or route (another job's, a worker's on an admin route)."""
+
+    code = "forbidden"
+    http_status = 403
 
 
 class NotFound(TenplexError):

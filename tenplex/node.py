@@ -4,7 +4,9 @@ It is what ``tenplex store serve`` starts (the chart's DaemonSet, the local
 backend's emulated hosts): the store's routes (:mod:`tenplex.store.server`),
 the transform routes (:mod:`tenplex.transformer.service`) and the routes of
 uploads to the persistent tier (:mod:`tenplex.transformer.uploads`) on one port,
-behind one bearer token, with one Prometheus registry. During a
+behind one credential check (the admin token and, with a key set, the
+scheduler's job-scoped credentials: :mod:`tenplex.core.auth`), optionally over
+TLS (:mod:`tenplex.core.tls`), with one Prometheus registry. During a
 reconfiguration this process pulls its host's new shards from the other
 nodes' daemons and writes them into its own store; the scheduler only sends
 it the plan. With a memory tier (``--memory-root``, ``--memory-bytes``) it
@@ -36,6 +38,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from tenplex.core.auth import ENV_AUTH_KEYS, Authenticator
+from tenplex.core.tls import ENV_TLS_CERT, ENV_TLS_KEY, ServerTLS
 from tenplex.errors import InvalidInput
 from tenplex.serving import (
     BackgroundServer,
@@ -58,18 +62,22 @@ _OPTIONS_ENV = "TENPLEX_STORE_OPTIONS"
 
 
 def create_node_app(store: LocalStore, *, token: str | None, transforms: TransformSettings | None = None,
-                    uploads: UploadSettings | None = None, **store_options: Any) -> tuple[FastAPI, TransformService]:
+                    uploads: UploadSettings | None = None, auth_keys: str | Path | None = None,
+                    **store_options: Any) -> tuple[FastAPI, TransformService]:
     """The daemon's app over ``store`` and the transform service behind its transform routes (the upload
     service behind the upload routes is ``app.state.uploads``).
 
-    ``store_options`` go to :func:`tenplex.store.server.create_app` (request size bounds).
+    ``token`` is the admin token; ``auth_keys`` (default ``$TENPLEX_AUTH_KEYS``) the key set whose signed
+    credentials it accepts too. ``store_options`` go to :func:`tenplex.store.server.create_app` (request size
+    bounds).
     """
+    auth = Authenticator.from_env(token, auth_keys)
     registry = CollectorRegistry(auto_describe=True)
     if store.memory is not None:
         registry.register(_MemoryTierCollector(store))
     service = TransformService(store, token=token, settings=transforms, registry=registry)
     upload_service = UploadService(store, settings=uploads, registry=registry)
-    app = create_app(store, token=token, routers=[transform_router(service), upload_router(upload_service)],
+    app = create_app(store, token=token, auth=auth, routers=[transform_router(service), upload_router(upload_service)],
                      registry=registry, **store_options)
     app.state.transforms = service
     app.state.uploads = upload_service
@@ -94,6 +102,8 @@ def serve(
     memory_bytes: int | None = None,
     evict_grace_s: float | None = None,
     spill_interval_s: float = 0.0,
+    auth_keys: str | Path | None = None,
+    tls: ServerTLS | None = None,
 ) -> None:
     """Run the node daemon until interrupted (blocking). ``port=0`` picks a free port.
 
@@ -104,11 +114,13 @@ def serve(
 
     The bound URL is logged, and with ``port_file`` the port is written there
     (atomically) once the socket listens, so a parent process can find it.
-    ``token`` defaults to the ``TENPLEX_TOKEN`` environment variable. A
+    ``token`` defaults to the ``TENPLEX_TOKEN`` environment variable, ``auth_keys`` (the key set of signed
+    credentials) to ``TENPLEX_AUTH_KEYS``; with ``tls`` it serves HTTPS. A
     transform still running when the daemon stops is recorded as
     ``interrupted`` (nothing of it committed); its scheduler submits it again.
     """
     token = token if token is not None else os.environ.get(TOKEN_ENV) or None
+    auth_keys = str(auth_keys) if auth_keys else os.environ.get(ENV_AUTH_KEYS) or None
     if workers < 1:
         raise InvalidInput(f"workers must be >= 1, got {workers}")
     transforms = transforms or TransformSettings()
@@ -127,7 +139,8 @@ def serve(
     log.info(
         "tenplex node daemon serving %s at %s (auth %s, %d worker process%s; transforms: %d at once, %d reads each, "
         "%d MiB of buffers)",
-        store.root, url_for(host, bound), "on" if token else "off", workers, "" if workers == 1 else "es",
+        store.root, url_for(host, bound, tls=tls is not None),
+        ("job-scoped credentials" if auth_keys else "admin token only") if token or auth_keys else "off", workers, "" if workers == 1 else "es",
         transforms.max_running, transforms.concurrency, transforms.memory_bytes >> 20,
     )
     if store.memory is not None:
@@ -136,25 +149,26 @@ def serve(
     if workers > 1:
         try:
             _serve_workers(sock, store, token, workers, log_level, tune_malloc=tune_malloc, transforms=transforms,
-                           uploads=uploads)
+                           uploads=uploads, auth_keys=auth_keys, tls=tls)
         finally:
             store.close()  # the spiller runs in this (the supervising) process
-        log.info("tenplex node daemon at %s stopped", url_for(host, bound))
+        log.info("tenplex node daemon at %s stopped", url_for(host, bound, tls=tls is not None))
         return
     if tune_malloc:
         _keep_freed_memory()
-    app, service = create_node_app(store, token=token, transforms=transforms, uploads=uploads)
+    app, service = create_node_app(store, token=token, transforms=transforms, uploads=uploads, auth_keys=auth_keys)
     try:
-        serve_forever(app, sock, log_level=log_level)
+        serve_forever(app, sock, log_level=log_level, tls=tls)
     finally:
         service.close()
         app.state.uploads.close()
         store.close()
-    log.info("tenplex node daemon at %s stopped", url_for(host, bound))
+    log.info("tenplex node daemon at %s stopped", url_for(host, bound, tls=tls is not None))
 
 
 def _serve_workers(sock: socket.socket, store: LocalStore, token: str | None, workers: int, log_level: str, *,
-                   tune_malloc: bool, transforms: TransformSettings, uploads: UploadSettings) -> None:
+                   tune_malloc: bool, transforms: TransformSettings, uploads: UploadSettings,
+                   auth_keys: str | None = None, tls: ServerTLS | None = None) -> None:
     """Several uvicorn worker processes on one listening socket (uvicorn's supervisor restarts dead ones).
 
     One event loop sends every response body from one thread, so on a node
@@ -175,11 +189,14 @@ def _serve_workers(sock: socket.socket, store: LocalStore, token: str | None, wo
                                   "uploads": dataclasses.asdict(uploads)}),
         MULTIPROC_ENV: metrics_dir,
         TOKEN_ENV: token or "",
+        ENV_AUTH_KEYS: auth_keys or "",
+        ENV_TLS_CERT: tls.certfile if tls else "",
+        ENV_TLS_KEY: tls.keyfile if tls else "",
     }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the spawned workers read their configuration from the environment
     try:
-        config = uvicorn_config("tenplex.node:app_from_env", log_level, factory=True, workers=workers)
+        config = uvicorn_config("tenplex.node:app_from_env", log_level, factory=True, workers=workers, tls=tls)
         with contextlib.suppress(KeyboardInterrupt):
             Multiprocess(config, sockets=[sock]).run()
     finally:
@@ -264,13 +281,14 @@ class NodeDaemon(BackgroundServer):
 
     def __init__(self, root: str | Path, host: str = "127.0.0.1", port: int = 0, token: str | None = None, *,
                  store: LocalStore | None = None, transforms: TransformSettings | None = None,
-                 uploads: UploadSettings | None = None, log_level: str = "warning", **store_options: Any) -> None:
+                 uploads: UploadSettings | None = None, log_level: str = "warning", auth_keys: str | Path | None = None,
+                 tls: ServerTLS | None = None, **store_options: Any) -> None:
         self.store = store if store is not None else LocalStore(root)
         self.token = token
         app, self.transforms = create_node_app(self.store, token=token, transforms=transforms, uploads=uploads,
-                                               **store_options)
+                                               auth_keys=auth_keys, **store_options)
         self.uploads: UploadService = app.state.uploads
-        super().__init__(app, host, port, log_level=log_level)
+        super().__init__(app, host, port, log_level=log_level, tls=tls)
 
     def start(self, timeout: float = 30.0) -> NodeDaemon:
         super().start(timeout)

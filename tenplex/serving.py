@@ -32,6 +32,7 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
+from tenplex.core.tls import ServerTLS
 from tenplex.errors import InvalidConfig, TenplexError
 from tenplex.sockets import is_loopback, set_unpaced
 
@@ -58,11 +59,12 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def url_for(host: str, port: int) -> str:
-    """The URL clients use; a wildcard bind is reached on loopback."""
+def url_for(host: str, port: int, *, tls: bool = False) -> str:
+    """The URL clients use (``https`` with ``tls``); a wildcard bind is reached on loopback."""
     if host in ("0.0.0.0", "", "::"):
         host = "127.0.0.1"
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    scheme = "https" if tls else "http"
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 SENDFILE_EXTENSION = "tenplex.sendfile"
@@ -193,10 +195,14 @@ async def _send_files(cycle: RequestResponseCycle, message: Any) -> None:
         await cycle.send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
-def uvicorn_config(app: Any, log_level: str = "warning", **kwargs: Any) -> uvicorn.Config:
+def uvicorn_config(app: Any, log_level: str = "warning", *, tls: ServerTLS | None = None, **kwargs: Any) -> uvicorn.Config:
     # The extension hooks into uvicorn's protocol at one method; a uvicorn without it serves plainly (the
-    # store then sends bodies from maps of the chunk files instead).
-    http: Any = SendfileProtocol if callable(getattr(HttpToolsProtocol, "_start_asgi_task", None)) else "httptools"
+    # store then sends bodies from maps of the chunk files instead). Under TLS never: sendfile(2) on the
+    # connection's socket would put plaintext into the encrypted stream (see tenplex.core.tls).
+    sendfile = tls is None and callable(getattr(HttpToolsProtocol, "_start_asgi_task", None))
+    http: Any = SendfileProtocol if sendfile else "httptools"
+    if tls is not None:
+        kwargs.update(tls.uvicorn_options())
     return uvicorn.Config(
         app,
         loop="uvloop",
@@ -218,9 +224,9 @@ def write_port_file(path: str | Path, port: int) -> None:
     os.replace(tmp, path)
 
 
-def serve_forever(app: Any, sock: socket.socket, *, log_level: str = "info") -> None:
-    """Serve ``app`` on the bound ``sock`` in the foreground until SIGINT/SIGTERM."""
-    server = uvicorn.Server(uvicorn_config(app, log_level))
+def serve_forever(app: Any, sock: socket.socket, *, log_level: str = "info", tls: ServerTLS | None = None) -> None:
+    """Serve ``app`` on the bound ``sock`` in the foreground until SIGINT/SIGTERM (HTTPS with ``tls``)."""
+    server = uvicorn.Server(uvicorn_config(app, log_level, tls=tls))
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn shut down cleanly and re-raised the signal
         server.run(sockets=[sock])
 
@@ -229,13 +235,15 @@ class BackgroundServer:
     """uvicorn in a daemon thread; ``start()`` returns once it accepts connections."""
 
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, *, sock: socket.socket | None = None,
-                 log_level: str = "warning") -> None:
-        """Serve ``app`` on ``host:port``, or on an already bound ``sock`` (see :func:`bind_socket`)."""
+                 log_level: str = "warning", tls: ServerTLS | None = None) -> None:
+        """Serve ``app`` on ``host:port``, or on an already bound ``sock`` (see :func:`bind_socket`); HTTPS with
+        ``tls``."""
         self.app = app
         self.host = host
         self._port = port
         self._sock = sock
-        self._server = uvicorn.Server(uvicorn_config(app, log_level))
+        self.tls = tls
+        self._server = uvicorn.Server(uvicorn_config(app, log_level, tls=tls))
         self._thread: threading.Thread | None = None
 
     @property
@@ -246,7 +254,8 @@ class BackgroundServer:
 
     @property
     def url(self) -> str:
-        return url_for(self._sock.getsockname()[0] if self._sock is not None else self.host, self.port)
+        return url_for(self._sock.getsockname()[0] if self._sock is not None else self.host, self.port,
+                       tls=self.tls is not None)
 
     def start(self, timeout: float = 30.0) -> BackgroundServer:
         if self._thread is not None:

@@ -89,6 +89,7 @@ from tenplex.core.protocol import (
     ENV_TOKEN,
     ENV_WORKER_ID,
 )
+from tenplex.core.tls import ENV_TLS_CA
 from tenplex.errors import Conflict, InvalidConfig, NotFound, StoreUnavailable
 from tenplex.k8s import crd
 from tenplex.k8s.informer import Informer
@@ -99,6 +100,8 @@ from tenplex.scheduler.backend import Backend, HostInfo, WorkerLaunch
 log = logging.getLogger(__name__)
 
 WORKER_CONTAINER = "worker"
+TLS_CA_VOLUME = "tenplex-tls-ca"
+TLS_CA_DIR = "/etc/tenplex/tls-ca"
 STORE_PORT_NAME = "store"
 STORE_VOLUME = "tenplex-store"
 MEMORY_VOLUME = "tenplex-store-memory"
@@ -243,10 +246,15 @@ class KubernetesBackend(Backend):
     def __init__(self, api_client: client.ApiClient, settings: KubernetesSettings,
                  elasticjob: Callable[[str], Mapping[str, Any]], *, master_ports: tuple[int, int] = (29500, 29999),
                  watch_timeout: int = 60, sync_timeout: float = 30.0, gpu_resource: str = crd.GPU_RESOURCE,
-                 stop_margin: float = STOP_MARGIN_SECONDS, token: str | None = None) -> None:
+                 stop_margin: float = STOP_MARGIN_SECONDS, token: str | None = None,
+                 job_credentials: bool = False) -> None:
         """``elasticjob(name)`` returns the ElasticJob object of a job (raises NotFound for none); ``stop_margin``:
         how long past a deleted pod's grace period :meth:`stop` waits for its kubelet's confirmation; ``token``:
-        the scheduler's token, which its workers (and their standby pods) hold too."""
+        the scheduler's admin token. Workers hold it too (from the auth Secret) only without ``job_credentials``;
+        with them (the scheduler signs each job's own credential) each pod's environment carries its job's
+        credential as a plain value, which is also what its standby expects in the hello."""
+        self._token = token
+        self._job_credentials = job_credentials
         lo, hi = master_ports
         if not 0 < lo <= hi < 65536:
             raise InvalidConfig(f"master port range must be within 1..65535 and ordered, got {lo}-{hi}")
@@ -366,7 +374,7 @@ class KubernetesBackend(Backend):
             self.standbys.forget(meta["uid"])
         elif _phase(pod) == "Running" and address and port.isdigit():
             self.standbys.watch(meta["uid"], f"{meta['namespace']}/{meta['name']}", _labels(pod).get(crd.LABEL_JOB, ""),
-                                address, int(port))
+                                address, int(port), token=_pod_token(pod))
 
     def _on_standby_exit(self, link: PodLink, worker_id: str, code: int) -> None:
         self._emit(ClusterEvent("worker-exited", job=link.job,
@@ -440,7 +448,8 @@ class KubernetesBackend(Backend):
             store_ip = ((store or {}).get("status") or {}).get("hostIP") or address
             port = self._store_port(store) if store is not None else self.settings.store_port
             info = HostInfo(
-                name=name, gpus=gpus, store_url=f"http://{store_ip}:{port}", address=address,
+                name=name, gpus=gpus, store_url=f"{'https' if self.settings.tls_secret else 'http'}://{store_ip}:{port}",
+                address=address,
                 ready=node_ready(node) and store is not None and _store_usable(store),
                 schedulable=not (node.get("spec") or {}).get("unschedulable"),
             )
@@ -514,7 +523,7 @@ class KubernetesBackend(Backend):
         w = workers[0]
         shared, per_rank = self._pod_env(job, workers)
         env: list[dict[str, Any]] = []
-        if ENV_TOKEN in workers[0].env and self.settings.auth_secret:
+        if self._token_from_secret(workers):
             env.append({"name": ENV_TOKEN, "valueFrom": {"secretKeyRef": {
                 "name": self.settings.auth_secret, "key": self.settings.auth_secret_key}}})
         env += [{"name": key, "value": value} for key, value in shared.items()]
@@ -576,6 +585,13 @@ class KubernetesBackend(Backend):
                 container["volumeMounts"].append({"name": MEMORY_VOLUME, "mountPath": self.settings.store_memory_root})
                 pod_spec["volumes"].append({"name": MEMORY_VOLUME, "hostPath": {"path": self.settings.store_memory_host_path,
                                                                                 "type": "Directory"}})
+        if self.settings.tls_secret:
+            # The CA the stores' and the scheduler's certificates are verified against (tenplex.core.tls).
+            env.append({"name": ENV_TLS_CA, "value": f"{TLS_CA_DIR}/ca.crt"})
+            container.setdefault("volumeMounts", []).append({"name": TLS_CA_VOLUME, "mountPath": TLS_CA_DIR,
+                                                            "readOnly": True})
+            pod_spec.setdefault("volumes", []).append({"name": TLS_CA_VOLUME, "secret": {
+                "secretName": self.settings.tls_secret, "items": [{"key": "ca.crt", "path": "ca.crt"}]}})
         if spec.tolerations:
             pod_spec["tolerations"] = [dict(t) for t in spec.tolerations]
         if self.settings.worker_service_account:
@@ -593,12 +609,17 @@ class KubernetesBackend(Backend):
             "spec": pod_spec,
         }
 
+    def _token_from_secret(self, workers: Sequence[WorkerLaunch]) -> bool:
+        """Whether the pod reads ``TENPLEX_TOKEN`` from the auth Secret: when the workers hold the shared token. A
+        job's own credential (signed, scoped to the job, expiring) is a plain value of the pod's environment."""
+        return bool(workers[0].env.get(ENV_TOKEN) and self.settings.auth_secret and not self._job_credentials)
+
     def _pod_env(self, job: str, workers: Sequence[WorkerLaunch]) -> tuple[dict[str, str], list[dict[str, str]] | None]:
         """The plain values of a pod's environment (:func:`_split_env`, as the pod's ranks see it: ``LOCAL_RANK``
         and ``LOCAL_WORLD_SIZE`` address the pod's own GPUs), and each rank's own variables for several; the
         token is left out when the pod takes it from the scheduler's Secret."""
         shared, per_rank = _split_env(job, workers)
-        if self.settings.auth_secret:
+        if self._token_from_secret(workers):
             shared.pop(ENV_TOKEN, None)
         if ENV_LOCAL_RANK in shared:
             shared[ENV_LOCAL_RANK] = "0"  # one GPU per pod: the process's device is cuda:0 whatever its rank on the node
@@ -919,6 +940,16 @@ class KubernetesBackend(Backend):
             if h.name == name:
                 return h
         raise NotFound(f"node {name!r} has no allocatable {self._gpu} or is not known to the Kubernetes backend")
+
+
+def _pod_token(pod: Mapping[str, Any]) -> str | None:
+    """The plain ``TENPLEX_TOKEN`` of a pod's worker container (a job's credential), None when it has none."""
+    for container in (pod.get("spec") or {}).get("containers") or ():
+        if container.get("name") == WORKER_CONTAINER:
+            for e in container.get("env") or ():
+                if e.get("name") == ENV_TOKEN and "value" in e:
+                    return str(e["value"])
+    return None
 
 
 def _split_env(job: str, workers: Sequence[WorkerLaunch]) -> tuple[dict[str, str], list[dict[str, str]] | None]:

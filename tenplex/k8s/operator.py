@@ -42,6 +42,7 @@ from kubernetes import client
 from kubernetes.leaderelection import electionconfig, leaderelection
 from kubernetes.leaderelection.resourcelock.leaselock import LeaseLock
 
+from tenplex.core.auth import ENV_AUTH_KEYS, Issuer, KeySet
 from tenplex.errors import InvalidConfig, NotFound, NotLeader, StoreUnavailable, TenplexError
 from tenplex.k8s import crd
 from tenplex.k8s.backend import STOP_MARGIN_SECONDS, ClusterEvent, KubernetesBackend
@@ -139,7 +140,8 @@ class KubernetesScheduler(Scheduler):
         self.k8s_settings = settings
         self.index = ElasticJobIndex(api_client, settings, watch_timeout=watch_timeout)
         backend = KubernetesBackend(api_client, settings, self.index.get, master_ports=master_ports,
-                                    watch_timeout=watch_timeout, stop_margin=stop_margin, token=scheduler_settings.token)
+                                    watch_timeout=watch_timeout, stop_margin=stop_margin, token=scheduler_settings.token,
+                                    job_credentials=scheduler_settings.credentials is not None)
         self.jobstore = KubeJobStore(api_client, self.index, state_root)
         super().__init__(backend, self.jobstore, scheduler_settings, store_client=store_client)
         self.kube_backend = backend
@@ -525,8 +527,11 @@ class ElasticJobOperator:
 
 def build_kubernetes_scheduler(state_dir: Path, url: str, token: str | None, *, port: int,
                                heartbeat_interval: float = 1.0, environ: Mapping[str, str] | None = None,
-                               api_client: client.ApiClient | None = None) -> KubernetesScheduler:
-    """The scheduler of ``tenplex scheduler serve --backend kubernetes`` (in-cluster, or ``$KUBECONFIG``)."""
+                               api_client: client.ApiClient | None = None,
+                               auth_keys: Path | None = None) -> KubernetesScheduler:
+    """The scheduler of ``tenplex scheduler serve --backend kubernetes`` (in-cluster, or ``$KUBECONFIG``); with a
+    key set (``auth_keys``, default ``$TENPLEX_AUTH_KEYS``: the chart mounts it) each job's pods get their own
+    credential."""
     settings = KubernetesSettings.from_env(environ)
     if api_client is None:
         from kubernetes import config as kube_config
@@ -539,8 +544,10 @@ def build_kubernetes_scheduler(state_dir: Path, url: str, token: str | None, *, 
             except (kube_config.ConfigException, OSError) as exc:
                 raise InvalidConfig(f"no Kubernetes API access: not in a cluster and no usable kubeconfig ({exc})") from None
         api_client = client.ApiClient()
+    keys_path = auth_keys or (environ if environ is not None else os.environ).get(ENV_AUTH_KEYS)
     sched_settings = SchedulerSettings(url=advertise_url(settings, port, url, environ), token=token,
-                                       heartbeat_interval=heartbeat_interval)
+                                       heartbeat_interval=heartbeat_interval,
+                                       credentials=Issuer(KeySet(keys_path)) if keys_path else None)
     return KubernetesScheduler(api_client, settings, sched_settings, state_dir, exit_on_lost_leadership=True)
 
 
@@ -550,4 +557,4 @@ def kubernetes_scheduler(options: SchedulerOptions) -> KubernetesScheduler:
     Path(options.state_dir).mkdir(parents=True, exist_ok=True)
     return build_kubernetes_scheduler(Path(options.state_dir), options.url, options.token,
                                       port=urlsplit(options.url).port or 0,
-                                      heartbeat_interval=options.heartbeat_interval)
+                                      heartbeat_interval=options.heartbeat_interval, auth_keys=options.auth_keys)

@@ -12,6 +12,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from tenplex.core.auth import ENV_AUTH_KEYS
 from tenplex.errors import InvalidConfig
 from tenplex.k8s.crd import DEFAULT_STORE_ROOT, ENV_TOKEN, LEADER_LEASE, STORE_PORT
 
@@ -33,11 +34,13 @@ ENV_WORKER_SERVICE_ACCOUNT = "TENPLEX_WORKER_SERVICE_ACCOUNT"
 ENV_AUTH_SECRET = "TENPLEX_AUTH_SECRET"
 ENV_AUTH_SECRET_KEY = "TENPLEX_AUTH_SECRET_KEY"
 ENV_ADVERTISE_URL = "TENPLEX_ADVERTISE_URL"
+ENV_TLS_SECRET = "TENPLEX_TLS_SECRET"
 
 SCHEDULER_ENV = (
     ENV_TOKEN, ENV_POD_NAME, ENV_POD_NAMESPACE, ENV_WATCH_NAMESPACES, ENV_LEADER_ELECTION, ENV_LEASE_NAME,
     ENV_LEASE_DURATION, ENV_RENEW_DEADLINE, ENV_RETRY_PERIOD, ENV_STORE_PORT, ENV_STORE_ROOT, ENV_STORE_HOST_PATH, ENV_WORKER_IMAGE,
     ENV_STORE_MEMORY_ROOT, ENV_STORE_MEMORY_HOST_PATH, ENV_WORKER_SERVICE_ACCOUNT, ENV_AUTH_SECRET, ENV_AUTH_SECRET_KEY, ENV_ADVERTISE_URL,
+    ENV_AUTH_KEYS, ENV_TLS_SECRET,
 )
 """Every variable the chart sets on the scheduler container."""
 
@@ -76,6 +79,10 @@ class KubernetesSettings:
     auth_secret_key: str = "token"
     advertise_url: str = ""
     """The scheduler's URL as worker pods reach it (the chart's Service); must outlive a scheduler pod."""
+    tls_secret: str = ""
+    """The chart's TLS Secret (``tls.secretName``): the stores serve HTTPS (their URLs are ``https://``) and worker
+    pods mount its ``ca.crt`` (from the Secret of that name in their namespace) to verify them and the scheduler;
+    empty: plain HTTP."""
 
     def __post_init__(self) -> None:
         if not self.namespace:
@@ -144,4 +151,5 @@ class KubernetesSettings:
             auth_secret=env.get(ENV_AUTH_SECRET, ""),
             auth_secret_key=env.get(ENV_AUTH_SECRET_KEY) or "token",
             advertise_url=env.get(ENV_ADVERTISE_URL, "").rstrip("/"),
+            tls_secret=env.get(ENV_TLS_SECRET, ""),
         )

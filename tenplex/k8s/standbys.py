@@ -50,6 +50,8 @@ class PodLink:
     job: str
     address: str
     port: int
+    token: str | None = None
+    """The credential its hello carries: the pod's own (its job's), None: the scheduler's token."""
     greeted: bool = False
     pids: dict[str, int] = field(default_factory=dict)
     """Worker id -> the pid the pod's standby runs it as."""
@@ -100,12 +102,13 @@ class StandbyLinks:
 
     # -- which pods -----------------------------------------------------------------------------
 
-    def watch(self, uid: str, pod: str, job: str, address: str, port: int) -> None:
-        """Keep a connection to the standby of pod ``uid`` at ``address:port`` (a no-op when there is one)."""
+    def watch(self, uid: str, pod: str, job: str, address: str, port: int, *, token: str | None = None) -> None:
+        """Keep a connection to the standby of pod ``uid`` at ``address:port`` (a no-op when there is one);
+        ``token``: what the pod's environment holds (its job's credential), default the scheduler's."""
         with self._changed:
             if uid in self._links:
                 return
-            link = self._links[uid] = PodLink(pod, job, address, port)
+            link = self._links[uid] = PodLink(pod, job, address, port, token=token)
         self._loop.call_soon_threadsafe(self._start, uid, link)
 
     def _start(self, uid: str, link: PodLink) -> None:
@@ -233,7 +236,8 @@ class StandbyLinks:
                 continue
             link.writer = writer
             try:
-                writer.write((json.dumps({"hello": {"token": self._token or ""}}) + "\n").encode())
+                hello = link.token if link.token is not None else self._token
+                writer.write((json.dumps({"hello": {"token": hello or ""}}) + "\n").encode())
                 await writer.drain()
                 while raw := await reader.readline():
                     self._heard(link, raw.decode(errors="replace").strip())

@@ -2,15 +2,18 @@
 
 Users create, inspect, scale and delete jobs and report events; workers speak
 the protocol of :mod:`tenplex.core.protocol`. Everything but
-``/healthz`` needs ``Authorization: Bearer <token>`` when the scheduler has a
-token. Every error is ``{"error": code, "detail": message}``; bad requests
-are 4xx, never 5xx.
+``/healthz`` needs ``Authorization: Bearer <credential>`` when the scheduler has a
+token or a key set (:mod:`tenplex.core.auth`): the admin credential reaches
+every route; a job's worker credential only that job's routes (its status,
+plan, PTC, ``peer_failure`` events, the worker protocol), a job's reader
+credential only its GET routes; never another job's, the job list, the hosts,
+metrics, a scale, a cordon or a delete. Every error is
+``{"error": code, "detail": message}``; bad requests are 4xx, never 5xx.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import re
 import threading
@@ -29,7 +32,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tenplex import __version__, registry
 from tenplex.core import protocol as P
-from tenplex.errors import InvalidInput, NotFound, TenplexError, Unauthorized
+from tenplex.core.auth import Authenticator, Principal, require_admin
+from tenplex.errors import Forbidden, InvalidInput, NotFound, TenplexError, Unauthorized
 from tenplex.ptc import DatasetState, ParallelConfig
 from tenplex.scheduler.controller import JobController
 from tenplex.scheduler.layouts import LayoutSpec, registered_providers
@@ -39,9 +43,14 @@ from tenplex.transformer.plan import Plan
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"description": text, "content": {"application/json": {"example": {"error": "code", "detail": "message"}}}}
-    for code, text in ((400, "Bad request"), (401, "Missing or wrong bearer token"), (404, "Unknown job or worker"),
+    for code, text in ((400, "Bad request"), (401, "Missing, forged or expired credential"),
+                       (403, "The credential does not reach this job or route"), (404, "Unknown job or worker"),
                        (409, "Conflicts with the job's state"))
 }
+
+
+_ADMIN_JOB_ROUTES = frozenset({("DELETE", "/v1/jobs/{job}"), ("POST", "/v1/jobs/{job}/scale")})
+"""Routes of one job that its own credential does not reach: deleting it, changing its GPUs (the cluster's)."""
 
 
 class _Body(BaseModel):
@@ -148,13 +157,22 @@ def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
     metrics = scheduler.metrics
     _view = _Views()
 
-    def auth(request: Request) -> None:
-        if token is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), token.encode()):
-            raise Unauthorized("missing or wrong bearer token")
+    issuer = scheduler.settings.credentials
+    authn = Authenticator(token, issuer.keys if issuer is not None else None)
+
+    def auth(request: Request) -> Principal:
+        """Authenticate; a job's credential reaches only routes of its own ``{job}`` (not a scale or delete)."""
+        principal = authn.authenticate(request.headers.get("authorization"))
+        request.state.principal = principal
+        if principal.is_admin:
+            return principal
+        job = request.path_params.get("job")
+        what = f"{request.method} {getattr(request.scope.get('route'), 'path', request.url.path)}"
+        if not isinstance(job, str) or (request.method, what.split(" ", 1)[1]) in _ADMIN_JOB_ROUTES:
+            require_admin(principal, what)
+        elif not (principal.can_write(job) or (request.method == "GET" and principal.can_read(job))):
+            raise Forbidden(f"a {principal.describe()} may not call {what} of job {job!r}")
+        return principal
 
     Auth = Depends(auth)
 
@@ -173,7 +191,7 @@ def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
         return JSONResponse({"error": code, "detail": str(exc.detail)}, status_code=exc.status_code)
 
     app.add_middleware(_Timing, metrics=metrics)
-    app.add_middleware(_WorkerReports, scheduler=scheduler, token=token, metrics=metrics)
+    app.add_middleware(_WorkerReports, scheduler=scheduler, authn=authn, metrics=metrics)
 
     # -- health and metrics ----------------------------------------------------
 
@@ -249,7 +267,9 @@ def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
         return _view(ctl)
 
     @app.post("/v1/jobs/{job}/events", status_code=202, tags=["jobs"], summary="Report an event", dependencies=[Auth])
-    def report_event(job: P.JobName, body: EventBody) -> dict[str, Any]:
+    def report_event(job: P.JobName, body: EventBody, request: Request) -> dict[str, Any]:
+        if body.kind != "peer_failure":  # a host's cordon concerns every job on it
+            require_admin(request.state.principal, f"a {body.kind} event")
         ctl = scheduler.get(job)
         if body.kind == "peer_failure":
             ctl.report_failure(f"peer failure reported through the API: {body.detail or 'no detail'}")
@@ -435,10 +455,10 @@ class _WorkerReports:
     anything else, and a path whose names are malformed, goes on to the app.
     """
 
-    def __init__(self, app: Any, scheduler: Scheduler, token: str | None, metrics: Any) -> None:
+    def __init__(self, app: Any, scheduler: Scheduler, authn: Authenticator, metrics: Any) -> None:
         self.app = app
         self.scheduler = scheduler
-        self.token = token.encode() if token is not None else None
+        self.authn = authn
         self.metrics = metrics
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -449,11 +469,9 @@ class _WorkerReports:
         start = time.perf_counter()
         headers: list[tuple[bytes, bytes]] = [(b"content-type", b"application/json")]
         try:
-            if self.token is not None:
-                given = dict(scope["headers"]).get(b"authorization", b"")
-                scheme, _, value = given.partition(b" ")
-                if scheme.lower() != b"bearer" or not hmac.compare_digest(value, self.token):
-                    raise Unauthorized("missing or wrong bearer token")
+            principal = self.authn.authenticate(dict(scope["headers"]).get(b"authorization"))
+            if not principal.can_write(m.group(1)):
+                raise Forbidden(f"a {principal.describe()} may not report for job {m.group(1)!r}")
             chunks = []
             while True:
                 message = await receive()

@@ -26,8 +26,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from tenplex.core.auth import ENV_AUTH_KEYS
 from tenplex.core.commands import STANDBY_READY, PythonCommand, signal_group
 from tenplex.core.protocol import ENV_STORE_ROOT
+from tenplex.core.tls import client_context
 from tenplex.errors import InvalidConfig, InvalidInput, NotFound, StoreUnavailable, TenplexError
 from tenplex.sockets import free_port
 
@@ -200,6 +202,8 @@ class LocalCluster:
 
     root: Path
     token: str | None = None
+    auth_keys: Path | None = None
+    """The key set the started daemons verify the scheduler's job-scoped credentials with."""
     gpus_per_host: int = 2
     memory_bytes: int | None = None
     memory_root: Path | None = None
@@ -220,6 +224,8 @@ class LocalCluster:
         env = dict(os.environ)
         if self.token:
             env["TENPLEX_TOKEN"] = self.token
+        if self.auth_keys is not None:
+            env[ENV_AUTH_KEYS] = str(self.auth_keys)
         logf = open(root / "store.log", "ab")  # noqa: SIM115 - handed to the child process
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         logf.close()
@@ -439,10 +445,18 @@ def _parse_host(h: Mapping[str, object], index: int, root: Path) -> _LocalHost:
 
 
 def _answers(url: str, timeout: float) -> bool:
-    """Whether the daemon at ``url`` answers ``GET /healthz`` with 200 within ``timeout``."""
+    """Whether the daemon at ``url`` answers ``GET /healthz`` with 200 within ``timeout`` (``https``: verified
+    against ``$TENPLEX_TLS_CA``, see :mod:`tenplex.core.tls`)."""
     parts = url.split("://", 1)[-1].split("/", 1)[0]
     host, _, port = parts.rpartition(":")
-    conn = http.client.HTTPConnection(host.strip("[]"), int(port), timeout=timeout)
+    conn: http.client.HTTPConnection
+    try:
+        if url.startswith("https://"):
+            conn = http.client.HTTPSConnection(host.strip("[]"), int(port), timeout=timeout, context=client_context())
+        else:
+            conn = http.client.HTTPConnection(host.strip("[]"), int(port), timeout=timeout)
+    except ValueError:
+        return False
     try:
         conn.request("GET", "/healthz")
         resp = conn.getresponse()

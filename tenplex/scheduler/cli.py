@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tenplex import registry
+from tenplex.core.tls import client_context
 from tenplex.core.units import human_bytes, parse_bytes
 from tenplex.errors import InvalidInput, StoreUnavailable, TenplexError, error_class
 from tenplex.scheduler.state import DATA_PHASES
@@ -36,7 +37,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8470, help="port to bind; 0 picks a free one (default 8470)")
     serve.add_argument("--port-file", type=Path, help="write the bound port here once listening")
-    serve.add_argument("--token", help="bearer token (default: $TENPLEX_TOKEN; none disables auth)")
+    serve.add_argument("--token", help="the admin bearer token, the operator's and the scheduler's own (default: "
+                       "$TENPLEX_TOKEN; neither it nor --auth-keys: auth off)")
+    serve.add_argument("--auth-keys", type=Path, default=None, metavar="FILE",
+                       help="key set that signs each job's own credentials (default: $TENPLEX_AUTH_KEYS; local "
+                            "backend with a token: made in --state-dir)")
+    serve.add_argument("--tls-cert", default=None, metavar="PEM", help="serve HTTPS (default: $TENPLEX_TLS_CERT)")
+    serve.add_argument("--tls-key", default=None, metavar="PEM", help="the certificate's key (default: $TENPLEX_TLS_KEY)")
     serve.add_argument("--hosts", type=int, default=3, help="local backend: emulated hosts to start (default 3)")
     serve.add_argument("--gpus-per-host", type=int, default=2, help="local backend: GPUs per emulated host (default 2)")
     serve.add_argument("--hosts-file", type=Path,
@@ -88,11 +95,13 @@ def _size(text: str) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from tenplex.scheduler.server import serve, token_from
+    from tenplex.core.tls import ServerTLS
+    from tenplex.scheduler.server import auth_keys_from, serve, token_from
 
     serve(args.backend, args.state_dir, args.host, args.port, token_from(args.token), hosts=args.hosts,
           gpus_per_host=args.gpus_per_host, port_file=args.port_file, hosts_file=args.hosts_file,
-          host_timeout=args.host_timeout, memory_bytes=args.memory_bytes, memory_root=args.memory_root)
+          host_timeout=args.host_timeout, memory_bytes=args.memory_bytes, memory_root=args.memory_root,
+          auth_keys=auth_keys_from(args.auth_keys), tls=ServerTLS.from_options(args.tls_cert, args.tls_key))
     return 0
 
 
@@ -113,7 +122,7 @@ class SchedulerClient:
         if self.token:
             req.add_header("Authorization", f"Bearer {self.token}")
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as resp:
+            with urllib.request.urlopen(req, timeout=self.timeout, context=client_context()) as resp:
                 return json.loads(resp.read() or b"null")
         except urllib.error.HTTPError as exc:
             code = None

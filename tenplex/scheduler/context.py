@@ -19,8 +19,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from tenplex.core.auth import Issuer
 from tenplex.core.protocol import ExitReport
 from tenplex.core.version import Version
+from tenplex.errors import InvalidConfig
 from tenplex.ptc import PTC
 from tenplex.scheduler.backend import Backend
 from tenplex.scheduler.state import JobSpec, JobStatus, JobStore, Phase, Stage, phase_split
@@ -36,6 +38,9 @@ class SchedulerSettings:
     url: str
     """The scheduler's base URL as the workers reach it."""
     token: str | None = None
+    """The admin token: the scheduler's own credential towards the daemons (and the operator's)."""
+    credentials: Issuer | None = None
+    """Signs job-scoped credentials (:mod:`tenplex.core.auth`); None: workers and transforms get ``token``."""
     poll_interval: float = 0.2
     stop_timeout: float = 120.0
     """How long workers may take to reach the stop step and snapshot it."""
@@ -44,6 +49,21 @@ class SchedulerSettings:
     heartbeat_interval: float = 1.0
     ptc_inline_limit: int = 256 << 10
     """PTCs larger than this JSON size are fetched by the workers from ``/ptc`` instead of inlined."""
+
+    def __post_init__(self) -> None:
+        if self.credentials is not None and not self.token:
+            raise InvalidConfig("job-scoped credentials (a key set) need the admin token as well (--token or "
+                                "$TENPLEX_TOKEN): it is the scheduler's own credential towards the daemons and the "
+                                "operator's towards the scheduler")
+
+    def worker_credential(self, job: str) -> str | None:
+        """What ``job``'s workers hold (``TENPLEX_TOKEN``): its own signed credential, or the shared token
+        when the scheduler has no key set."""
+        return self.credentials.worker(job) if self.credentials is not None else self.token
+
+    def transform_grant(self, job: str) -> str | None:
+        """What a transform of ``job`` reads its source daemons with: a read grant for that job alone."""
+        return self.credentials.grant(job) if self.credentials is not None else self.token
 
 
 @dataclass

@@ -66,6 +66,7 @@ class WorkerLauncher:
         st.master_port = ctx.backend.master_port(master)
         workers, launches = [], []
         local_index: dict[str, int] = {}
+        credential = settings.worker_credential(spec.name)  # one per generation, shared by its ranks
         for rank in range(cfg.world_size):
             host = placement.host_of(rank)
             local_rank = local_index.get(host, 0)
@@ -88,8 +89,8 @@ class WorkerLauncher:
                 ENV_SNAPSHOT_EVERY: str(spec.snapshot_every),
                 **dict(spec.env),
             }
-            if settings.token:
-                env[ENV_TOKEN] = settings.token
+            if credential:
+                env[ENV_TOKEN] = credential
             workers.append(WorkerRecord(worker_id=wid, rank=rank, host=host, local_rank=local_rank, generation=generation))
             launches.append(WorkerLaunch(wid, rank, host, local_rank, env))
         st.workers = workers

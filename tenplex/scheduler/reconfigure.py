@@ -359,7 +359,7 @@ class Orchestrator:
         stores = {h.name: h.store_url for h in ctx.backend.hosts() if h.ready}
         run: PlanRun | None = None
         try:
-            run = PlanRun(plan, stores, token=ctx.settings.token, client_for=ctx.client_for)
+            run = PlanRun(plan, stores, token=ctx.settings.transform_grant(plan.job), client_for=ctx.client_for)
             statuses = run.submit()
             while not all(s.finished for s in statuses.values()) and run.failure(statuses) is None:
                 lost = [h.name for h in ctx.backend.hosts() if h.name in plan.hosts and not h.ready]

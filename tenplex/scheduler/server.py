@@ -12,6 +12,8 @@ import logging
 import os
 from pathlib import Path
 
+from tenplex.core.auth import ENV_AUTH_KEYS, Issuer, KeySet
+from tenplex.core.tls import ServerTLS
 from tenplex.errors import InvalidConfig
 from tenplex.scheduler.api import create_app
 from tenplex.scheduler.backend import LocalBackend, LocalCluster
@@ -23,10 +25,13 @@ from tenplex.serving import BackgroundServer, bind_socket, serve_forever, url_fo
 
 log = logging.getLogger(__name__)
 
+AUTH_KEYS_FILE = "auth-keys.json"
+"""The local backend's own key set, in its state directory (mode 0600)."""
+
 
 def local_cluster(state_dir: Path, hosts: int, gpus_per_host: int, token: str | None,
                   hosts_file: Path | None = None, *, memory_bytes: int | None = None,
-                  memory_root: Path | None = None) -> LocalCluster:
+                  memory_root: Path | None = None, auth_keys: Path | None = None) -> LocalCluster:
     """Start the emulated hosts, or re-attach to them after a scheduler restart, or take the hosts a hosts
     file describes (their daemons run already; see :meth:`LocalCluster.attach`). ``memory_bytes`` (and
     ``memory_root``): the started hosts' store memory tier (see :class:`LocalCluster`)."""
@@ -47,7 +52,7 @@ def local_cluster(state_dir: Path, hosts: int, gpus_per_host: int, token: str | 
         log.info("%d hosts from %s", len(listed), hosts_file)
         return cluster
     cluster = LocalCluster(root=state_dir / "cluster", token=token, gpus_per_host=gpus_per_host,
-                           memory_bytes=memory_bytes, memory_root=memory_root)
+                           memory_bytes=memory_bytes, memory_root=memory_root, auth_keys=auth_keys)
     cluster.start(hosts)
     save_cluster(state_dir, cluster)
     return cluster
@@ -62,32 +67,50 @@ def local_scheduler(options: SchedulerOptions) -> Scheduler:
     in the state directory."""
     state_dir = Path(options.state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
-    settings = SchedulerSettings(url=options.url, token=options.token, heartbeat_interval=options.heartbeat_interval)
+    keys = local_auth_keys(state_dir, options)
+    settings = SchedulerSettings(url=options.url, token=options.token, heartbeat_interval=options.heartbeat_interval,
+                                 credentials=Issuer(KeySet(keys)) if keys is not None else None)
     cluster = local_cluster(state_dir, options.hosts, options.gpus_per_host, options.token, options.hosts_file,
-                            memory_bytes=options.memory_bytes, memory_root=options.memory_root)
+                            memory_bytes=options.memory_bytes, memory_root=options.memory_root, auth_keys=keys)
     backend = LocalBackend(cluster, cwd=Path.cwd(), host_timeout=options.host_timeout)
     return Scheduler(backend, StateDir(state_dir), settings)
+
+
+def local_auth_keys(state_dir: Path, options: SchedulerOptions) -> Path | None:
+    """The key set of the local backend's job-scoped credentials: the one given; with a token and hosts of its
+    own, one made once in the state directory (their daemons are started with it, so jobs are kept apart out of
+    the box); else none (a hosts file's daemons run already: give them and the scheduler ``--auth-keys``)."""
+    if options.auth_keys is not None:
+        return Path(options.auth_keys)
+    path = state_dir / AUTH_KEYS_FILE
+    if path.exists():  # made at the first start: the daemons run with it
+        return path
+    if not options.token or options.hosts_file is not None or (state_dir / "cluster.json").exists():
+        return None
+    KeySet.generate(path)
+    return path
 
 
 def build_scheduler(backend_name: str, state_dir: Path, url: str, token: str | None, *, hosts: int = 2,
                     gpus_per_host: int = 2, heartbeat_interval: float = 1.0, hosts_file: Path | None = None,
                     host_timeout: float = 10.0, memory_bytes: int | None = None,
-                    memory_root: Path | None = None) -> Scheduler:
+                    memory_root: Path | None = None, auth_keys: Path | None = None) -> Scheduler:
     """The scheduler on the registered backend ``backend_name`` (see :func:`tenplex.scheduler.service.build_scheduler`)."""
     return build_service(backend_name, SchedulerOptions(
         state_dir=Path(state_dir), url=url, token=token, heartbeat_interval=heartbeat_interval, hosts=hosts,
         gpus_per_host=gpus_per_host, hosts_file=hosts_file, host_timeout=host_timeout, memory_bytes=memory_bytes,
-        memory_root=memory_root))
+        memory_root=memory_root, auth_keys=auth_keys))
 
 
 def serve(backend_name: str, state_dir: Path, host: str, port: int, token: str | None, *, hosts: int,
           gpus_per_host: int, port_file: Path | None = None, hosts_file: Path | None = None,
-          host_timeout: float = 10.0, memory_bytes: int | None = None, memory_root: Path | None = None) -> None:
+          host_timeout: float = 10.0, memory_bytes: int | None = None, memory_root: Path | None = None,
+          auth_keys: Path | None = None, tls: ServerTLS | None = None) -> None:
     sock = bind_socket(host, port)
-    url = url_for(host, sock.getsockname()[1])
+    url = url_for(host, sock.getsockname()[1], tls=tls is not None)
     scheduler = build_scheduler(backend_name, state_dir, url, token, hosts=hosts, gpus_per_host=gpus_per_host,
                                 hosts_file=hosts_file, host_timeout=host_timeout, memory_bytes=memory_bytes,
-                                memory_root=memory_root)
+                                memory_root=memory_root, auth_keys=auth_keys)
     recovered = scheduler.recover()
     if recovered:
         log.info("resumed jobs: %s", ", ".join(recovered))
@@ -95,7 +118,7 @@ def serve(backend_name: str, state_dir: Path, host: str, port: int, token: str |
         if port_file is not None:
             write_port_file(port_file, sock.getsockname()[1])
         log.info("scheduler (%s backend) listening on %s", backend_name, url)
-        serve_forever(create_app(scheduler, token=token), sock, log_level="info")
+        serve_forever(create_app(scheduler, token=token), sock, log_level="info", tls=tls)
     finally:
         scheduler.close()
 
@@ -160,3 +183,8 @@ class LocalScheduler:
 
 def token_from(value: str | None) -> str | None:
     return value or os.environ.get("TENPLEX_TOKEN") or None
+
+
+def auth_keys_from(value: Path | None) -> Path | None:
+    text = str(value) if value else os.environ.get(ENV_AUTH_KEYS)
+    return Path(text) if text else None

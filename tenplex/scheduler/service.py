@@ -37,6 +37,9 @@ class SchedulerOptions:
     url: str
     """The scheduler's URL as its listening socket has it (a backend may advertise another one to workers)."""
     token: str | None = None
+    auth_keys: Path | None = None
+    """The key set that signs job-scoped credentials (local backend with its own hosts: one is made in the state
+    directory when there is a token and none is given)."""
     heartbeat_interval: float = 1.0
     hosts: int = 2
     """Local backend: emulated hosts to start."""

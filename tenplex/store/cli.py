@@ -35,7 +35,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--root", required=True, help="directory that holds the shards")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=0, help="port (default 0: any free port, logged and written to --port-file)")
-    serve.add_argument("--token", default=None, help="bearer token required by every route but /healthz (default: $TENPLEX_TOKEN)")
+    serve.add_argument("--token", default=None, help="admin bearer token (the scheduler's and the operator's) "
+                       "(default: $TENPLEX_TOKEN)")
+    serve.add_argument("--auth-keys", default=None, metavar="FILE",
+                       help="key set verifying the scheduler's job-scoped credentials, re-read when it changes "
+                            "(default: $TENPLEX_AUTH_KEYS)")
+    serve.add_argument("--tls-cert", default=None, metavar="PEM", help="serve HTTPS with this certificate "
+                       "(default: $TENPLEX_TLS_CERT)")
+    serve.add_argument("--tls-key", default=None, metavar="PEM", help="the certificate's key (default: $TENPLEX_TLS_KEY)")
     serve.add_argument("--port-file", default=None, help="write the bound port to this file once listening")
     serve.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES, help="target zarr chunk size (default 4 MiB)")
     serve.add_argument(
@@ -111,6 +118,7 @@ def _size(text: str) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from tenplex.core.tls import ServerTLS
     from tenplex.node import serve
     from tenplex.transformer.service import TransformSettings
     from tenplex.transformer.uploads import UploadSettings
@@ -146,6 +154,8 @@ def _serve(args: argparse.Namespace) -> int:
         memory_bytes=args.memory_bytes,
         evict_grace_s=args.evict_grace,
         spill_interval_s=args.spill_interval,
+        auth_keys=args.auth_keys,
+        tls=ServerTLS.from_options(args.tls_cert, args.tls_key),
     )
     return 0
 

@@ -44,6 +44,7 @@ import numpy as np
 
 from tenplex import errors
 from tenplex.core.buffers import byte_view
+from tenplex.core.tls import ENV_TLS_CA, client_context, handshake_failure
 from tenplex.core.version import Version
 from tenplex.errors import (
     ChecksumMismatch,
@@ -105,6 +106,7 @@ class ReadRequest:
 _BY_STATUS: dict[int, type[TenplexError]] = {
     400: errors.InvalidInput,
     401: errors.Unauthorized,
+    403: errors.Forbidden,
     404: errors.NotFound,
     409: errors.Conflict,
     416: errors.RegionOutOfBounds,
@@ -183,6 +185,12 @@ class StoreClient(TensorStore):
 
     # -- connections --------------------------------------------------------
 
+    def _new_connection(self, timeout: float) -> http.client.HTTPConnection:
+        """A new connection; ``https`` verifies the daemon against ``$TENPLEX_TLS_CA`` (:mod:`tenplex.core.tls`)."""
+        if self._https:
+            return http.client.HTTPSConnection(self._hostname, self._port, timeout=timeout, context=client_context())
+        return http.client.HTTPConnection(self._hostname, self._port, timeout=timeout)
+
     @contextmanager
     def _connection(self) -> Iterator[tuple[http.client.HTTPConnection, bool]]:
         """A connection from the idle pool (and True) or a new one (and False), returned to the pool after use."""
@@ -199,8 +207,7 @@ class StoreClient(TensorStore):
                     else:  # the server has probably closed it (keep-alive timeout): do not find out the hard way
                         candidate.close()
             if conn is None:
-                cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
-                conn = cls(self._hostname, self._port, timeout=self.timeout)
+                conn = self._new_connection(self.timeout)
                 conn._create_connection = create_connection  # type: ignore[attr-defined]  # unpaced to this node
                 reused = False
             else:
@@ -258,6 +265,9 @@ class StoreClient(TensorStore):
                     return result
             except (OSError, http.client.HTTPException) as exc:
                 last = exc
+                if handshake_failure(exc):  # another try meets the same certificate
+                    raise StoreUnavailable(f"TLS handshake with store {self.url} failed: {exc} (is its certificate "
+                                           f"signed by the CA in ${ENV_TLS_CA}?)") from None
                 if reused and stale_retry and isinstance(exc, _PEER_CLOSED):
                     # A kept-alive connection the server closed while it sat idle: not a failure of the
                     # server. Retry at once on a new connection, once, without using up an attempt.
@@ -589,8 +599,7 @@ class StoreClient(TensorStore):
 
     def health(self) -> bool:
         """True when the daemon answers /healthz (one attempt, short timeout)."""
-        cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
-        conn = cls(self._hostname, self._port, timeout=min(self.timeout, 5.0))
+        conn = self._new_connection(min(self.timeout, 5.0))
         try:
             conn.request("GET", self._prefix + "/healthz")
             resp = conn.getresponse()

@@ -1,6 +1,7 @@
 """The node's store daemon: a :class:`LocalStore` over HTTP (FastAPI on uvicorn, uvloop + httptools).
 
-Routes (all but ``/healthz`` need ``Authorization: Bearer <token>`` when a token is set)::
+Routes (all but ``/healthz`` need ``Authorization: Bearer <credential>`` when auth is on; who may call
+which is :func:`create_app`'s table)::
 
     GET    /healthz
     GET    /metrics                                          Prometheus text format
@@ -67,7 +68,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import os
 import threading
@@ -92,9 +92,10 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tenplex.core.auth import Authenticator, Principal, require_admin, require_read, require_write
 from tenplex.core.buffers import byte_view
 from tenplex.core.version import Version
-from tenplex.errors import InvalidInput, TenplexError, Unauthorized
+from tenplex.errors import InvalidInput, TenplexError
 from tenplex.ptc.dtypes import check_dtype, itemsize, storage_dtype
 from tenplex.ptc.region import Region
 from tenplex.serving import (
@@ -190,6 +191,21 @@ class _MetricsMiddleware:
                 self.metrics.errors.labels(route, str(status)).inc()
 
 
+_VERSIONS = "/v1/jobs/{job}/versions"
+_READ_ROUTES = frozenset({
+    ("GET", _VERSIONS), ("GET", _VERSIONS + "/{version}"), ("GET", _VERSIONS + "/{version}/tensors/{tensor:path}"),
+    ("POST", _VERSIONS + "/{version}/regions"),
+})
+"""Routes a job's ``worker`` or ``reader`` credential may call for its own job."""
+_WRITE_ROUTES = frozenset({
+    ("PUT", _VERSIONS + "/{version}/tensors/{tensor:path}"), ("POST", _VERSIONS + "/{version}/links"),
+    ("POST", _VERSIONS + "/{version}/commit"),
+})
+"""Routes a job's ``worker`` credential may call for its own job (a snapshot: write, link, commit)."""
+_ANY_ROUTES = frozenset({("GET", "/v1/jobs")})
+"""Routes any valid credential may call (the handler narrows the answer to the caller's job)."""
+
+
 def _error_response(exc: TenplexError) -> JSONResponse:
     return JSONResponse(exc.to_json(), status_code=exc.http_status)
 
@@ -198,6 +214,7 @@ def create_app(
     store: LocalStore,
     *,
     token: str | None,
+    auth: Authenticator | None = None,
     single_pass_bytes: int = SINGLE_PASS_BYTES,
     piece_bytes: int = PIECE_BYTES,
     min_run_bytes: int = MIN_RUN_BYTES,
@@ -205,11 +222,15 @@ def create_app(
     routers: Sequence[APIRouter] = (),
     registry: CollectorRegistry | None = None,
 ) -> FastAPI:
-    """The FastAPI application serving ``store``; ``token`` (if not None) is required on everything but /healthz.
+    """The FastAPI application serving ``store``; every route but /healthz needs a credential when ``auth`` (default:
+    the admin ``token`` alone) has any.
 
-    ``routers`` are more routes of the same daemon behind the same token (the node daemon adds its
-    transforms, :mod:`tenplex.node`); ``registry`` is the Prometheus registry ``/metrics`` shows, shared
-    with them (a new one by default).
+    Who reaches what (:mod:`tenplex.core.auth`, checked by one dependency before any handler runs): a job's
+    ``worker`` credential reads and writes that job's versions, a ``reader`` grant reads them, ``/v1/jobs``
+    lists only the caller's job, and everything else (``/metrics``, deletes, and every route in ``routers``)
+    is ``admin`` only. ``routers`` are more routes of the same daemon (the node daemon adds its transforms and
+    uploads, :mod:`tenplex.node`); ``registry`` is the Prometheus registry ``/metrics`` shows, shared with them
+    (a new one by default).
 
     ``single_pass_bytes`` and ``piece_bytes`` bound the server memory per request (see the module doc);
     bodies whose chunk-file runs average at least ``min_run_bytes`` are sent from the page cache, those
@@ -225,14 +246,23 @@ def create_app(
     app = FastAPI(title="tenplex store", version="1", docs_url=None, redoc_url=None)
     app.state.store = store
     app.state.metrics = metrics
-    expected = f"Bearer {token}".encode() if token else None
+    authn = auth if auth is not None else Authenticator(token)
 
     async def require_token(request: Request) -> None:
-        if expected is None:
+        """Authenticate, then authorize by the matched route and its ``{job}`` (default: admin only)."""
+        principal = authn.authenticate(request.headers.get("authorization"))
+        request.state.principal = principal
+        if principal.is_admin:
             return
-        given = request.headers.get("authorization", "").encode("latin-1", "replace")
-        if not hmac.compare_digest(given, expected):
-            raise Unauthorized("missing or wrong bearer token (Authorization: Bearer <token>)")
+        route = request.scope.get("route")
+        key = (request.method, getattr(route, "path", ""))
+        job = request.path_params.get("job")
+        if key in _READ_ROUTES and isinstance(job, str):
+            require_read(principal, job)
+        elif key in _WRITE_ROUTES and isinstance(job, str):
+            require_write(principal, job)
+        elif key not in _ANY_ROUTES:
+            require_admin(principal, f"{request.method} {key[1] or request.url.path}")
 
     @app.exception_handler(TenplexError)
     async def _tenplex_error(_request: Request, exc: TenplexError) -> JSONResponse:
@@ -270,8 +300,10 @@ def create_app(
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @api.get("/v1/jobs")
-    async def list_jobs() -> dict[str, Any]:
-        return {"jobs": await to_thread.run_sync(store.jobs)}
+    async def list_jobs(request: Request) -> dict[str, Any]:
+        principal: Principal = request.state.principal
+        jobs = await to_thread.run_sync(store.jobs)
+        return {"jobs": jobs if principal.is_admin else [j for j in jobs if j == principal.job]}
 
     @api.get("/v1/jobs/{job}/versions")
     async def list_versions(job: str) -> dict[str, Any]:

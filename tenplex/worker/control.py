@@ -32,6 +32,7 @@ from pydantic import BaseModel, ValidationError
 
 from tenplex import errors
 from tenplex.core import protocol as p
+from tenplex.core.tls import client_context
 from tenplex.errors import InvalidInput, SchedulerUnavailable, TenplexError
 from tenplex.ptc import PTC
 
@@ -165,7 +166,7 @@ class ControlClient:
         for attempt in range(retries + 1):
             req = urllib.request.Request(url, data=data, method=method, headers=headers)
             try:
-                with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                with urllib.request.urlopen(req, timeout=self.timeout_s, context=client_context()) as resp:
                     return resp.read()
             except urllib.error.HTTPError as exc:
                 payload = exc.read()

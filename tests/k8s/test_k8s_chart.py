@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import subprocess
 from pathlib import Path
@@ -28,7 +29,13 @@ FULL = [
     "--set", "auth.token=s3cret",
     "--set", "imagePullSecrets[0].name=regcred",
 ]
-VALUE_SETS = {"defaults": [], "full": FULL,
+SECURE = [
+    "--set", "tls.enabled=true", "--set", "tls.secretName=tenplex-tls",
+    "--set", "networkPolicy.nodeCIDRs={10.0.0.0/16,fd00::/64}", "--set", "networkPolicy.apiNamespaces={ops}",
+    "--set", "networkPolicy.metricsNamespaces={monitoring}", "--set", "scheduler.watchNamespaces={ml}",
+    "--set", "metrics.serviceMonitor.enabled=true", "--set", "auth.jobCredentials.existingSecret=team-keys",
+]
+VALUE_SETS = {"defaults": [], "full": FULL, "secure": SECURE,
               "no-store": ["--set", "store.enabled=false", "--set", "metrics.serviceMonitor.enabled=true"], "existing-secret": ["--set", "auth.existingSecret=mine", "--set", "store.fixPermissions=false",
                                                                "--set", "store.hostPort=false", "--set", "rbac.create=true"]}
 
@@ -93,7 +100,10 @@ def test_rendered_manifests_are_valid_kubernetes_objects(name: str) -> None:
                 "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
     assert expected <= set(checked)
     assert ("DaemonSet" in checked) == (name != "no-store")
-    assert ("Secret" in checked) == (name != "existing-secret")
+    secrets = [d["metadata"]["name"] for d in docs if d["kind"] == "Secret"]
+    assert ("rel-tenplex-auth" in secrets) == (name != "existing-secret")
+    assert ("rel-tenplex-auth-keys" in secrets) == (name != "secure")  # secure names an existing key set
+    assert ("NetworkPolicy" in checked) is True  # on by default
 
 
 def test_service_monitors_scrape_real_ports() -> None:
@@ -101,7 +111,7 @@ def test_service_monitors_scrape_real_ports() -> None:
     monitors = by_kind(docs, "ServiceMonitor")
     assert sorted(m["metadata"]["name"] for m in monitors) == ["rel-tenplex-scheduler", "rel-tenplex-store"]
     services = by_kind(docs, "Service")
-    secret = one(docs, "Secret")
+    secret = one(docs, "Secret", "rel-tenplex-auth")
     for monitor in monitors:
         spec = monitor["spec"]
         selector = spec["selector"]["matchLabels"]
@@ -125,7 +135,7 @@ def test_scheduler_deployment_contract() -> None:
     (container,) = pod["spec"]["containers"]
     assert container["args"][1:] == ["scheduler", "serve", "--backend", "kubernetes", "--host", "0.0.0.0", "--port", "8080"]
     env = {e["name"]: e for e in container["env"]}
-    secret = one(docs, "Secret")
+    secret = one(docs, "Secret", "rel-tenplex-auth")
     assert env[crd.ENV_TOKEN]["valueFrom"]["secretKeyRef"] == {"name": secret["metadata"]["name"], "key": "token"}
     assert env["TENPLEX_LEASE_NAME"]["value"] == crd.LEADER_LEASE
     assert env["TENPLEX_STORE_PORT"]["value"] == str(crd.STORE_PORT)
@@ -269,12 +279,12 @@ def test_rbac_is_least_privilege() -> None:
 
 def test_auth_secret_value_or_existing() -> None:
     docs = render("--set", "auth.token=s3cret")
-    secret = one(docs, "Secret")
+    secret = one(docs, "Secret", "rel-tenplex-auth")
     assert secret["data"]["token"] == "czNjcmV0"  # base64 of s3cret
-    generated = one(render(), "Secret")["data"]["token"]
+    generated = one(render(), "Secret", "rel-tenplex-auth")["data"]["token"]
     assert len(generated) == 64  # 48 random characters, base64
     existing = render("--set", "auth.existingSecret=team-token", "--set", "auth.existingSecretKey=bearer")
-    assert by_kind(existing, "Secret") == []
+    assert [d["metadata"]["name"] for d in by_kind(existing, "Secret")] == ["rel-tenplex-auth-keys"]
     for workload in by_kind(existing, "Deployment") + by_kind(existing, "DaemonSet"):
         env = {e["name"]: e for e in workload["spec"]["template"]["spec"]["containers"][0]["env"]}
         assert env[crd.ENV_TOKEN]["valueFrom"]["secretKeyRef"] == {"name": "team-token", "key": "bearer"}
@@ -323,3 +333,95 @@ def test_example_elasticjobs_match_the_crd_schema(path: Path) -> None:
 
 def test_examples_exist() -> None:
     assert len(EXAMPLES) >= 2
+
+
+def _workload_env(doc: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e for e in doc["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+
+def test_job_credentials_key_set_is_generated_mounted_and_verifies(tmp_path: Path) -> None:
+    """The key set the scheduler signs job credentials with, and the daemons verify them with: generated once
+    (a valid key set for tenplex.core.auth), mounted without subPath (so an edited Secret reaches the processes)."""
+    from tenplex.core.auth import Authenticator, Issuer, KeySet
+
+    docs = render()
+    secret = one(docs, "Secret", "rel-tenplex-auth-keys")
+    assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    (tmp_path / "keys.json").write_bytes(base64.b64decode(secret["data"]["keys.json"]))
+    keys = KeySet(tmp_path / "keys.json")
+    cred = Issuer(keys).worker("job")
+    assert Authenticator(None, keys).authenticate(f"Bearer {cred}").job == "job"
+    for kind in ("Deployment", "DaemonSet"):
+        pod = one(docs, kind)["spec"]["template"]["spec"]
+        assert _workload_env(one(docs, kind))["TENPLEX_AUTH_KEYS"]["value"] == "/etc/tenplex/auth-keys/keys.json"
+        mount = next(m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "auth-keys")
+        assert mount == {"name": "auth-keys", "mountPath": "/etc/tenplex/auth-keys", "readOnly": True}
+        volume = next(v for v in pod["volumes"] if v["name"] == "auth-keys")
+        assert volume["secret"]["secretName"] == "rel-tenplex-auth-keys"
+    off = render("--set", "auth.jobCredentials.enabled=false")
+    assert "rel-tenplex-auth-keys" not in [d["metadata"]["name"] for d in by_kind(off, "Secret")]
+    assert "TENPLEX_AUTH_KEYS" not in _workload_env(one(off, "Deployment"))
+
+
+def test_tls_values_serve_https_probe_https_and_advertise_https() -> None:
+    docs = render(*SECURE)
+    scheduler, store = one(docs, "Deployment"), one(docs, "DaemonSet")
+    for workload in (scheduler, store):
+        env = _workload_env(workload)
+        assert {k: env[k]["value"] for k in ("TENPLEX_TLS_CERT", "TENPLEX_TLS_KEY", "TENPLEX_TLS_CA")} == {
+            "TENPLEX_TLS_CERT": "/etc/tenplex/tls/tls.crt", "TENPLEX_TLS_KEY": "/etc/tenplex/tls/tls.key",
+            "TENPLEX_TLS_CA": "/etc/tenplex/tls/ca.crt"}
+        container = workload["spec"]["template"]["spec"]["containers"][0]
+        assert container["livenessProbe"]["httpGet"]["scheme"] == "HTTPS"
+        assert container["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+        volume = next(v for v in workload["spec"]["template"]["spec"]["volumes"] if v["name"] == "tls")
+        assert volume["secret"]["secretName"] == "tenplex-tls"
+    env = _workload_env(scheduler)
+    assert env["TENPLEX_ADVERTISE_URL"]["value"] == "https://rel-tenplex-scheduler.tenplex.svc:8080"
+    assert env["TENPLEX_TLS_SECRET"]["value"] == "tenplex-tls"
+    for monitor in by_kind(docs, "ServiceMonitor"):
+        endpoint = monitor["spec"]["endpoints"][0]
+        assert endpoint["scheme"] == "https" and endpoint["tlsConfig"]["ca"]["secret"]["name"] == "tenplex-tls"
+    plain = render()
+    assert _workload_env(one(plain, "Deployment"))["TENPLEX_TLS_SECRET"]["value"] == ""
+    assert "TENPLEX_TLS_CERT" not in _workload_env(one(plain, "DaemonSet"))
+    bad = helm("template", "rel", str(CHART), "--set", "tls.enabled=true", check=False)
+    assert bad.returncode != 0 and "tls.secretName is required" in bad.stderr
+
+
+def test_network_policies_admit_only_the_release_the_job_pods_and_the_listed_namespaces() -> None:
+    docs = render(*SECURE)
+    release = {"app.kubernetes.io/name": "tenplex", "app.kubernetes.io/instance": "rel"}
+    store = one(docs, "NetworkPolicy", "rel-tenplex-store")["spec"]
+    assert store["podSelector"]["matchLabels"] == {**release, "tenplex.io/role": "store"}
+    assert store["policyTypes"] == ["Ingress"] and len(store["ingress"]) == 1
+    rule = store["ingress"][0]
+    assert rule["ports"] == [{"port": 7070, "protocol": "TCP"}]
+    jobs = {"podSelector": {"matchLabels": {"tenplex.io/role": "worker"}}, "namespaceSelector": {"matchExpressions": [
+        {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["ml", "tenplex"]}]}}
+    assert rule["from"] == [
+        {"podSelector": {"matchLabels": {**release, "tenplex.io/role": "scheduler"}}},
+        {"podSelector": {"matchLabels": {**release, "tenplex.io/role": "store"}}},
+        jobs,
+        {"ipBlock": {"cidr": "10.0.0.0/16"}}, {"ipBlock": {"cidr": "fd00::/64"}},
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}},
+    ]
+    sched = one(docs, "NetworkPolicy", "rel-tenplex-scheduler")["spec"]
+    assert sched["podSelector"]["matchLabels"] == {**release, "tenplex.io/role": "scheduler"}
+    assert sched["ingress"][0]["ports"] == [{"port": 8080, "protocol": "TCP"}]
+    assert sched["ingress"][0]["from"] == [
+        jobs,
+        {"podSelector": {"matchLabels": {**release, "tenplex.io/role": "store"}}},
+        {"ipBlock": {"cidr": "10.0.0.0/16"}}, {"ipBlock": {"cidr": "fd00::/64"}},
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ops"}}},
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}},
+    ]
+    # every namespace's job pods when the release watches all; the worker pods carry the label selected on
+    every = one(render(), "NetworkPolicy", "rel-tenplex-store")["spec"]["ingress"][0]["from"][2]
+    assert every == {"podSelector": {"matchLabels": {"tenplex.io/role": "worker"}}, "namespaceSelector": {}}
+    assert crd.job_labels("j")[crd.LABEL_ROLE] == "worker"
+    assert by_kind(render("--set", "networkPolicy.enabled=false"), "NetworkPolicy") == []
+    assert [d["metadata"]["name"] for d in by_kind(render("--set", "store.enabled=false"), "NetworkPolicy")] == [
+        "rel-tenplex-scheduler"]
+    bad = helm("template", "rel", str(CHART), "--set", "networkPolicy.nodeCIDRs={nodes}", check=False)
+    assert bad.returncode != 0 and "nodeCIDRs" in bad.stderr

@@ -37,7 +37,10 @@ def test_rendered_store_pod_serves_health_and_metrics(api: ApiServerEmulator, k8
     port, root = free_port("0.0.0.0"), tmp_path / "store"
     docs = render("--set", f"store.root={root}", "--set", f"store.hostPath={root}", "--set", f"store.port={port}",
                   "--set", "store.fixPermissions=false", "--set", "auth.token=t0ken",
-                  "--set", "image.repository=tenplex", "--set", "image.tag=test")
+                  "--set", "image.repository=tenplex", "--set", "image.tag=test",
+                  # the test kubelet runs containers as processes and projects no Secret volumes (the key set's);
+                  # the daemons' key sets are tested in tests/test_security.py
+                  "--set", "auth.jobCredentials.enabled=false")
     api.create_namespace(NS)
     secret = one(docs, "Secret")
     api.create("secrets", {"metadata": {"name": secret["metadata"]["name"]}, "data": secret["data"]}, namespace=NS)

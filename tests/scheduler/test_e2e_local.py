@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tenplex.core.auth import Authenticator, Principal
 from tenplex.errors import TenplexError
 from tenplex.scheduler.cli import SchedulerClient
 from tenplex.scheduler.server import LocalScheduler
@@ -26,6 +27,7 @@ from tenplex.testing.faults import kill_host, kill_worker
 
 pytestmark = pytest.mark.slow
 
+ADMIN_TOKEN = "e2e-admin"
 MODEL = {"vocab": 64, "dim": 32, "n_layers": 2, "n_heads": 4, "seq_len": 16}
 SNAPSHOT_EVERY = 3
 WORKER = [sys.executable, "-m", "examples.gpt.train", "--layers", "2", "--dim", "32", "--heads", "4", "--vocab", "64",
@@ -77,10 +79,16 @@ def check_planned(rec: dict, *, from_gpus: int, to_gpus: int) -> None:
 
 
 def test_scale_up_scale_down_and_worker_sigkill(tmp_path: Path) -> None:
-    with LocalScheduler(tmp_path, hosts=2, gpus_per_host=2, heartbeat_interval=0.3) as sched:
-        client = SchedulerClient(sched.url)
+    # With a token the local backend keeps jobs apart out of the box: its workers hold their job's own signed
+    # credential (never the admin token) and the transforms read their sources with the scheduler's grant.
+    with LocalScheduler(tmp_path, hosts=2, gpus_per_host=2, heartbeat_interval=0.3, token=ADMIN_TOKEN) as sched:
+        client = SchedulerClient(sched.url, ADMIN_TOKEN)
         client.create(job("elastic", gpus=1, steps=36))
-        wait_for(client, "elastic", running(0, 3), "training on 1 GPU")
+        st = wait_for(client, "elastic", running(0, 3), "training on 1 GPU")
+        held = _environ(st["workers"][0]["pid"]).get("TENPLEX_TOKEN", "")
+        assert held and held != ADMIN_TOKEN
+        assert Authenticator.from_env(None, tmp_path / "auth-keys.json").authenticate(f"Bearer {held}") == Principal(
+            "worker", "elastic", "elastic/workers")
 
         client.scale("elastic", 4)
         st = wait_for(client, "elastic", running(1, 10), "training on 4 GPUs")
@@ -106,6 +114,11 @@ def test_scale_up_scale_down_and_worker_sigkill(tmp_path: Path) -> None:
     # newest periodic snapshot is still being written, so up to two snapshot intervals can be lost.
     assert 0 <= failure["steps_lost"] <= 2 * SNAPSHOT_EVERY, failure
     assert failure["version_from"] is not None and failure["bytes_remote"] == failure["lower_bound_bytes"]
+
+
+def _environ(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes()
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
 
 
 def _start_scheduler(state: Path, port: int, log: Path) -> subprocess.Popen:

@@ -54,6 +54,63 @@ tenplex.io/role: {{ .role }}
 {{- default (printf "%s-auth" (include "tenplex.fullname" .)) .Values.auth.existingSecret }}
 {{- end }}
 
+{{- define "tenplex.authKeysSecretName" -}}
+{{- default (printf "%s-auth-keys" (include "tenplex.fullname" .)) .Values.auth.jobCredentials.existingSecret }}
+{{- end }}
+
+{{- define "tenplex.tlsEnabled" -}}
+{{- if .Values.tls.enabled }}{{ $_ := required "tls.secretName is required when tls.enabled is true (a kubernetes.io/tls Secret with tls.crt, tls.key and ca.crt)" .Values.tls.secretName }}true{{ end }}
+{{- end }}
+
+{{- define "tenplex.scheme" -}}
+{{- ternary "https" "http" (eq (include "tenplex.tlsEnabled" .) "true") }}
+{{- end }}
+
+{{/* The key set and TLS environment of the scheduler and the stores (files from the volumes below). */}}
+{{- define "tenplex.securityEnv" -}}
+{{- if .Values.auth.jobCredentials.enabled }}
+- name: TENPLEX_AUTH_KEYS
+  value: /etc/tenplex/auth-keys/{{ .Values.auth.jobCredentials.existingSecretKey }}
+{{- end }}
+{{- if eq (include "tenplex.tlsEnabled" .) "true" }}
+- name: TENPLEX_TLS_CERT
+  value: /etc/tenplex/tls/tls.crt
+- name: TENPLEX_TLS_KEY
+  value: /etc/tenplex/tls/tls.key
+- name: TENPLEX_TLS_CA
+  value: /etc/tenplex/tls/ca.crt
+{{- end }}
+{{- end }}
+
+{{- define "tenplex.securityMounts" -}}
+{{- if .Values.auth.jobCredentials.enabled }}
+{{- /* no subPath: the kubelet swaps the whole directory when the Secret changes, and the processes re-read it */}}
+- name: auth-keys
+  mountPath: /etc/tenplex/auth-keys
+  readOnly: true
+{{- end }}
+{{- if eq (include "tenplex.tlsEnabled" .) "true" }}
+- name: tls
+  mountPath: /etc/tenplex/tls
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "tenplex.securityVolumes" -}}
+{{- if .Values.auth.jobCredentials.enabled }}
+- name: auth-keys
+  secret:
+    secretName: {{ include "tenplex.authKeysSecretName" . }}
+    defaultMode: 0400
+{{- end }}
+{{- if eq (include "tenplex.tlsEnabled" .) "true" }}
+- name: tls
+  secret:
+    secretName: {{ .Values.tls.secretName }}
+    defaultMode: 0400
+{{- end }}
+{{- end }}
+
 {{/* The TENPLEX_TOKEN environment entry, from the chart's Secret or an existing one. */}}
 {{- define "tenplex.tokenEnv" -}}
 - name: TENPLEX_TOKEN
@@ -89,4 +146,20 @@ tenplex.io/role: {{ .role }}
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["create"]
+{{- end }}
+
+{{- /* The namespaces whose worker pods are the release's job pods: the watched ones (and the release's), or all. */}}
+{{- define "tenplex.jobNamespaceSelector" -}}
+{{- if .Values.scheduler.watchNamespaces }}
+namespaceSelector:
+  matchExpressions:
+    - key: kubernetes.io/metadata.name
+      operator: In
+      values:
+        {{- range (append .Values.scheduler.watchNamespaces .Release.Namespace | uniq) }}
+        - {{ . | quote }}
+        {{- end }}
+{{- else }}
+namespaceSelector: {}
+{{- end }}
 {{- end }}
