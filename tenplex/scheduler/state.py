@@ -33,9 +33,6 @@ from tenplex.scheduler.layouts import LayoutSpec
 from tenplex.scheduler.policy import Policy
 
 _NAME = re.compile(JOB_NAME_PATTERN)
-PLAN_FILE = "last-plan.json"
-"""The state directory keeps a job's last plan in ``jobs/<job>/last-plan.json``; the record names it."""
-
 
 class Phase(StrEnum):
     PENDING = "Pending"
@@ -562,37 +559,21 @@ class StateDir(JobStore):
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
         (self.root / "jobs").mkdir(parents=True, exist_ok=True)
-        self._plans: dict[str, dict[str, Any] | None] = {}
-        """Job -> the plan object its plan file holds (written again only for another object)."""
 
     def _job_file(self, name: str) -> Path:
         return self.root / "jobs" / f"{check_job_name(name)}.json"
-
-    def _plan_file(self, name: str) -> Path:
-        return self.root / "jobs" / check_job_name(name) / PLAN_FILE
 
     def _ptc_file(self, name: str, generation: int) -> Path:
         return self.root / "jobs" / check_job_name(name) / f"ptc-g{generation}.json"
 
     def save(self, spec: JobSpec, status: JobStatus) -> None:
-        """The record, and the last plan in a file of its own, written only when the status holds another one.
-
-        A plan is large (a job of a thousand workers: megabytes) and changes once
-        per reconfiguration, while the status changes at every worker's
-        registration; the plan's file is written before the record that names it.
-        """
+        """The record, one file. It stays small at any scale: the last plan is kept as what it is computed from
+        (:mod:`tenplex.scheduler.plans`), the PTCs in files of their own."""
         status.updated_at = time.time()
-        record = status.to_json(plan=False)
-        plan = status.last_plan
-        if plan is not None:
-            if self._plans.get(spec.name) is not plan:
-                atomic_write(self._plan_file(spec.name), json.dumps(plan, separators=(",", ":")))
-                self._plans[spec.name] = plan
-            record["last_plan"] = PLAN_FILE
         # Compact: json's C encoder serves only indent=None (indented output is encoded in Python, ten times slower,
         # and a record is rewritten at every worker's registration).
         atomic_write(self._job_file(spec.name),
-                     json.dumps({"spec": spec.to_json(), "status": record}, separators=(",", ":")))
+                     json.dumps({"spec": spec.to_json(), "status": status.to_json()}, separators=(",", ":")))
 
     def save_ptc(self, name: str, generation: int, ptc: PTC) -> None:
         atomic_write(self._ptc_file(name, generation), ptc.dumps())
@@ -608,17 +589,11 @@ class StateDir(JobStore):
         for path in sorted((self.root / "jobs").glob("*.json")):
             obj = json.loads(path.read_text())
             spec = JobSpec.from_json(obj["spec"])
-            record = dict(obj["status"])
-            if record.get("last_plan") == PLAN_FILE:
-                record["last_plan"] = json.loads(self._plan_file(spec.name).read_text())
-            status = JobStatus.from_json(record)
-            self._plans[spec.name] = status.last_plan
-            out.append((spec, status))
+            out.append((spec, JobStatus.from_json(obj["status"])))
         return out
 
     def delete(self, name: str) -> None:
         self._job_file(name).unlink(missing_ok=True)
-        self._plans.pop(name, None)
         folder = self.root / "jobs" / check_job_name(name)
         if folder.exists():
             for p in folder.iterdir():
