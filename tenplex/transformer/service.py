@@ -279,5 +279,5 @@ class TransformService(RecordedTasks[TransformRequest, TransformStatus, _Run]):
 def transform_router(service: TransformService) -> APIRouter:
     """The daemon's transform routes (mounted by the node daemon behind its bearer-token check)."""
     router = APIRouter()
-    add_task_routes(router, service, parse=TransformRequest.from_json)
+    add_task_routes(router, service, parse=TransformRequest.from_body)
     return router
