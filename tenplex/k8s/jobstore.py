@@ -93,6 +93,41 @@ def _unpack(text: str) -> Any:
     return json.loads(gzip.decompress(base64.b64decode(text)))
 
 
+def ptc_chunks(job: str, generation: int, ptc: PTC,
+               chunk_bytes: int = PTC_CHUNK_BYTES) -> list[tuple[str, dict[str, str], dict[str, str] | None]]:
+    """The ConfigMaps (name, binaryData, data) that hold a generation's PTC, the head first (see the module
+    doc)."""
+    blob = gzip.compress(ptc.dumps().encode(), 6)
+    chunks = [blob[i:i + chunk_bytes] for i in range(0, len(blob), chunk_bytes)] or [b""]
+    head = {"chunks": str(len(chunks)), "sha256": hashlib.sha256(blob).hexdigest()}
+    return [(ptc_configmap(job, generation, i), {PTC_KEY: base64.b64encode(c).decode()}, head if i == 0 else None)
+            for i, c in enumerate(chunks)]
+
+
+def state_data(spec: JobSpec, status: JobStatus) -> dict[str, str]:
+    """The binaryData of the ``<job>-tenplex-state`` ConfigMap: the record, gzip-compressed."""
+    return {"status.json.gz": _pack(status.to_record()), "spec.json.gz": _pack(spec.to_json())}
+
+
+def owned_configmap(job_obj: Mapping[str, Any], name: str, data: Mapping[str, str],
+                    text: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """A ConfigMap owned by the ElasticJob ``job_obj``; InvalidConfig when it would pass the object limit."""
+    size = sum(len(v) for v in data.values()) + sum(len(v) for v in (text or {}).values())
+    if size >= CONFIGMAP_LIMIT - 4096:
+        raise InvalidConfig(f"ConfigMap {name} would hold {size} bytes, over the API server's 1 MiB object limit")
+    meta = job_obj["metadata"]
+    body: dict[str, Any] = {
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": name, "namespace": meta["namespace"],
+                     "labels": {crd.LABEL_JOB: meta["name"], LABEL_STATE: "true"},
+                     "ownerReferences": [crd.owner_reference(job_obj)]},
+        "binaryData": dict(data),
+    }
+    if text:
+        body["data"] = dict(text)
+    return body
+
+
 class ElasticJobIndex:
     """The ElasticJobs this scheduler manages, watched; jobs are looked up by name.
 
@@ -200,28 +235,11 @@ class KubeJobStore(JobStore):
         check_job_name(name)
         return self.jobs.get(name)
 
-    def _owned_configmap(self, job_obj: Mapping[str, Any], name: str, data: Mapping[str, str],
-                         text: Mapping[str, str] | None = None) -> dict[str, Any]:
-        size = sum(len(v) for v in data.values()) + sum(len(v) for v in (text or {}).values())
-        if size >= CONFIGMAP_LIMIT - 4096:
-            raise InvalidConfig(f"ConfigMap {name} would hold {size} bytes, over the API server's 1 MiB object limit")
-        meta = job_obj["metadata"]
-        body: dict[str, Any] = {
-            "apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": {"name": name, "namespace": meta["namespace"],
-                         "labels": {crd.LABEL_JOB: meta["name"], LABEL_STATE: "true"},
-                         "ownerReferences": [crd.owner_reference(job_obj)]},
-            "binaryData": dict(data),
-        }
-        if text:
-            body["data"] = dict(text)
-        return body
-
     def _put(self, job_obj: Mapping[str, Any], name: str, data: Mapping[str, str],
              text: Mapping[str, str] | None = None) -> None:
         """Create the ConfigMap or replace the given keys of the existing one."""
         ns = job_obj["metadata"]["namespace"]
-        body = self._owned_configmap(job_obj, name, data, text)
+        body = owned_configmap(job_obj, name, data, text)
         try:
             self.core.create_namespaced_config_map(ns, body)
         except client.ApiException as exc:
@@ -240,8 +258,7 @@ class KubeJobStore(JobStore):
             # controller. Nothing is left to write to.
             log.info("job %s: its ElasticJob is gone; state not saved", spec.name)
             return
-        self._put(job_obj, state_configmap(spec.name),
-                  {"status.json.gz": _pack(status.to_record()), "spec.json.gz": _pack(spec.to_json())})
+        self._put(job_obj, state_configmap(spec.name), state_data(spec, status))
         self._write_status(job_obj, spec, status)
         self._prune_ptcs(job_obj, status)
         self._record_events(job_obj, status)
@@ -357,15 +374,11 @@ class KubeJobStore(JobStore):
         """The PTC as gzip-compressed JSON in chunks, one ConfigMap each (see the module doc): the other chunks
         first, the head (chunk count, SHA-256 of the whole) last."""
         job_obj = self._job(name)
-        blob = gzip.compress(ptc.dumps().encode(), 6)
-        step = self.ptc_chunk_bytes
-        chunks = [blob[i:i + step] for i in range(0, len(blob), step)] or [b""]
-        for i in range(1, len(chunks)):
-            self._put(job_obj, ptc_configmap(name, generation, i), {PTC_KEY: base64.b64encode(chunks[i]).decode()})
-        self._put(job_obj, ptc_configmap(name, generation), {PTC_KEY: base64.b64encode(chunks[0]).decode()},
-                  {"chunks": str(len(chunks)), "sha256": hashlib.sha256(blob).hexdigest()})
-        log.info("job %s: PTC of generation %d stored: %s compressed in %d ConfigMap%s", name, generation,
-                 human_bytes(len(blob)), len(chunks), "s" if len(chunks) > 1 else "")
+        chunks = ptc_chunks(name, generation, ptc, self.ptc_chunk_bytes)
+        for cm_name, data, text in reversed(chunks):  # the head last
+            self._put(job_obj, cm_name, data, text)
+        log.info("job %s: PTC of generation %d stored in %d ConfigMap%s", name, generation, len(chunks),
+                 "s" if len(chunks) > 1 else "")
         with self._lock:
             self._ptc_generations.setdefault(name, set()).add(generation)
 
