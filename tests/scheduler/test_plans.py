@@ -11,7 +11,13 @@ from tenplex.errors import InvalidInput
 from tenplex.ptc import ParallelConfig
 from tenplex.ptc.megatron import GPTSpec, megatron_gpt_ptc
 from tenplex.scheduler.plans import PlanInputs
-from tenplex.scheduler.state import JobStatus, StateDir
+from tenplex.scheduler.state import (
+    JobStatus,
+    StateDir,
+    WorkerRecord,
+    workers_from_table,
+    workers_table,
+)
 from tenplex.testing.jobstore import job_spec
 
 SPEC = GPTSpec(num_layers=4, hidden=32, heads=4, vocab=96, seq_len=8)
@@ -75,3 +81,34 @@ def test_inputs_that_cannot_be_read_are_a_clear_error() -> None:
     with pytest.raises(InvalidInput, match="not among the alive hosts"):
         PlanInputs.of(job="a", old_version="s1-g0", new_version="s1-g1", old_generation=0, alive=["h0"],
                       holders=["h1"])
+
+
+def test_the_worker_table_reads_back_every_field() -> None:
+    workers = [WorkerRecord(f"alpha-g3-r{r}", r, f"node-{r // 2}", r % 2, 3, pid=100 + 7 * r if r != 2 else None,
+                            registered=r != 1, last_heartbeat=None if r == 3 else 1_000.25 + r, step=r or None,
+                            exit_code=-9 if r == 4 else None) for r in range(6)]
+    back = workers_from_table(json.loads(json.dumps(workers_table(workers))))
+    for w, b in zip(workers, back, strict=True):
+        # Heartbeats are kept in whole seconds, rounded up: never older than they were, at most 1 s younger.
+        beat = w.last_heartbeat
+        assert (b.last_heartbeat is None) == (beat is None)
+        if beat is not None:
+            assert b.last_heartbeat is not None and 0 <= b.last_heartbeat - beat < 1
+        assert vars(b) | {"last_heartbeat": None} == vars(w) | {"last_heartbeat": None}
+    # Ids not named as the launcher names them are kept one by one.
+    odd = [WorkerRecord("standby-7", 0, "node-0", 0, 1)]
+    assert workers_from_table(workers_table(odd))[0].worker_id == "standby-7"
+    assert workers_from_table(workers_table([])) == []
+
+
+def test_a_1024_worker_record_stays_small() -> None:
+    hosts = [f"node-{i}" for i in range(128)]
+    inputs = PlanInputs.of(job="big", old_version="s9-g0", new_version="s9-g1", old_generation=0, alive=hosts,
+                           holders=hosts)
+    status = JobStatus(generation=1, hosts=hosts, workers=[
+        WorkerRecord(f"big-g1-r{r}", r, hosts[r // 8], r % 8, 1, pid=5000 + 3 * r, registered=True,
+                     last_heartbeat=2e9 + r / 1024, step=40) for r in range(1024)],
+        last_plan={"inputs": inputs.to_json(), "parallel": {}, "hosts": hosts, "gpus_per_node": 8})
+    text = json.dumps(status.to_record(), separators=(",", ":"))
+    assert len(text) < 16 << 10, len(text)  # 180 KiB with the workers as objects
+    assert JobStatus.from_json(json.loads(text)).workers[1023].worker_id == "big-g1-r1023"
