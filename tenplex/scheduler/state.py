@@ -480,6 +480,21 @@ class JobStatus:
         :meth:`from_json`."""
         out = self.to_json()
         out["workers"] = workers_table(self.workers)
+        # Host lists as runs of names (a 2,048-host job names its hosts in six lists: 140 KiB as JSON).
+        out["hosts"] = pack_names(out["hosts"])
+        out["committed"] = {v: pack_names(hosts) for v, hosts in out["committed"].items()}
+        for h in out["history"]:
+            h["from_hosts"], h["to_hosts"] = pack_names(h["from_hosts"]), pack_names(h["to_hosts"])
+        plan = out.get("last_plan")
+        if plan is not None:
+            plan = out["last_plan"] = dict(plan)
+            if "hosts" in plan:
+                plan["hosts"] = pack_names(plan["hosts"])
+            if isinstance(plan.get("inputs"), Mapping):
+                inputs = plan["inputs"] = dict(plan["inputs"])
+                for key in ("alive", "not_holding"):
+                    if key in inputs:
+                        inputs[key] = pack_names(inputs[key])
         return out
 
     def to_json(self, *, plan: bool = True) -> dict[str, Any]:
@@ -531,8 +546,67 @@ class JobStatus:
         workers = data.get("workers", [])
         data["workers"] = (workers_from_table(workers) if isinstance(workers, Mapping)
                            else [WorkerRecord(**w) for w in workers])
-        data["history"] = [Reconfiguration(**h) for h in data.get("history", [])]
+        data["hosts"] = unpack_names(data.get("hosts", []))
+        data["committed"] = {v: unpack_names(hosts) for v, hosts in data.get("committed", {}).items()}
+        data["history"] = [Reconfiguration(**{**h, "from_hosts": unpack_names(h.get("from_hosts", [])),
+                                              "to_hosts": unpack_names(h.get("to_hosts", []))})
+                           for h in data.get("history", [])]
+        plan = data.get("last_plan")
+        if isinstance(plan, Mapping):
+            plan = data["last_plan"] = dict(plan)
+            if "hosts" in plan:
+                plan["hosts"] = unpack_names(plan["hosts"])
+            if isinstance(plan.get("inputs"), Mapping):
+                inputs = plan["inputs"] = dict(plan["inputs"])
+                for key in ("alive", "not_holding"):
+                    if key in inputs:
+                        inputs[key] = unpack_names(inputs[key])
         return cls(**data)
+
+
+_NUMBERED = re.compile(r"^(.*?)(0|[1-9][0-9]*)$")
+
+
+def pack_names(names: Sequence[str]) -> list[str] | dict[str, str]:
+    """A list of host names, in order, as runs: ``{"runs": "node-0..95,node-128,node-97..127"}`` (``..``
+    joins names that differ only in a number counting up by one; DNS names hold no ``,`` and no ``..``).
+    Short lists stay lists."""
+    if len(names) < 16:
+        return list(names)
+    runs: list[list[Any]] = []  # [prefix, first, last] or [name]
+    for name in names:
+        m = _NUMBERED.match(name)
+        if m is not None:
+            prefix, n = m.group(1), int(m.group(2))
+            last = runs[-1] if runs else None
+            if last is not None and len(last) == 3 and last[0] == prefix and last[2] + 1 == n:
+                last[2] = n
+                continue
+            runs.append([prefix, n, n])
+        else:
+            runs.append([name])
+    text = ",".join(r[0] if len(r) == 1 else f"{r[0]}{r[1]}" if r[1] == r[2] else f"{r[0]}{r[1]}..{r[2]}"
+                    for r in runs)
+    return {"runs": text}
+
+
+def unpack_names(value: Any) -> list[str]:
+    """The names :func:`pack_names` packed (a plain list passes through)."""
+    if isinstance(value, list):
+        return list(value)
+    if not isinstance(value, Mapping) or not isinstance(value.get("runs"), str):
+        raise InvalidConfig(f"a host list in the job record must be a list or {{'runs': ...}}, got {value!r}")
+    out: list[str] = []
+    for part in value["runs"].split(","):
+        first, sep, last = part.partition("..")
+        if not sep:
+            out.append(first)
+            continue
+        m = _NUMBERED.match(first)
+        if m is None or not last.isdigit():
+            raise InvalidConfig(f"a host run in the job record must look like node-0..7, got {part!r}")
+        out.extend(f"{m.group(1)}{n}" for n in range(int(m.group(2)), int(last) + 1))
+    return out
 
 
 WORKERS_FORMAT = "tenplex.workers/v1"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tenplex.errors import InvalidInput
+from tenplex.errors import InvalidConfig, InvalidInput
 from tenplex.ptc import ParallelConfig
 from tenplex.ptc.megatron import GPTSpec, megatron_gpt_ptc
 from tenplex.scheduler.plans import PlanInputs
@@ -15,6 +15,8 @@ from tenplex.scheduler.state import (
     JobStatus,
     StateDir,
     WorkerRecord,
+    pack_names,
+    unpack_names,
     workers_from_table,
     workers_table,
 )
@@ -112,3 +114,14 @@ def test_a_1024_worker_record_stays_small() -> None:
     text = json.dumps(status.to_record(), separators=(",", ":"))
     assert len(text) < 16 << 10, len(text)  # 180 KiB with the workers as objects
     assert JobStatus.from_json(json.loads(text)).workers[1023].worker_id == "big-g1-r1023"
+
+
+def test_host_lists_are_kept_as_runs_in_order() -> None:
+    names = ([f"node-{i}" for i in range(20)] + ["node-07", "node-08", "node-09", "node-10", "gpu-a", "gpu-b3", "7"]
+             + [f"node-{i}" for i in range(100, 80, -1)] + ["node-5"])
+    packed = pack_names(names)
+    assert isinstance(packed, dict) and packed["runs"].startswith("node-0..19,node-07..9,node-10,gpu-a,gpu-b3,7,")
+    assert unpack_names(json.loads(json.dumps(packed))) == names
+    assert pack_names(["a", "b"]) == ["a", "b"]
+    with pytest.raises(InvalidConfig, match="host run"):
+        unpack_names({"runs": "node-x..y"})
