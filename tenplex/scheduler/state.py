@@ -610,7 +610,9 @@ def unpack_names(value: Any) -> list[str]:
 
 
 WORKERS_FORMAT = "tenplex.workers/v1"
-_NONE = -(1 << 62)
+_NO_PID, _NO_BEAT, _NO_STEP, _NO_CODE = 0, -1, -1, 1 << 24
+"""What stands for None in the worker table's columns (a worker's pid is never 0, heartbeats are kept after the
+table's base time, steps are >= 0, exit codes lie in -255..255): small numbers, so the columns fit int32."""
 _WORKER_COLUMNS = ("rank", "local_rank", "generation", "host", "pid", "registered", "last_heartbeat", "step",
                    "exit_code")
 
@@ -620,7 +622,7 @@ def workers_table(workers: Sequence[WorkerRecord]) -> dict[str, Any]:
     when they all are, as the launcher names them; hosts as indices), the numbers as delta-coded int64
     columns, zlib-compressed and base64-encoded. Heartbeat times are kept in whole seconds after ``base``,
     rounded up: a restarted scheduler sees each worker at most a second younger than it was, never older
-    (no false timeout)."""
+    (no false timeout). A pid of 0 reads back as None (no worker process has pid 0)."""
     n = len(workers)
     ids = [w.worker_id for w in workers]
     prefix = ids[0].rsplit("-g", 1)[0] if ids else ""
@@ -630,19 +632,21 @@ def workers_table(workers: Sequence[WorkerRecord]) -> dict[str, Any]:
     beats = [w.last_heartbeat for w in workers if w.last_heartbeat is not None]
     base = math.floor(min(beats)) if beats else 0
 
-    def opt(v: int | None) -> int:
-        return _NONE if v is None else int(v)
+    def opt(v: int | None, none: int) -> int:
+        return none if v is None else int(v)
 
     columns = np.array([
         [w.rank for w in workers], [w.local_rank for w in workers], [w.generation for w in workers],
-        [host_index[w.host] for w in workers], [opt(w.pid) for w in workers], [int(w.registered) for w in workers],
-        [_NONE if w.last_heartbeat is None else math.ceil(w.last_heartbeat - base) for w in workers],
-        [opt(w.step) for w in workers], [opt(w.exit_code) for w in workers],
+        [host_index[w.host] for w in workers], [opt(w.pid, _NO_PID) for w in workers],
+        [int(w.registered) for w in workers],
+        [_NO_BEAT if w.last_heartbeat is None else math.ceil(w.last_heartbeat - base) for w in workers],
+        [opt(w.step, _NO_STEP) for w in workers], [opt(w.exit_code, _NO_CODE) for w in workers],
     ], dtype=np.int64).reshape(len(_WORKER_COLUMNS), n)
     deltas = np.diff(columns, axis=1, prepend=0) if n else columns
+    dtype = "<i4" if not n or (int(deltas.max()) < 2**31 and int(deltas.min()) >= -(2**31)) else "<i8"
     return {"format": WORKERS_FORMAT, "count": n, "ids": {"prefix": prefix} if derived else {"list": ids},
-            "hosts": hosts, "base": base, "columns": list(_WORKER_COLUMNS),
-            "data": base64.b64encode(zlib.compress(deltas.astype("<i8").tobytes(), 6)).decode()}
+            "hosts": pack_names(hosts), "base": base, "columns": list(_WORKER_COLUMNS), "dtype": dtype,
+            "data": base64.b64encode(zlib.compress(deltas.astype(dtype).tobytes(), 9)).decode()}
 
 
 def workers_from_table(obj: Mapping[str, Any]) -> list[WorkerRecord]:
@@ -651,21 +655,25 @@ def workers_from_table(obj: Mapping[str, Any]) -> list[WorkerRecord]:
         raise InvalidConfig(f"the job record's workers are in format {obj.get('format')!r} with columns "
                             f"{obj.get('columns')!r}; this scheduler reads {WORKERS_FORMAT!r}")
     n = int(obj["count"])
-    raw = np.frombuffer(zlib.decompress(base64.b64decode(obj["data"])), dtype="<i8")
+    dtype = obj.get("dtype")
+    if dtype not in ("<i4", "<i8"):
+        raise InvalidConfig(f"the job record's worker table has dtype {dtype!r}; this scheduler reads <i4 and <i8")
+    raw = np.frombuffer(zlib.decompress(base64.b64decode(obj["data"])), dtype=dtype).astype(np.int64)
     if raw.size != n * len(_WORKER_COLUMNS):
         raise InvalidConfig(f"the job record's worker table holds {raw.size} values for {n} workers")
     cols = np.cumsum(raw.reshape(len(_WORKER_COLUMNS), n), axis=1).tolist()
     rank, local, gen, host, pid, registered, beat, step, code = cols
-    hosts, base = list(obj["hosts"]), int(obj["base"])
+    hosts, base = unpack_names(obj["hosts"]), int(obj["base"])
     ids = obj["ids"]
     names = list(ids["list"]) if "list" in ids else [f"{ids['prefix']}-g{g}-r{r}" for g, r in zip(gen, rank, strict=True)]
 
-    def opt(v: int) -> int | None:
-        return None if v == _NONE else v
+    def opt(v: int, none: int) -> int | None:
+        return None if v == none else v
 
-    return [WorkerRecord(names[i], rank[i], hosts[host[i]], local[i], gen[i], pid=opt(pid[i]),
-                         registered=bool(registered[i]), last_heartbeat=None if beat[i] == _NONE else float(base + beat[i]),
-                         step=opt(step[i]), exit_code=opt(code[i])) for i in range(n)]
+    return [WorkerRecord(names[i], rank[i], hosts[host[i]], local[i], gen[i], pid=opt(pid[i], _NO_PID),
+                         registered=bool(registered[i]),
+                         last_heartbeat=None if beat[i] == _NO_BEAT else float(base + beat[i]),
+                         step=opt(step[i], _NO_STEP), exit_code=opt(code[i], _NO_CODE)) for i in range(n)]
 
 
 class JobStore(ABC):
