@@ -22,12 +22,14 @@ the devices and shards of a job of that size (about 10,600 shards written per sn
 the plan), its tensors are tiny (bytes do not matter here). The daemons really run the transforms.
 
 Run: .venv/bin/python benchmarks/control_plane.py [--hosts 128] [--scale-to 768] [--window 20] [--out DIR]
+     [--model gpt3-175b-shape]  (GPT-3 175B's layout, 4,628 tensors and 20,812 shards, tiny tensors; pp16 -> pp12)
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gzip
 import json
 import logging
 import os
@@ -50,6 +52,10 @@ JOB = "cp"
 BACKEND = "tenplex.testing.simworkers:simulated_scheduler"
 MODEL = {"num_layers": 4, "hidden": 64, "heads": 8, "vocab": 512, "seq_len": 0, "normalization": "RMSNorm",
          "bias": False, "make_vocab_size_divisible_by": 8}
+MODEL_175B_SHAPE = {"num_layers": 96, "hidden": 64, "heads": 8, "vocab": 512, "seq_len": 2048,
+                    "make_vocab_size_divisible_by": 8}
+"""GPT-3 175B's layout (96 layers, LayerNorm, biases, learned positions: 4,628 tensors, 20,812 shards on
+tp8 x pp16 x dp8) with tiny tensors: ``--model gpt3-175b-shape``."""
 
 
 # -- roles ----------------------------------------------------------------------------------------
@@ -286,6 +292,9 @@ def main() -> None:
     parser.add_argument("--heartbeat-interval", type=float, default=1.0,
                         help="the scheduler's heartbeat interval (tenplex scheduler serve's default: 1 s)")
     parser.add_argument("--step-seconds", type=float, default=0.2, help="simulated training step time")
+    parser.add_argument("--model", choices=["toy", "gpt3-175b-shape"], default="toy",
+                        help="toy: 4 layers on tp8 x pp4, ZeRO-1, dp scaled down; gpt3-175b-shape: GPT-3 175B's "
+                             "layout with tiny tensors on tp8 x pp16 x dp8, ZeRO-0, scaled down in pp (dp8 kept)")
     parser.add_argument("--out", type=Path, help="keep logs and profiles here (default: a temporary directory)")
     parser.add_argument("--root"), parser.add_argument("--hosts-file"), parser.add_argument("--port-file")
     parser.add_argument("--state-dir"), parser.add_argument("--log"), parser.add_argument("--profile")
@@ -299,8 +308,13 @@ def main() -> None:
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # so that the children are stopped (finally) on a timeout
     gpus = args.hosts * args.gpus_per_host
-    tp, pp = args.gpus_per_host, 4
-    dp, dp_to = gpus // (tp * pp), args.scale_to // (tp * pp)
+    tp = args.gpus_per_host
+    if args.model == "toy":
+        model, zero, pp = MODEL, 1, 4
+        dp, dp_to, pp_to = gpus // (tp * pp), args.scale_to // (tp * pp), pp
+    else:
+        model, zero, dp = MODEL_175B_SHAPE, 0, 8
+        pp, pp_to, dp_to = gpus // (tp * dp), args.scale_to // (tp * dp), dp
     out = args.out or Path(tempfile.mkdtemp(prefix="tenplex-control-plane-"))
     out.mkdir(parents=True, exist_ok=True)
     print(f"machine: nproc={os.cpu_count()}, load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}; "
@@ -333,11 +347,11 @@ def main() -> None:
         url = f"http://127.0.0.1:{wait_file(out / 'scheduler.port', sched, 'the scheduler', 120)}"
 
         spec = {
-            "name": JOB, "layout": {"provider": "megatron-gpt", "model": MODEL, "precision": "fp32"},
+            "name": JOB, "layout": {"provider": "megatron-gpt", "model": model, "precision": "fp32"},
             "dataset": {"num_samples": 1 << 30, "global_batch_size": 96 * 16},
             "command": ["simulated"], "gpus": gpus, "min_gpus": tp * pp, "max_gpus": gpus,
-            "policy": {"table": {str(gpus): {"dp": dp, "tp": tp, "pp": pp, "zero": 1},
-                                 str(args.scale_to): {"dp": dp_to, "tp": tp, "pp": pp, "zero": 1}}},
+            "policy": {"table": {str(gpus): {"dp": dp, "tp": tp, "pp": pp, "zero": zero},
+                                 str(args.scale_to): {"dp": dp_to, "tp": tp, "pp": pp_to, "zero": zero}}},
             # Registration is slow at this scale (each one rewrites the job record, see RESULTS.md): a rank that
             # registered first waits for the others' records before its heartbeat is handled.
             "steps": 1 << 30, "snapshot_every": 1 << 30, "heartbeat_timeout": 600,
@@ -445,6 +459,9 @@ def main() -> None:
             print(f"    {k:<28} n={len(v):4d}  p99 {1e3 * pct(v, 0.99):6.1f} ms  max {1e3 * max(v):6.1f} ms")
         span = t_done - t_req
         print(f"  scheduler process CPU during it: {cpu3 - cpu2:.1f} s in {span:.1f} s")
+        record = (out / "state" / "jobs" / f"{JOB}.json").read_bytes()
+        print(f"  job record after it: {len(record) / 1024:.1f} KiB of JSON ({len(gzip.compress(record, 6)) / 1024:.1f} "
+              f"KiB gzipped, as the Kubernetes job store keeps it); the plan is not in it")
         for line in top(diff(prof2, prof3), 16, span):
             print(line)
     finally:

@@ -19,8 +19,9 @@ The PTCs are built by the Megatron layout provider before timing (the scheduler
 builds them anyway; their build time is printed separately); the timed part is
 make_plan, lower bound and checks included. The first plan of a scenario is
 timed on its own (cold) besides the median; CPU time (time.process_time) is
-printed too, as the machine is shared. Serializing every host's part (what the
-scheduler sends to the daemons) is timed apart: it is orchestration, not planning.
+printed too, as the machine is shared. Building and encoding every host's transform request (its part of
+the plan in the binary form of tenplex.transformer.part, with its sources: what the scheduler sends the
+daemons) is timed apart (--serialize): it is orchestration, not planning.
 
 Run: .venv/bin/python benchmarks/plan_scale.py [--repeat 5] [--cases 175b,405b] [--serialize]
 """
@@ -35,7 +36,9 @@ import time
 
 from tenplex.ptc import PTC, ParallelConfig
 from tenplex.ptc.megatron import GPTSpec, megatron_gpt_ptc
+from tenplex.store.client import StoreClient
 from tenplex.transformer.plan import make_plan, plan_summary
+from tenplex.transformer.remote import PlanRun
 
 GPT3_175B = GPTSpec(num_layers=96, hidden=12288, heads=96, vocab=50257, seq_len=2048)
 GPT_405B = GPTSpec(num_layers=126, hidden=16384, heads=128, kv_heads=8, vocab=128256, ffn_hidden=53248,
@@ -92,7 +95,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5, help="timed runs per scenario (median reported)")
     parser.add_argument("--cases", default="175b,405b", help="comma-separated: 175b, 405b")
     parser.add_argument("--serialize", action="store_true",
-                        help="also time building and serializing every host's part (JSON), as sent to the daemons")
+                        help="also time building and encoding every host's part (binary), as sent to the daemons")
+    parser.add_argument("--json", action="store_true",
+                        help="with --serialize, also every host's part as JSON (the form before the binary one)")
     args = parser.parse_args()
     print(f"machine: nproc={os.cpu_count()}, load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     builders = {"175b": scenarios_175b, "405b": scenarios_405b}
@@ -121,10 +126,20 @@ def main() -> None:
                 f"{s['max_send_bytes'] / 2**30:.2f} GiB, max receive {s['max_receive_bytes'] / 2**30:.2f} GiB"
             )
             if args.serialize:
-                start = time.perf_counter()
-                size = sum(len(json.dumps(plan.host(h).to_json(), separators=(",", ":"))) for h in plan.hosts)
-                print(f"  every host's part built and serialized: {time.perf_counter() - start:.2f} s, "
-                      f"{size / 2**20:.0f} MiB of JSON")
+                plan = make_plan(old, new, job="big", old_version="s100-g0", new_version="s100-g1", alive=alive,
+                                 checkpoint=checkpoint)  # a fresh plan: no host's objects built yet
+                start, cpu = time.perf_counter(), time.process_time()
+                run = PlanRun(plan, {h: f"http://{h}:7070" for h in {*old.hosts, *new.hosts}}, token=None,
+                              client_for=StoreClient)
+                sizes = [len(run.body(h)) for h in plan.hosts]
+                print(f"  every host's transform request (binary part + sources) built and encoded: {time.perf_counter() - start:.2f} s "
+                      f"(CPU {time.process_time() - cpu:.2f} s), {sum(sizes) / 2**20:.1f} MiB in all, largest "
+                      f"{max(sizes) / 2**10:.0f} KiB; load {os.getloadavg()[0]:.1f}")
+                if args.json:
+                    start = time.perf_counter()
+                    size = sum(len(json.dumps(plan.host(h).to_json(), separators=(",", ":"))) for h in plan.hosts)
+                    print(f"  every host's part built and serialized as JSON: {time.perf_counter() - start:.2f} s, "
+                          f"{size / 2**20:.0f} MiB")
 
 
 if __name__ == "__main__":

@@ -14,14 +14,20 @@ the API server alone:
   :class:`~tenplex.scheduler.state.JobSpec` the job was created with live,
   gzip-compressed, in the ConfigMap ``<job>-tenplex-state`` (``binaryData``
   ``status.json.gz`` and ``spec.json.gz``).
-* The PTC of each generation still needed lives in its own ConfigMap
-  ``<job>-tenplex-ptc-g<N>`` (``binaryData`` ``ptc.json.gz``): a PTC is written
-  once and read back only after a restart, and one object per generation keeps
-  each far below the 1 MiB object limit. Measured for a 1.3B-parameter GPT
-  (24 layers, hidden 2048, bf16, ZeRO-1): its PTC on 64 GPUs (dp8 x tp4 x pp2)
-  is 316 KiB of JSON and 13 KiB stored; the job record holding the plan of a
-  64 -> 32 GPU change is 1.1 MiB of JSON and 66 KiB stored. Generations no
-  longer referenced by the status are deleted.
+* The PTC of each generation still needed is gzip-compressed JSON cut into
+  chunks of at most ``ptc_chunk_bytes`` (512 KiB: 683 KiB in base64, below the
+  API server's 1 MiB object limit with room for the metadata), one ConfigMap
+  each: ``<job>-tenplex-ptc-g<N>`` holds the first chunk and says how many
+  there are and the whole's SHA-256; ``<job>-tenplex-ptc-g<N>-<i>`` the others.
+  The other chunks are written first, the head last, so a head is never read
+  whose chunks are missing; and the PTC before the record that refers to it. A
+  PTC is written once per generation and read back only after a restart. Sizes:
+  a 405B GPT with ZeRO-1 on 16,384 GPUs (149,708 shards) is 14.5 MB of JSON,
+  770 KB gzipped: two ConfigMaps. Generations no longer referenced by the
+  status are deleted (head first, so a half-deleted one is never read).
+* The plan of a reconfiguration is not stored: the record keeps what it is
+  computed from (:mod:`tenplex.scheduler.plans`), and the workers as one
+  compact table. The record of a 405B job on 16,384 GPUs is about 40 KB stored.
 
 Every ConfigMap carries an ownerReference to the ElasticJob, so deleting the
 job removes them with its pods. The internal status is written before the
@@ -33,6 +39,7 @@ from __future__ import annotations
 import base64
 import functools
 import gzip
+import hashlib
 import json
 import logging
 import re
@@ -61,6 +68,10 @@ PTC_SUFFIX = "-tenplex-ptc-g"
 LABEL_STATE = "tenplex.io/state"
 CONFIGMAP_LIMIT = 1 << 20
 """The API server's limit on one object (etcd request size): keep every ConfigMap below it."""
+PTC_CHUNK_BYTES = 512 << 10
+"""Compressed PTC bytes per ConfigMap (base64 makes 683 KiB of them)."""
+PTC_KEY = "ptc.json.gz"
+_PTC_NAME = re.compile(r"^(?P<job>.+)-tenplex-ptc-g(?P<gen>\d+)(?:-(?P<chunk>\d+))?$")
 
 Condition = crd.Condition
 
@@ -69,8 +80,9 @@ def state_configmap(job: str) -> str:
     return f"{job}{STATE_SUFFIX}"
 
 
-def ptc_configmap(job: str, generation: int) -> str:
-    return f"{job}{PTC_SUFFIX}{generation}"
+def ptc_configmap(job: str, generation: int, chunk: int = 0) -> str:
+    """The ConfigMap of one chunk of a generation's PTC (chunk 0: the head, which names the others)."""
+    return f"{job}{PTC_SUFFIX}{generation}" + (f"-{chunk}" if chunk else "")
 
 
 def _pack(obj: Any) -> str:
@@ -79,6 +91,41 @@ def _pack(obj: Any) -> str:
 
 def _unpack(text: str) -> Any:
     return json.loads(gzip.decompress(base64.b64decode(text)))
+
+
+def ptc_chunks(job: str, generation: int, ptc: PTC,
+               chunk_bytes: int = PTC_CHUNK_BYTES) -> list[tuple[str, dict[str, str], dict[str, str] | None]]:
+    """The ConfigMaps (name, binaryData, data) that hold a generation's PTC, the head first (see the module
+    doc)."""
+    blob = gzip.compress(ptc.dumps().encode(), 6)
+    chunks = [blob[i:i + chunk_bytes] for i in range(0, len(blob), chunk_bytes)] or [b""]
+    head = {"chunks": str(len(chunks)), "sha256": hashlib.sha256(blob).hexdigest()}
+    return [(ptc_configmap(job, generation, i), {PTC_KEY: base64.b64encode(c).decode()}, head if i == 0 else None)
+            for i, c in enumerate(chunks)]
+
+
+def state_data(spec: JobSpec, status: JobStatus) -> dict[str, str]:
+    """The binaryData of the ``<job>-tenplex-state`` ConfigMap: the record, gzip-compressed."""
+    return {"status.json.gz": _pack(status.to_record()), "spec.json.gz": _pack(spec.to_json())}
+
+
+def owned_configmap(job_obj: Mapping[str, Any], name: str, data: Mapping[str, str],
+                    text: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """A ConfigMap owned by the ElasticJob ``job_obj``; InvalidConfig when it would pass the object limit."""
+    size = sum(len(v) for v in data.values()) + sum(len(v) for v in (text or {}).values())
+    if size >= CONFIGMAP_LIMIT - 4096:
+        raise InvalidConfig(f"ConfigMap {name} would hold {size} bytes, over the API server's 1 MiB object limit")
+    meta = job_obj["metadata"]
+    body: dict[str, Any] = {
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": name, "namespace": meta["namespace"],
+                     "labels": {crd.LABEL_JOB: meta["name"], LABEL_STATE: "true"},
+                     "ownerReferences": [crd.owner_reference(job_obj)]},
+        "binaryData": dict(data),
+    }
+    if text:
+        body["data"] = dict(text)
+    return body
 
 
 class ElasticJobIndex:
@@ -145,7 +192,12 @@ class ElasticJobIndex:
 class KubeJobStore(JobStore):
     """The job store in the API server (see the module docstring)."""
 
-    def __init__(self, api_client: client.ApiClient, jobs: ElasticJobIndex, root: str | Path) -> None:
+    def __init__(self, api_client: client.ApiClient, jobs: ElasticJobIndex, root: str | Path, *,
+                 ptc_chunk_bytes: int = PTC_CHUNK_BYTES) -> None:
+        if not 0 < ptc_chunk_bytes <= (CONFIGMAP_LIMIT - (64 << 10)) * 3 // 4:
+            raise InvalidConfig(f"ptc_chunk_bytes must be between 1 and {(CONFIGMAP_LIMIT - (64 << 10)) * 3 // 4} "
+                                f"(base64 of it must fit a ConfigMap), got {ptc_chunk_bytes}")
+        self.ptc_chunk_bytes = ptc_chunk_bytes
         self.core = client.CoreV1Api(api_client)
         self.custom = client.CustomObjectsApi(api_client)
         self.jobs = jobs
@@ -183,30 +235,20 @@ class KubeJobStore(JobStore):
         check_job_name(name)
         return self.jobs.get(name)
 
-    def _owned_configmap(self, job_obj: Mapping[str, Any], name: str, data: Mapping[str, str]) -> dict[str, Any]:
-        size = sum(len(v) for v in data.values())
-        if size >= CONFIGMAP_LIMIT - 4096:
-            raise InvalidConfig(f"ConfigMap {name} would hold {size} bytes, over the API server's 1 MiB object limit")
-        meta = job_obj["metadata"]
-        return {
-            "apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": {"name": name, "namespace": meta["namespace"],
-                         "labels": {crd.LABEL_JOB: meta["name"], LABEL_STATE: "true"},
-                         "ownerReferences": [crd.owner_reference(job_obj)]},
-            "binaryData": dict(data),
-        }
-
-    def _put(self, job_obj: Mapping[str, Any], name: str, data: Mapping[str, str]) -> None:
+    def _put(self, job_obj: Mapping[str, Any], name: str, data: Mapping[str, str],
+             text: Mapping[str, str] | None = None) -> None:
         """Create the ConfigMap or replace the given keys of the existing one."""
         ns = job_obj["metadata"]["namespace"]
-        body = self._owned_configmap(job_obj, name, data)
+        body = owned_configmap(job_obj, name, data, text)
         try:
             self.core.create_namespaced_config_map(ns, body)
         except client.ApiException as exc:
             if exc.status != 409:
                 raise
-            self.core.patch_namespaced_config_map(name, ns, {"binaryData": dict(data)},
-                                                  _content_type="application/merge-patch+json")
+            patch: dict[str, Any] = {"binaryData": dict(data)}
+            if text:
+                patch["data"] = dict(text)
+            self.core.patch_namespaced_config_map(name, ns, patch, _content_type="application/merge-patch+json")
 
     def save(self, spec: JobSpec, status: JobStatus) -> None:
         status.updated_at = time.time()
@@ -216,8 +258,7 @@ class KubeJobStore(JobStore):
             # controller. Nothing is left to write to.
             log.info("job %s: its ElasticJob is gone; state not saved", spec.name)
             return
-        self._put(job_obj, state_configmap(spec.name),
-                  {"status.json.gz": _pack(status.to_json()), "spec.json.gz": _pack(spec.to_json())})
+        self._put(job_obj, state_configmap(spec.name), state_data(spec, status))
         self._write_status(job_obj, spec, status)
         self._prune_ptcs(job_obj, status)
         self._record_events(job_obj, status)
@@ -330,20 +371,43 @@ class KubeJobStore(JobStore):
         )
 
     def save_ptc(self, name: str, generation: int, ptc: PTC) -> None:
+        """The PTC as gzip-compressed JSON in chunks, one ConfigMap each (see the module doc): the other chunks
+        first, the head (chunk count, SHA-256 of the whole) last."""
         job_obj = self._job(name)
-        self._put(job_obj, ptc_configmap(name, generation), {"ptc.json.gz": _pack(ptc.to_json())})
+        chunks = ptc_chunks(name, generation, ptc, self.ptc_chunk_bytes)
+        for cm_name, data, text in reversed(chunks):  # the head last
+            self._put(job_obj, cm_name, data, text)
+        log.info("job %s: PTC of generation %d stored in %d ConfigMap%s", name, generation, len(chunks),
+                 "s" if len(chunks) > 1 else "")
         with self._lock:
             self._ptc_generations.setdefault(name, set()).add(generation)
 
     def load_ptc(self, name: str, generation: int) -> PTC:
         job_obj = self._job(name)
-        try:
-            cm = self.core.read_namespaced_config_map(ptc_configmap(name, generation), job_obj["metadata"]["namespace"])
-        except client.ApiException as exc:
-            if exc.status == 404:
-                raise NotFound(f"job {name!r} has no PTC for generation {generation}") from None
-            raise
-        return PTC.from_json(_unpack((cm.binary_data or {})["ptc.json.gz"]))
+        ns = job_obj["metadata"]["namespace"]
+
+        def read(chunk: int) -> Any:
+            try:
+                return self.core.read_namespaced_config_map(ptc_configmap(name, generation, chunk), ns)
+            except client.ApiException as exc:
+                if exc.status == 404:
+                    if chunk == 0:
+                        raise NotFound(f"job {name!r} has no PTC for generation {generation}") from None
+                    raise InvalidConfig(f"the PTC of job {name!r} generation {generation} is incomplete: its "
+                                        f"ConfigMap {ptc_configmap(name, generation, chunk)} is missing") from None
+                raise
+
+        head = read(0)
+        text = head.data or {}
+        parts = [base64.b64decode((head.binary_data or {})[PTC_KEY])]
+        count = int(text.get("chunks", "1"))
+        parts.extend(base64.b64decode((read(i).binary_data or {}).get(PTC_KEY, "")) for i in range(1, count))
+        blob = b"".join(parts)
+        digest = text.get("sha256")
+        if digest is not None and hashlib.sha256(blob).hexdigest() != digest:
+            raise InvalidConfig(f"the PTC of job {name!r} generation {generation} does not match its checksum "
+                                f"(its {count} ConfigMaps are of different writes)")
+        return PTC.from_json(json.loads(gzip.decompress(blob)))
 
     def _prune_ptcs(self, job_obj: Mapping[str, Any], status: JobStatus) -> None:
         """Delete PTCs of generations nothing refers to any more: not the current or next generation, nor
@@ -355,22 +419,35 @@ class KubeJobStore(JobStore):
                 keep.add(status.version_generation.get(v, Version.parse(v).generation))
         with self._lock:
             known = self._ptc_generations.get(name)
-        if known is None:  # after a restart: learn which exist
-            cms = self.core.list_namespaced_config_map(job_obj["metadata"]["namespace"],
-                                                       label_selector=f"{crd.LABEL_JOB}={name},{LABEL_STATE}=true")
-            known = {int(cm.metadata.name.rsplit("-g", 1)[1]) for cm in cms.items
-                     if cm.metadata.name.startswith(f"{name}{PTC_SUFFIX}")}
+        ns = job_obj["metadata"]["namespace"]
+        chunks: dict[int, set[int]] = {}
+        if known is None or any(g not in keep and g < status.generation for g in known):
+            # Which generations and chunks exist (after a restart, or before deleting some).
+            cms = self.core.list_namespaced_config_map(ns, label_selector=f"{crd.LABEL_JOB}={name},{LABEL_STATE}=true")
+            for cm in cms.items:
+                m = _PTC_NAME.match(cm.metadata.name)
+                if m is not None and m.group("job") == name:
+                    chunks.setdefault(int(m.group("gen")), set()).add(int(m.group("chunk") or 0))
+            known = set(chunks)
         drop = {g for g in known if g not in keep and g < status.generation}
         for g in sorted(drop):
             try:
-                self.core.delete_namespaced_config_map(ptc_configmap(name, g), job_obj["metadata"]["namespace"])
+                for chunk in sorted(chunks.get(g, {0})):  # the head first: a half-deleted PTC is never read
+                    self._delete_configmap(ptc_configmap(name, g, chunk), ns)
             except client.ApiException as exc:
-                if exc.status != 404:
-                    log.warning("job %s: could not delete the PTC of generation %d: %s", name, g, exc.reason)
-                    continue
+                log.warning("job %s: could not delete the PTC of generation %d: %s", name, g, exc.reason)
+                drop.discard(g)  # looked for again at the next save
+                continue
             log.info("job %s: deleted the PTC of generation %d (no longer referenced)", name, g)
         with self._lock:
             self._ptc_generations[name] = known - drop
+
+    def _delete_configmap(self, name: str, ns: str) -> None:
+        try:
+            self.core.delete_namespaced_config_map(name, ns)
+        except client.ApiException as exc:
+            if exc.status != 404:
+                raise
 
     def load(self, name: str) -> tuple[JobSpec, JobStatus] | None:
         """The saved spec and status of one job, or None when it was never saved."""

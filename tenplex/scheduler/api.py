@@ -33,13 +33,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tenplex import __version__, registry
 from tenplex.core import protocol as P
 from tenplex.core.auth import Authenticator, Principal, require_admin
-from tenplex.errors import Forbidden, InvalidInput, NotFound, TenplexError, Unauthorized
+from tenplex.errors import Forbidden, InvalidInput, TenplexError, Unauthorized
 from tenplex.ptc import DatasetState, ParallelConfig
 from tenplex.scheduler.controller import JobController
 from tenplex.scheduler.layouts import LayoutSpec, registered_providers
 from tenplex.scheduler.service import Scheduler
 from tenplex.scheduler.state import CheckpointSpec, JobSpec, ResumeSpec, policy_from_json
-from tenplex.transformer.plan import Plan
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"description": text, "content": {"application/json": {"example": {"error": "code", "detail": "message"}}}}
@@ -286,11 +285,10 @@ def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
     def get_plan(job: P.JobName) -> dict[str, Any]:
         ctl = scheduler.get(job)
         with ctl.lock:
-            plan = ctl.status.last_plan
-        if plan is None:
-            raise NotFound(f"job {job!r} has not been reconfigured yet")
-        # Rendered when asked for, not kept in the record: the record is saved at every transition.
-        return {"explain": Plan.from_json(plan["plan"]).explain(), "plan": plan["plan"]}
+            plan = ctl.plan()
+            inputs = dict(ctl.status.last_plan or {})
+        # Rendered when asked for, not kept in the record: the record keeps only what the plan is computed from.
+        return {"explain": plan.explain(), "plan": plan.to_json(), "inputs": inputs.get("inputs")}
 
     @app.get("/v1/jobs/{job}/ptc", tags=["jobs"], summary="The PTC of a generation (default: current)",
              dependencies=[Auth])

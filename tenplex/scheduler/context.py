@@ -25,7 +25,9 @@ from tenplex.core.version import Version
 from tenplex.errors import InvalidConfig
 from tenplex.ptc import PTC
 from tenplex.scheduler.backend import Backend
+from tenplex.scheduler.plans import PlanInputs
 from tenplex.scheduler.state import JobSpec, JobStatus, JobStore, Phase, Stage, phase_split
+from tenplex.transformer.plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +84,9 @@ class JobContext:
     stage_started: float = field(default_factory=time.monotonic)
     transitions: int = 0
     """Counts :meth:`enter` calls: the loop goes on at once after a tick that moved the job on."""
+    plan_cache: tuple[PlanInputs, Plan] | None = None
+    """(PlanInputs, Plan) of the last plan made or computed again in this process (the record keeps only the
+    inputs: see :mod:`tenplex.scheduler.plans`)."""
     _ptcs: dict[int, PTC] = field(default_factory=dict)
     _dirty_since: float | None = None
 
@@ -180,7 +185,9 @@ class JobContext:
         st = self.status
         used = [st.generation, *st.version_generation.values()]
         if st.last_plan is not None:
-            used.append(Version.parse(st.last_plan["plan"]["new_version"]).generation)
+            target = (st.last_plan.get("inputs") or {}).get("new_version")
+            if target is not None:
+                used.append(Version.parse(target).generation)
         return max(used) + 1
 
     def worker_ids(self) -> list[str]:

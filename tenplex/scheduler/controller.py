@@ -47,6 +47,7 @@ from tenplex.scheduler.launcher import WorkerLauncher
 from tenplex.scheduler.persist import Housekeeper
 from tenplex.scheduler.reconfigure import STOP_MARGIN_STEPS, Orchestrator
 from tenplex.scheduler.state import JobSpec, JobStatus, JobStore, Phase, Stage, WorkerRecord
+from tenplex.transformer.plan import Plan
 
 __all__ = ["STOP_MARGIN_STEPS", "JobController", "SchedulerSettings", "job_view", "log_dir_for"]
 
@@ -108,6 +109,11 @@ class JobController:
 
     def ptc(self, generation: int) -> PTC:
         return self.ctx.ptc(generation)
+
+    def plan(self) -> Plan:
+        """The last reconfiguration's plan (computed again from the record after a restart); NotFound if none."""
+        with self.lock:
+            return self.orchestrator.current_plan()
 
     # -- requests from the REST API -----------------------------------------
 

@@ -45,8 +45,9 @@ from tenplex.scheduler.context import JobContext
 from tenplex.scheduler.decide import choose_recovery, find_stop_version, missing_text, steps_reached
 from tenplex.scheduler.launcher import WorkerLauncher
 from tenplex.scheduler.persist import Housekeeper
+from tenplex.scheduler.plans import PlanInputs
 from tenplex.scheduler.state import Phase, Reconfiguration, Stage, phase_split
-from tenplex.transformer.plan import Plan, make_plan
+from tenplex.transformer.plan import Plan
 from tenplex.transformer.remote import COMMITTED, INTERRUPTED, PlanRun, TransformStatus
 
 log = logging.getLogger(__name__)
@@ -219,10 +220,10 @@ class Orchestrator:
         # attempt used.
         gen = max(saved.version.generation + 1, ctx.next_generation() if st.last_plan is not None else 0)
         new_version = Version(saved.version.step, gen)
+        inputs = PlanInputs.of(job=ctx.name, old_version=saved.version, new_version=new_version, old_generation=None,
+                               alive=[h.name for h in hosts], holders=[], checkpoint=rf.uri, old_job=source_job)
         try:
-            plan = make_plan(saved.ptc, decision.ptc, job=ctx.name, old_version=saved.version,
-                             new_version=new_version, holders={}, alive=[h.name for h in hosts], checkpoint=rf.uri,
-                             old_job=source_job)
+            plan = inputs.plan(saved.ptc, decision.ptc)
         except TenplexError as exc:
             self.fail(f"{what}: {exc.detail}")
             return
@@ -236,8 +237,7 @@ class Orchestrator:
             to_hosts=list(decision.placement.hosts), version_from=str(saved.version), version_to=str(new_version),
             lower_bound_bytes=plan.lower_bound_bytes, source=f"{rf.uri} (job {source_job})"))
         ctx.mark("requested")
-        st.last_plan = {"plan": plan.to_json(), "parallel": decision.parallel.to_json(),
-                        "hosts": list(decision.placement.hosts), "gpus_per_node": decision.placement.gpus_per_node}
+        self._record_plan(inputs, plan, decision)
         ctx.mark("planned")
         st.restore_version = str(new_version)
         self._launch_generation(decision, gen)
@@ -298,7 +298,8 @@ class Orchestrator:
             self.suspend()
             return
         version = Version.parse(st.version or "")
-        old_ptc = ctx.ptc(st.version_generation.get(str(version), version.generation))
+        old_generation = st.version_generation.get(str(version), version.generation)
+        old_ptc = ctx.ptc(old_generation)
         gpus = st.target_gpus or st.gpus
         # Placement and planning see the same hosts alive: those whose stores answer now.
         holders = self.holders()
@@ -311,12 +312,11 @@ class Orchestrator:
         new_version = Version(version.step, new_gen)
         # Regions no survivor holds come from the persistent checkpoint, when it has this version.
         checkpoint = ctx.spec.checkpoint.uri if ctx.spec.checkpoint is not None and str(version) in st.persisted else None
+        inputs = PlanInputs.of(job=ctx.name, old_version=version, new_version=new_version,
+                               old_generation=old_generation, alive=list(holders),
+                               holders=[h for h, vs in holders.items() if str(version) in vs], checkpoint=checkpoint)
         try:
-            plan = make_plan(
-                old_ptc, decision.ptc, job=ctx.name, old_version=version, new_version=new_version,
-                holders={h: version for h, vs in holders.items() if str(version) in vs}, alive=list(holders),
-                checkpoint=checkpoint,
-            )
+            plan = inputs.plan(old_ptc, decision.ptc)
         except StateLost as exc:
             self.fail(f"state lost: {exc.detail}")
             return
@@ -328,8 +328,7 @@ class Orchestrator:
         rec.version_from = str(version)
         rec.version_to = str(new_version)
         rec.lower_bound_bytes = plan.lower_bound_bytes
-        st.last_plan = {"plan": plan.to_json(), "parallel": decision.parallel.to_json(),
-                        "hosts": list(decision.placement.hosts), "gpus_per_node": decision.placement.gpus_per_node}
+        self._record_plan(inputs, plan, decision)
         st.target_gpus = decision.parallel.world_size
         ctx.mark("planned")
         # The new workers start now: their interpreter, imports, model build and rendezvous overlap the
@@ -339,6 +338,46 @@ class Orchestrator:
         ctx.enter(Phase.RECONFIGURING, Stage.TRANSFERRING,
                   f"plan {version} -> {new_version}: {plan.network_bytes} B over the network "
                   f"(lower bound {plan.lower_bound_bytes} B), {plan.local_bytes} B local; new workers starting")
+
+    def _record_plan(self, inputs: PlanInputs, plan: Plan, decision: policy_mod.Decision) -> None:
+        """Keep what the plan is computed from in the record (small at any scale), the plan itself in memory."""
+        self.ctx.status.last_plan = {"inputs": inputs.to_json(), "parallel": decision.parallel.to_json(),
+                                     "hosts": list(decision.placement.hosts),
+                                     "gpus_per_node": decision.placement.gpus_per_node}
+        self.ctx.plan_cache = (inputs, plan)
+
+    def current_plan(self) -> Plan:
+        """The last reconfiguration's plan: the one made in this process, else computed again from the record's
+        inputs and the persisted PTCs (after a scheduler restart; the planner is deterministic, so it is the same
+        plan). Call with the job's lock held."""
+        ctx, st = self.ctx, self.ctx.status
+        if st.last_plan is None:
+            raise NotFound(f"job {ctx.name!r} has not been reconfigured yet")
+        inputs = PlanInputs.from_json(st.last_plan.get("inputs"))
+        cached = ctx.plan_cache
+        if cached is not None and cached[0] == inputs:
+            return cached[1]
+        if inputs.old_generation is not None:
+            old = ctx.ptc(inputs.old_generation)
+        else:  # a resumed job's first plan: the old layout is the persistent version's, read from there again
+            old = self._saved_version(inputs.old_version).ptc
+        start = time.perf_counter()
+        plan = inputs.plan(old, ctx.ptc(inputs.new_generation))
+        log.info("job %s: plan %s -> %s computed again from its inputs in %.2f s", ctx.name, inputs.old_version,
+                 inputs.new_version, time.perf_counter() - start)
+        ctx.plan_cache = (inputs, plan)
+        return plan
+
+    def _saved_version(self, version: str) -> resume_mod.SavedVersion:
+        """The persistent version this resumed job started from (``version``, as resolved when it was planned)."""
+        ctx = self.ctx
+        rf = ctx.spec.resume_from
+        if rf is None:
+            raise NotFound(f"job {ctx.name!r} has no resume_from: no persistent version to plan from")
+        if self._saved is None or str(self._saved.version) != version:
+            clients = [ctx.client_for(h.store_url).request_json for h in ctx.backend.hosts() if h.ready]
+            self._saved = resume_mod.find_saved(clients, dataclasses.replace(rf, version=version), ctx.name)
+        return self._saved
 
     def transfer(self, closing: Callable[[float], bool]) -> None:
         """The target hosts' daemons build the new version; this thread sends them their sub-plans and follows.
@@ -352,8 +391,7 @@ class Orchestrator:
         ctx = self.ctx
         with ctx.lock:
             st = ctx.status
-            assert st.last_plan is not None
-            plan = Plan.from_json(st.last_plan["plan"])
+            plan = self.current_plan()
             if "transfer_started" not in (st.history[-1].marks if st.history else {}):
                 ctx.mark("transfer_started")
         stores = {h.name: h.store_url for h in ctx.backend.hosts() if h.ready}

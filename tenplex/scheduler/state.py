@@ -12,18 +12,23 @@ file, fsync, rename) and, on Kubernetes, ``tenplex.k8s.jobstore.KubeJobStore``
 
 from __future__ import annotations
 
+import base64
 import json
+import math
 import os
 import re
 import tempfile
 import time
+import zlib
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
+
+import numpy as np
 
 from tenplex.core.protocol import JOB_NAME_PATTERN
 from tenplex.core.version import Version
@@ -33,9 +38,6 @@ from tenplex.scheduler.layouts import LayoutSpec
 from tenplex.scheduler.policy import Policy
 
 _NAME = re.compile(JOB_NAME_PATTERN)
-PLAN_FILE = "last-plan.json"
-"""The state directory keeps a job's last plan in ``jobs/<job>/last-plan.json``; the record names it."""
-
 
 class Phase(StrEnum):
     PENDING = "Pending"
@@ -472,6 +474,29 @@ class JobStatus:
     def parallel_config(self) -> ParallelConfig | None:
         return ParallelConfig.from_json(self.parallel) if self.parallel else None
 
+    def to_record(self) -> dict[str, Any]:
+        """The status as a job store keeps it: :meth:`to_json` with the workers as one compact table
+        (:func:`workers_table`; a job of 16,384 workers is 3 MiB of worker objects as JSON). Read back by
+        :meth:`from_json`."""
+        out = self.to_json()
+        out["workers"] = workers_table(self.workers)
+        # Host lists as runs of names (a 2,048-host job names its hosts in six lists: 140 KiB as JSON).
+        out["hosts"] = pack_names(out["hosts"])
+        out["committed"] = {v: pack_names(hosts) for v, hosts in out["committed"].items()}
+        for h in out["history"]:
+            h["from_hosts"], h["to_hosts"] = pack_names(h["from_hosts"]), pack_names(h["to_hosts"])
+        plan = out.get("last_plan")
+        if plan is not None:
+            plan = out["last_plan"] = dict(plan)
+            if "hosts" in plan:
+                plan["hosts"] = pack_names(plan["hosts"])
+            if isinstance(plan.get("inputs"), Mapping):
+                inputs = plan["inputs"] = dict(plan["inputs"])
+                for key in ("alive", "not_holding"):
+                    if key in inputs:
+                        inputs[key] = pack_names(inputs[key])
+        return out
+
     def to_json(self, *, plan: bool = True) -> dict[str, Any]:
         """The status as JSON-ready data, in fresh containers (a view can be serialized after the lock is let
         go), except ``last_plan``: the controller replaces it, never changes it, so it is shared (``plan=False``
@@ -518,9 +543,137 @@ class JobStatus:
         data = dict(obj)
         data["phase"] = Phase(data["phase"])
         data["stage"] = Stage(data["stage"]) if data.get("stage") else None
-        data["workers"] = [WorkerRecord(**w) for w in data.get("workers", [])]
-        data["history"] = [Reconfiguration(**h) for h in data.get("history", [])]
+        workers = data.get("workers", [])
+        data["workers"] = (workers_from_table(workers) if isinstance(workers, Mapping)
+                           else [WorkerRecord(**w) for w in workers])
+        data["hosts"] = unpack_names(data.get("hosts", []))
+        data["committed"] = {v: unpack_names(hosts) for v, hosts in data.get("committed", {}).items()}
+        data["history"] = [Reconfiguration(**{**h, "from_hosts": unpack_names(h.get("from_hosts", [])),
+                                              "to_hosts": unpack_names(h.get("to_hosts", []))})
+                           for h in data.get("history", [])]
+        plan = data.get("last_plan")
+        if isinstance(plan, Mapping):
+            plan = data["last_plan"] = dict(plan)
+            if "hosts" in plan:
+                plan["hosts"] = unpack_names(plan["hosts"])
+            if isinstance(plan.get("inputs"), Mapping):
+                inputs = plan["inputs"] = dict(plan["inputs"])
+                for key in ("alive", "not_holding"):
+                    if key in inputs:
+                        inputs[key] = unpack_names(inputs[key])
         return cls(**data)
+
+
+_NUMBERED = re.compile(r"^(.*?)(0|[1-9][0-9]*)$")
+
+
+def pack_names(names: Sequence[str]) -> list[str] | dict[str, str]:
+    """A list of host names, in order, as runs: ``{"runs": "node-0..95,node-128,node-97..127"}`` (``..``
+    joins names that differ only in a number counting up by one; DNS names hold no ``,`` and no ``..``).
+    Short lists stay lists."""
+    if len(names) < 16:
+        return list(names)
+    runs: list[list[Any]] = []  # [prefix, first, last] or [name]
+    for name in names:
+        m = _NUMBERED.match(name)
+        if m is not None:
+            prefix, n = m.group(1), int(m.group(2))
+            last = runs[-1] if runs else None
+            if last is not None and len(last) == 3 and last[0] == prefix and last[2] + 1 == n:
+                last[2] = n
+                continue
+            runs.append([prefix, n, n])
+        else:
+            runs.append([name])
+    text = ",".join(r[0] if len(r) == 1 else f"{r[0]}{r[1]}" if r[1] == r[2] else f"{r[0]}{r[1]}..{r[2]}"
+                    for r in runs)
+    return {"runs": text}
+
+
+def unpack_names(value: Any) -> list[str]:
+    """The names :func:`pack_names` packed (a plain list passes through)."""
+    if isinstance(value, list):
+        return list(value)
+    if not isinstance(value, Mapping) or not isinstance(value.get("runs"), str):
+        raise InvalidConfig(f"a host list in the job record must be a list or {{'runs': ...}}, got {value!r}")
+    out: list[str] = []
+    for part in value["runs"].split(","):
+        first, sep, last = part.partition("..")
+        if not sep:
+            out.append(first)
+            continue
+        m = _NUMBERED.match(first)
+        if m is None or not last.isdigit():
+            raise InvalidConfig(f"a host run in the job record must look like node-0..7, got {part!r}")
+        out.extend(f"{m.group(1)}{n}" for n in range(int(m.group(2)), int(last) + 1))
+    return out
+
+
+WORKERS_FORMAT = "tenplex.workers/v1"
+_NO_PID, _NO_BEAT, _NO_STEP, _NO_CODE = 0, -1, -1, 1 << 24
+"""What stands for None in the worker table's columns (a worker's pid is never 0, heartbeats are kept after the
+table's base time, steps are >= 0, exit codes lie in -255..255): small numbers, so the columns fit int32."""
+_WORKER_COLUMNS = ("rank", "local_rank", "generation", "host", "pid", "registered", "last_heartbeat", "step",
+                   "exit_code")
+
+
+def workers_table(workers: Sequence[WorkerRecord]) -> dict[str, Any]:
+    """Worker records as a compact table: the names once (worker ids as ``<prefix>-g<generation>-r<rank>``
+    when they all are, as the launcher names them; hosts as indices), the numbers as delta-coded int64
+    columns, zlib-compressed and base64-encoded. Heartbeat times are kept in whole seconds after ``base``,
+    rounded up: a restarted scheduler sees each worker at most a second younger than it was, never older
+    (no false timeout). A pid of 0 reads back as None (no worker process has pid 0)."""
+    n = len(workers)
+    ids = [w.worker_id for w in workers]
+    prefix = ids[0].rsplit("-g", 1)[0] if ids else ""
+    derived = all(i == f"{prefix}-g{w.generation}-r{w.rank}" for i, w in zip(ids, workers, strict=True))
+    hosts = list(dict.fromkeys(w.host for w in workers))
+    host_index = {h: i for i, h in enumerate(hosts)}
+    beats = [w.last_heartbeat for w in workers if w.last_heartbeat is not None]
+    base = math.floor(min(beats)) if beats else 0
+
+    def opt(v: int | None, none: int) -> int:
+        return none if v is None else int(v)
+
+    columns = np.array([
+        [w.rank for w in workers], [w.local_rank for w in workers], [w.generation for w in workers],
+        [host_index[w.host] for w in workers], [opt(w.pid, _NO_PID) for w in workers],
+        [int(w.registered) for w in workers],
+        [_NO_BEAT if w.last_heartbeat is None else math.ceil(w.last_heartbeat - base) for w in workers],
+        [opt(w.step, _NO_STEP) for w in workers], [opt(w.exit_code, _NO_CODE) for w in workers],
+    ], dtype=np.int64).reshape(len(_WORKER_COLUMNS), n)
+    deltas = np.diff(columns, axis=1, prepend=0) if n else columns
+    dtype = "<i4" if not n or (int(deltas.max()) < 2**31 and int(deltas.min()) >= -(2**31)) else "<i8"
+    return {"format": WORKERS_FORMAT, "count": n, "ids": {"prefix": prefix} if derived else {"list": ids},
+            "hosts": pack_names(hosts), "base": base, "columns": list(_WORKER_COLUMNS), "dtype": dtype,
+            "data": base64.b64encode(zlib.compress(deltas.astype(dtype).tobytes(), 9)).decode()}
+
+
+def workers_from_table(obj: Mapping[str, Any]) -> list[WorkerRecord]:
+    """The worker records of :func:`workers_table`; InvalidConfig for a table this version cannot read."""
+    if obj.get("format") != WORKERS_FORMAT or list(obj.get("columns", ())) != list(_WORKER_COLUMNS):
+        raise InvalidConfig(f"the job record's workers are in format {obj.get('format')!r} with columns "
+                            f"{obj.get('columns')!r}; this scheduler reads {WORKERS_FORMAT!r}")
+    n = int(obj["count"])
+    dtype = obj.get("dtype")
+    if dtype not in ("<i4", "<i8"):
+        raise InvalidConfig(f"the job record's worker table has dtype {dtype!r}; this scheduler reads <i4 and <i8")
+    raw = np.frombuffer(zlib.decompress(base64.b64decode(obj["data"])), dtype=dtype).astype(np.int64)
+    if raw.size != n * len(_WORKER_COLUMNS):
+        raise InvalidConfig(f"the job record's worker table holds {raw.size} values for {n} workers")
+    cols = np.cumsum(raw.reshape(len(_WORKER_COLUMNS), n), axis=1).tolist()
+    rank, local, gen, host, pid, registered, beat, step, code = cols
+    hosts, base = unpack_names(obj["hosts"]), int(obj["base"])
+    ids = obj["ids"]
+    names = list(ids["list"]) if "list" in ids else [f"{ids['prefix']}-g{g}-r{r}" for g, r in zip(gen, rank, strict=True)]
+
+    def opt(v: int, none: int) -> int | None:
+        return None if v == none else v
+
+    return [WorkerRecord(names[i], rank[i], hosts[host[i]], local[i], gen[i], pid=opt(pid[i], _NO_PID),
+                         registered=bool(registered[i]),
+                         last_heartbeat=None if beat[i] == _NO_BEAT else float(base + beat[i]),
+                         step=opt(step[i], _NO_STEP), exit_code=opt(code[i], _NO_CODE)) for i in range(n)]
 
 
 class JobStore(ABC):
@@ -562,37 +715,21 @@ class StateDir(JobStore):
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
         (self.root / "jobs").mkdir(parents=True, exist_ok=True)
-        self._plans: dict[str, dict[str, Any] | None] = {}
-        """Job -> the plan object its plan file holds (written again only for another object)."""
 
     def _job_file(self, name: str) -> Path:
         return self.root / "jobs" / f"{check_job_name(name)}.json"
-
-    def _plan_file(self, name: str) -> Path:
-        return self.root / "jobs" / check_job_name(name) / PLAN_FILE
 
     def _ptc_file(self, name: str, generation: int) -> Path:
         return self.root / "jobs" / check_job_name(name) / f"ptc-g{generation}.json"
 
     def save(self, spec: JobSpec, status: JobStatus) -> None:
-        """The record, and the last plan in a file of its own, written only when the status holds another one.
-
-        A plan is large (a job of a thousand workers: megabytes) and changes once
-        per reconfiguration, while the status changes at every worker's
-        registration; the plan's file is written before the record that names it.
-        """
+        """The record, one file. It stays small at any scale: the last plan is kept as what it is computed from
+        (:mod:`tenplex.scheduler.plans`), the PTCs in files of their own."""
         status.updated_at = time.time()
-        record = status.to_json(plan=False)
-        plan = status.last_plan
-        if plan is not None:
-            if self._plans.get(spec.name) is not plan:
-                atomic_write(self._plan_file(spec.name), json.dumps(plan, separators=(",", ":")))
-                self._plans[spec.name] = plan
-            record["last_plan"] = PLAN_FILE
         # Compact: json's C encoder serves only indent=None (indented output is encoded in Python, ten times slower,
         # and a record is rewritten at every worker's registration).
         atomic_write(self._job_file(spec.name),
-                     json.dumps({"spec": spec.to_json(), "status": record}, separators=(",", ":")))
+                     json.dumps({"spec": spec.to_json(), "status": status.to_record()}, separators=(",", ":")))
 
     def save_ptc(self, name: str, generation: int, ptc: PTC) -> None:
         atomic_write(self._ptc_file(name, generation), ptc.dumps())
@@ -608,17 +745,11 @@ class StateDir(JobStore):
         for path in sorted((self.root / "jobs").glob("*.json")):
             obj = json.loads(path.read_text())
             spec = JobSpec.from_json(obj["spec"])
-            record = dict(obj["status"])
-            if record.get("last_plan") == PLAN_FILE:
-                record["last_plan"] = json.loads(self._plan_file(spec.name).read_text())
-            status = JobStatus.from_json(record)
-            self._plans[spec.name] = status.last_plan
-            out.append((spec, status))
+            out.append((spec, JobStatus.from_json(obj["status"])))
         return out
 
     def delete(self, name: str) -> None:
         self._job_file(name).unlink(missing_ok=True)
-        self._plans.pop(name, None)
         folder = self.root / "jobs" / check_job_name(name)
         if folder.exists():
             for p in folder.iterdir():

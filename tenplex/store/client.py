@@ -298,15 +298,19 @@ class StoreClient(TensorStore):
     def _json(self, method: str, path: str) -> Any:
         return self._call(method, path, lambda resp: json.loads(resp.read()))
 
-    def request_json(self, method: str, path: str, body: Any = None) -> Any:
-        """A JSON request to another route of the daemon (``path`` from ``/v1/...``), with the client's auth,
-        retries and error mapping; ``body`` (if not None) is sent as JSON. For control messages only: bulk
-        bytes never go through JSON."""
+    def request_json(self, method: str, path: str, body: Any = None, *, content_type: str | None = None) -> Any:
+        """A request to another route of the daemon (``path`` from ``/v1/...``) answered with JSON, with the
+        client's auth, retries and error mapping; ``body`` (if not None) is sent as JSON, or as it is when it
+        is ``bytes`` (a control message in a binary form, e.g. a transform request, sent as ``content_type``).
+        For control messages only: bulk bytes never go through JSON."""
         if body is None:
             return self._json(method, path)
-        data = json.dumps(body, separators=(",", ":")).encode()
+        if isinstance(body, bytes):
+            data, ctype = body, content_type or "application/octet-stream"
+        else:
+            data, ctype = json.dumps(body, separators=(",", ":")).encode(), "application/json"
         return self._call(method, path, lambda resp: json.loads(resp.read()), body=data,
-                          headers={"Content-Type": "application/json"})
+                          headers={"Content-Type": ctype})
 
     # -- reads --------------------------------------------------------------
 

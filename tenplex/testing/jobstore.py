@@ -19,6 +19,7 @@ from tenplex.errors import InvalidConfig, NotFound
 from tenplex.ptc import PTC, DatasetState, ParallelConfig
 from tenplex.ptc.megatron import GPTSpec, megatron_gpt_ptc
 from tenplex.scheduler.layouts import LayoutSpec
+from tenplex.scheduler.plans import PlanInputs
 from tenplex.scheduler.state import (
     JobSpec,
     JobStatus,
@@ -48,7 +49,9 @@ def busy_status(step: int) -> JobStatus:
                      committed={f"s{step}-g1": ["h0"]}, version_generation={f"s{step}-g1": 1},
                      workers=[WorkerRecord("alpha-g1-r0", 0, "h0", 0, 1, pid=7)],
                      history=[Reconfiguration(reason="scale", started_at=1.0, from_config="dp1 x tp1 x pp1")],
-                     last_plan={"plan": {"format": "tenplex.plan/v1", "hosts": {}}, "parallel": {"dp": 2}})
+                     last_plan={"inputs": PlanInputs.of(job="alpha", old_version="s1-g0", new_version=f"s{step}-g1",
+                                                        old_generation=0, alive=["h0", "h1"], holders=["h0"]).to_json(),
+                                "parallel": {"dp": 2}, "hosts": ["h0"], "gpus_per_node": 2})
 
 
 class JobStoreTests:
@@ -74,7 +77,7 @@ class JobStoreTests:
         store.save(job_spec("alpha"), busy_status(3))
         store.save(job_spec("beta", gpus=4), JobStatus())
         newest = busy_status(9)
-        newest.last_plan = {"plan": {"format": "tenplex.plan/v1", "hosts": {"h9": {}}}}
+        newest.last_plan = {**(newest.last_plan or {}), "hosts": ["h9"]}
         store.save(job_spec("alpha"), newest)
         loaded = {spec.name: (spec, status) for spec, status in store.load_all()}
         assert sorted(loaded) == ["alpha", "beta"]

@@ -331,8 +331,19 @@ class Plan:
         """The plan as one target host's daemon receives it: only ``name``'s part (the totals stay the plan's)."""
         return replace(self, hosts={name: self.host(name)}, _table=None)
 
+    def part_arrays(self, name: str) -> dict[str, Any] | None:
+        """``name``'s part as arrays (for :mod:`tenplex.transformer.part`), straight from the planner's tables;
+        None for a plan without them (loaded from JSON or decoded): encode its objects then."""
+        self.host(name)
+        if self._table is None:
+            return None
+        return self._table.part_arrays(self._table.host_ids()[name])
+
     def sources_of(self, name: str) -> set[str]:
         """Every host ``name``'s part may read from (planned sources and their alternatives), itself excluded."""
+        self.host(name)
+        if self._table is not None:
+            return self._table.sources(self._table.host_ids()[name])
         out: set[str] = set()
         for t in self.host(name).transfers:
             if t.source is not None:
@@ -709,6 +720,7 @@ class _Table:
         self._dests: dict[int, DestShard] = {}
         self._regions: dict[int, Region] = {}
         self._names = _Names(names, candidates)
+        self._host_id: dict[str, int] | None = None
 
     # -- per host ---------------------------------------------------------------
 
@@ -765,6 +777,92 @@ class _Table:
             transfers.extend(extra)
             transfers.sort(key=itemgetter(3))  # by destination shard (stable: pieces keep their order)
         return shards, tuple(transfers)
+
+    def part_arrays(self, host: int) -> dict[str, Any]:
+        """One host's part as arrays local to the part, without building its objects (see
+        :mod:`tenplex.transformer.part`): the same shards and transfers as :meth:`host_part`, in its order."""
+        pairs = self.pair_order[self.pair_bounds[host]:self.pair_bounds[host + 1]]
+        shard_global = self.pair_shard[pairs]
+        rows = self.row_order[self.row_bounds[host]:self.row_bounds[host + 1]]
+        rows = rows[~self.dropped[rows]]
+        piece = self.row_piece[rows]
+        source = self.row_source[rows]
+        k = self.pair_k[self.row_pair[rows]]
+        lo, hi = self.piece_lo[piece], self.piece_hi[piece]
+        cands = np.where(source >= 0, self.row_cands[rows], -1)
+        sets, set_index = np.unique(cands[cands >= 0], return_inverse=True)
+        altset = np.full(len(rows), -1, dtype=np.int64)
+        altset[cands >= 0] = set_index
+        set_members: list[tuple[int, ...]] = [self.candidates[c] for c in sets.tolist()]
+        extra = self.merged.get(host)
+        if extra:
+            ndim = lo.shape[1]
+            host_id = self.host_ids()
+            e_source, e_alt, e_lo, e_hi = [], [], [], []
+            for t in extra:
+                e_source.append(_ZERO if t.source is None else _FROM_CHECKPOINT if t.source == CHECKPOINT
+                                else host_id[t.source])
+                if t.alternatives:
+                    e_alt.append(len(set_members))
+                    set_members.append(tuple(host_id[a] for a in t.alternatives))
+                else:
+                    e_alt.append(-1)
+                bounds = t.region.bounds + ((0, 1),) * (ndim - len(t.region.bounds))
+                e_lo.append([a for a, _ in bounds])
+                e_hi.append([b for _, b in bounds])
+            k = np.concatenate([k, np.array([t.shard for t in extra], dtype=np.int64)])
+            source = np.concatenate([source, np.array(e_source, dtype=np.int64)])
+            altset = np.concatenate([altset, np.array(e_alt, dtype=np.int64)])
+            lo = np.concatenate([lo, np.array(e_lo, dtype=np.int64).reshape(-1, ndim)])
+            hi = np.concatenate([hi, np.array(e_hi, dtype=np.int64).reshape(-1, ndim)])
+            order = np.argsort(k, kind="stable")  # by destination shard, as host_part orders them
+            k, source, altset, lo, hi = k[order], source[order], altset[order], lo[order], hi[order]
+        # Local tables: the part's tensors in order of first use, its hosts in the plan's host order.
+        shard_tensor_global = self.new.tensor[shard_global]
+        used, first, tensor_local = np.unique(shard_tensor_global, return_index=True, return_inverse=True)
+        by_first = np.argsort(first, kind="stable")
+        rank = np.empty(len(used), dtype=np.int64)
+        rank[by_first] = np.arange(len(used), dtype=np.int64)
+        tensors = [self.tensors[t] for t in used[by_first].tolist()]
+        ndim = max([1, *(len(t.shape) for t in tensors)])
+        flat = np.fromiter((m for s in set_members for m in s), dtype=np.int64,
+                           count=sum(len(s) for s in set_members))
+        host_ids = np.unique(np.concatenate([source[source >= 0], flat]))
+        local_sets = [tuple(np.searchsorted(host_ids, np.array(s, dtype=np.int64)).tolist()) for s in set_members]
+        local_source = np.where(source >= 0, np.searchsorted(host_ids, np.maximum(source, 0)), source)
+        names = self.names
+        return {
+            "host": names[host],
+            "tensors": [(t.name, t.dtype, tuple(t.shape)) for t in tensors],
+            "hosts": [names[h] for h in host_ids.tolist()],
+            "shard_tensor": rank[tensor_local],
+            "shard_lo": self.new.lo[shard_global, :ndim], "shard_hi": self.new.hi[shard_global, :ndim],
+            "source": local_source, "shard": k, "lo": lo[:, :ndim], "hi": hi[:, :ndim], "altset": altset,
+            "sets": local_sets,
+        }
+
+    def host_ids(self) -> dict[str, int]:
+        if self._host_id is None:
+            self._host_id = {h: i for i, h in enumerate(self.names)}
+        return self._host_id
+
+    def sources(self, host: int) -> set[str]:
+        """Every host ``host``'s part may read from (sources and alternatives), itself excluded."""
+        rows = self.row_order[self.row_bounds[host]:self.row_bounds[host + 1]]
+        rows = rows[~self.dropped[rows]]
+        source = self.row_source[rows]
+        hosts = set(source[source >= 0].tolist())
+        for c in np.unique(self.row_cands[rows][source >= 0]).tolist():
+            hosts.update(self.candidates[c])
+        out = {self.names[h] for h in hosts}
+        if (source == _FROM_CHECKPOINT).any():
+            out.add(CHECKPOINT)
+        for t in self.merged.get(host, ()):
+            if t.source is not None:
+                out.add(t.source)
+            out.update(t.alternatives)
+        out.discard(self.names[host])
+        return out
 
     # -- whole plan ---------------------------------------------------------------
 

@@ -10,13 +10,15 @@ no FastAPI): what a control plane imports.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
+import struct
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 from urllib.parse import quote, urlencode, urlsplit
 
@@ -27,6 +29,7 @@ from tenplex.store.client import StoreClient
 from tenplex.store.locations import check_options, check_uri, is_persistent_uri
 from tenplex.store.model import parse_checksum
 from tenplex.store.names import check_job, check_tensor, check_version
+from tenplex.transformer import part as part_mod
 from tenplex.transformer.execute import TransformReport
 from tenplex.transformer.plan import CHECKPOINT, Plan
 
@@ -38,9 +41,21 @@ QUEUED, RUNNING, COMMITTED, FAILED, CANCELLED, INTERRUPTED = (
 FINAL_STATES = frozenset({COMMITTED, FAILED, CANCELLED, INTERRUPTED})
 
 
+REQUEST_MAGIC = b"TPLXTREQ"
+REQUEST_VERSION = 1
+_REQUEST_PREFIX = struct.Struct("<8sII")
+REQUEST_CONTENT_TYPE = "application/vnd.tenplex.transform"
+
+
 @dataclass(frozen=True)
 class TransformRequest:
-    """What the control plane sends a target host's daemon: its sub-plan and where the sources are."""
+    """What the control plane sends a target host's daemon: its sub-plan and where the sources are.
+
+    On the wire (:meth:`to_bytes`): ``REQUEST_MAGIC`` | format version (u32 LE) | header length (u32 LE) |
+    header (JSON: host, sources, token, checkpoint options) | the host's part in its compact binary form
+    (:mod:`tenplex.transformer.part`). A JSON body (``{"host", "plan", "sources", ...}`` with the plan as
+    ``tenplex.plan/v1``) is read too, for people and scripts; the control plane sends the binary form.
+    """
 
     host: str
     plan: Plan
@@ -52,18 +67,50 @@ class TransformRequest:
     checkpoint_options: Mapping[str, Any] | None = None
     """Connection options of a persistent ``checkpoint`` location (endpoint, region; credentials, never
     recorded); None: the daemon's AWS environment alone."""
+    encoded_part: bytes | None = field(default=None, compare=False, repr=False)
+    """The part as received or sent (binary form); None: encoded from ``plan`` when needed."""
 
     @property
     def version(self) -> Version:
         return self.plan.new_version
 
+    @functools.cached_property
+    def part_bytes(self) -> bytes:
+        return self.encoded_part if self.encoded_part is not None else part_mod.encode(self.plan, self.host)
+
     @property
     def digest(self) -> str:
-        """Identifies the sub-plan: a resubmission with the same digest is the same transform."""
-        text = json.dumps(self.plan.host(self.host).to_json(), sort_keys=True, separators=(",", ":"))
+        """Identifies the sub-plan: a resubmission with the same digest is the same transform. It hashes the
+        part's binary form, which the planner builds the same way every time for the same inputs (a restarted
+        scheduler resubmits the same bytes)."""
         head = f"{self.plan.job}|{self.plan.old_version}|{self.plan.new_version}|{self.plan.checkpoint}|" + (
             f"{self.plan.old_job}|" if self.plan.old_job is not None else "")
-        return hashlib.sha256((head + text).encode()).hexdigest()[:20]
+        return hashlib.sha256(head.encode() + self.part_bytes).hexdigest()[:20]
+
+    def to_bytes(self) -> bytes:
+        return encode_request(self.host, self.part_bytes, self.sources, self.token, self.checkpoint_options)
+
+    @classmethod
+    def from_body(cls, body: bytes) -> TransformRequest:
+        """A request as a daemon receives it: the binary form, or JSON (see the class doc)."""
+        if body[:1] in (b"{", b"[", b" ", b"\n", b"\t", b"\r"):
+            return cls.from_json(_json(body, "the transform request"))
+        if len(body) < _REQUEST_PREFIX.size or body[:8] != REQUEST_MAGIC:
+            raise InvalidInput(f"a transform request is JSON or the binary form starting with {REQUEST_MAGIC!r}; "
+                               f"this body starts with {bytes(body[:8])!r}")
+        _, version, head_len = _REQUEST_PREFIX.unpack_from(body)
+        if version != REQUEST_VERSION:
+            raise InvalidInput(f"transform request format version {version}: this daemon reads version "
+                               f"{REQUEST_VERSION} only (the scheduler and the node daemons must run matching releases)")
+        start = _REQUEST_PREFIX.size
+        if start + head_len > len(body):
+            raise InvalidInput("malformed transform request: the header is truncated")
+        header = _json(body[start:start + head_len], "the transform request's header")
+        data = memoryview(body)[start + head_len:]
+        plan = part_mod.decode(data)
+        if not isinstance(header, dict):
+            raise InvalidInput("malformed transform request: the header is not a JSON object")
+        return cls._checked(header, plan, bytes(data))
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"host": self.host, "plan": self.plan.to_json(), "sources": dict(self.sources)}
@@ -77,14 +124,18 @@ class TransformRequest:
     def from_json(cls, obj: Any) -> TransformRequest:
         if not isinstance(obj, dict):
             raise InvalidInput(f"a transform request is a JSON object, got {type(obj).__name__}")
+        if "plan" not in obj:
+            raise InvalidInput("the transform request needs 'plan': the host's part of a plan (tenplex.plan/v1)")
+        return cls._checked(obj, Plan.from_json(obj["plan"]), None)
+
+    @classmethod
+    def _checked(cls, obj: Mapping[str, Any], plan: Plan, encoded: bytes | None) -> TransformRequest:
         unknown = sorted(set(obj) - {"host", "plan", "sources", "token", "checkpoint_options"})
         if unknown:
             raise InvalidInput(f"unknown fields in the transform request: {', '.join(unknown)}")
         host, sources, token = obj.get("host"), obj.get("sources", {}), obj.get("token")
         if not isinstance(host, str) or not host:
             raise InvalidInput("the transform request needs 'host': the target host whose part to run")
-        if "plan" not in obj:
-            raise InvalidInput("the transform request needs 'plan': the host's part of a plan (tenplex.plan/v1)")
         if not isinstance(sources, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in sources.items()):
             raise InvalidInput("'sources' must map host names to store URLs")
         for name, url in sources.items():
@@ -96,14 +147,32 @@ class TransformRequest:
                 raise InvalidInput(f"source {name!r}: store URL {url!r} must look like http://HOST:PORT")
         if token is not None and not isinstance(token, str):
             raise InvalidInput("'token' must be a string")
-        plan = Plan.from_json(obj["plan"])
         if host not in plan.hosts:
             raise InvalidInput(f"the plan has no part for host {host!r}; it has {', '.join(plan.hosts) or 'none'}")
         if plan.checkpoint is not None and is_persistent_uri(plan.checkpoint):
             check_uri(plan.checkpoint)
         options = obj.get("checkpoint_options")
         return cls(host=host, plan=plan.for_host(host), sources=dict(sources), token=token,
-                   checkpoint_options=check_options(options) if options is not None else None)
+                   checkpoint_options=check_options(options) if options is not None else None, encoded_part=encoded)
+
+
+def _json(body: bytes, what: str) -> Any:
+    try:
+        return json.loads(body)
+    except ValueError as exc:
+        raise InvalidInput(f"{what} is not JSON: {exc}") from None
+
+
+def encode_request(host: str, part: bytes, sources: Mapping[str, str], token: str | None,
+                   checkpoint_options: Mapping[str, Any] | None = None) -> bytes:
+    """A transform request's binary form (see :class:`TransformRequest`), around an encoded part."""
+    header: dict[str, Any] = {"host": host, "sources": dict(sources)}
+    if token is not None:
+        header["token"] = token
+    if checkpoint_options is not None:
+        header["checkpoint_options"] = dict(checkpoint_options)
+    head = json.dumps(header, separators=(",", ":")).encode()
+    return b"".join((_REQUEST_PREFIX.pack(REQUEST_MAGIC, REQUEST_VERSION, len(head)), head, part))
 
 
 class _TaskProgress:
@@ -225,6 +294,11 @@ class PlanRun:
         sources = {h: self.stores[h] for h in sorted(self.plan.sources_of(host)) if h in self.stores}
         return TransformRequest(host=host, plan=self.plan.for_host(host), sources=sources, token=self.token)
 
+    def body(self, host: str) -> bytes:
+        """``host``'s request in its binary form, built from the planner's arrays (no per-piece objects)."""
+        sources = {h: self.stores[h] for h in sorted(self.plan.sources_of(host)) if h in self.stores}
+        return encode_request(host, part_mod.encode(self.plan, host), sources, self.token)
+
     def _each(self, fn: Callable[[str], TransformStatus]) -> dict[str, TransformStatus]:
         hosts = list(self.plan.hosts)
         with ThreadPoolExecutor(max_workers=min(32, max(1, len(hosts))), thread_name_prefix="tenplex-planrun") as pool:
@@ -237,9 +311,10 @@ class PlanRun:
         job = self.plan.job
 
         def one(host: str) -> TransformStatus:
-            body = self.request(host).to_json()
+            body = self.body(host)
             return TransformStatus.from_json(
-                self._client_for(self.stores[host]).request_json("POST", transforms_path(job), body)
+                self._client_for(self.stores[host]).request_json("POST", transforms_path(job), body,
+                                                                 content_type=REQUEST_CONTENT_TYPE)
             )
 
         return self._each(one)

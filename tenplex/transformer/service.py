@@ -13,7 +13,9 @@ them: the Tenplex data path.
 
 Routes (added to the store daemon's app; bearer token as for the store)::
 
-    POST   /v1/jobs/{job}/transforms              {"host", "plan", "sources", "token"} -> the record
+    POST   /v1/jobs/{job}/transforms              a TransformRequest -> the record (the scheduler sends the
+                                                  binary form: the host's part as tenplex.transformer.part;
+                                                  JSON {"host", "plan", "sources", "token"} is read too)
     GET    /v1/jobs/{job}/transforms              the job's transform records on this node
     GET    /v1/jobs/{job}/transforms/{version}    one record: state, bytes, rate, error, report
     DELETE /v1/jobs/{job}/transforms/{version}    cancel (nothing is committed) or forget a finished one
@@ -279,5 +281,5 @@ class TransformService(RecordedTasks[TransformRequest, TransformStatus, _Run]):
 def transform_router(service: TransformService) -> APIRouter:
     """The daemon's transform routes (mounted by the node daemon behind its bearer-token check)."""
     router = APIRouter()
-    add_task_routes(router, service, parse=TransformRequest.from_json)
+    add_task_routes(router, service, parse=TransformRequest.from_body)
     return router

@@ -430,9 +430,9 @@ def json_body(body: bytes, what: str) -> Any:
 
 
 def add_task_routes(router: APIRouter, service: RecordedTasks[Any, Any, Any], *,
-                    parse: Callable[[Any], Any]) -> None:
+                    parse: Callable[[bytes], Any]) -> None:
     """Add a service's submit, list, status and cancel routes (see the module doc) to ``router``;
-    ``parse`` makes the request of a submission's JSON body."""
+    ``parse`` makes the request of a submission's body (JSON, or a service's binary form)."""
     kind = service.KIND
     plural = f"{kind}s"
     path = f"/v1/jobs/{{job}}/{plural}"
@@ -442,7 +442,7 @@ def add_task_routes(router: APIRouter, service: RecordedTasks[Any, Any, Any], *,
         body = await request.body()
 
         def parse_and_submit() -> tuple[Any, bool]:
-            return service.submit(job, parse(json_body(body, f"the {kind} request")))
+            return service.submit(job, parse(body))
 
         status, created = await to_thread.run_sync(parse_and_submit)
         return JSONResponse(status.to_json(), status_code=201 if created else 200)

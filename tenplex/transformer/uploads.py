@@ -465,7 +465,7 @@ def _query_options(request: Request) -> dict[str, Any]:
 def upload_router(service: UploadService) -> APIRouter:
     """The daemon's upload and persistent-tier routes (mounted by the node daemon behind its bearer-token check)."""
     router = APIRouter()
-    add_task_routes(router, service, parse=UploadRequest.from_json)
+    add_task_routes(router, service, parse=lambda body: UploadRequest.from_json(json_body(body, "the upload request")))
 
     @router.post("/v1/jobs/{job}/uploads/{version}/commit")
     async def commit(job: str, version: str, request: Request) -> dict[str, Any]:

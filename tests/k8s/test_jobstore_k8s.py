@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tenplex.k8s.jobstore import ElasticJobIndex, KubeJobStore, state_configmap
+from tenplex.errors import InvalidConfig
+from tenplex.k8s.jobstore import (
+    CONFIGMAP_LIMIT,
+    ElasticJobIndex,
+    KubeJobStore,
+    ptc_configmap,
+    state_configmap,
+)
 from tenplex.k8s.settings import KubernetesSettings
-from tenplex.testing.jobstore import JOBS, JobStoreTests, busy_status, job_spec
+from tenplex.testing.jobstore import JOBS, JobStoreTests, busy_status, job_ptc, job_spec
 from tenplex.testing.k8s.emulator import ApiServerEmulator
 
 from .cluster import NS, elasticjob, eventually
@@ -38,3 +46,40 @@ class TestKubeJobStore(JobStoreTests):
         [owner] = cm["metadata"]["ownerReferences"]
         assert owner["kind"] == "ElasticJob" and owner["name"] == "alpha"
         assert api.get("elasticjobs", "alpha", NS)["status"]["step"] == 6  # the readable view follows
+
+    def test_a_ptc_of_any_size_is_stored_in_chunks_below_the_object_limit(self, store: KubeJobStore,
+                                                                           tmp_path: Path) -> None:
+        # A small chunk size makes this test's PTC take several ConfigMaps, as a 405B one takes two at the default.
+        small = KubeJobStore(store.core.api_client, store.jobs, tmp_path / "small", ptc_chunk_bytes=256)
+        store.save(job_spec("alpha"), busy_status(1))
+        ptcs = {0: job_ptc(1), 1: job_ptc(2), 2: job_ptc(4)}
+        for gen, ptc in ptcs.items():
+            small.save_ptc("alpha", gen, ptc)
+
+        def stored() -> dict[str, int]:
+            cms = store.core.list_namespaced_config_map(NS, label_selector="tenplex.io/state=true").items
+            return {cm.metadata.name: len(json.dumps(store.core.api_client.sanitize_for_serialization(cm)))
+                    for cm in cms if cm.metadata.name.startswith("alpha-tenplex-ptc-")}
+
+        sizes = stored()
+        assert ptc_configmap("alpha", 2, 2) in sizes  # several chunks
+        assert max(sizes.values()) < CONFIGMAP_LIMIT
+        # Read back by a restarted scheduler (a new store object, nothing cached).
+        again = KubeJobStore(store.core.api_client, store.jobs, tmp_path / "again")
+        for gen, ptc in ptcs.items():
+            assert again.load_ptc("alpha", gen).to_json() == ptc.to_json()
+        # Generation 0 is referenced no more once the job is in generation 2: every chunk of it goes.
+        status = busy_status(3)
+        status.generation, status.version, status.version_generation = 2, "s3-g2", {"s3-g2": 2}
+        again.save(job_spec("alpha"), status)
+        left = stored()
+        assert not [n for n in left if n.startswith(ptc_configmap("alpha", 0))]
+        assert ptc_configmap("alpha", 2, 2) in left
+        # A chunk lost: a clear error naming it, not a garbled PTC.
+        store.core.delete_namespaced_config_map(ptc_configmap("alpha", 2, 1), NS)
+        with pytest.raises(InvalidConfig, match=f"incomplete: its ConfigMap {ptc_configmap('alpha', 2, 1)} is missing"):
+            again.load_ptc("alpha", 2)
+
+    def test_a_chunk_size_that_cannot_fit_is_refused(self, store: KubeJobStore, tmp_path: Path) -> None:
+        with pytest.raises(InvalidConfig, match="ptc_chunk_bytes"):
+            KubeJobStore(store.core.api_client, store.jobs, tmp_path / "x", ptc_chunk_bytes=1 << 20)

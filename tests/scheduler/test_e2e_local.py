@@ -22,6 +22,7 @@ from tenplex.core.auth import Authenticator, Principal
 from tenplex.errors import TenplexError
 from tenplex.scheduler.cli import SchedulerClient
 from tenplex.scheduler.server import LocalScheduler
+from tenplex.scheduler.state import JobStatus
 from tenplex.sockets import free_port
 from tenplex.testing.faults import kill_host, kill_worker
 
@@ -146,7 +147,7 @@ def _kill_everything(state: Path) -> None:
     if cluster.exists():
         pids += [h["pid"] for h in json.loads(cluster.read_text()) if h.get("pid")]
     for f in (state / "jobs").glob("*.json"):
-        pids += [w["pid"] for w in json.loads(f.read_text())["status"]["workers"] if w.get("pid")]
+        pids += [w.pid for w in JobStatus.from_json(json.loads(f.read_text())["status"]).workers if w.pid]
     for pid in pids:
         with suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, signal.SIGKILL)

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from tenplex.core.version import Version
 from tenplex.errors import InvalidInput, StateLost
 from tenplex.ptc import PTC, Device, Region, Shard, Tensor, TensorKind, flat_range_boxes
+from tenplex.transformer import part
 from tenplex.transformer.plan import CHECKPOINT, lower_bound_bytes, make_plan
 
 HOSTS = [f"h{i}" for i in range(5)]
@@ -144,6 +145,14 @@ def test_plan_covers_exactly_once_and_meets_lower_bound(scenario, with_checkpoin
         assert missing, exc.detail
         assert "held by no surviving host" in exc.detail
         return
+
+    # Each host's part as its daemon receives it (the compact binary form, built from the planner's arrays)
+    # decodes to the same shards and transfers, and names the same sources, as the part's objects.
+    for host in new.hosts:
+        sent = part.decode(part.encode(plan, host))
+        objects = plan.for_host(host)
+        assert sent.host(host) == objects.host(host)
+        assert plan.sources_of(host) == objects.sources_of(host)
 
     brute_network = 0
     for host in new.hosts:

@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -26,6 +27,7 @@ from tenplex.node import NodeDaemon
 from tenplex.ptc import ParallelConfig
 from tenplex.store.client import StoreClient
 from tenplex.store.local import LocalStore
+from tenplex.transformer import part
 from tenplex.transformer.plan import make_plan
 from tenplex.transformer.remote import PlanRun, TransformRequest, TransformStatus, transforms_path
 from tenplex.transformer.service import TransformSettings
@@ -157,6 +159,21 @@ def test_bad_requests_get_clear_errors_and_start_nothing(cluster) -> None:
             client.request_json("POST", path, body)
     with pytest.raises(InvalidInput, match="for job 'bad'"):
         client.request_json("POST", transforms_path("other"), good)
+    # The binary form the scheduler sends: another format version, or a damaged part, is refused by name.
+    binary = PlanRun(plan, {h: cluster.servers[h].url for h in ("h0", "h1", "h2")}, token=None,
+                     client_for=StoreClient).body("h2")
+    head = len(binary) - len(part.encode(plan, "h2"))
+    future_request = binary[:8] + struct.pack("<I", 2) + binary[12:]
+    future_part = binary[:head + 8] + struct.pack("<I", 9) + binary[head + 12:]
+    for body, message in [
+        (b"TPLXNOPE" + binary[8:], "JSON or the binary form"),
+        (future_request, "request format version 2: this daemon reads version 1 only"),
+        (future_part, "plan part format version 9: this daemon reads version 1 only"),
+        (binary[:-40], "malformed plan part: .*truncated"),
+        (binary[:head] + b"XXXXXXXX" + binary[head + 8:], "not a tenplex plan part"),
+    ]:
+        with pytest.raises(InvalidInput, match=message):
+            client.request_json("POST", path, body)
     with pytest.raises(InvalidInput, match="not JSON"):
         client._call("POST", path, lambda r: r.read(), body=b"{nope", headers={"Content-Type": "application/json"})
     with pytest.raises(NotFound):
