@@ -123,9 +123,11 @@ def test_scaled_failed_and_relaid_out_like_an_uninterrupted_run(tmp_path: Path) 
             rel = abs(losses[s] - base_losses[s]) / abs(base_losses[s])
             rows.append({"generation": g, "layout": parallel.describe(), "step": s, "loss": losses[s],
                          "baseline": base_losses[s], "rel_diff": rel})
-    print(json.dumps({"rows": rows, "history": [{k: r.get(k) for k in ("reason", "from_config", "to_config",
-                                                                       "downtime_seconds", "steps_lost")}
-                                                 for r in st["history"]]}, indent=1), file=sys.stderr)
+    measured = json.dumps({"rows": rows, "history": [{k: r.get(k) for k in ("reason", "from_config", "to_config",
+                                                                            "downtime_seconds", "steps_lost")}
+                                                      for r in st["history"]]}, indent=1)
+    (tmp_path / "measured.json").write_text(measured)
+    print(measured, file=sys.stderr)  # the report's numbers (pytest -s shows them)
     assert sorted(final) == list(range(1, STEPS + 1))
     assert sum((final[s] for s in sorted(final)), []) == order  # nothing repeated, nothing skipped
     worst = max(rows, key=lambda r: r["rel_diff"])

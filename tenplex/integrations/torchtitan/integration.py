@@ -329,8 +329,12 @@ class TenplexCheckpointManager(BaseCheckpointManager):
         assert dataset is not None  # elastic() refused a job without one
         self.dataloader.follow(dataset)
         self.trainer.step = start
-        # torchtitan's own LR schedules are functions of the step count (its checkpoints keep only that)
+        # torchtitan's own LR schedules are functions of the step count (its checkpoints keep only that); the
+        # optimizer's groups get the rate of the next step now, as a scheduler's step() would have set them
         self.lr_schedulers.load_state_dict({"last_epoch": start})
+        for scheduler in self.lr_schedulers.schedulers:
+            for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr(), strict=True):
+                group["lr"] = lr
         # tokens this rank has seen, as if it had trained in this layout from the start (metrics only)
         self.trainer.ntokens_seen = start * self.dataloader.batch_size * (
             dataset.global_batch_size // self.dataloader.dp_world_size // self.dataloader.batch_size
