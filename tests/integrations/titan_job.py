@@ -121,3 +121,10 @@ def llama3_streamed() -> Trainer.Config:
     config = llama3_tiny()
     config.dataloader = HuggingFaceTextDataLoader.Config(dataset="c4_test")
     return config
+
+
+def llama3_interleaved() -> Trainer.Config:
+    """Two model parts per rank (an interleaved pipeline schedule): Tenplex stores one, so it refuses this."""
+    config = llama3_tiny()
+    config.parallelism.pipeline_parallel_schedule = "Interleaved1F1B"
+    return config

@@ -320,8 +320,14 @@ class TenplexCheckpointManager(BaseCheckpointManager):
         self.trainer = trainer
         if cpu.cpu_only():
             cpu.force_sum_reductions(self.model)
-        # the derived PTC agrees with the live model, or an error naming the first tensor that differs
-        self.worker.prepare(self.model, self.optimizer)
+        # the derived PTC agrees with the live model, or an error naming the first tensor that differs, which the
+        # scheduler is told (the job's message names it) before the Trainer gives up
+        try:
+            self.worker.prepare(self.model, self.optimizer)
+        except InvalidConfig as exc:
+            self.worker.status = "failed"
+            self.worker.finish(detail=f"{type(exc).__name__}: {exc}"[:500])
+            raise
 
     def _load(self, step: int = -1) -> bool:
         start = self.worker.restore(self.model, self.optimizer, seed=self.seed)

@@ -33,16 +33,23 @@ OPTIMIZERS = {"AdamW": "adamw", "Adam": "adam"}
 
 @dataclass(frozen=True)
 class TorchtitanJob:
-    """Which config function the job runs: ``python -m torchtitan.train --module <module> --config <config>``."""
+    """Which config function the job runs: ``python -m torchtitan.train --module <module> --config <config>``.
+
+    Made when the job is created: the config function is called then and a config Tenplex cannot run
+    (:func:`~tenplex.integrations.torchtitan.integration.check_config`) refuses the job with the reason.
+    """
 
     module: str
     config: str
 
     def __post_init__(self) -> None:
+        from tenplex.integrations.torchtitan.integration import check_config
+
         for name in ("module", "config"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value.strip():
                 raise InvalidConfig(f"layout model {name} must be a non-empty string, got {value!r}")
+        check_config(self.load())
 
     def load(self) -> Any:
         """The ``Trainer.Config`` the config function returns (nothing registers: see the module docstring)."""
@@ -119,7 +126,7 @@ def torchtitan_ptc(job: TorchtitanJob, parallel: ParallelConfig, placement: Plac
     from tenplex.ptc.torch_layout import derive_ptc_from_stages
 
     config = job.load()  # errors in the config before the fake process group
-    check_config(config)
+    check_config(config)  # (the job was checked when it was made; the config function may have changed since)
     if dataset is None:
         raise InvalidConfig("a torchtitan job needs the job's \"dataset\" (num_samples, seed, global_batch_size)")
     names = {pg.optimizer_name for pg in config.optimizer.param_groups}
