@@ -228,6 +228,10 @@ class ElasticDataLoader(BaseDataLoader):
     def follow(self, state: DatasetState) -> None:
         """Take the job's sample order from ``state`` on (its consumed samples are the position)."""
         state.check_dp(self.dp_world_size)
+        if state.num_samples != len(self.dataset):
+            raise InvalidConfig(f"the job's dataset state has {state.num_samples} samples, the data set "
+                                f"{type(self.dataset).__name__} has {len(self.dataset)}: the job's \"dataset\" must "
+                                "describe the data set the dataloader reads")
         per_rank = state.global_batch_size // self.dp_world_size
         if per_rank % self.batch_size:
             raise InvalidConfig(f"the {per_rank} samples per rank and step do not split into batches of "
