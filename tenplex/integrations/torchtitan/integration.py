@@ -46,7 +46,7 @@ from torchtitan.components.checkpointer import BaseCheckpointManager
 from torchtitan.components.dataloader import BaseDataLoader
 
 from tenplex.core import protocol
-from tenplex.errors import InvalidConfig
+from tenplex.errors import InvalidConfig, TenplexError
 from tenplex.integrations.torchtitan import compat, cpu
 from tenplex.ptc import DatasetState, ParallelConfig
 from tenplex.worker.sampler import ElasticSampler
@@ -369,7 +369,10 @@ class TenplexCheckpointManager(BaseCheckpointManager):
         exc = sys.exc_info()[1]  # torchtitan.train closes the Trainer inside its `except` when training failed
         if exc is not None and self.worker.status == "running":
             log.error("training failed after step %d: %s", self.worker.step, exc)
-            self.worker.peer_failure(exc)
+            if isinstance(exc, TenplexError):  # this job's own error (its config, its data): no peer is to blame
+                self.worker.status = "failed"
+            else:  # a collective failed, most likely because a peer is gone: the scheduler recovers the job
+                self.worker.peer_failure(exc)
             self.worker.finish(detail=f"{type(exc).__name__}: {exc}"[:500])
         else:
             self.worker.finish()
