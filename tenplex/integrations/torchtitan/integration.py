@@ -346,9 +346,7 @@ class TenplexCheckpointManager(BaseCheckpointManager):
             for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr(), strict=True):
                 group["lr"] = lr
         # tokens this rank has seen, as if it had trained in this layout from the start (metrics only)
-        self.trainer.ntokens_seen = start * self.dataloader.batch_size * (
-            dataset.global_batch_size // self.dataloader.dp_world_size // self.dataloader.batch_size
-        ) * self.dataloader.seq_len
+        self.trainer.ntokens_seen = start * dataset.global_batch_size // self.dataloader.dp_world_size * self.dataloader.seq_len
         return self.worker.restored is not None
 
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
