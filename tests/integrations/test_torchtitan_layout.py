@@ -59,3 +59,50 @@ def test_configurations_it_cannot_run_are_refused_with_the_reason() -> None:
         TorchtitanJob("", "llama3_tiny")
     with pytest.raises(InvalidConfig, match="pipeline_parallel_schedule is 'Interleaved1F1B'"):
         TorchtitanJob(JOB.module, "llama3_interleaved")
+
+
+def test_outside_a_scheduler_the_config_is_the_users(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torchtitan.components.checkpoint import CheckpointManager
+
+    from tests.integrations import titan_job
+
+    monkeypatch.delenv("TENPLEX_SCHEDULER_URL", raising=False)
+    config = titan_job.llama3_tiny()
+    assert type(config.checkpoint) is CheckpointManager.Config
+    assert (config.parallelism.data_parallel_shard_degree, config.parallelism.tensor_parallel_degree,
+            config.training.local_batch_size, config.training.steps) == (-1, 1, 4, 12)
+
+
+def test_the_dataloader_follows_the_sample_order_from_any_position() -> None:
+    """Rank r of d takes the r-th part of each global batch of the order, in the Trainer's micro-batches; after
+    a dp change the position is the consumed samples; its own state resumes where it was."""
+    from tenplex.integrations.torchtitan import ElasticDataLoader
+
+    def loader(dp_rank: int, dp: int, micro: int) -> ElasticDataLoader:
+        config = ElasticDataLoader.Config(dataset="tests.integrations.titan_job:tokens")
+        return config.build(dp_world_size=dp, dp_rank=dp_rank, tokenizer=None, seq_len=8, local_batch_size=micro)
+
+    def ids(batch: tuple) -> list[int]:
+        inputs, labels = batch
+        assert inputs["input"].shape[1] == labels.shape[1] == 8 and inputs["positions"].shape == inputs["input"].shape
+        return inputs["input"][:, 0].tolist()  # a sample's first token is its id
+
+    order = DATASET.samples(0, 3 * 8).tolist()
+    consumed = DatasetState(DATASET.num_samples, DATASET.seed, DATASET.global_batch_size, consumed_samples=8)
+    parts = []
+    for r in range(4):  # dp4 from step 2 on, micro-batches of 1
+        lo = loader(r, 4, 1)
+        lo.follow(consumed)
+        it = iter(lo)
+        parts.append([ids(next(it)) + ids(next(it)) for _ in range(2)])
+    assert sum((p[0] for p in parts), []) == order[8:16] and sum((p[1] for p in parts), []) == order[16:24]
+    lo = loader(1, 2, 4)
+    lo.follow(DATASET)
+    it = iter(lo)
+    assert ids(next(it)) == order[4:8]
+    saved = lo.state_dict()
+    again = loader(1, 2, 4)
+    again.load_state_dict(saved)
+    assert ids(next(iter(again))) == ids(next(it)) == order[12:16]
+    with pytest.raises(InvalidConfig, match="has 64"):
+        lo.follow(DatasetState(num_samples=100, seed=0, global_batch_size=8))
