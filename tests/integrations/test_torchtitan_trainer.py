@@ -42,7 +42,7 @@ ranks, the loss's all-reduce over dp, tp's partial sums), which moves a loss by 
 2.8e-7; 0 in the first layout (the same numbers as the uninterrupted run)."""
 
 
-def spec(name: str, results: Path, dump: Path, gpus: int, max_gpus: int) -> dict:
+def spec(name: str, results: Path, dump: Path, gpus: int, max_gpus: int, snapshot_every: int = 2) -> dict:
     return {
         "name": name,
         "layout": {"provider": "torchtitan", "model": {"module": MODULE, "config": CONFIG}},
@@ -51,7 +51,7 @@ def spec(name: str, results: Path, dump: Path, gpus: int, max_gpus: int) -> dict
         "gpus": gpus,
         "max_gpus": max_gpus,
         "steps": STEPS,
-        "snapshot_every": 2,
+        "snapshot_every": snapshot_every,
         "heartbeat_timeout": 120,
         "policy": {"table": {"2": {"dp": 2, "zero": 3}, "4": {"dp": 4, "zero": 3}}},
         "env": {"OMP_NUM_THREADS": "1", "TITAN_RESULTS": str(results), "TITAN_DUMP": str(dump)},
@@ -85,7 +85,7 @@ def read(results: Path, generation: int, parallel: ParallelConfig) -> tuple[dict
 def test_scaled_failed_and_relaid_out_like_an_uninterrupted_run(tmp_path: Path) -> None:
     with LocalScheduler(tmp_path / "sched", hosts=2, gpus_per_host=2, heartbeat_interval=0.3) as sched:
         client = SchedulerClient(sched.url)
-        client.create(spec("base", tmp_path / "base", tmp_path / "dump-base", 2, 2))
+        client.create(spec("base", tmp_path / "base", tmp_path / "dump-base", 2, 2, snapshot_every=STEPS))
         wait_for(client, "base", lambda s: s["phase"] == "Succeeded", "the uninterrupted run", 300)
 
         client.create(spec("titan", tmp_path / "titan", tmp_path / "dump", 2, 4))
