@@ -9,7 +9,7 @@ line, ``return elastic(my_config())``. Under a Tenplex scheduler (the ``TENPLEX_
   no gradient accumulation (``local_batch_size`` = global batch / dp), the job's step count;
 - :class:`TenplexCheckpointManager` in place of the checkpoint manager (torchtitan's
   ``BaseCheckpointManager``): ``load`` restores the assigned version into the model part, its optimizer,
-  the LR schedulers and the train state (step); ``save`` snapshots at the scheduler's cadence and at the
+  the LR schedulers (and the learning rate of the next step) and the train state (step); ``save`` snapshots at the scheduler's cadence and at the
   agreed stop step, after which it ends the Trainer's own loop (its bound, ``training.steps``, becomes the
   step just saved), so ``torchtitan.train`` closes and exits as after a normal run;
 - the data position of :class:`ElasticDataLoader` (the job's dataloader: torchtitan's own streams an
@@ -17,7 +17,7 @@ line, ``return elastic(my_config())``. Under a Tenplex scheduler (the ``TENPLEX_
   neither repeats nor skips a sample.
 
 Outside a scheduler the config is returned as it is. Either way the process gets what torchtitan 0.3.0
-needs on this machine: the torch 2.13 name of one call (:mod:`~tenplex.integrations.torchtitan.compat`) and,
+needs on this machine: torch 2.13's names for two calls (:mod:`~tenplex.integrations.torchtitan.compat`) and,
 without CUDA, the CPU substitutions of :mod:`~tenplex.integrations.torchtitan.cpu` (torchtitan assumes a GPU).
 
 What Tenplex stores is the PTC's: the parameters and the optimizer state by ``named_parameters()``,
