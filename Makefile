@@ -15,13 +15,13 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip setuptools wheel
 
-TORCHTITAN := torchtitan==0.3.0
+TORCHTITAN := torchtitan==0.3.0 torchdata==0.11.0
 # moto's S3 server for tests/store/test_persistent.py and friends, without its declared dependencies (their
 # python-dateutil<3 conflicts with kubernetes==37.0.2's >=3: see the `test` extra in pyproject.toml)
 MOTO := moto==5.2.5 boto3==1.44.8 botocore==1.44.8 s3transfer==0.19.3
 
-# Reinstall only when the dependency list changes. torchtitan without its declared dependencies
-# (see the `clients` extra in pyproject.toml for what it really imports). The example jobs are their own
+# Reinstall only when the dependency list changes. torchtitan and torchdata (its Trainer's dataloader base)
+# without their declared dependencies (see the `clients` extra in pyproject.toml for what they really import). The example jobs are their own
 # distribution (examples/pyproject.toml), registering their layout providers as a user's package would.
 $(STAMP): pyproject.toml examples/pyproject.toml Makefile | $(PY)
 	$(PIP) install --quiet "torch==2.13.0"

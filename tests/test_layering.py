@@ -7,7 +7,7 @@ Layers, bottom to top (a module may import its own layer and the ones below)::
     2  store: tenplex.store, tenplex.serving
     3  transformer
     4  scheduler
-    5  the top: k8s, worker, node, interop, launcher, standby; one does not import another unless listed in
+    5  the top: k8s, worker, node, interop, launcher, standby, integrations; one does not import another unless listed in
        SIBLINGS with the reason
     6  entry points: tenplex.cli, tenplex.__main__, tenplex.demo and every ``*/cli.py`` (may import anything)
 
@@ -46,6 +46,7 @@ LAYERS: dict[str, int] = {
     "tenplex.interop": 5,
     "tenplex.launcher": 5,
     "tenplex.standby": 5,
+    "tenplex.integrations": 5,
     "tenplex.cli": ENTRY,
     "tenplex.__main__": ENTRY,
     "tenplex.demo": ENTRY,
@@ -55,6 +56,8 @@ TEST_MACHINERY = ("tenplex.testing", "examples")
 SIBLINGS: dict[tuple[str, str], str] = {
     ("tenplex.interop", "tenplex.worker"): "DCP export and import read and write the trainer-state record "
     "(tenplex.worker.trainer_state) that workers store with each version",
+    ("tenplex.integrations", "tenplex.worker"): "the trainer integrations (torchtitan's checkpoint manager) are "
+    "built on the worker library: register, restore, snapshot, stop, the elastic sample order",
     ("tenplex.launcher", "tenplex.standby"): "`tenplex worker standby` is registered beside `tenplex worker launch` "
     "in the worker command group",
 }

@@ -196,6 +196,15 @@ def resolve_mesh_roles(mapping: Mapping[str, str] | None = None, *, defaults: bo
     return out
 
 # torch.distributed has one default process group per process: derivations take turns.
+_WRAPPER_PREFIXES = ("_orig_mod.", "module.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+
+
+def clean_name(name: str) -> str:
+    """A parameter name without the prefixes that wrappers (compile, DDP, FSDP1, activation checkpointing)
+    insert: the PTC's names and the workers' live names are the model's own, whatever wraps its modules."""
+    return ".".join(part for part in name.split(".") if f"{part}." not in _WRAPPER_PREFIXES)
+
+
 _FAKE_PG_LOCK = threading.RLock()
 
 BuildStage = Callable[[int, int], "nn.Module"]
@@ -383,8 +392,8 @@ def _read_stage(build: BuildParallelStage, parallel: ParallelConfig, stage: int)
             for n, p in module.named_parameters():
                 if id(p) not in seen:  # named_parameters dedups within a module; parts may share too
                     seen.add(id(p))
-                    items.append((n, p, TensorKind.PARAM))
-            items += [(n, b, TensorKind.BUFFER) for n, b in _persistent_buffers(module)]
+                    items.append((clean_name(n), p, TensorKind.PARAM))
+            items += [(clean_name(n), b, TensorKind.BUFFER) for n, b in _persistent_buffers(module)]
         out: list[TensorLayout] = []
         mesh_cache: dict[int, tuple[tuple[str, ...], tuple[int, ...], dict[int, tuple[int, ...]]]] = {}
         for name, value, kind in items:

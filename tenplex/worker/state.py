@@ -32,12 +32,12 @@ from torch import nn
 from tenplex.errors import InvalidConfig
 from tenplex.ptc import PTC, Region, TensorKind
 from tenplex.ptc import dtypes as ptc_dtypes
+from tenplex.ptc.torch_layout import clean_name
 
 log = logging.getLogger(__name__)
 
 OPTIM_PREFIX = "optim/"
 EXTRA_PREFIX = "extra/"
-_WRAPPER_PREFIXES = ("_orig_mod.", "module.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,16 +54,6 @@ class LocalPiece:
 
     def layout(self) -> str:
         return f"{self.region} of {list(self.global_shape)} {self.dtype}"
-
-
-def clean_name(name: str) -> str:
-    """A parameter name without the prefixes that wrappers (compile, DDP, FSDP1) insert."""
-    parts = []
-    for part in name.split("."):
-        if f"{part}." in _WRAPPER_PREFIXES:
-            continue
-        parts.append(part)
-    return ".".join(parts)
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:

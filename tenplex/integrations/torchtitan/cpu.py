@@ -10,7 +10,8 @@ and imports on a CPU, its kernels are never launched by the dense llama3.)
 
 1. **device type**: ``torchtitan.tools.utils.device_type`` falls back to
    ``"cuda"`` when no accelerator is present, so ``ParallelDims.build_mesh``
-   would build a CUDA mesh. It is set to ``"cpu"`` where torchtitan reads it.
+   would build a CUDA mesh. It is set to ``"cpu"`` where torchtitan reads it,
+   and its ``device_module`` to ``torch.cpu`` (device index 0).
 2. **FlexAttention has no backward on CPU**. llama3's attention is flex or
    varlen only (``sdpa`` is refused for language models). Its forward is
    replaced by ``scaled_dot_product_attention`` with the dense boolean mask
@@ -18,6 +19,9 @@ and imports on a CPU, its kernels are never launched by the dense llama3.)
    documents), which computes the same attention.
 3. **The block mask is built with ``torch.compile``** (inductor, a C++
    toolchain, tens of seconds per process on CPU). It is built eagerly.
+4. **The Trainer's device memory monitor** reads ``torch.cuda``'s allocator
+   statistics. On CPU it reports the process's peak resident memory and the
+   machine's memory (:class:`HostMemoryMonitor`).
 
 A fourth difference is applied to the modules, not to torchtitan:
 :func:`force_sum_reductions` makes FSDP2 reduce gradients with plain sums,
@@ -49,20 +53,34 @@ def apply() -> None:
         _cpu_device_type()
         _sdpa_instead_of_flex()
         _eager_block_mask()
-        log.info("torchtitan CPU substitutions applied (cpu mesh, SDPA for FlexAttention, eager block masks)")
+        _host_memory_monitor()
+        log.info("torchtitan CPU substitutions applied (cpu mesh, SDPA for FlexAttention, eager block masks, "
+                 "host memory monitor)")
     _applied = True
 
 
 def _cpu_device_type() -> None:
+    import torchtitan.components.metrics as metrics
     import torchtitan.distributed.parallel_dims as parallel_dims
     import torchtitan.distributed.utils as dist_utils
     import torchtitan.tools.utils as tools_utils
 
-    for module in (tools_utils, parallel_dims, dist_utils):
+    for module in (tools_utils, parallel_dims, dist_utils, metrics):
         if hasattr(module, "device_type"):
             module.device_type = "cpu"
         if hasattr(module, "device_module"):
-            module.device_module = torch.cpu
+            module.device_module = _CpuDeviceModule()
+
+
+class _CpuDeviceModule:
+    """``torch.cpu`` where torchtitan expects ``torch.cuda``, with an integer ``current_device()`` (torchtitan
+    passes it to ``barrier(device_ids=...)``, which takes integers; ``torch.cpu.current_device()`` is ``"cpu"``)."""
+
+    def current_device(self) -> int:
+        return 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(torch.cpu, name)
 
 
 def _sdpa_instead_of_flex() -> None:
@@ -107,6 +125,37 @@ def _eager_block_mask() -> None:
     from torch.nn.attention.flex_attention import create_block_mask
 
     decoder.create_attention_mask = create_block_mask
+
+
+def _host_memory_monitor() -> None:
+    import torchtitan.components.metrics as metrics
+
+    metrics.build_device_memory_monitor = HostMemoryMonitor
+
+
+class HostMemoryMonitor:
+    """torchtitan's ``DeviceMemoryMonitor`` interface on CPU: this process's peak RSS of the machine's memory."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self.device = torch.device("cpu")
+        self.device_name = "cpu"
+        self.device_index = 0
+        self.device_capacity = psutil.virtual_memory().total
+        self.device_capacity_gib = self.device_capacity / 2**30
+
+    def get_peak_stats(self) -> object:
+        import resource
+
+        from torchtitan.components.metrics import DeviceMemStats
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
+        gib, pct = peak / 2**30, 100 * peak / self.device_capacity
+        return DeviceMemStats(gib, pct, gib, pct, 0, 0)
+
+    def reset_peak_stats(self) -> None:
+        """The peak RSS of a process cannot be reset; it stays the peak since the start."""
 
 
 def force_sum_reductions(module: nn.Module) -> int:
