@@ -73,8 +73,8 @@ def restore(
     lr_scheduler: object | None = None,
     seed: int = 0,
     verify: bool = True,
-    read_concurrency: int = 4,
-    staging_bytes: int = 1 << 30,
+    read_concurrency: int = 8,
+    staging_bytes: int = 2 << 30,
 ) -> RestoreResult:
     """Load ``version`` of ``job`` from ``store`` (this rank's host store) into ``model`` and ``optimizer``.
 
