@@ -282,8 +282,8 @@ class Snapshotter:
                 side = self._streams[device] = torch.cuda.Stream(device)
             start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             nbytes = 0
+            side.wait_stream(torch.cuda.current_stream(device))  # after the step's last writes (its optimizer)
             with torch.cuda.device(device), torch.cuda.stream(side):
-                side.wait_stream(torch.cuda.current_stream(device))  # after the step's last writes (its optimizer)
                 start.record(side)
                 for piece in group:
                     src = piece.local.detach()
