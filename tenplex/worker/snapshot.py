@@ -302,6 +302,8 @@ class Snapshotter:
         if layout == self._arena_layout and self._arena is not None:
             return
         if self._arena is not None:
+            for side in self._streams.values():  # a snapshot that failed after queueing its copies left them
+                side.synchronize()
             self._arena.close()
         sizes = [p.local.numel() * p.local.element_size() for p in pieces]
         started = time.perf_counter()
