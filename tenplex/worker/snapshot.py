@@ -102,6 +102,8 @@ class _Flight:
     start: torch.cuda.Event
     done: torch.cuda.Event
     nbytes: int
+    sources: tuple[torch.Tensor, ...]
+    """The tensors being copied, held until the copies are done: none is freed (and its memory reused) before."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,17 +283,16 @@ class Snapshotter:
             if side is None:
                 side = self._streams[device] = torch.cuda.Stream(device)
             start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            nbytes = 0
             side.wait_stream(torch.cuda.current_stream(device))  # after the step's last writes (its optimizer)
+            sources = tuple(piece.local.detach() for piece in group)
             with torch.cuda.device(device), torch.cuda.stream(side):
                 start.record(side)
-                for piece in group:
-                    src = piece.local.detach()
-                    self._device_buffers[(piece.name, piece.region)].copy_(src, non_blocking=True)
-                    src.record_stream(side)  # freed meanwhile, its memory is not reused before the copy is done
-                    nbytes += src.numel() * src.element_size()
+                # one call for hundreds of tensors: the per-copy dispatch stays in C++
+                torch._foreach_copy_([self._device_buffers[(p.name, p.region)] for p in group], list(sources),
+                                     non_blocking=True)
                 done.record(side)
-            flights.append(_Flight(device, start, done, nbytes))
+            nbytes = sum(t.numel() * t.element_size() for t in sources)
+            flights.append(_Flight(device, start, done, nbytes, sources))
         return flights
 
     def _device_staging(self, pieces: list[LocalPiece]) -> None:
