@@ -384,6 +384,10 @@ def run_parent(c: Check, size: Size, device: torch.device, tmp: Path, mem: Path)
     budget = int(1.5 * state_bytes) + (64 << 20)  # one version at a time (see snapshot_phase)
     memory_store = LocalStore(tmp / "m", memory_root=mem / "tier", memory_bytes=budget)
     disk_store = LocalStore(tmp / "d")  # fsynced, as a node's disk root
+    # the restore and the restart read the memory tier where it has room for a version, else the disk
+    tier = free_gb(mem) >= 1.1 * state_bytes / 1e9
+    main_store = memory_store if tier else disk_store
+    c.data["restore_from"] = "memory tier" if tier else "disk"
 
     def do_floors() -> None:
         s = c.section("floors")
@@ -421,7 +425,7 @@ def run_parent(c: Check, size: Size, device: torch.device, tmp: Path, mem: Path)
     def do_exact() -> None:
         """A snapshot whose copies the next optimizer step must wait for; then restore it into the live model."""
         s = c.section("exact")
-        snap = Snapshotter(memory_store, JOB, ptc, 0)
+        snap = Snapshotter(main_store, JOB, ptc, 0)
         try:
             state["step"] += 1
             train_step(live["model"], live["opt"], size, state["step"], device)
@@ -434,11 +438,11 @@ def run_parent(c: Check, size: Size, device: torch.device, tmp: Path, mem: Path)
         finally:
             snap.close()
         state["version"] = version
-        stored = stored_checksums(memory_store, version)
+        stored = stored_checksums(main_store, version)
         bad = sorted(k for k in before if stored.get(k) != before[k])
         c.check("snapshot exact (copies fenced from the next step)", not bad,
                 f"{len(bad)} of {len(before)} tensors differ: {bad[:3]}" if bad else f"{len(before)} tensors")
-        result = restore(memory_store, JOB, version, ptc, 0, live["model"], live["opt"])  # returns once the copies are done
+        result = restore(main_store, JOB, version, ptc, 0, live["model"], live["opt"])  # returns once copied
         s["restore_seconds"] = result.seconds
         s["restore_bytes"] = result.bytes_read
         s["restore_gbps"] = result.bytes_read / result.seconds / 1e9
@@ -467,16 +471,18 @@ def run_parent(c: Check, size: Size, device: torch.device, tmp: Path, mem: Path)
         torch.cuda.empty_cache()
     if "version" in state:
         c.run("restart: start-up and continuity",
-              lambda: do_restart(c, size, device, tmp, mem, budget, ptc_path, state["version"]))
+              lambda: do_restart(c, size, device, main_store, ptc_path, state["version"], tmp))
     memory_store.close()
     disk_store.close()
 
 
-def do_restart(c: Check, size: Size, device: torch.device, tmp: Path, mem: Path, budget: int, ptc_path: Path,
-               version: Version) -> None:
-    spec = {"size": {"cfg": dataclasses.asdict(size.cfg), "batch": size.batch}, "root": str(tmp / "m"), "memory_root": str(mem / "tier"),
-            "memory_bytes": budget, "ptc": str(ptc_path), "version": str(version), "device": device.type,
-            "out": str(tmp / "child.json")}
+def do_restart(c: Check, size: Size, device: torch.device, store: LocalStore, ptc_path: Path, version: Version,
+               tmp: Path) -> None:
+    tier = store.memory
+    spec = {"size": {"cfg": dataclasses.asdict(size.cfg), "batch": size.batch}, "root": str(store.root),
+            "memory_root": str(tier.root) if tier is not None else None,
+            "memory_bytes": tier.budget if tier is not None else None, "ptc": str(ptc_path), "version": str(version),
+            "device": device.type, "out": str(tmp / "child.json")}
     spec_path = tmp / "child-spec.json"
     spec_path.write_text(json.dumps(spec))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent),
