@@ -199,6 +199,7 @@ class Snapshotter:
         self._device_buffers: dict[tuple[str, Region], torch.Tensor] = {}
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._fence_handle: Any = None
+        self._pieces_of: tuple[list[Any], list[Any], list[LocalPiece]] | None = None
 
     # -- public -------------------------------------------------------------------
 
@@ -222,7 +223,7 @@ class Snapshotter:
         self.wait()
         version = Version(step, generation)
         t0 = time.perf_counter()
-        pieces = live_pieces(model, optimizer)
+        pieces = self._live_pieces(model, optimizer)
         if self._check and not self._layout_checked:
             check_layout(pieces, self.ptc, self.rank)
             self._layout_checked = True
@@ -267,6 +268,30 @@ class Snapshotter:
         )
         self._thread.start()
         return version
+
+    def _live_pieces(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[LocalPiece]:
+        """:func:`live_pieces`, reused while the state is made of the same tensor objects as at the previous
+        snapshot (the usual case: parameters and optimizer state are updated in place). Naming and placing a
+        large model's thousand tensors costs milliseconds of Python on every snapshot; checking that they are
+        the same objects (a DTensor's local tensor included) costs a walk. The objects are held, so an id is
+        never taken for another's."""
+        objects: list[Any] = []
+        shapes: list[Any] = []
+        tensors = list(model.parameters())
+        if optimizer is not None:
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    tensors += [v for v in optimizer.state.get(param, {}).values() if isinstance(v, torch.Tensor)]
+        for t in tensors:
+            objects += (t, getattr(t, "_local_tensor", None))
+            shapes.append(t.shape)
+        cached = self._pieces_of
+        if (cached is not None and cached[1] == shapes and len(cached[0]) == len(objects)
+                and all(a is b for a, b in zip(cached[0], objects, strict=True))):
+            return cached[2]
+        pieces = live_pieces(model, optimizer)
+        self._pieces_of = (objects, shapes, pieces)
+        return pieces
 
     def _copy_out_devices(self, pieces: list[LocalPiece]) -> list[_Flight]:
         """Queue the copies of these GPU tensors into their host buffers, one side stream per device, each

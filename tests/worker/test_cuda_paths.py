@@ -92,6 +92,28 @@ def test_without_cuda_the_process_group_is_gloo() -> None:
     assert default_backend() == ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
 
 
+def test_a_snapshot_reuses_its_view_of_the_state_until_a_tensor_is_replaced(tmp_path: Path) -> None:
+    """The live pieces are named once while the state is updated in place; a state tensor replaced by a new
+    one (a reset optimizer, a reassigned parameter) is seen at the next snapshot."""
+    device = torch.device("cpu")
+    model, opt = _model(device)
+    store = LocalStore(tmp_path / "store")
+    snap = Snapshotter(store, "j", _ptc(model, opt), 0)
+    snap.snapshot(1, 0, model, opt)
+    first = snap._pieces_of
+    _step(model, opt, device)
+    snap.snapshot(2, 0, model, opt)
+    assert snap._pieces_of is first  # in place: the same pieces
+    weight = model[0].weight
+    opt.state[weight]["exp_avg"] = torch.full_like(weight, 3.0)  # a new tensor object
+    version = snap.snapshot(3, 0, model, opt)
+    snap.close()
+    assert snap._pieces_of is not first
+    out = torch.empty_like(weight)
+    store.read_into("j", version, "optim/0.weight/exp_avg", Region.full(tuple(weight.shape)), out)
+    assert torch.equal(out, torch.full_like(weight, 3.0))
+
+
 # --------------------------------------------------------------------------- on a GPU
 
 
