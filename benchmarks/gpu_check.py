@@ -22,7 +22,8 @@ parameter, all of it in the PTC. Sections, in one process unless said:
   write first (``join``: whether the store keeps up at one snapshot per step),
   and the copy-out bandwidth (device bytes over the side stream's GPU-timed
   copies). Targets: copy-out >= 0.8x the D2H floor; blocking part <= 3% of a
-  step. Old versions are deleted as new ones commit.
+  step. One version at a time (the state is large): the previous one is
+  deleted once committed, before the next snapshot (outside the timings).
 - **snapshot exact**: a snapshot whose next step's optimizer runs while its
   copies may still be in flight (the fence under test); its stored checksums
   must equal the crc32c of the live state taken just before it.
@@ -41,7 +42,7 @@ parameter, all of it in the PTC. Sections, in one process unless said:
   difference there is reported, not judged).
 
 ``--smoke`` runs every section with a tiny model on CPU (no floors, no
-targets; the checks are judged): what ``tests/benchmarks/test_gpu_check.py``
+targets; the checks are judged): what ``tests/worker/test_cuda_paths.py``
 runs. Without CUDA and without ``--smoke`` it exits 2 with a message.
 
 Exit status: 0 when every check passed and every target was met, 1 otherwise, 2 without a CUDA device.
