@@ -60,6 +60,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -78,7 +79,7 @@ from tenplex.store.buffers import crc_of
 from tenplex.store.model import format_checksum
 from tenplex.worker import trainer_state
 from tenplex.worker.pinned import HostArena
-from tenplex.worker.state import LocalPiece, check_layout, live_pieces
+from tenplex.worker.state import LocalPiece, check_layout, live_pieces, named_parameters
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +200,9 @@ class Snapshotter:
         self._device_buffers: dict[tuple[str, Region], torch.Tensor] = {}
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         self._fence_handle: Any = None
-        self._pieces_of: tuple[list[Any], list[Any], list[LocalPiece]] | None = None
+        self._pieces_of: tuple[list[tuple[Any, Any]], list[Any], list[tuple[Any, ...]]] | None = None
+        """Weak references to the state's tensors (and DTensors' local tensors), their shapes, and their
+        pieces' names and regions: see :meth:`_live_pieces`."""
 
     # -- public -------------------------------------------------------------------
 
@@ -270,27 +273,33 @@ class Snapshotter:
         return version
 
     def _live_pieces(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> list[LocalPiece]:
-        """:func:`live_pieces`, reused while the state is made of the same tensor objects as at the previous
-        snapshot (the usual case: parameters and optimizer state are updated in place). Naming and placing a
-        large model's thousand tensors costs milliseconds of Python on every snapshot; checking that they are
-        the same objects (a DTensor's local tensor included) costs a walk. The objects are held, so an id is
-        never taken for another's."""
-        objects: list[Any] = []
-        shapes: list[Any] = []
-        tensors = list(model.parameters())
+        """:func:`live_pieces`, with the names and regions reused while the state is the same tensor objects
+        of the same shapes as at the previous snapshot (the usual case: parameters and optimizer state are
+        updated in place). Naming and placing a large model's thousand tensors costs milliseconds of Python on
+        every snapshot; checking that they are the same objects (a DTensor's local tensor included) costs a
+        walk. The check holds weak references only: a replaced tensor is neither kept alive nor mistaken for
+        its successor."""
+        tensors = [p for _, p in named_parameters(model)]
         if optimizer is not None:
             for group in optimizer.param_groups:
                 for param in group["params"]:
                     tensors += [v for v in optimizer.state.get(param, {}).values() if isinstance(v, torch.Tensor)]
-        for t in tensors:
-            objects += (t, getattr(t, "_local_tensor", None))
-            shapes.append(t.shape)
+        locals_ = [getattr(t, "_local_tensor", None) for t in tensors]  # a DTensor's; None for a plain tensor
+        shapes = [t.shape for t in tensors]
         cached = self._pieces_of
-        if (cached is not None and cached[1] == shapes and len(cached[0]) == len(objects)
-                and all(a is b for a, b in zip(cached[0], objects, strict=True))):
-            return cached[2]
+        if cached is not None:
+            refs, cached_shapes, meta = cached
+            if (cached_shapes == shapes and len(refs) == len(tensors)
+                    and all(r[0]() is t and (r[1] is None) == (lt is None) and (r[1] is None or r[1]() is lt)
+                            for r, t, lt in zip(refs, tensors, locals_, strict=True))):
+                return [LocalPiece(*m, local=t if lt is None else lt) for m, t, lt in zip(meta, tensors, locals_,
+                                                                                           strict=True)]
         pieces = live_pieces(model, optimizer)
-        self._pieces_of = (objects, shapes, pieces)
+        if len(pieces) == len(tensors):  # one piece per tensor, in this order (live_pieces walks the same way)
+            refs = [(weakref.ref(t), None if lt is None else weakref.ref(lt)) for t, lt in zip(tensors, locals_,
+                                                                                                strict=True)]
+            meta = [(p.name, p.kind, p.global_shape, p.dtype, p.region) for p in pieces]
+            self._pieces_of = (refs, shapes, meta)
         return pieces
 
     def _copy_out_devices(self, pieces: list[LocalPiece]) -> list[_Flight]:
