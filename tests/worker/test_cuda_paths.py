@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from tenplex.core.buffers import PAGE_BYTES
-from tenplex.errors import InvalidInput
+from tenplex.errors import InvalidConfig, InvalidInput
 from tenplex.ptc import PTC, Device, Region, build_tensor
 from tenplex.store.local import LocalStore
 from tenplex.worker.pinned import HostArena
 from tenplex.worker.restore import restore
-from tenplex.worker.session import default_backend
+from tenplex.worker.session import default_backend, rank_device
 from tenplex.worker.snapshot import Snapshotter
 from tenplex.worker.state import live_pieces
 
@@ -90,6 +90,14 @@ def test_a_host_arena_cuts_page_aligned_slices_of_exact_sizes() -> None:
 
 def test_without_cuda_the_process_group_is_gloo() -> None:
     assert default_backend() == ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+
+
+def test_a_rank_device_named_by_local_rank_must_exist() -> None:
+    with pytest.raises(InvalidConfig, match="LOCAL_RANK must be a non-negative integer, got 'x'"):
+        rank_device({"LOCAL_RANK": "x"})
+    count = torch.cuda.device_count()
+    with pytest.raises(InvalidConfig, match=f"LOCAL_RANK={count}, but this process sees {count} CUDA device"):
+        rank_device({"LOCAL_RANK": str(count)})
 
 
 def test_a_snapshot_reuses_its_view_of_the_state_until_a_tensor_is_replaced(tmp_path: Path) -> None:
