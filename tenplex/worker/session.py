@@ -242,6 +242,13 @@ class ElasticWorker:
         later than a peer, which after a reconfiguration is a coin toss. So the
         other ranks first wait for rank 0's port to listen, polling every few
         milliseconds (:func:`wait_for_listener`), and connect at the first try.
+
+        With CUDA the default backend is :func:`default_backend`'s ``cpu:gloo,cuda:nccl``: the model's
+        collectives run on NCCL, and the few CPU ones Tenplex makes (the per-step stop agreement,
+        :func:`~tenplex.worker.control.agree_stop`) on gloo, without a device round trip. The process
+        group is bound to this rank's device (``device_id``, :func:`rank_device`; set as the current
+        device): NCCL's communicator is made here, during the rendezvous, not lazily inside the first
+        training step, and no collective can pick another GPU.
         """
         import datetime
 
@@ -255,7 +262,10 @@ class ElasticWorker:
         os.environ[p.ENV_RANK] = str(self.setup.rank)
         os.environ[p.ENV_WORLD_SIZE] = str(self.setup.world_size)
         if backend is None:
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            backend = default_backend()
+        device = rank_device(os.environ) if "nccl" in backend else None
+        if device is not None:
+            torch.cuda.set_device(device)
         started = time.monotonic()
         waited = 0.0
         if self.setup.rank != 0 and self.setup.world_size > 1:
@@ -265,6 +275,7 @@ class ElasticWorker:
             rank=self.setup.rank,
             world_size=self.setup.world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
+            device_id=device,
         )
         self.mark("process_group")
         log.info("rank %d: process group up in %.3f s (%.3f s waiting for rank 0's store at %s:%d)", self.setup.rank,
@@ -486,6 +497,27 @@ class ElasticWorker:
             )
         except Exception as exc:
             log.warning("could not report snapshot %s: %s", result.version, exc)
+
+
+def default_backend() -> str:
+    """The process group's backend: gloo alone without CUDA; with CUDA, NCCL for CUDA tensors and gloo for
+    CPU ones (a NCCL-only group refuses a CPU tensor, and the stop agreement is one)."""
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+
+
+def rank_device(env: Mapping[str, str]) -> torch.device:
+    """This rank's CUDA device: ``LOCAL_RANK`` among the visible devices when set (the launcher's and
+    torchrun's convention), else the current device (a script that chose it itself)."""
+    text = env.get(p.ENV_LOCAL_RANK, "")
+    if not text:
+        return torch.device("cuda", torch.cuda.current_device())
+    if not text.strip().isdigit():
+        raise InvalidConfig(f"{p.ENV_LOCAL_RANK} must be a non-negative integer, got {text!r}")
+    index, count = int(text), torch.cuda.device_count()
+    if index >= count:
+        raise InvalidConfig(f"{p.ENV_LOCAL_RANK}={index}, but this process sees {count} CUDA device(s) "
+                            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')!s})")
+    return torch.device("cuda", index)
 
 
 LISTEN_POLL_S = 0.005

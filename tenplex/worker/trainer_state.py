@@ -66,7 +66,9 @@ def _rng_state() -> dict[str, Any]:
         "python": random.getstate(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        # This rank's device only (the current one): a rank trains on one GPU, and reading every visible
+        # device's generator (get_rng_state_all) would make a CUDA context on each of them, in every rank.
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -77,7 +79,7 @@ def _set_rng_state(state: Mapping[str, Any]) -> None:
     py = state["python"]
     random.setstate((py[0], tuple(py[1]), py[2]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(state["cuda"])  # into the current device: this rank's (see _rng_state)
 
 
 def reseed(seed: int, step: int, rank: int) -> int:

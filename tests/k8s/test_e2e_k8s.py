@@ -33,7 +33,6 @@ import os
 import signal
 import socket
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -388,7 +387,6 @@ def test_a_store_daemon_that_stops_answering_loses_its_host(api: ApiServerEmulat
 
     pid = cluster.kubelets["node-1"].pid("store-node-1")
     assert pid is not None
-    stopped = time.monotonic()
     os.kill(pid, signal.SIGSTOP)
     try:
         eventually(lambda: not cluster.store_ready("node-1"), "node-1's store pod not Ready", timeout=30)
@@ -397,9 +395,9 @@ def test_a_store_daemon_that_stops_answering_loses_its_host(api: ApiServerEmulat
         st = wait_job(scheduler, "gpt", lambda s: s.phase == Phase.RUNNING and s.generation >= 1 and s.history
                       and s.history[-1].finished_at is not None, "recovering off node-1", timeout=heartbeat_timeout,
                       cluster=cluster)
-        recovered = time.monotonic() - stopped
         assert sorted(st.hosts) == ["node-0", "node-2"], st.hosts
-        assert recovered < heartbeat_timeout
+        # The cause is the host's loss (its store pod not Ready), not a heartbeat timeout of its worker.
+        assert st.history[-1].reason == "failure" and st.history[-1].error == "host node-1 lost", st.history[-1]
         assert not scheduler.kube_backend.host("node-1").ready
         # Its worker was stopped: node-1's kubelet (its node is Ready) ended it and confirmed the deletion.
         assert not [p["metadata"]["name"] for p in worker_pods(api, "gpt") if p["spec"]["nodeName"] == "node-1"]

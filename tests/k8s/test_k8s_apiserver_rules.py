@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 import time
-from datetime import UTC, datetime
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
@@ -52,8 +53,12 @@ def status_of(exc: client.ApiException) -> tuple[int, str]:
     return exc.status, json.loads(exc.body)["message"]
 
 
-def seconds_until(timestamp: Any) -> float:
-    return (timestamp - datetime.now(UTC)).total_seconds()
+def timed(call: Callable[[], Any]) -> tuple[datetime, Any, datetime]:
+    """``call()`` with the clock read before and after it: a timestamp the server set during the call lies
+    between the two (RFC 3339 timestamps have whole seconds: the lower end is truncated likewise)."""
+    before = datetime.now(UTC).replace(microsecond=0)
+    out = call()
+    return before, out, datetime.now(UTC)
 
 
 # --------------------------------------------------------------------------- graceful deletion
@@ -65,15 +70,17 @@ def test_a_bound_pod_is_deleted_gracefully_until_its_kubelet_confirms(api: ApiSe
     api.set_pod_running("w", NS)
     assert created.spec.termination_grace_period_seconds == 30  # defaulted, as the API server does
 
-    first = k8s.core.delete_namespaced_pod("w", NS)
+    before, first, after = timed(lambda: k8s.core.delete_namespaced_pod("w", NS))
     meta = first.metadata
-    assert meta.deletion_grace_period_seconds == 30 and 28 <= seconds_until(meta.deletion_timestamp) <= 31
+    grace = timedelta(seconds=30)
+    assert meta.deletion_grace_period_seconds == 30 and before + grace <= meta.deletion_timestamp <= after + grace
     assert meta.generation == created.metadata.generation + 1  # a deletion bumps the generation
     assert k8s.core.read_namespaced_pod("w", NS).metadata.deletion_timestamp is not None  # Terminating
     # A later deletion may shorten the grace period, never lengthen it.
     assert k8s.core.delete_namespaced_pod("w", NS, grace_period_seconds=60).metadata.deletion_grace_period_seconds == 30
-    shorter = k8s.core.delete_namespaced_pod("w", NS, grace_period_seconds=5).metadata
-    assert shorter.deletion_grace_period_seconds == 5 and seconds_until(shorter.deletion_timestamp) <= 6
+    before, shorter, after = timed(lambda: k8s.core.delete_namespaced_pod("w", NS, grace_period_seconds=5).metadata)
+    grace = timedelta(seconds=5)
+    assert shorter.deletion_grace_period_seconds == 5 and before + grace <= shorter.deletion_timestamp <= after + grace
     # The kubelet's confirmation: grace period 0, for this uid only.
     wrong = client.V1DeleteOptions(grace_period_seconds=0, preconditions=client.V1Preconditions(uid="not-the-uid"))
     with pytest.raises(client.ApiException) as err:

@@ -526,8 +526,9 @@ def test_watch_selector_sends_deleted_when_an_object_stops_matching(api: ApiServ
 
 
 def test_watch_timeout_seconds_ends_the_stream(api: ApiServerEmulator, k8s: Clients) -> None:
+    # Nothing happens in the namespace: the stream can only end because the server ended it (not before).
     started = time.monotonic()
     events = collect(k8s.core.list_namespaced_pod, NS, count=1, timeout=1)
     assert events == []
-    assert 0.9 <= time.monotonic() - started < 4
+    assert time.monotonic() - started >= 0.9
     assert api.open_watches() == 0

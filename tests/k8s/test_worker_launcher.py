@@ -91,14 +91,14 @@ def test_every_rank_runs_with_its_environment_and_all_zero_is_zero(tmp_path: Pat
 
 @pytest.mark.slow
 def test_a_failing_rank_ends_the_pod_promptly_with_its_exit_code(tmp_path: Path) -> None:
-    # Rank 0 ignores SIGTERM (as a rank stuck in a collective may): it is killed after the failure grace.
+    # Rank 0 ignores SIGTERM (as a rank stuck in a collective may) and would run for ever: the launch returns
+    # only because it was killed after the failure grace.
     code = ("import os, signal, sys, time\n"
             "if os.environ['RANK'] == '1':\n"
             "    time.sleep(0.3); sys.exit(3)\n"
-            "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)")
-    started = time.monotonic()
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            "while True: time.sleep(1)")
     assert launch(child(code), {**os.environ, ENV_POD_RANKS: pod_ranks(0, 1)}, failure_grace=0.5) == 3
-    assert time.monotonic() - started < 10
 
     # A rank killed by a signal: the pod reports 128 + N, as the container runtime does.
     crash = "import os, signal, time; os.kill(os.getpid(), signal.SIGKILL) if os.environ['RANK'] == '0' else time.sleep(60)"
@@ -156,7 +156,7 @@ def test_cli_bad_input_exits_2_and_an_unrunnable_command_127(tmp_path: Path) -> 
 @pytest.mark.slow
 def test_ranks_ended_by_a_forwarded_sigterm_give_the_pod_128_plus_15(tmp_path: Path) -> None:
     code = ("import os, pathlib, time; pathlib.Path(os.environ['OUT'], os.environ['RANK']).write_text(''); "
-            "time.sleep(60)")
+            "[time.sleep(1) for _ in iter(int, 1)]")  # for ever: only the forwarded SIGTERM ends the ranks
 
     def stop_when_ready() -> None:
         deadline = time.monotonic() + 30
@@ -167,8 +167,6 @@ def test_ranks_ended_by_a_forwarded_sigterm_give_the_pod_128_plus_15(tmp_path: P
     before = signal.getsignal(signal.SIGTERM)
     stopper = threading.Thread(target=stop_when_ready, daemon=True)
     stopper.start()
-    started = time.monotonic()
     assert launch(child(code), {**os.environ, ENV_POD_RANKS: pod_ranks(0, 1), "OUT": str(tmp_path)}) == 128 + 15
-    assert time.monotonic() - started < 20
     stopper.join(timeout=5)
     assert signal.getsignal(signal.SIGTERM) == before  # the launcher put the previous handler back

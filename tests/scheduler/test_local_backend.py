@@ -150,10 +150,11 @@ def test_the_health_watch_loses_a_host_whose_daemon_is_gone_or_silent(tmp_path: 
                                            "store_url": f"http://127.0.0.4:{silent.getsockname()[1]}"}]
         other = LocalCluster.attach(tmp_path / "cluster", described)
         start = time.monotonic()
+        deadline = start + 60
         lost: list[str] = []
         while "host-2" not in lost:
             lost += other.check_health(lost_after=1.0, probe_timeout=0.2)
-            assert time.monotonic() - start < 10
+            assert time.monotonic() < deadline, "the silent daemon's host was never lost"
         assert time.monotonic() - start >= 1.0  # not before its timeout
         silent.close()
     finally:

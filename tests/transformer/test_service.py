@@ -190,10 +190,12 @@ def test_the_transform_routes_need_the_token(tmp_path: Path) -> None:
 
 
 def test_cancel_stops_a_running_transform_and_commits_nothing(tmp_path: Path, cluster, hung_source: str) -> None:
-    """h2's part reads from a source that never answers; DELETE cancels it: state cancelled, no new version."""
+    """h2's part reads from a source that never answers; DELETE cancels it: state cancelled, no new version.
+    The source timeout is an hour, far past the wait of a DELETE (CANCEL_WAIT_S): the cancel can only answer
+    "cancelled" because it cut the hung reads, not because they timed out."""
     _old, _new, _state, plan = _plan(cluster, "cancel", new_hosts=("h2", "h3"))
     with NodeDaemon(tmp_path / "t", host="127.0.0.6", store=LocalStore(tmp_path / "t", durable=False),
-                    transforms=TransformSettings(source_timeout_s=3.0)) as daemon, StoreClient(daemon.url) as client:
+                    transforms=TransformSettings(source_timeout_s=3600.0)) as daemon, StoreClient(daemon.url) as client:
         hp = plan.host("h2")
         req = TransformRequest(host="h2", plan=plan.for_host("h2"), sources={h: hung_source for h in plan.sources_of("h2")})
         client.request_json("POST", transforms_path("cancel"), req.to_json())
@@ -201,10 +203,8 @@ def test_cancel_stops_a_running_transform_and_commits_nothing(tmp_path: Path, cl
         while client.request_json("GET", transforms_path("cancel", NEW_V))["state"] != "running":
             assert time.monotonic() < deadline
             time.sleep(0.02)
-        started = time.monotonic()
         status = TransformStatus.from_json(client.request_json("DELETE", transforms_path("cancel", NEW_V)))
         assert status.state == "cancelled" and status.error_code == TransformCancelled.code, status
-        assert time.monotonic() - started < 8  # the hung reads end at the source timeout, not later
         assert status.bytes_done < hp.bytes_total
         with pytest.raises(NotFound):
             client.versions("cancel")
@@ -310,21 +310,24 @@ def test_several_daemon_processes_agree_on_one_transform(tmp_path: Path, cluster
 
 
 def test_a_status_read_can_wait_for_the_end_of_its_transform(cluster, hung_source: str, tmp_path: Path) -> None:
-    """?wait=S answers as soon as the transform ends (a commit is learnt of at once), else after S seconds."""
+    """?wait=S answers as soon as the transform ends (a commit is learnt of at once), else after S seconds.
+    The stuck transform's source timeout is an hour: it cannot end on its own while the test runs, so a read
+    answering "running" answered at the end of its wait, and one answering "cancelled" before its wait ran out
+    answered at the cancel."""
     _old, _new, _state, plan = _plan(cluster, "longpoll", new_hosts=("h2", "h3"))
     with NodeDaemon(tmp_path / "t", host="127.0.0.6", store=LocalStore(tmp_path / "t", durable=False),
-                    transforms=TransformSettings(source_timeout_s=3.0)) as daemon, StoreClient(daemon.url) as client:
+                    transforms=TransformSettings(source_timeout_s=3600.0)) as daemon, StoreClient(daemon.url) as client:
         stuck = TransformRequest(host="h2", plan=plan.for_host("h2"), sources={h: hung_source for h in plan.sources_of("h2")})
         client.request_json("POST", transforms_path("longpoll"), stuck.to_json())
         start = time.monotonic()
         status = client.request_json("GET", transforms_path("longpoll", NEW_V, wait=0.5))
-        assert status["state"] in ("queued", "running") and 0.4 < time.monotonic() - start < 3
-        # cancelled from another thread while a read waits: the read answers at once with the end
+        assert status["state"] in ("queued", "running") and time.monotonic() - start >= 0.5  # not before its wait
+        # cancelled from another thread while a read waits (as long as a read may): the read answers with the end
         timer = threading.Timer(0.3, lambda: StoreClient(daemon.url).request_json("DELETE", transforms_path("longpoll", NEW_V)))
         timer.start()
         start = time.monotonic()
-        status = client.request_json("GET", transforms_path("longpoll", NEW_V, wait=20))
-        assert status["state"] == "cancelled" and time.monotonic() - start < 10
+        status = client.request_json("GET", transforms_path("longpoll", NEW_V, wait=30))
+        assert status["state"] == "cancelled" and time.monotonic() - start < 30, "answered at the end of its wait"
         timer.join()
         with pytest.raises(InvalidInput, match="wait must be between 0 and 30"):
             client.request_json("GET", transforms_path("longpoll", NEW_V) + "?wait=31")
