@@ -52,6 +52,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import functools
 import json
 import logging
 import math
@@ -225,6 +227,21 @@ def _sort_key(info: ShardInfo) -> tuple[str, str]:
 
 def _missing_text(missing: Sequence[Region]) -> str:
     return ", ".join(m.format() for m in missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+
+
+@dataclass(frozen=True, slots=True)
+class SmallShard:
+    """A shard for :meth:`PersistentStore.write_shards`: its target, its bytes (a C-contiguous array of the
+    region's shape in the storage dtype) and the checksum its source recorded (None: not checked)."""
+
+    tensor: str
+    region: Region
+    dtype: str
+    global_shape: tuple[int, ...]
+    data: np.ndarray
+    expected: str | None = None
+    replace: bool = False
+    """An older copy of the shard may be complete there (another checksum): its metadata goes first."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -656,15 +673,20 @@ class PersistentStore(TensorStore):
             break
 
     async def _ensure_groups(self, job: str, version: Version, tensor: str) -> None:
+        await self._ensure_groups_of(job, version, [tensor])
+
+    async def _ensure_groups_of(self, job: str, version: Version, tensors: Sequence[str]) -> None:
+        """The group documents of the job, the version and these tensors, each written once by this instance
+        (concurrently)."""
         docs = {
             f"{job}/{_META}": _group_doc({"job": job}),
             f"{self._vkey(job, version)}/{_META}": _group_doc({"job": job, "version": str(version)}),
-            f"{self._tkey(job, version, tensor)}/{_META}": _group_doc({"tensor": tensor}),
         }
+        docs.update({f"{self._tkey(job, version, t)}/{_META}": _group_doc({"tensor": t}) for t in tensors})
         with self._lock:
             todo = {k: d for k, d in docs.items() if k not in self._groups}
         if todo:
-            await asyncio.gather(*(self._put_json(k, d) for k, d in todo.items()))
+            await self._bounded(self._put_json(k, d) for k, d in todo.items())
             with self._lock:
                 self._groups.update(todo)
 
@@ -695,6 +717,100 @@ class PersistentStore(TensorStore):
         except BaseException:
             writer.abort()
             raise
+
+    def small(self, region: Region, dtype: str, limit: int) -> bool:
+        """Whether a shard can go through :meth:`write_shards`: at most ``limit`` bytes, one chunk object."""
+        st = storage_dtype(dtype)
+        return region.volume * st.itemsize <= limit and self._one_chunk(region, st)
+
+    def _one_chunk(self, region: Region, st: np.dtype) -> bool:
+        return chunk_shape(region.shape, st.itemsize, self.chunk_bytes) == tuple(max(1, n) for n in region.shape)
+
+    def write_shards(self, job: str, version: Version | str, shards: Sequence[SmallShard]) -> list[ShardInfo]:
+        """Store many small shards of an uncommitted version at once; their records, in order.
+
+        What one shard at a time costs is its requests' latency, not its bytes: here every checksum is
+        checked first (a shard whose bytes do not have the crc32c its source recorded fails the call with
+        :class:`~tenplex.errors.ChecksumMismatch` before anything is written), then the groups of all their
+        tensors, every chunk object, and last every shard's metadata are written, each step as concurrent
+        requests (at most :attr:`max_requests` in flight) on zarr's event loop. The format is the one
+        :meth:`write_shard` writes: each shard is one chunk (see :meth:`small`), and its chunk object is
+        what zarr's ``bytes`` then ``crc32c`` codecs make of it (the little-endian elements, then the crc32c
+        of those bytes: the shard's own checksum, computed once). A shard's metadata still comes after its
+        chunk, so an interrupted call leaves shards that are complete or invisible. ``replace`` shards
+        (:attr:`SmallShard.replace`) lose their old metadata before their chunk is rewritten.
+        """
+        v = check_version(version)
+        check_job(job)
+        if not shards:
+            return []
+        prepared: list[tuple[str, str | None, Buffer | None, dict[str, Any], bool]] = []
+        infos: list[ShardInfo] = []
+        tensors: set[str] = set()
+        for s in shards:
+            gshape = check_shard_target(job, v, s.tensor, s.dtype, s.global_shape, s.region)[1]
+            st = storage_dtype(s.dtype)
+            data = s.data
+            if not isinstance(data, np.ndarray) or data.dtype != st or data.shape != s.region.shape:
+                raise InvalidInput(f"shard {s.tensor!r} {s.region.format()!r}: data must be a {st} array of shape "
+                                   f"{list(s.region.shape)}")
+            if not self._one_chunk(s.region, st):
+                raise InvalidInput(f"shard {s.tensor!r} {s.region.format()!r} spans several chunk objects: write it "
+                                   "with open_writer")
+            crc = crc_of(np.ascontiguousarray(data))
+            checksum = format_checksum(crc)
+            if s.expected is not None and checksum != s.expected:
+                raise ChecksumMismatch(f"shard {s.tensor!r} {s.region.format()!r} of {v}: the bytes read have crc32c "
+                                       f"{checksum}, their source recorded {s.expected}; not uploaded")
+            info = ShardInfo(s.tensor, s.region, s.dtype, gshape, checksum, s.region.volume * st.itemsize)
+            doc = _array_doc(s.region.shape, [max(1, n) for n in s.region.shape], st, {ATTR: info.to_json()})
+            key = self._skey(job, v, s.tensor, s.region)
+            chunk: Buffer | None = None
+            chunk_key: str | None = None
+            objects = _chunk_objects(doc)
+            if objects:
+                [name] = objects
+                chunk_key = f"{key}/{name}"
+                raw = np.empty(info.nbytes + _CRC_BYTES, np.uint8)
+                raw[: info.nbytes] = np.ascontiguousarray(data, dtype=st.newbyteorder("<")).reshape(-1).view(np.uint8)
+                raw[info.nbytes:] = np.frombuffer((crc & 0xFFFFFFFF).to_bytes(_CRC_BYTES, "little"), np.uint8)
+                chunk = Buffer.from_array_like(raw)
+            prepared.append((key, chunk_key, chunk, doc, s.replace))
+            infos.append(info)
+            tensors.add(s.tensor)
+
+        async def run() -> None:
+            await self._ensure_groups_of(job, v, sorted(tensors))
+            await self._bounded(self._backend.delete(f"{key}/{_META}") for key, _, _, _, replace in prepared if replace)
+            await self._bounded(self._backend.set(ck, chunk) for _, ck, chunk, _, _ in prepared
+                                if ck is not None and chunk is not None)
+            await self._bounded(self._put_json(f"{key}/{_META}", doc) for key, _, _, doc, _ in prepared)
+
+        self._run(run(), f"uploading {len(shards)} shards of {v}")
+        return infos
+
+    def uploaded(self, job: str, version: Version | str) -> dict[tuple[str, Region], ShardInfo]:
+        """The complete shards of a version here (committed or not), from one listing and the metadata of
+        the shards it shows: what an upload that is resumed or repeated need not send again."""
+        v = check_version(version)
+        check_job(job)
+
+        async def run() -> dict[tuple[str, Region], ShardInfo]:
+            manifest = await self._committed_manifest(job, v)
+            if manifest is not None:
+                return {(s.tensor, s.region): s for s in manifest.shards}
+            vkey = self._vkey(job, v)
+            metas = []
+            for key in await self._object_sizes(vkey):
+                parts = key[len(vkey) + 1:].split("/")
+                if len(parts) == 3 and parts[2] == _META:
+                    region = region_from_key(parts[1])
+                    if region is not None:
+                        metas.append((tensor_from_dirname(parts[0]), region))
+            found = await self._bounded(self._read_shard(job, v, t, r) for t, r in metas)
+            return {(s.info.tensor, s.info.region): s.info for s in found if s is not None}
+
+        return self._run(run(), f"listing the shards of {v} of job {job!r}")
 
     def link_shard(
         self, job: str, from_version: Version | str, tensor: str, region: Region, to_version: Version | str,
@@ -918,7 +1034,7 @@ class PersistentStore(TensorStore):
             if ptc is not None:
                 await self._put_json(self._ptc_key(job, v), dict(ptc))
             if self.root is not None:  # the data durable before the marker that promises it
-                await asyncio.to_thread(os.sync)
+                await asyncio.to_thread(_sync_file_system, self.root)
             await self._put_json(self._marker(job, v), manifest.to_json())
             return manifest
 
@@ -1058,6 +1174,29 @@ class PersistentShardWriter:
         self._done = True
 
 
+def _sync_file_system(root: Path) -> None:
+    """Make what was written under ``root`` durable, once for a whole version: ``syncfs(2)`` of the file
+    system that holds it (Linux), which flushes that file system only, not every disk of the machine as
+    ``sync(2)`` does (on a shared node the other disks' writeback is not ours to wait for); ``os.sync``
+    where there is no ``syncfs``."""
+    syncfs = getattr(_libc(), "syncfs", None)
+    if syncfs is None:
+        os.sync()
+        return
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        if syncfs(fd) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"syncfs({root}): {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+@functools.lru_cache(maxsize=1)
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
 def _file_sizes(root: Path, prefix: str) -> dict[str, int]:
     out: dict[str, int] = {}
     base = root / prefix
@@ -1083,4 +1222,4 @@ def _link_files(pairs: Sequence[tuple[Path, Path]]) -> None:
             shutil.copyfile(src, dst)
 
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "PersistentShardWriter", "PersistentStore", "chunk_shape"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "PersistentShardWriter", "PersistentStore", "SmallShard", "chunk_shape"]
