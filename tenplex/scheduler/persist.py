@@ -179,11 +179,13 @@ class Housekeeper:
             self._upload_wake.wait(5.0)
             self._upload_wake.clear()
             while not self._stop.is_set():
-                with self.ctx.lock:
+                with self.ctx.lock:  # one change of the status: never seen neither queued nor in flight
                     version, self._queued = self._queued, None
                     self._inflight = version
                     if version is not None:
-                        self._set(queued=None)
+                        self._set(queued=None, version=version, state="uploading", attempts=0, error=None,
+                                  started_at=time.time(), finished_at=None, bytes_uploaded=0,
+                                  started_step=self.ctx.status.step, finished_step=None)
                 if version is None:
                     break
                 try:
