@@ -179,13 +179,7 @@ class Housekeeper:
             self._upload_wake.wait(5.0)
             self._upload_wake.clear()
             while not self._stop.is_set():
-                with self.ctx.lock:  # one change of the status: never seen neither queued nor in flight
-                    version, self._queued = self._queued, None
-                    self._inflight = version
-                    if version is not None:
-                        self._set(queued=None, version=version, state="uploading", attempts=0, error=None,
-                                  started_at=time.time(), finished_at=None, bytes_uploaded=0,
-                                  started_step=self.ctx.status.step, finished_step=None)
+                version = self._take()
                 if version is None:
                     break
                 try:
@@ -195,6 +189,17 @@ class Housekeeper:
                 finally:
                     with self.ctx.lock:
                         self._inflight = None
+
+    def _take(self) -> str | None:
+        """The waiting due version, now the one in flight (None: none waits)."""
+        with self.ctx.lock:  # one change of the status: a version is never seen neither waiting nor in flight
+            version, self._queued = self._queued, None
+            self._inflight = version
+            if version is not None:
+                self._set(queued=None, version=version, state="uploading", attempts=0, error=None,
+                          started_at=time.time(), finished_at=None, bytes_uploaded=0,
+                          started_step=self.ctx.status.step, finished_step=None)
+            return version
 
     def _set(self, **changes: Any) -> None:
         with self.ctx.lock:
