@@ -738,7 +738,10 @@ class PersistentStore(TensorStore):
         what zarr's ``bytes`` then ``crc32c`` codecs make of it (the little-endian elements, then the crc32c
         of those bytes: the shard's own checksum, computed once). A shard's metadata still comes after its
         chunk, so an interrupted call leaves shards that are complete or invisible. ``replace`` shards
-        (:attr:`SmallShard.replace`) lose their old metadata before their chunk is rewritten.
+        (:attr:`SmallShard.replace`) lose their old metadata before their chunk is rewritten. A committed
+        version is refused (:class:`~tenplex.errors.Conflict`); unlike :meth:`open_writer` the call does not
+        compare the shards with other shards of their tensors already there: its caller, the daemon's upload,
+        sends the shards of one node version, whose dtypes and shapes agree.
         """
         v = check_version(version)
         check_job(job)
@@ -780,6 +783,8 @@ class PersistentStore(TensorStore):
             tensors.add(s.tensor)
 
         async def run() -> None:
+            if await self._committed_manifest(job, v) is not None:
+                raise Conflict(f"version {v} of job {job!r} at {self.url} is committed; committed versions are immutable")
             await self._ensure_groups_of(job, v, sorted(tensors))
             await self._bounded(self._backend.delete(f"{key}/{_META}") for key, _, _, _, replace in prepared if replace)
             await self._bounded(self._backend.set(ck, chunk) for _, ck, chunk, _, _ in prepared

@@ -308,6 +308,8 @@ def test_small_shards_written_at_once_are_the_format_one_at_a_time_writes(pstore
     assert pstore.uploaded("j", "s4-g0") == {(i.tensor, i.region): i for i in infos}
     manifest = pstore.commit("j", "s4-g0", expect=[(i.tensor, i.region, i.checksum) for i in infos])
     assert manifest.committed and len(manifest.shards) == len(shards)
+    with pytest.raises(Conflict, match="immutable"):
+        pstore.write_shards("j", "s4-g0", shards[:1])
     for s in shards:
         out = np.empty(s.region.shape, s.data.dtype)
         pstore.read_into("j", "s4-g0", s.tensor, s.region, out.view(np.uint16) if s.dtype == "bfloat16" else out)
