@@ -12,6 +12,9 @@ Cases (``--cases``, default all but ``job``):
   T(N1) - N1 * per tensor (T: upload + commit, the median of the repeats, as wall time and as the daemon's
   CPU time, which a loaded machine disturbs less; one round before them per target is
   not timed: a daemon's first upload imports zarr and the object-store client).
+- With ``--baseline-code DIR`` (a checkout of other code, e.g. the commit before), the ``small`` and ``gpt``
+  cases also run a daemon of that code on a copy of the node store, its rounds alternating with this code's,
+  so both see the same load on a shared machine.
 - ``gpt``: the GPT layouts of ``benchmarks/cluster_reshard.py``: the reference GPT of the job below (4 layers,
   dim 64, vocab 128; dp1 x tp1 x pp2 on 2 hosts) and cluster_reshard's default spec (8 layers, hidden 1024,
   vocab 8192, fp32 with Adam moments; tp2 x pp2 x dp2 on 4 hosts of 2 GPUs): host-0's part of each (the shards
@@ -107,6 +110,7 @@ def start_daemon(root: Path, env: dict[str, str]) -> tuple[subprocess.Popen, str
          "--host", "127.0.0.1", "--port", "0", "--port-file", str(port_file),
          "--upload-concurrency", str(CONCURRENCY)],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        cwd=env.get("PYTHONPATH", str(ROOT)),  # `-m` puts the working directory first on the path
     )
     deadline = time.monotonic() + 60
     while not (port_file.exists() and port_file.read_text().strip()):
@@ -273,35 +277,51 @@ def staged_round(client: StoreClient, uri: str, shards: list[list[str]], pid: in
 
 def staged_case(label: str, version: list[tuple[str, Region, tuple[int, ...]]], args: argparse.Namespace, tmp: Path,
                 env: dict[str, str], procs: list[subprocess.Popen]) -> dict:
-    root = tmp / f"node-{label}"
-    nbytes = fill_store(root, version)
+    """The version uploaded ``--repeats`` times per target; with ``--baseline-code``, a second daemon running that
+    code (on a copy of the node store) uploads it too, its rounds alternating with this code's (the same load)."""
     shards = [[name, region.format()] for name, region, _ in version]
-    daemon, url = start_daemon(root, env)
-    procs.append(daemon)
+    codes = {"this": ROOT, **({"baseline": args.baseline_code} if args.baseline_code else {})}
+    daemons = {}
+    nbytes = 0
+    for code, path in codes.items():
+        root = tmp / f"node-{label}-{code}"
+        nbytes = fill_store(root, version)
+        daemon, url = start_daemon(root, {**env, "PYTHONPATH": str(path)})
+        procs.append(daemon)
+        daemons[code] = (daemon, StoreClient(url, "bench", timeout=600), root)
     out: dict = {"tensors": len(version), "bytes": nbytes, "targets": {}}
     try:
-        with StoreClient(url, "bench", timeout=600) as client:
-            for target in args.targets:
-                rounds = []
-                warm = (tmp / f"persistent-{label}-warm").as_uri() if target == "file" else f"s3://{BUCKET}/{label}-warm"
-                staged_round(client, warm, shards, daemon.pid)  # not timed: the daemon's first upload imports and connects
-                for i in range(args.repeats):
-                    uri = (f"s3://{BUCKET}/{label}-{i}" if target == "s3"
-                           else (tmp / f"persistent-{label}-{i}").as_uri())
-                    rounds.append(staged_round(client, uri, shards, daemon.pid))
-                med = {k: statistics.median(r[k] for r in rounds)
-                       for k in ("upload_s", "commit_s", "total_s", "daemon_cpu_s")}
-                stages = {k: statistics.median((r["stages"] or {}).get(k, 0.0) for r in rounds)
-                          for k in ("check", "read", "write")} if any(r["stages"] for r in rounds) else None
-                out["targets"][target] = {"rounds": rounds, "median": med, "median_stages": stages}
-                print(f"{label:>14} {target:>4}: {len(version):5d} tensors {nbytes / MiB:8.2f} MiB  upload "
-                      f"{med['upload_s']:6.3f} s  commit {med['commit_s']:6.3f} s  total {med['total_s']:6.3f} s  daemon CPU "
-                      f"{med['daemon_cpu_s']:6.3f} s  "
-                      f"daemon's stages (summed over threads) {stages}", flush=True)
+        for target in args.targets:
+            rounds: dict[str, list[dict]] = {code: [] for code in codes}
+            for code, (daemon, client, _root) in daemons.items():
+                warm = (tmp / f"persistent-{label}-{code}-warm").as_uri() if target == "file" else \
+                    f"s3://{BUCKET}/{label}-{code}-warm"
+                staged_round(client, warm, shards, daemon.pid)  # not timed: a daemon's first upload imports, connects
+            for i in range(args.repeats):
+                for code, (daemon, client, _root) in daemons.items():
+                    uri = (f"s3://{BUCKET}/{label}-{code}-{i}" if target == "s3"
+                           else (tmp / f"persistent-{label}-{code}-{i}").as_uri())
+                    rounds[code].append(staged_round(client, uri, shards, daemon.pid))
+            out["targets"][target] = {}
+            for code in codes:
+                rs = rounds[code]
+                med = {k: statistics.median(r[k] for r in rs) for k in ("upload_s", "commit_s", "total_s", "daemon_cpu_s")}
+                stages = {k: statistics.median((r["stages"] or {}).get(k, 0.0) for r in rs)
+                          for k in ("check", "read", "write")} if any(r["stages"] for r in rs) else None
+                entry = {"rounds": rs, "median": med, "median_stages": stages}
+                if code == "this":
+                    out["targets"][target].update(entry)
+                else:
+                    out["targets"][target]["baseline"] = entry
+                print(f"{label:>19} {target:>4} {code:>8}: {len(version):5d} tensors {nbytes / MiB:7.2f} MiB  upload "
+                      f"{med['upload_s']:6.3f} s  commit {med['commit_s']:6.3f} s  total {med['total_s']:6.3f} s  "
+                      f"daemon CPU {med['daemon_cpu_s']:6.3f} s  stages (summed over threads) {stages}", flush=True)
     finally:
-        os.killpg(daemon.pid, signal.SIGKILL)
-        daemon.wait(10)
-        shutil.rmtree(root, ignore_errors=True)
+        for daemon, client, root in daemons.values():
+            client.close()
+            os.killpg(daemon.pid, signal.SIGKILL)
+            daemon.wait(10)
+            shutil.rmtree(root, ignore_errors=True)
     return out
 
 
@@ -312,14 +332,19 @@ def fixed_costs(results: dict, sizes: list[int], targets: list[str]) -> dict:
     n1, n2 = sorted(sizes)[:2]
     out = {}
     for target in targets:
-        out[target] = {}
-        for key, what in (("total_s", "wall"), ("daemon_cpu_s", "daemon CPU")):
-            t1 = results[f"small-{n1}"]["targets"][target]["median"][key]
-            t2 = results[f"small-{n2}"]["targets"][target]["median"][key]
-            per_tensor = (t2 - t1) / (n2 - n1)
-            out[target][what] = {"per_tensor_ms": per_tensor * 1e3, "per_version_ms": (t1 - n1 * per_tensor) * 1e3}
-            print(f"fixed cost {target:>4} ({what}): {per_tensor * 1e3:.3f} ms per tensor, "
-                  f"{(t1 - n1 * per_tensor) * 1e3:.1f} ms per version", flush=True)
+        for code in ("this", "baseline"):
+            r1, r2 = results[f"small-{n1}"]["targets"][target], results[f"small-{n2}"]["targets"][target]
+            if code == "baseline":
+                if "baseline" not in r1:
+                    continue
+                r1, r2 = r1["baseline"], r2["baseline"]
+            out.setdefault(target, {})[code] = {}
+            for key, what in (("total_s", "wall"), ("daemon_cpu_s", "daemon CPU")):
+                t1, t2 = r1["median"][key], r2["median"][key]
+                per_tensor = (t2 - t1) / (n2 - n1)
+                out[target][code][what] = {"per_tensor_ms": per_tensor * 1e3, "per_version_ms": (t1 - n1 * per_tensor) * 1e3}
+                print(f"fixed cost {target:>4} {code:>8} ({what}): {per_tensor * 1e3:.3f} ms per tensor, "
+                      f"{(t1 - n1 * per_tensor) * 1e3:.1f} ms per version", flush=True)
     return out
 
 
@@ -382,6 +407,9 @@ def main() -> None:
     ap.add_argument("--shards", type=int, default=8, help="bandwidth case: shards")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--job-steps", type=int, default=40)
+    ap.add_argument("--baseline-code", type=Path, default=None,
+                    help="small and gpt cases: a checkout of other code (e.g. the previous commit, exported) whose "
+                         "daemon uploads the same versions, rounds alternating")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
