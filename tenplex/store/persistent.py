@@ -54,11 +54,13 @@ import asyncio
 import contextlib
 import ctypes
 import functools
+import itertools
 import json
 import logging
 import math
 import os
 import shutil
+import stat
 import threading
 import uuid
 from collections import OrderedDict
@@ -215,10 +217,7 @@ def _chunk_objects(meta: Mapping[str, Any]) -> dict[str, int]:
     if any(n == 0 for n in shape):
         return {}
     grid = [range(-(-n // c)) for n, c in zip(shape, chunks, strict=True)]
-    out: dict[str, int] = {}
-    for coords in np.ndindex(*(len(g) for g in grid)):
-        out["c/" + "/".join(str(i) for i in coords)] = size
-    return out
+    return {"c/" + "/".join(map(str, coords)): size for coords in itertools.product(*grid)}
 
 
 def _sort_key(info: ShardInfo) -> tuple[str, str]:
@@ -367,8 +366,11 @@ class PersistentStore(TensorStore):
         buf = await self._backend.get(key, prototype=default_buffer_prototype())
         if buf is None:
             return None
+        return self._parse_json(buf.to_bytes(), key)
+
+    def _parse_json(self, data: bytes, key: str) -> dict[str, Any]:
         try:
-            return json.loads(buf.to_bytes())
+            return json.loads(data)
         except ValueError:
             raise InvalidInput(f"{self.url}/{key} is not JSON: not written by a tenplex persistent store") from None
 
@@ -424,9 +426,32 @@ class PersistentStore(TensorStore):
 
     # -- metadata ----------------------------------------------------------------------
 
+    async def _read_shards(self, job: str, version: Version, which: Sequence[tuple[str, Region]]) -> list[_Shard | None]:
+        """:meth:`_read_shard` of each; on a file system all in one thread of zarr's pool (a round trip through
+        the event loop per small file costs more than reading it)."""
+        if self.root is None or len(which) < 2:
+            return await self._bounded(self._read_shard(job, version, t, r) for t, r in which)
+        root = str(self.root)
+
+        def read_all() -> list[dict[str, Any] | None]:
+            out: list[dict[str, Any] | None] = []
+            for t, r in which:
+                try:
+                    with open(f"{root}/{self._skey(job, version, t, r)}/{_META}", "rb") as f:
+                        out.append(self._parse_json(f.read(), f"{self._skey(job, version, t, r)}/{_META}"))
+                except (FileNotFoundError, NotADirectoryError):
+                    out.append(None)
+            return out
+
+        metas = await asyncio.to_thread(read_all)
+        return [self._shard_of(job, version, t, r, m) for (t, r), m in zip(which, metas, strict=True)]
+
     async def _read_shard(self, job: str, version: Version, tensor: str, region: Region) -> _Shard | None:
         """A complete shard (its metadata is there), or None."""
-        meta = await self._get_json(f"{self._skey(job, version, tensor, region)}/{_META}")
+        return self._shard_of(job, version, tensor, region,
+                              await self._get_json(f"{self._skey(job, version, tensor, region)}/{_META}"))
+
+    def _shard_of(self, job: str, version: Version, tensor: str, region: Region, meta: dict[str, Any] | None) -> _Shard | None:
         if meta is None:
             return None
         rec = meta.get("attributes", {}).get(ATTR)
@@ -442,7 +467,7 @@ class PersistentStore(TensorStore):
         """The complete shards of a tensor in a version, and the regions whose upload is unfinished."""
         names = await self._list_dir(self._tkey(job, version, tensor))
         regions = [r for r in (region_from_key(n) for n in names) if r is not None]
-        found = await self._bounded(self._read_shard(job, version, tensor, r) for r in regions)
+        found = await self._read_shards(job, version, [(tensor, r) for r in regions])
         return [s for s in found if s is not None], [r for r, s in zip(regions, found, strict=True) if s is None]
 
     async def _scan_version(self, job: str, version: Version) -> tuple[list[_Shard], list[tuple[str, Region]]]:
@@ -801,16 +826,30 @@ class PersistentStore(TensorStore):
             # LocalStore does (each to a temporary name, then renamed). Hundreds of small files cost their
             # system calls, and sending each through the event loop (and a thread of its pool) and back
             # added a scheduling round trip per file: on a busy node that was most of the time.
-            root = self.root
+            root = str(self.root)
             try:
+                # every directory once, parents first (a mkdir per missing level of each file costs more)
+                dirs: set[str] = set()
+                for key in [*groups, *(k for k, _ in chunks), *(k for k, _ in metas)]:
+                    d = key.rpartition("/")[0]
+                    while d and d not in dirs:
+                        dirs.add(d)
+                        d = d.rpartition("/")[0]
+                for d in sorted(dirs, key=lambda d: d.count("/")):
+                    if "/" not in d:
+                        os.makedirs(f"{root}/{d}", exist_ok=True)
+                    else:
+                        with contextlib.suppress(FileExistsError):
+                            os.mkdir(f"{root}/{d}")
                 for key, data in groups.items():
-                    _put_file(root / key, data)
+                    _put_file(f"{root}/{key}", data)
                 for key in stale:
-                    (root / key).unlink(missing_ok=True)
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(f"{root}/{key}")
                 for key, chunk in chunks:
-                    _put_file(root / key, chunk.as_buffer_like())
+                    _put_file(f"{root}/{key}", chunk.as_buffer_like())
                 for key, data in metas:
-                    _put_file(root / key, data)
+                    _put_file(f"{root}/{key}", data)
             except OSError as exc:
                 raise self._map_error(exc, what) or exc from exc
             with self._lock:
@@ -844,7 +883,7 @@ class PersistentStore(TensorStore):
                     region = region_from_key(parts[1])
                     if region is not None:
                         metas.append((tensor_from_dirname(parts[0]), region))
-            found = await self._bounded(self._read_shard(job, v, t, r) for t, r in metas)
+            found = await self._read_shards(job, v, metas)
             return {(s.info.tensor, s.info.region): s.info for s in found if s is not None}
 
         return self._run(run(), f"listing the shards of {v} of job {job!r}")
@@ -996,7 +1035,9 @@ class PersistentStore(TensorStore):
 
     async def _verify(self, job: str, version: Version,
                       expect: Sequence[tuple[str, Region, str | None]] | None) -> tuple[list[ShardInfo], list[str]]:
-        sizes_task = asyncio.ensure_future(self._object_sizes(self._vkey(job, version)))
+        # An object store: one listing of the version, alongside the metadata reads. A file system: a stat of
+        # each chunk file the metadata promises, after them (a walk of the version's directories costs more).
+        sizes_task = asyncio.ensure_future(self._object_sizes(self._vkey(job, version))) if self.root is None else None
         problems: list[str] = []
         checked: list[tuple[_Shard, str | None]] = []
         if expect is None:
@@ -1007,7 +1048,7 @@ class PersistentStore(TensorStore):
         else:
             for tensor, _region, _crc in expect:
                 check_tensor(tensor)
-            found = await self._bounded(self._read_shard(job, version, t, r) for t, r, _ in expect)
+            found = await self._read_shards(job, version, [(t, r) for t, r, _ in expect])
             for (tensor, region, crc), shard in zip(expect, found, strict=True):
                 if shard is None:
                     problems.append(f"{tensor} {region.format()}: missing")
@@ -1015,12 +1056,17 @@ class PersistentStore(TensorStore):
                     problems.append(f"{tensor} {region.format()}: checksum {shard.info.checksum} recorded, {crc} expected")
                 else:
                     checked.append((shard, crc))
-        sizes = await sizes_task
+        promised = [(shard, self._skey(job, version, shard.info.tensor, shard.info.region), _chunk_objects(shard.meta))
+                    for shard, _ in checked]
+        if sizes_task is not None:
+            sizes = await sizes_task
+        else:
+            keys = [f"{base}/{k}" for _, base, objects in promised for k in objects]
+            sizes = await asyncio.to_thread(_stat_sizes, str(self.root), keys)
         intact = []
-        for shard, _ in checked:
-            base = self._skey(job, version, shard.info.tensor, shard.info.region)
+        for shard, base, objects in promised:
             bad = []
-            for key, size in _chunk_objects(shard.meta).items():
+            for key, size in objects.items():
                 got = sizes.get(f"{base}/{key}")
                 if got != size:
                     bad.append(f"chunk {key} {'missing' if got is None else f'has {got} bytes, expected {size}'}")
@@ -1215,17 +1261,17 @@ def _json_bytes(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
-def _put_file(path: Path, data: Any) -> None:
-    """Write an object of a ``file://`` location as zarr's LocalStore does: to a temporary name in its
-    directory, then renamed over it (a reader never sees half of it)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{uuid.uuid4().hex}.partial")
+def _put_file(path: str, data: Any) -> None:
+    """Write an object of a ``file://`` location (its directory exists) as zarr's LocalStore does: to a
+    temporary name in its directory, then renamed over it (a reader never sees half of it)."""
+    tmp = f"{path}.{uuid.uuid4().hex}.partial"
     try:
         with open(tmp, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
         raise
 
 
@@ -1250,6 +1296,19 @@ def _sync_file_system(root: Path) -> None:
 @functools.lru_cache(maxsize=1)
 def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None, use_errno=True)
+
+
+def _stat_sizes(root: str, keys: Sequence[str]) -> dict[str, int]:
+    """The sizes of those of ``keys`` that are files under ``root``."""
+    out: dict[str, int] = {}
+    for key in keys:
+        try:
+            st = os.stat(f"{root}/{key}")
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        if stat.S_ISREG(st.st_mode):
+            out[key] = st.st_size
+    return out
 
 
 def _file_sizes(root: Path, prefix: str) -> dict[str, int]:
