@@ -367,7 +367,7 @@ def job_case(args: argparse.Namespace, tmp: Path) -> dict:
             "checkpoint": {"uri": uri, "interval_steps": 4, "keep_last": 1000}}
     seen: dict[tuple[str, float], dict] = {}
     with LocalScheduler(tmp / "sched", hosts=2, gpus_per_host=1, heartbeat_interval=0.3) as sched:
-        client = SchedulerClient(sched.url)
+        client = SchedulerClient(sched.url, timeout=300)  # a loaded shared machine answers slowly
         client.create(spec)
         done_at = None
         while True:

@@ -120,8 +120,10 @@ class UploadSettings:
     small_shard_bytes: int = 1 << 20
     """Shards up to this size (in one chunk object) are uploaded in batches: what each of them costs is the
     latency of its few requests, which a batch overlaps (:meth:`PersistentStore.write_shards`)."""
-    batch_shards: int = 128
-    """Small shards per batch (one batch: one read pass on the node, one round of concurrent requests)."""
+    batch_shards: int = 32
+    """Small shards per batch (one batch: one read pass on the node, then its writes). Batches run
+    :attr:`concurrency` at a time, so a version of a few hundred small shards still spreads over all of them,
+    and one batch's reads overlap another's writes."""
     batch_bytes: int = 16 << 20
     """Bytes per batch of small shards (read into memory at once, within :attr:`memory_bytes`)."""
 
