@@ -91,7 +91,7 @@ def test_a_dp1_job_that_loses_a_host_continues_from_the_persistent_tier(tmp_path
     else:
         uri = (tmp_path / "persistent").as_uri()
     with LocalScheduler(tmp_path / "sched", hosts=3, gpus_per_host=1, heartbeat_interval=0.3) as sched:
-        client = SchedulerClient(sched.url)
+        client = SchedulerClient(sched.url, timeout=300)  # a loaded 2-core machine once took 30 s to create the job
         client.create(dp1_job("solo", uri, steps=STEPS))
         # a persisted version, and a newer snapshot the nodes hold that is not persisted: the survivor's copy
         # of it is useless without the victim's half, so the job must go back to the persisted one
@@ -169,7 +169,7 @@ def test_a_region_missing_everywhere_fails_the_job_naming_it(tmp_path: Path) -> 
     nowhere, and the failure message says which are missing and where the job looked."""
     uri = (tmp_path / "persistent").as_uri()
     with LocalScheduler(tmp_path / "sched", hosts=3, gpus_per_host=1, heartbeat_interval=0.3) as sched:
-        client = SchedulerClient(sched.url)
+        client = SchedulerClient(sched.url, timeout=300)  # a loaded 2-core machine once took 30 s to create the job
         spec = dp1_job("lost", uri, steps=200)
         spec["checkpoint"]["interval_steps"] = 1000
         client.create(spec)
