@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 NODE_KEEP = 2
 """Complete versions of a job each node store keeps (the newest; older ones are deleted)."""
 UPLOAD_POLL_S = 2.0
+"""The longest wait of one long poll of an upload's record (it answers as soon as the upload ends)."""
 RETRY_BACKOFF_S = (5.0, 15.0, 60.0, 300.0)
 """Waits between failed attempts to persist a version (the last one repeats)."""
 
@@ -80,34 +81,87 @@ def _uploads_path(job: str, version: str | None = None, *, suffix: str = "") -> 
 
 
 class Housekeeper:
-    """One job's background thread: persistent checkpoints and retention (see the module doc)."""
+    """One job's background threads: persistent checkpoints, and retention (see the module doc).
+
+    Which versions are persisted: the first complete version at or past each multiple of the checkpoint's
+    ``interval_steps`` is *due* (with snapshots at every multiple, exactly those). One upload runs at a time
+    and runs to its end; a version that becomes due meanwhile waits (a queue of one) and starts as soon as it
+    ends. A newer due version supersedes the one waiting, which is then recorded as skipped (the status's
+    ``persist.skipped`` says which and why): superseding the waiting one rather than queueing both keeps the
+    recovery point the newest due version, one upload behind at worst, however slow the uploads are, while
+    queueing every due version would let the uploads fall further behind with each interval. The upload in
+    flight is not cancelled for a newer one: when an upload takes longer than an interval, cancelling would
+    never let any version commit. A version whose upload keeps failing gives way to a newer due one.
+    """
+
+    SKIPPED_KEPT = 20
+    """Entries of ``persist.skipped`` kept in the status (the newest)."""
 
     def __init__(self, ctx: JobContext) -> None:
         self.ctx = ctx
         self._offered: str | None = None
+        self._queued: str | None = None
+        """The due version waiting for the upload in flight to end (guarded by the job's lock)."""
+        self._inflight: str | None = None
+        self._last_due: Version | None = None
         self._wake = threading.Event()
+        self._upload_wake = threading.Event()
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
 
     def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=f"job-{self.ctx.name}-housekeeping", daemon=True)
-            self._thread.start()
+        if not self._threads:
+            name = self.ctx.name
+            self._threads = [threading.Thread(target=self._run, name=f"job-{name}-housekeeping", daemon=True),
+                             threading.Thread(target=self._uploads, name=f"job-{name}-persist", daemon=True)]
+            for t in self._threads:
+                t.start()
 
     def close(self) -> None:
         self._stop.set()
         self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
+        self._upload_wake.set()
+        for t in self._threads:
+            t.join(timeout=30)
 
     def committed(self, version: str) -> None:
         """``version`` is committed on every host of its generation (called under the job's lock)."""
         self._offered = version
         self._wake.set()
+        v = Version.parse(version)
+        if not self._is_due(v):
+            return
+        self._last_due = v
+        old = self._queued
+        self._queued = version
+        if old is not None and old != version:
+            self._skip(old, f"superseded by {version} (due too) while {self._inflight} was uploading; only the "
+                            "newest due version waits for the upload in flight")
+        self._set(queued=version)
+        self._upload_wake.set()
 
-    # -- the thread ------------------------------------------------------------------------------
+    def _is_due(self, v: Version) -> bool:
+        """Whether ``v`` is the first version at or past a multiple of ``interval_steps`` (after the versions
+        persisted or made due before it: a job rolled back to an earlier step makes those steps due again)."""
+        cp = self.ctx.spec.checkpoint
+        if cp is None:
+            return False
+        refs = [Version.parse(p).step for p in self.ctx.status.persisted]
+        if self._last_due is not None:
+            refs.append(self._last_due.step)
+        ref = max((s for s in refs if s <= v.step), default=0)
+        return v.step // cp.interval_steps > ref // cp.interval_steps
+
+    def _skip(self, version: str, reason: str) -> None:
+        """Record that due ``version`` is not persisted, and why (under the job's lock)."""
+        log.info("job %s: %s is not persisted: %s", self.ctx.name, version, reason)
+        skipped = [*(self.ctx.status.persist or {}).get("skipped", []), {"version": version, "reason": reason}]
+        self._set(skipped=skipped[-self.SKIPPED_KEPT:])
+
+    # -- the threads -----------------------------------------------------------------------------
 
     def _run(self) -> None:
+        """Retention of the node stores, at every new version (and every few seconds)."""
         while not self._stop.is_set():
             self._wake.wait(5.0)
             self._wake.clear()
@@ -115,22 +169,37 @@ class Housekeeper:
                 return
             try:
                 self._node_retention()
-                version = self._due()
-                if version is not None:
-                    self._persist(version)
             except Exception:  # housekeeping must outlive anything one round meets
                 log.exception("job %s: housekeeping failed", self.ctx.name)
 
-    def _due(self) -> str | None:
-        """The newest complete version, when it is ``interval_steps`` past the last persisted one."""
-        ctx = self.ctx
-        cp = ctx.spec.checkpoint
-        with ctx.lock:
-            offered, persisted = self._offered, list(ctx.status.persisted)
-        if cp is None or offered is None or offered in persisted:
-            return None
-        last = Version.parse(persisted[-1]).step if persisted else 0
-        return offered if Version.parse(offered).step >= last + cp.interval_steps else None
+    def _uploads(self) -> None:
+        """Persist the due versions, one at a time (its own thread: node retention, whose deletes can take
+        seconds on a busy node, never delays an upload)."""
+        while not self._stop.is_set():
+            self._upload_wake.wait(5.0)
+            self._upload_wake.clear()
+            while not self._stop.is_set():
+                version = self._take()
+                if version is None:
+                    break
+                try:
+                    self._persist(version)
+                except Exception:  # must outlive anything one upload meets
+                    log.exception("job %s: persisting %s failed", self.ctx.name, version)
+                finally:
+                    with self.ctx.lock:
+                        self._inflight = None
+
+    def _take(self) -> str | None:
+        """The waiting due version, now the one in flight (None: none waits)."""
+        with self.ctx.lock:  # one change of the status: a version is never seen neither waiting nor in flight
+            version, self._queued = self._queued, None
+            self._inflight = version
+            if version is not None:
+                self._set(queued=None, version=version, state="uploading", attempts=0, error=None,
+                          started_at=time.time(), finished_at=None, bytes_uploaded=0,
+                          started_step=self.ctx.status.step, finished_step=None)
+            return version
 
     def _set(self, **changes: Any) -> None:
         with self.ctx.lock:
@@ -140,7 +209,7 @@ class Housekeeper:
 
     def _persist(self, version: str) -> None:
         """Copy ``version`` to the persistent tier through the daemons that hold it, commit, apply retention.
-        Failures are retried with backoff (a newer due version takes over); the job is never failed."""
+        Failures are retried with backoff until a newer due version is waiting; the job is never failed."""
         ctx = self.ctx
         cp = ctx.spec.checkpoint
         assert cp is not None
@@ -151,7 +220,8 @@ class Housekeeper:
                 st = ctx.status
                 holders = sorted(st.committed.get(version, []))
                 gen = st.version_generation.get(version, Version.parse(version).generation)
-            self._set(version=version, state="uploading", attempts=attempt, error=None, started_at=time.time())
+                self._set(version=version, state="uploading", attempts=attempt, error=None, started_at=time.time(),
+                          finished_at=None, bytes_uploaded=0, started_step=st.step, finished_step=None)
             try:
                 ptc = ctx.ptc(gen)
                 hosts = {h.name: h for h in ctx.backend.hosts() if h.ready}
@@ -161,6 +231,8 @@ class Housekeeper:
                     body = {"version": version, "uri": cp.uri, "shards": [list(s) for s in shards]}
                     ctx.client_for(hosts[host].store_url).request_json("POST", _uploads_path(ctx.name), body)
                 self._wait_uploads(version, parts, hosts)
+                if self._stop.is_set():
+                    return
                 expected = [[t.name, s.region.format()] for t in ptc.tensors for s in t.shards]
                 committer = sorted(parts)[0]
                 ctx.client_for(hosts[committer].store_url).request_json(
@@ -172,14 +244,22 @@ class Housekeeper:
                 if ctx.metrics is not None:
                     ctx.metrics.persist.labels(ctx.name, "failed").inc()
                 wait = RETRY_BACKOFF_S[min(attempt - 1, len(RETRY_BACKOFF_S) - 1)]
-                if self._wake.wait(wait) and self._offered != version:
-                    return  # a newer version is due: persist that one instead
+                deadline = time.monotonic() + wait
+                while not self._stop.is_set() and time.monotonic() < deadline:
+                    with ctx.lock:
+                        newer = self._queued
+                        if newer is not None:  # a newer due version is waiting: it takes over
+                            self._skip(version, f"its upload failed ({exc.detail}); {newer} became due meanwhile and "
+                                                "took over")
+                            self._set(state="abandoned")
+                            return
+                    self._upload_wake.wait(max(0.0, min(1.0, deadline - time.monotonic())))
+                    self._upload_wake.clear()
                 continue
             with ctx.lock:
                 st = ctx.status
                 st.persisted = sorted({*st.persisted, version}, key=Version.parse)
-                ctx.touch()
-            self._set(state="committed", finished_at=time.time(), error=None)
+                self._set(state="committed", finished_at=time.time(), finished_step=st.step, error=None)
             if ctx.metrics is not None:
                 ctx.metrics.persist.labels(ctx.name, "committed").inc()
             log.info("job %s: %s persisted to %s (attempt %d)", ctx.name, version, cp.uri, attempt)
@@ -187,20 +267,21 @@ class Housekeeper:
             return
 
     def _wait_uploads(self, version: str, parts: Mapping[str, Any], hosts: Mapping[str, Any]) -> None:
+        """Until every node's part is uploaded: long polls (``?wait=``) that answer as soon as the upload ends,
+        so the commit follows the last part at once, not at the next poll."""
         ctx = self.ctx
         pending = set(parts)
         total: dict[str, int] = {}
         while pending and not self._stop.is_set():
             for host in sorted(pending):
-                rec = ctx.client_for(hosts[host].store_url).request_json("GET", _uploads_path(ctx.name, version))
+                rec = ctx.client_for(hosts[host].store_url).request_json(
+                    "GET", _uploads_path(ctx.name, version) + f"?wait={UPLOAD_POLL_S}")
                 total[host] = int(rec.get("bytes_done", 0))
                 if rec.get("state") == "uploaded":
                     pending.discard(host)
                 elif rec.get("state") in ("failed", "cancelled", "interrupted"):
                     raise TenplexError(f"upload of {version} from {host} {rec.get('state')}: {rec.get('error')}")
             self._set(bytes_uploaded=sum(total.values()))
-            if pending:
-                self._stop.wait(UPLOAD_POLL_S)
 
     def _persistent_retention(self, hosts: Mapping[str, Any]) -> None:
         ctx = self.ctx
@@ -230,8 +311,8 @@ class Housekeeper:
         with ctx.lock:
             st = ctx.status
             complete = sorted((v for v, hs in st.committed.items() if _complete(ctx, v, hs)), key=Version.parse)
-            keep = set(complete[-NODE_KEEP:])
-            if st.persist and st.persist.get("state") != "committed":
+            keep = set(complete[-NODE_KEEP:]) | {v for v in (self._inflight, self._queued) if v is not None}
+            if st.persist and st.persist.get("version") and st.persist.get("state") not in ("committed", "abandoned"):
                 keep.add(st.persist["version"])
             if st.restore_version:
                 keep.add(st.restore_version)

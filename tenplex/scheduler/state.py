@@ -462,8 +462,10 @@ class JobStatus:
     """The persistent version the job started from (its spec's ``resume_from``, resolved): uri, job, version,
     step and consumed_samples (the dataset position there); None for a job started at step 0."""
     persist: dict[str, Any] | None = None
-    """The latest copy to the persistent location: version, state (uploading, retrying, committed), attempts,
-    error, bytes uploaded, times."""
+    """The latest copy to the persistent location: version, state (uploading, retrying, committed, abandoned),
+    attempts, error, bytes uploaded, times (``started_at``/``finished_at``) and the job's steps then
+    (``started_step``/``finished_step``); ``queued``: the due version waiting for it; ``skipped``: due versions
+    not persisted, each with the reason (:class:`~tenplex.scheduler.persist.Housekeeper`)."""
     standby_ready: int = 0
     """Warm standbys (the spec's ``standby``) whose imports are done, ready for the next change."""
     standby_wanted: int = 0

@@ -52,12 +52,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import functools
+import itertools
 import json
 import logging
 import math
 import os
 import shutil
+import stat
 import threading
+import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -212,10 +217,7 @@ def _chunk_objects(meta: Mapping[str, Any]) -> dict[str, int]:
     if any(n == 0 for n in shape):
         return {}
     grid = [range(-(-n // c)) for n, c in zip(shape, chunks, strict=True)]
-    out: dict[str, int] = {}
-    for coords in np.ndindex(*(len(g) for g in grid)):
-        out["c/" + "/".join(str(i) for i in coords)] = size
-    return out
+    return {"c/" + "/".join(map(str, coords)): size for coords in itertools.product(*grid)}
 
 
 def _sort_key(info: ShardInfo) -> tuple[str, str]:
@@ -225,6 +227,21 @@ def _sort_key(info: ShardInfo) -> tuple[str, str]:
 
 def _missing_text(missing: Sequence[Region]) -> str:
     return ", ".join(m.format() for m in missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+
+
+@dataclass(frozen=True, slots=True)
+class SmallShard:
+    """A shard for :meth:`PersistentStore.write_shards`: its target, its bytes (a C-contiguous array of the
+    region's shape in the storage dtype) and the checksum its source recorded (None: not checked)."""
+
+    tensor: str
+    region: Region
+    dtype: str
+    global_shape: tuple[int, ...]
+    data: np.ndarray
+    expected: str | None = None
+    replace: bool = False
+    """An older copy of the shard may be complete there (another checksum): its metadata goes first."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -349,13 +366,16 @@ class PersistentStore(TensorStore):
         buf = await self._backend.get(key, prototype=default_buffer_prototype())
         if buf is None:
             return None
+        return self._parse_json(buf.to_bytes(), key)
+
+    def _parse_json(self, data: bytes, key: str) -> dict[str, Any]:
         try:
-            return json.loads(buf.to_bytes())
+            return json.loads(data)
         except ValueError:
             raise InvalidInput(f"{self.url}/{key} is not JSON: not written by a tenplex persistent store") from None
 
     async def _put_json(self, key: str, obj: Any) -> None:
-        await self._backend.set(key, Buffer.from_bytes(json.dumps(obj, separators=(",", ":")).encode()))
+        await self._backend.set(key, Buffer.from_bytes(_json_bytes(obj)))
 
     async def _list_dir(self, prefix: str) -> list[str]:
         try:
@@ -406,9 +426,32 @@ class PersistentStore(TensorStore):
 
     # -- metadata ----------------------------------------------------------------------
 
+    async def _read_shards(self, job: str, version: Version, which: Sequence[tuple[str, Region]]) -> list[_Shard | None]:
+        """:meth:`_read_shard` of each; on a file system all in one thread of zarr's pool (a round trip through
+        the event loop per small file costs more than reading it)."""
+        if self.root is None or len(which) < 2:
+            return await self._bounded(self._read_shard(job, version, t, r) for t, r in which)
+        root = str(self.root)
+
+        def read_all() -> list[dict[str, Any] | None]:
+            out: list[dict[str, Any] | None] = []
+            for t, r in which:
+                try:
+                    with open(f"{root}/{self._skey(job, version, t, r)}/{_META}", "rb") as f:
+                        out.append(self._parse_json(f.read(), f"{self._skey(job, version, t, r)}/{_META}"))
+                except (FileNotFoundError, NotADirectoryError):
+                    out.append(None)
+            return out
+
+        metas = await asyncio.to_thread(read_all)
+        return [self._shard_of(job, version, t, r, m) for (t, r), m in zip(which, metas, strict=True)]
+
     async def _read_shard(self, job: str, version: Version, tensor: str, region: Region) -> _Shard | None:
         """A complete shard (its metadata is there), or None."""
-        meta = await self._get_json(f"{self._skey(job, version, tensor, region)}/{_META}")
+        return self._shard_of(job, version, tensor, region,
+                              await self._get_json(f"{self._skey(job, version, tensor, region)}/{_META}"))
+
+    def _shard_of(self, job: str, version: Version, tensor: str, region: Region, meta: dict[str, Any] | None) -> _Shard | None:
         if meta is None:
             return None
         rec = meta.get("attributes", {}).get(ATTR)
@@ -424,7 +467,7 @@ class PersistentStore(TensorStore):
         """The complete shards of a tensor in a version, and the regions whose upload is unfinished."""
         names = await self._list_dir(self._tkey(job, version, tensor))
         regions = [r for r in (region_from_key(n) for n in names) if r is not None]
-        found = await self._bounded(self._read_shard(job, version, tensor, r) for r in regions)
+        found = await self._read_shards(job, version, [(tensor, r) for r in regions])
         return [s for s in found if s is not None], [r for r, s in zip(regions, found, strict=True) if s is None]
 
     async def _scan_version(self, job: str, version: Version) -> tuple[list[_Shard], list[tuple[str, Region]]]:
@@ -656,17 +699,28 @@ class PersistentStore(TensorStore):
             break
 
     async def _ensure_groups(self, job: str, version: Version, tensor: str) -> None:
+        await self._ensure_groups_of(job, version, [tensor])
+
+    def _group_docs(self, job: str, version: Version, tensors: Sequence[str]) -> dict[str, bytes]:
+        """The group documents of the job, the version and these tensors that this instance has not written."""
         docs = {
             f"{job}/{_META}": _group_doc({"job": job}),
             f"{self._vkey(job, version)}/{_META}": _group_doc({"job": job, "version": str(version)}),
-            f"{self._tkey(job, version, tensor)}/{_META}": _group_doc({"tensor": tensor}),
         }
+        docs.update({f"{self._tkey(job, version, t)}/{_META}": _group_doc({"tensor": t}) for t in tensors})
         with self._lock:
-            todo = {k: d for k, d in docs.items() if k not in self._groups}
-        if todo:
-            await asyncio.gather(*(self._put_json(k, d) for k, d in todo.items()))
+            return {k: _json_bytes(d) for k, d in docs.items() if k not in self._groups}
+
+    async def _put_groups(self, docs: Mapping[str, bytes]) -> None:
+        if docs:
+            await self._bounded(self._backend.set(k, Buffer.from_bytes(d)) for k, d in docs.items())
             with self._lock:
-                self._groups.update(todo)
+                self._groups.update(docs)
+
+    async def _ensure_groups_of(self, job: str, version: Version, tensors: Sequence[str]) -> None:
+        """The group documents of the job, the version and these tensors, each written once by this instance
+        (concurrently)."""
+        await self._put_groups(self._group_docs(job, version, tensors))
 
     def write_shard(
         self,
@@ -695,6 +749,144 @@ class PersistentStore(TensorStore):
         except BaseException:
             writer.abort()
             raise
+
+    def small(self, region: Region, dtype: str, limit: int) -> bool:
+        """Whether a shard can go through :meth:`write_shards`: at most ``limit`` bytes, one chunk object."""
+        st = storage_dtype(dtype)
+        return region.volume * st.itemsize <= limit and self._one_chunk(region, st)
+
+    def _one_chunk(self, region: Region, st: np.dtype) -> bool:
+        return chunk_shape(region.shape, st.itemsize, self.chunk_bytes) == tuple(max(1, n) for n in region.shape)
+
+    def write_shards(self, job: str, version: Version | str, shards: Sequence[SmallShard]) -> list[ShardInfo]:
+        """Store many small shards of an uncommitted version at once; their records, in order.
+
+        What one shard at a time costs is its requests' latency, not its bytes: here every checksum is
+        checked first (a shard whose bytes do not have the crc32c its source recorded fails the call with
+        :class:`~tenplex.errors.ChecksumMismatch` before anything is written), then the groups of all their
+        tensors, every chunk object, and last every shard's metadata are written, each step as concurrent
+        requests (at most :attr:`max_requests` in flight) on zarr's event loop. The format is the one
+        :meth:`write_shard` writes: each shard is one chunk (see :meth:`small`), and its chunk object is
+        what zarr's ``bytes`` then ``crc32c`` codecs make of it (the little-endian elements, then the crc32c
+        of those bytes: the shard's own checksum, computed once). A shard's metadata still comes after its
+        chunk, so an interrupted call leaves shards that are complete or invisible. ``replace`` shards
+        (:attr:`SmallShard.replace`) lose their old metadata before their chunk is rewritten. A committed
+        version is refused (:class:`~tenplex.errors.Conflict`); unlike :meth:`open_writer` the call does not
+        compare the shards with other shards of their tensors already there: its caller, the daemon's upload,
+        sends the shards of one node version, whose dtypes and shapes agree.
+        """
+        v = check_version(version)
+        check_job(job)
+        if not shards:
+            return []
+        prepared: list[tuple[str, str | None, Buffer | None, dict[str, Any], bool]] = []
+        infos: list[ShardInfo] = []
+        tensors: set[str] = set()
+        for s in shards:
+            gshape = check_shard_target(job, v, s.tensor, s.dtype, s.global_shape, s.region)[1]
+            st = storage_dtype(s.dtype)
+            data = s.data
+            if not isinstance(data, np.ndarray) or data.dtype != st or data.shape != s.region.shape:
+                raise InvalidInput(f"shard {s.tensor!r} {s.region.format()!r}: data must be a {st} array of shape "
+                                   f"{list(s.region.shape)}")
+            if not self._one_chunk(s.region, st):
+                raise InvalidInput(f"shard {s.tensor!r} {s.region.format()!r} spans several chunk objects: write it "
+                                   "with open_writer")
+            crc = crc_of(np.ascontiguousarray(data))
+            checksum = format_checksum(crc)
+            if s.expected is not None and checksum != s.expected:
+                raise ChecksumMismatch(f"shard {s.tensor!r} {s.region.format()!r} of {v}: the bytes read have crc32c "
+                                       f"{checksum}, their source recorded {s.expected}; not uploaded")
+            info = ShardInfo(s.tensor, s.region, s.dtype, gshape, checksum, s.region.volume * st.itemsize)
+            doc = _array_doc(s.region.shape, [max(1, n) for n in s.region.shape], st, {ATTR: info.to_json()})
+            key = self._skey(job, v, s.tensor, s.region)
+            chunk: Buffer | None = None
+            chunk_key: str | None = None
+            objects = _chunk_objects(doc)
+            if objects:
+                [name] = objects
+                chunk_key = f"{key}/{name}"
+                raw = np.empty(info.nbytes + _CRC_BYTES, np.uint8)
+                raw[: info.nbytes] = np.ascontiguousarray(data, dtype=st.newbyteorder("<")).reshape(-1).view(np.uint8)
+                raw[info.nbytes:] = np.frombuffer((crc & 0xFFFFFFFF).to_bytes(_CRC_BYTES, "little"), np.uint8)
+                chunk = Buffer.from_array_like(raw)
+            prepared.append((key, chunk_key, chunk, doc, s.replace))
+            infos.append(info)
+            tensors.add(s.tensor)
+
+        what = f"uploading {len(shards)} shards of {v}"
+        if self._run(self._committed_manifest(job, v), what) is not None:
+            raise Conflict(f"version {v} of job {job!r} at {self.url} is committed; committed versions are immutable")
+        groups = self._group_docs(job, v, sorted(tensors))
+        stale = [f"{key}/{_META}" for key, _, _, _, replace in prepared if replace]
+        chunks = [(ck, chunk) for _, ck, chunk, _, _ in prepared if ck is not None and chunk is not None]
+        metas = [(f"{key}/{_META}", _json_bytes(doc)) for key, _, _, doc, _ in prepared]
+        if self.root is not None:
+            # A file system: this thread writes the files itself, in the same order and the same way zarr's
+            # LocalStore does (each to a temporary name, then renamed). Hundreds of small files cost their
+            # system calls, and sending each through the event loop (and a thread of its pool) and back
+            # added a scheduling round trip per file: on a busy node that was most of the time.
+            root = str(self.root)
+            try:
+                # every directory once, parents first (a mkdir per missing level of each file costs more)
+                dirs: set[str] = set()
+                for key in [*groups, *(k for k, _ in chunks), *(k for k, _ in metas)]:
+                    d = key.rpartition("/")[0]
+                    while d and d not in dirs:
+                        dirs.add(d)
+                        d = d.rpartition("/")[0]
+                for d in sorted(dirs, key=lambda d: d.count("/")):
+                    if "/" not in d:
+                        os.makedirs(f"{root}/{d}", exist_ok=True)
+                    else:
+                        with contextlib.suppress(FileExistsError):
+                            os.mkdir(f"{root}/{d}")
+                for key, data in groups.items():
+                    _put_file(f"{root}/{key}", data)
+                for key in stale:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(f"{root}/{key}")
+                for key, chunk in chunks:
+                    _put_file(f"{root}/{key}", chunk.as_buffer_like())
+                for key, data in metas:
+                    _put_file(f"{root}/{key}", data)
+            except OSError as exc:
+                raise self._map_error(exc, what) or exc from exc
+            with self._lock:
+                self._groups.update(groups)
+            return infos
+
+        async def run() -> None:
+            await self._put_groups(groups)
+            await self._bounded(self._backend.delete(k) for k in stale)
+            await self._bounded(self._backend.set(k, chunk) for k, chunk in chunks)
+            await self._bounded(self._backend.set(k, Buffer.from_bytes(data)) for k, data in metas)
+
+        self._run(run(), what)
+        return infos
+
+    def uploaded(self, job: str, version: Version | str) -> dict[tuple[str, Region], ShardInfo]:
+        """The complete shards of a version here (committed or not), from one listing and the metadata of
+        the shards it shows: what an upload that is resumed or repeated need not send again."""
+        v = check_version(version)
+        check_job(job)
+
+        async def run() -> dict[tuple[str, Region], ShardInfo]:
+            manifest = await self._committed_manifest(job, v)
+            if manifest is not None:
+                return {(s.tensor, s.region): s for s in manifest.shards}
+            vkey = self._vkey(job, v)
+            metas = []
+            for key in await self._object_sizes(vkey):
+                parts = key[len(vkey) + 1:].split("/")
+                if len(parts) == 3 and parts[2] == _META:
+                    region = region_from_key(parts[1])
+                    if region is not None:
+                        metas.append((tensor_from_dirname(parts[0]), region))
+            found = await self._read_shards(job, v, metas)
+            return {(s.info.tensor, s.info.region): s.info for s in found if s is not None}
+
+        return self._run(run(), f"listing the shards of {v} of job {job!r}")
 
     def link_shard(
         self, job: str, from_version: Version | str, tensor: str, region: Region, to_version: Version | str,
@@ -843,7 +1035,9 @@ class PersistentStore(TensorStore):
 
     async def _verify(self, job: str, version: Version,
                       expect: Sequence[tuple[str, Region, str | None]] | None) -> tuple[list[ShardInfo], list[str]]:
-        sizes_task = asyncio.ensure_future(self._object_sizes(self._vkey(job, version)))
+        # An object store: one listing of the version, alongside the metadata reads. A file system: a stat of
+        # each chunk file the metadata promises, after them (a walk of the version's directories costs more).
+        sizes_task = asyncio.ensure_future(self._object_sizes(self._vkey(job, version))) if self.root is None else None
         problems: list[str] = []
         checked: list[tuple[_Shard, str | None]] = []
         if expect is None:
@@ -854,7 +1048,7 @@ class PersistentStore(TensorStore):
         else:
             for tensor, _region, _crc in expect:
                 check_tensor(tensor)
-            found = await self._bounded(self._read_shard(job, version, t, r) for t, r, _ in expect)
+            found = await self._read_shards(job, version, [(t, r) for t, r, _ in expect])
             for (tensor, region, crc), shard in zip(expect, found, strict=True):
                 if shard is None:
                     problems.append(f"{tensor} {region.format()}: missing")
@@ -862,12 +1056,17 @@ class PersistentStore(TensorStore):
                     problems.append(f"{tensor} {region.format()}: checksum {shard.info.checksum} recorded, {crc} expected")
                 else:
                     checked.append((shard, crc))
-        sizes = await sizes_task
+        promised = [(shard, self._skey(job, version, shard.info.tensor, shard.info.region), _chunk_objects(shard.meta))
+                    for shard, _ in checked]
+        if sizes_task is not None:
+            sizes = await sizes_task
+        else:
+            keys = [f"{base}/{k}" for _, base, objects in promised for k in objects]
+            sizes = await asyncio.to_thread(_stat_sizes, str(self.root), keys)
         intact = []
-        for shard, _ in checked:
-            base = self._skey(job, version, shard.info.tensor, shard.info.region)
+        for shard, base, objects in promised:
             bad = []
-            for key, size in _chunk_objects(shard.meta).items():
+            for key, size in objects.items():
                 got = sizes.get(f"{base}/{key}")
                 if got != size:
                     bad.append(f"chunk {key} {'missing' if got is None else f'has {got} bytes, expected {size}'}")
@@ -918,7 +1117,7 @@ class PersistentStore(TensorStore):
             if ptc is not None:
                 await self._put_json(self._ptc_key(job, v), dict(ptc))
             if self.root is not None:  # the data durable before the marker that promises it
-                await asyncio.to_thread(os.sync)
+                await asyncio.to_thread(_sync_file_system, self.root)
             await self._put_json(self._marker(job, v), manifest.to_json())
             return manifest
 
@@ -1058,6 +1257,60 @@ class PersistentShardWriter:
         self._done = True
 
 
+def _json_bytes(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def _put_file(path: str, data: Any) -> None:
+    """Write an object of a ``file://`` location (its directory exists) as zarr's LocalStore does: to a
+    temporary name in its directory, then renamed over it (a reader never sees half of it)."""
+    tmp = f"{path}.{uuid.uuid4().hex}.partial"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def _sync_file_system(root: Path) -> None:
+    """Make what was written under ``root`` durable, once for a whole version: ``syncfs(2)`` of the file
+    system that holds it (Linux), which flushes that file system only, not every disk of the machine as
+    ``sync(2)`` does (on a shared node the other disks' writeback is not ours to wait for); ``os.sync``
+    where there is no ``syncfs``."""
+    syncfs = getattr(_libc(), "syncfs", None)
+    if syncfs is None:
+        os.sync()
+        return
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        if syncfs(fd) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"syncfs({root}): {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+@functools.lru_cache(maxsize=1)
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _stat_sizes(root: str, keys: Sequence[str]) -> dict[str, int]:
+    """The sizes of those of ``keys`` that are files under ``root``."""
+    out: dict[str, int] = {}
+    for key in keys:
+        try:
+            st = os.stat(f"{root}/{key}")
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        if stat.S_ISREG(st.st_mode):
+            out[key] = st.st_size
+    return out
+
+
 def _file_sizes(root: Path, prefix: str) -> dict[str, int]:
     out: dict[str, int] = {}
     base = root / prefix
@@ -1083,4 +1336,4 @@ def _link_files(pairs: Sequence[tuple[Path, Path]]) -> None:
             shutil.copyfile(src, dst)
 
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "PersistentShardWriter", "PersistentStore", "chunk_shape"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "PersistentShardWriter", "PersistentStore", "SmallShard", "chunk_shape"]

@@ -485,6 +485,9 @@ class UploadStatus(_TaskProgress):
     """When the next attempt starts, while one is pending after an error."""
     options: Mapping[str, Any] | None = None
     """The public connection options (no credentials)."""
+    stages: Mapping[str, float] | None = None
+    """Seconds spent per stage, summed over the upload's threads and attempts: ``check`` (what the destination
+    already holds), ``read`` (the node's copy), ``write`` (chunk objects and metadata to the destination)."""
 
     final_states: ClassVar[frozenset[str]] = UPLOAD_FINAL_STATES
 
@@ -498,6 +501,7 @@ class UploadStatus(_TaskProgress):
             "error": self.last_error if self.state in (FAILED, CANCELLED, INTERRUPTED) else None,
             "next_attempt_at": self.next_attempt_at,
             "options": dict(self.options) if self.options is not None else None,
+            "stages": {k: round(v, 6) for k, v in self.stages.items()} if self.stages is not None else None,
         }
 
     @classmethod
@@ -510,6 +514,7 @@ class UploadStatus(_TaskProgress):
                 attempts=int(obj.get("attempts", 0)), submitted_at=float(obj.get("submitted_at", 0.0)),
                 started_at=obj.get("started_at"), finished_at=obj.get("finished_at"), last_error=obj.get("last_error"),
                 error_code=obj.get("error_code"), next_attempt_at=obj.get("next_attempt_at"), options=obj.get("options"),
+                stages={str(k): float(v) for k, v in obj["stages"].items()} if obj.get("stages") else None,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidInput(f"malformed upload record: {type(exc).__name__}: {exc}") from None

@@ -78,7 +78,7 @@ from tenplex.store.local import LocalStore
 from tenplex.store.locations import check_options, check_uri, public_options
 from tenplex.store.model import ShardInfo
 from tenplex.store.names import check_job, check_version
-from tenplex.store.persistent import DEFAULT_CHUNK_BYTES, PersistentStore
+from tenplex.store.persistent import DEFAULT_CHUNK_BYTES, PersistentStore, SmallShard
 from tenplex.transformer.remote import (
     CANCELLED,
     FAILED,
@@ -117,8 +117,20 @@ class UploadSettings:
     """Size of the chunk objects written to the persistent store."""
     request_timeout_s: float = 60.0
     """How long one request to the persistent store may take."""
+    small_shard_bytes: int = 1 << 20
+    """Shards up to this size (in one chunk object) are uploaded in batches: what each of them costs is the
+    latency of its few requests, which a batch overlaps (:meth:`PersistentStore.write_shards`)."""
+    batch_shards: int = 32
+    """Small shards per batch (one batch: one read pass on the node, then its writes). Batches run
+    :attr:`concurrency` at a time, so a version of a few hundred small shards still spreads over all of them,
+    and one batch's reads overlap another's writes."""
+    batch_bytes: int = 16 << 20
+    """Bytes per batch of small shards (read into memory at once, within :attr:`memory_bytes`)."""
 
     def __post_init__(self) -> None:
+        if self.small_shard_bytes < 0 or self.batch_shards < 1 or self.batch_bytes < 1:
+            raise InvalidInput(f"upload settings: small_shard_bytes {self.small_shard_bytes} (>= 0), batch_shards "
+                               f"{self.batch_shards} (>= 1), batch_bytes {self.batch_bytes} (>= 1)")
         if self.concurrency < 1 or self.max_running < 1 or self.memory_bytes < 1 or self.chunk_bytes < 64:
             raise InvalidInput(
                 f"upload settings: concurrency {self.concurrency} (>= 1), max_running {self.max_running} (>= 1), "
@@ -375,11 +387,31 @@ class UploadService(RecordedTasks[UploadRequest, UploadStatus, _Run]):
             todo = [i for i in range(len(run.shards)) if i not in run.done]
             if not todo:
                 return
+            with self._stage(run, "check"):
+                there = dest.uploaded(job, req.version)  # one listing: a first attempt finds nothing
+            stale: set[int] = set()
+            for i in list(todo):
+                info = run.shards[i]
+                old = there.get((info.tensor, info.region))
+                if old is None:
+                    continue
+                if old.checksum == info.checksum and old.nbytes == info.nbytes:
+                    run.done.add(i)  # uploaded by an earlier attempt or submission
+                    todo.remove(i)
+                    self.metrics.skipped.inc(info.nbytes)
+                    self._progress(run, info.nbytes, True)
+                else:
+                    stale.add(i)  # another copy of it is there: replaced
+            if not todo:
+                return
+            tasks = [(self._upload_batch, batch) for batch in self._batches(dest, run, todo)]
+            tasks += [(self._upload_shard, [i]) for i in todo if not dest.small(
+                run.shards[i].region, run.shards[i].dtype, self.settings.small_shard_bytes)]
             errors: list[BaseException] = []
-            with ThreadPoolExecutor(max_workers=min(self.settings.concurrency, len(todo)),
+            with ThreadPoolExecutor(max_workers=min(self.settings.concurrency, len(tasks)),
                                     thread_name_prefix=f"tenplex-upload-{job}") as pool:
-                futures = [pool.submit(self._upload_shard, run, dest, i) for i in todo]
-                for f in futures:  # a shard that fails stops the others at their next piece
+                futures = [pool.submit(fn, run, dest, indices, stale) for fn, indices in tasks]
+                for f in futures:  # a task that fails stops the others at their next piece or batch
                     f.add_done_callback(lambda f: run.failed.set() if f.exception() is not None else None)
                 for f in futures:
                     exc = f.exception()
@@ -389,6 +421,74 @@ class UploadService(RecordedTasks[UploadRequest, UploadStatus, _Run]):
             if errors:
                 first = next((e for e in errors if isinstance(e, _Permanent | _Cancelled)), errors[0])
                 raise first
+
+    def _batches(self, dest: PersistentStore, run: _Run, todo: list[int]) -> list[list[int]]:
+        """The small shards of ``todo`` (one chunk object, at most ``small_shard_bytes``) in batches of at most
+        ``batch_shards`` shards and ``batch_bytes`` bytes, in the request's order."""
+        settings = self.settings
+        out: list[list[int]] = []
+        size = 0
+        for i in todo:
+            info = run.shards[i]
+            if not dest.small(info.region, info.dtype, settings.small_shard_bytes):
+                continue
+            if not out or len(out[-1]) >= settings.batch_shards or size + info.nbytes > settings.batch_bytes:
+                out.append([])
+                size = 0
+            out[-1].append(i)
+            size += info.nbytes
+        return out
+
+    @contextlib.contextmanager
+    def _stage(self, run: _Run, stage: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            spent = time.perf_counter() - t0
+            with self._lock:
+                stages = dict(run.status.stages or {})
+                stages[stage] = stages.get(stage, 0.0) + spent
+                run.status = replace(run.status, stages=stages)
+
+    def _upload_batch(self, run: _Run, dest: PersistentStore, indices: list[int], stale: set[int]) -> None:
+        """Read a batch of small shards from the node's store (each checked against the node's checksum) and
+        write them to the destination at once (:meth:`PersistentStore.write_shards`)."""
+        job, v = run.status.job, run.request.version
+        if run.failed.is_set():
+            return
+        self._check_cancel(run)
+        infos = [run.shards[i] for i in indices]
+        nbytes = sum(info.nbytes for info in infos)
+        with self._budget.take(nbytes, run.cancel) as ok:
+            if not ok:
+                raise _Cancelled
+            batch = []
+            with self._stage(run, "read"):
+                for i, info in zip(indices, infos, strict=True):
+                    data = np.empty(info.region.shape, storage_dtype(info.dtype))
+                    try:
+                        self.store.read_into(job, v, info.tensor, info.region, data, verify=False)
+                    except TenplexError as exc:
+                        raise _Permanent(exc) from exc
+                    batch.append(SmallShard(info.tensor, info.region, info.dtype, info.global_shape, data,
+                                            expected=info.checksum, replace=i in stale))
+            self._check_cancel(run)
+            if run.failed.is_set():
+                return
+            with self._stage(run, "write"):
+                try:
+                    dest.write_shards(job, v, batch)
+                except TenplexError as exc:
+                    if exc.code == "checksum_mismatch":  # the node's copy is damaged: retrying reads it again
+                        raise _Permanent(exc) from exc
+                    raise
+        run.done.update(indices)
+        self.metrics.bytes.inc(nbytes)
+        with self._lock:
+            run.status = replace(run.status, bytes_done=run.status.bytes_done + nbytes,
+                                 shards_done=run.status.shards_done + len(indices))
+        self._write_soon(run)
 
     def _committed_there(self, dest: PersistentStore, job: str, run: _Run) -> bool:
         """A version already committed at the destination holds our shards (a repeated upload: done) or not
@@ -408,18 +508,14 @@ class UploadService(RecordedTasks[UploadRequest, UploadStatus, _Run]):
         self._update(run, shards_done=len(run.shards), bytes_done=run.status.bytes_total)
         return True
 
-    def _upload_shard(self, run: _Run, dest: PersistentStore, index: int) -> None:
+    def _upload_shard(self, run: _Run, dest: PersistentStore, indices: list[int], stale: set[int]) -> None:
+        """Upload one shard too large for a batch, piece by piece within the memory budget."""
+        [index] = indices
         info = run.shards[index]
         job, v = run.status.job, run.request.version
         if run.failed.is_set():
             return
         self._check_cancel(run)
-        there = dest.shard(job, v, info.tensor, info.region)
-        if there is not None and there.checksum == info.checksum and there.nbytes == info.nbytes:
-            run.done.add(index)  # uploaded by an earlier attempt or submission
-            self.metrics.skipped.inc(info.nbytes)
-            self._progress(run, info.nbytes, True)
-            return
         writer = dest.open_writer(job, v, info.tensor, info.region, dtype=info.dtype, global_shape=info.global_shape,
                                   piece_bytes=self.settings.piece_bytes, check=False)
         st = storage_dtype(info.dtype)
@@ -436,16 +532,19 @@ class UploadService(RecordedTasks[UploadRequest, UploadStatus, _Run]):
                         return
                     view = buf[: piece.volume].reshape(piece.shape)
                     try:
-                        self.store.read_into(job, v, info.tensor, piece.shift(info.region.start), view, verify=False)
+                        with self._stage(run, "read"):
+                            self.store.read_into(job, v, info.tensor, piece.shift(info.region.start), view, verify=False)
                     except TenplexError as exc:
                         raise _Permanent(exc) from exc
-                    writer.write_piece(i, view)
+                    with self._stage(run, "write"):
+                        writer.write_piece(i, view)
                     nbytes = piece.volume * st.itemsize
                     sent += nbytes
                     self.metrics.bytes.inc(nbytes)
                     self._progress(run, nbytes, False)
             try:
-                writer.finish(expected=info.checksum)
+                with self._stage(run, "write"):
+                    writer.finish(expected=info.checksum)
             except TenplexError as exc:
                 if exc.code == "checksum_mismatch":  # the node's copy is damaged: retrying reads it again
                     raise _Permanent(exc) from exc

@@ -19,13 +19,14 @@ import pytest
 import torch
 import zarr
 import zarr.storage
+from zarr.core.buffer import default_buffer_prototype
 
 from tenplex.errors import ChecksumMismatch, Conflict, InvalidInput, NotFound, StoreUnavailable
 from tenplex.ptc.region import Region
 from tenplex.store import open_store
 from tenplex.store.locations import check_options, check_uri, public_options
 from tenplex.store.names import region_key, tensor_dirname
-from tenplex.store.persistent import PersistentStore, chunk_shape
+from tenplex.store.persistent import PersistentStore, SmallShard, chunk_shape
 from tests.moto_s3 import MotoS3
 
 from .test_conformance import StoreTests
@@ -279,6 +280,73 @@ def test_a_version_is_plain_zarr_v3(tmp_path: Path) -> None:
     assert same_bits(arr[...], data) and arr.attrs["tenplex"]["tensor"] == "optim/w/exp_avg"
     marker = json.loads((root / "job-1" / ".commits" / "s7-g2.json").read_text())
     assert marker["committed"] and marker["shards"][0]["checksum"] == arr.attrs["tenplex"]["checksum"]
+
+
+def _small(name: str, shape: tuple[int, ...], dtype: str, seed: int, **kw: Any) -> SmallShard:
+    data = random_array(shape, dtype, seed=seed)
+    st = data.view(np.uint16) if dtype == "bfloat16" else data
+    return SmallShard(name, Region.full(shape), dtype, shape, np.array(st, order="C"), **kw)
+
+
+def test_small_shards_written_at_once_are_the_format_one_at_a_time_writes(pstore: PersistentStore) -> None:
+    """write_shards (the uploads' batches) stores exactly the objects write_shard stores: the same metadata and
+    chunk bytes (zarr's bytes + crc32c codecs), so readers of either, older Tenplex included, read both."""
+    shards = [_small("a/w", (16, 8), "float32", 1), _small("a/b", (8,), "bfloat16", 2), _small("scalar", (), "float32", 3),
+              _small("empty", (0, 4), "float16", 4), _small("i", (3, 5), "int64", 5)]
+    infos = pstore.write_shards("j", "s4-g0", [_small(s.tensor, s.global_shape, s.dtype, seed, expected=None)
+                                                for s, seed in zip(shards, range(1, 6), strict=True)])
+    for s in shards:
+        pstore.write_shard("j", "s8-g0", s.tensor, s.region, s.data, dtype=s.dtype, global_shape=s.global_shape)
+    assert [i.checksum for i in infos] == [pstore.shard("j", "s8-g0", s.tensor, s.region).checksum for s in shards]
+    batch, single = _objects(pstore, "j/s4-g0/"), _objects(pstore, "j/s8-g0/")
+    # per shard its tensor group, its metadata, its chunk (none for "empty"); and the version group
+    assert [k.replace("s4-g0", "s8-g0") for k in batch] == single and len(batch) == 3 * len(shards) - 1 + 1
+    for key in batch:
+        a = pstore._run(pstore._backend.get(key, prototype=default_buffer_prototype()), "test")
+        b = pstore._run(pstore._backend.get(key.replace("s4-g0", "s8-g0"), prototype=default_buffer_prototype()), "test")
+        assert a.to_bytes().replace(b"s8-g0", b"s4-g0") == b.to_bytes().replace(b"s8-g0", b"s4-g0"), key
+    assert pstore.uploaded("j", "s4-g0") == {(i.tensor, i.region): i for i in infos}
+    manifest = pstore.commit("j", "s4-g0", expect=[(i.tensor, i.region, i.checksum) for i in infos])
+    assert manifest.committed and len(manifest.shards) == len(shards)
+    with pytest.raises(Conflict, match="immutable"):
+        pstore.write_shards("j", "s4-g0", shards[:1])
+    for s in shards:
+        out = np.empty(s.region.shape, s.data.dtype)
+        pstore.read_into("j", "s4-g0", s.tensor, s.region, out.view(np.uint16) if s.dtype == "bfloat16" else out)
+        assert same_bits(out, s.data)
+
+
+def test_small_shards_are_checked_before_any_is_written(pstore: PersistentStore) -> None:
+    good, bad = _small("g", (4, 4), "float32", 1), _small("b", (4, 4), "float32", 2)
+    with pytest.raises(ChecksumMismatch, match="'b'.*not uploaded"):
+        pstore.write_shards("j", "s4-g0", [good, SmallShard(bad.tensor, bad.region, bad.dtype, bad.global_shape, bad.data,
+                                                            expected="crc32c:00000000")])
+    assert not _objects(pstore, "j/s4-g0/") and pstore.uploaded("j", "s4-g0") == {}
+    with pytest.raises(InvalidInput, match="several chunk objects"):  # CHUNK_BYTES is 4 KiB
+        pstore.write_shards("j", "s4-g0", [_small("big", (64, 64), "float32", 3)])
+    # a shard there with other bytes is replaced: its old metadata goes first, the new one last
+    pstore.write_shards("j", "s4-g0", [good])
+    [info] = pstore.write_shards("j", "s4-g0", [SmallShard("g", good.region, "float32", (4, 4), bad.data, replace=True)])
+    assert pstore.uploaded("j", "s4-g0")[("g", good.region)] == info and info.checksum != _info_of(pstore, good)
+
+
+def _info_of(pstore: PersistentStore, s: SmallShard) -> str:
+    from tenplex.store.buffers import crc_of
+    from tenplex.store.model import format_checksum
+
+    return format_checksum(crc_of(s.data))
+
+
+def test_a_version_of_small_shards_is_plain_zarr_v3(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    shards = [_small(f"layers.{i}.w", (4 * (i + 1), 8), "float32", i) for i in range(5)]
+    with PersistentStore(root.as_uri(), chunk_bytes=CHUNK_BYTES) as store:
+        store.write_shards("job-1", "s4-g0", shards)
+        store.commit("job-1", "s4-g0")
+    group = zarr.open_group(zarr.storage.LocalStore(root, read_only=True), path="job-1/s4-g0", mode="r", zarr_format=3)
+    for s in shards:
+        arr = group[f"{tensor_dirname(s.tensor)}/{region_key(s.region)}"]
+        assert same_bits(arr[...], s.data) and arr.attrs["tenplex"]["tensor"] == s.tensor
 
 
 def test_an_unreachable_object_store_is_store_unavailable(tmp_path: Path) -> None:
