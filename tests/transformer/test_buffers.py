@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from tenplex.transformer.execute import _BufferPool
+from tenplex.transformer.execute import BufferPool
 
 
 def test_a_stored_shard_buffer_serves_the_next_shard_of_its_size_class_in_any_shape() -> None:
-    pool = _BufferPool(1 << 30)
+    pool = BufferPool(1 << 30)
     a = pool.get((1000, 896), np.dtype(np.float32))  # 3.4 MiB: the 4 MiB class
     assert a.shape == (1000, 896) and a.flags.c_contiguous and a.ctypes.data % 4096 == 0
     a[...] = 1.5
@@ -23,7 +23,7 @@ def test_a_stored_shard_buffer_serves_the_next_shard_of_its_size_class_in_any_sh
 
 
 def test_the_pool_keeps_at_most_its_limit_and_ignores_empty_shards() -> None:
-    pool = _BufferPool(4 << 20)
+    pool = BufferPool(4 << 20)
     bufs = [pool.get((1 << 20,), np.dtype(np.float32)) for _ in range(2)]  # two 4 MiB buffers
     for buf in bufs:
         pool.put(buf)
