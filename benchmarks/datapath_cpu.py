@@ -11,7 +11,8 @@ plane polling the target), per GiB the plan moved. Run once per tier:
 
 - ``disk``:   the daemons' roots on the disk (chunk files written with O_DIRECT where the file system allows);
 - ``memory``: both daemons with a memory tier in ``/dev/shm`` (new versions written and served from tmpfs);
-  the spill to disk is held back for the measurement (``--spill-interval``) and is not part of it.
+  each measurement starts once the daemons have spilled every committed version to disk (the background
+  spill is not part of the data path measured).
 
 With ``--profile DIR`` each daemon is sampled by ``py-spy`` (``record --format raw``: collapsed stacks of
 the threads that were running, at 250 Hz) while the transform runs; the samples are sorted into stages by the
@@ -58,7 +59,8 @@ from tenplex.transformer.plan import make_plan
 from tenplex.transformer.remote import PlanRun
 
 log = logging.getLogger("datapath_cpu")
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(os.environ.get("DATAPATH_CODE") or Path(__file__).resolve().parent.parent)
+"""The checkout whose ``tenplex`` the daemons run (``--code``: compare two versions of the data path)."""
 TOKEN = "datapath-bench"
 OLD_V, NEW_V, NEW_V2 = "s1-g0", "s1-g1", "s1-g2"
 GIB = 1 << 30
@@ -108,7 +110,7 @@ def daemon(root: Path, tier: str, work: Path, name: str) -> Iterator[tuple[subpr
     if tier == "memory":
         mem = Path("/dev/shm") / f"tenplex-bench-{os.getpid()}-{name}"
         mem.mkdir(parents=True, exist_ok=True)
-        cmd += ["--memory-root", str(mem), "--memory-bytes", "6Gi", "--spill-interval", "3600"]
+        cmd += ["--memory-root", str(mem), "--memory-bytes", "6Gi"]
     logf = open(work / f"{name}.log", "ab")  # noqa: SIM115 - the child's
     proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     logf.close()
@@ -247,6 +249,17 @@ def run_tier(args: argparse.Namespace, tier: str, work: Path) -> dict[str, Any]:
                               dtype=tensor.dtype, global_shape=tensor.shape)
             c.commit(job, OLD_V)
         time.sleep(1.0)  # the daemons settle (preloads, spill polls)
+
+        def spilled() -> None:
+            """Until every committed version on both daemons is on disk (the memory tier's spill has run)."""
+            deadline = time.monotonic() + 300
+            for url in (src_url, dst_url):
+                with StoreClient(url, TOKEN) as c:
+                    while job in c.jobs() and not all(v.durable for v in c.versions(job) if v.committed):
+                        if time.monotonic() > deadline:
+                            raise RuntimeError(f"{url} did not spill its versions in 300 s")
+                        time.sleep(0.2)
+
         prof = Path(args.profile) if args.profile else None
         runs = []
         for i, version in enumerate((NEW_V, NEW_V2)):  # cold (fresh buffers), then warm (the daemon's pool)
@@ -258,6 +271,7 @@ def run_tier(args: argparse.Namespace, tier: str, work: Path) -> dict[str, Any]:
                     clients[url] = StoreClient(url, TOKEN, timeout=120)
                 return clients[url]
 
+            spilled()
             spy = prof if prof is not None and i == 1 else None
             with profiled(src.pid, spy / f"{tier}-src.txt" if spy else None, args.rate, args.perf), \
                     profiled(dst.pid, spy / f"{tier}-dst.txt" if spy else None, args.rate, args.perf):
@@ -377,8 +391,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--perf", action="store_true", help="with --profile: perf record -g too (kernel symbols), "
                     "summarised into <tier>-<role>.perf.txt")
     ap.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
+    ap.add_argument("--code", default=None, metavar="DIR",
+                    help="run the daemons from this checkout (default: this one), e.g. the main branch for a baseline")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
+    if args.code:
+        global REPO
+        REPO = Path(args.code).resolve()
     logging.basicConfig(level=logging.WARNING)
     if args.profile:
         Path(args.profile).mkdir(parents=True, exist_ok=True)

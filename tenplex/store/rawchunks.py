@@ -705,6 +705,12 @@ class RawChunkWriter:
         zero = bytes(r.chunks[-1] * r.itemsize)
         for coords, part in r.chunk_jobs(piece):
             block = data[part.relative_to(piece).slices()]
+            if block.shape == r.chunks and block.flags.c_contiguous:
+                # a whole chunk lying contiguous in the piece (a band of the store's whole-row chunks): one
+                # buffer, not a view per row (a memory-tier transform spent more CPU making row views than
+                # writing: benchmarks/datapath_cpu.py)
+                self._write_file(coords, [byte_view(block)])
+                continue
             buffers: list[Any] = []
             pad_cols = (r.chunks[-1] - block.shape[-1]) * r.itemsize
             pad = memoryview(zero)[:pad_cols]
