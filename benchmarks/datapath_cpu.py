@@ -153,6 +153,7 @@ def profiled(pid: int, out: Path | None, rate: int, perf: bool = False) -> Itera
         for p in procs:
             p.send_signal(signal.SIGINT)
             p.wait(60)
+        compact_profile(out)
         if perf:
             data = out.with_suffix(".perf")
             with open(out.with_suffix(".perf.txt"), "w") as f:
@@ -162,6 +163,24 @@ def profiled(pid: int, out: Path | None, rate: int, perf: bool = False) -> Itera
                                     text=True, check=False).stdout
             out.with_suffix(".stages.json").write_text(json.dumps(perf_stages(script), indent=1))
             data.unlink(missing_ok=True)
+
+
+def compact_profile(path: Path, keep: float = 0.0005) -> None:
+    """Shrink a py-spy raw profile to keep next to the numbers: frames without line numbers, equal stacks
+    merged, stacks under ``keep`` of the samples dropped (their count on a last line)."""
+    if not path.exists():
+        return
+    counts: collections.Counter[str] = collections.Counter()
+    for line in path.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if stack:
+            frames = [f.split(":")[0] + (")" if "(" in f and ":" in f else "") for f in stack.split(";")]
+            counts[";".join(frames)] += int(n)
+    total = sum(counts.values())
+    kept = [(st, n) for st, n in counts.most_common() if n >= keep * total]
+    dropped = total - sum(n for _st, n in kept)
+    path.write_text("".join(f"{st} {n}\n" for st, n in kept) + (f"(stacks under {keep:.2%} of the samples) {dropped}\n"
+                                                                   if dropped else ""))
 
 
 PERF_STAGES: list[tuple[str, tuple[str, ...]]] = [
