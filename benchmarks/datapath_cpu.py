@@ -383,19 +383,20 @@ def socket_floor(total: int, work: Path) -> dict[str, float]:
 
 
 def memcpy_crc_floor(total: int) -> dict[str, float]:
-    block = 64 << 20
+    block = min(64 << 20, total)
     a = np.frombuffer(np.random.default_rng(1).bytes(block), np.uint8)
     b = aligned_empty((block,), np.uint8)
     b[...] = 0  # faulted in
     t0 = time.thread_time()
-    for _ in range(total // block):
+    passes = max(1, total // block)
+    for _ in range(passes):
         np.copyto(b, a)
     t1 = time.thread_time()
     crc = 0
-    for _ in range(total // block):
+    for _ in range(passes):
         crc = crc32c.crc32c(b, crc)
     t2 = time.thread_time()
-    gib = (total // block) * block / GIB
+    gib = passes * block / GIB
     return {"memcpy_core_s_per_gib": round((t1 - t0) / gib, 3), "crc32c_core_s_per_gib": round((t2 - t1) / gib, 3)}
 
 
