@@ -286,7 +286,8 @@ class BufferPool:
         if flat is None:
             # page-aligned: a shard's chunk files are then written with O_DIRECT straight from it
             flat = aligned_empty((size,), np.uint8)
-            self.fresh += size
+            with self._lock:
+                self.fresh += size
         return flat[:nbytes].view(dtype).reshape(shape)
 
     def put(self, buf: np.ndarray) -> None:
@@ -548,7 +549,8 @@ def _run(
         with state.lock:
             pending_writes = list(writes)
         _wait_all(pending_writes, state)
-    log.debug("host %s: %d bytes of fresh buffer memory (in-flight budget %d)", hp.host, buffers.fresh, max_buffer_bytes)
+    log.debug("host %s: in-flight budget %d bytes; the buffer pool has faulted in %d bytes of fresh memory so far",
+              hp.host, max_buffer_bytes, buffers.fresh)
     if errors:
         # A TransformFailed names the piece; prefer it over secondary errors.
         first = next((e for e in errors if isinstance(e, TransformFailed)), errors[0])
