@@ -37,8 +37,15 @@ shards, not the linked ones), the time this disk alone takes to write them
 (``O_DIRECT``, measured at the start of the run: the shared-disk floor), and
 how busy the machine's cores were during the transform.
 
+Placement (issue 26, item 3): each scenario's new layout is the preference order's (the ranks on the new
+hosts in the order given above); with ``--placement policy`` (the default) the scheduler's policy then puts
+each block of ranks on the host holding most of its state
+(:func:`tenplex.scheduler.policy.keep_state_placement`, on the scenario's schedulable hosts) and that is
+the layout moved; both layouts' network bytes and bounds are reported (``given_*`` and the moved one).
+
 Run (root: it builds network namespaces):
   .venv/bin/python benchmarks/cluster_reshard.py [--hosts 4 8] [--scenarios dp tp-pp loss redeploy]
+      [--placement policy|given]
 """
 
 from __future__ import annotations
@@ -61,6 +68,8 @@ import numpy as np
 from tenplex.core.units import human_bytes
 from tenplex.ptc import PTC, Device, ParallelConfig, Region, Shard, Tensor
 from tenplex.ptc.megatron import GPTSpec, megatron_gpt_ptc
+from tenplex.ptc.parallel import Placement
+from tenplex.scheduler.policy import Decision, Policy, keep_state_placement
 from tenplex.store.client import StoreClient
 from tenplex.store.local import LocalStore
 from tenplex.testing.emulated import STORE_PORT, EmulatedTenplex
@@ -123,6 +132,17 @@ def scenarios(spec: GPTSpec, n: int) -> dict[str, Scenario]:
         "redeploy": Scenario("redeploy", layout(spec, full, hosts), layout(spec, full, [*hosts[1:], spare]),
                              [*hosts, spare]),
     }
+
+
+def placed(spec: GPTSpec, sc: Scenario) -> Scenario:
+    """``sc`` with its new layout placed by the policy: the same configuration on the same (schedulable)
+    hosts, each block of ranks on the host that holds most of its state."""
+    cfg = ParallelConfig(dp=sc.new.config["dp"], tp=sc.new.config["tp"], pp=sc.new.config["pp"])
+    given = Decision(cfg, Placement(2, tuple(sc.new.hosts)), sc.new, "given")
+    holders = set(sc.old.hosts) - set(sc.dead)
+    d = keep_state_placement(given, sc.old, holders, list(sc.new.hosts), Policy(),
+                             lambda c, p: layout(spec, c, list(p.hosts)))
+    return Scenario(sc.name, sc.old, d.ptc, sc.alive, sc.dead)
 
 
 def central_ptc(old: PTC, central: str) -> PTC:
@@ -239,7 +259,7 @@ def describe(ptc: PTC) -> str:
 
 
 def run_scenario(t: EmulatedTenplex, sc: Scenario, rate_bps: int, central_host: str, disk_bps: float,
-                 workers: int) -> dict[str, Any]:
+                 workers: int, given: Scenario | None = None) -> dict[str, Any]:
     job = f"bench-{sc.name}"
     all_hosts = [h.name for h in t.net.hosts]
     clean(t, all_hosts, job)
@@ -253,6 +273,9 @@ def run_scenario(t: EmulatedTenplex, sc: Scenario, rate_bps: int, central_host: 
     plan = make_plan(sc.old, sc.new, job=job, old_version=OLD_V, new_version="s100-g1", alive=set(sc.alive))
     assert plan.network_bytes == plan.lower_bound_bytes
     bound, worst = bound_seconds(plan, rate_bps)
+    given_plan = plan if given is None else make_plan(given.old, given.new, job=job, old_version=OLD_V,
+                                                      new_version="s100-g1", alive=set(given.alive))
+    given_bound, given_worst = bound_seconds(given_plan, rate_bps)
     before, cpu0 = t.net.snapshot(), cpu_busy()
     seconds, written = run_plan(t, plan, sc.alive)
     delta, cpu1 = t.net.snapshot() - before, cpu_busy()
@@ -279,6 +302,9 @@ def run_scenario(t: EmulatedTenplex, sc: Scenario, rate_bps: int, central_host: 
         "scenario": sc.name, "hosts": workers, "state_bytes": state,
         "from": describe(sc.old), "to": describe(sc.new),
         "network_bytes": plan.network_bytes, "local_bytes": plan.local_bytes, "worst_host_bytes": worst,
+        "placement": list(sc.new.hosts), "given_placement": list((given or sc).new.hosts),
+        "given_network_bytes": given_plan.network_bytes, "given_worst_host_bytes": given_worst,
+        "given_bound_s": round(given_bound, 3),
         "tenplex_s": round(seconds, 3), "bound_s": round(bound, 3), "ratio": round(seconds / bound, 3) if bound else None,
         "written_bytes": written, "disk_floor_s": round(written / disk_bps, 3), "cpu_busy": round(busy, 3),
         "central_upload_s": round(upload, 3), "central_download_s": round(download, 3), "central_s": round(central_s, 3),
@@ -297,16 +323,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--placement", choices=["policy", "given"], default="policy",
+                    help="policy: the scheduler's placement of the new layout (default); given: the preference order's")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="only the plans: bytes and bounds of each scenario's given and placed layouts (no cluster)")
     ap.add_argument("--json", type=Path, help="write the results here too")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    spec = GPTSpec(num_layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab, seq_len=2048)
+    if args.dry_run:
+        rate_bps = parse_rate(args.rate)
+        for n in args.hosts:
+            for name, sc in scenarios(spec, n).items():
+                if name not in args.scenarios:
+                    continue
+                rows = []
+                for layout_sc in (sc, placed(spec, sc)):
+                    plan = make_plan(layout_sc.old, layout_sc.new, job="j", old_version=OLD_V, new_version="s100-g1",
+                                     alive=set(layout_sc.alive))
+                    bound, worst = bound_seconds(plan, rate_bps)
+                    rows.append(f"{human_bytes(plan.network_bytes)} moved, busiest host {human_bytes(worst)}, "
+                                f"bound {bound:.2f} s on {list(layout_sc.new.hosts)}")
+                print(f"{n} hosts {name:9s} given: {rows[0]}\n{'':18s}placed: {rows[1]}", flush=True)
+        return 0
     reason = netns_unavailable_reason()
     if reason is not None:
         print(f"cannot build the emulated cluster here: {reason}", file=sys.stderr)
         return 2
     if any(n % 4 for n in args.hosts):
         ap.error("--hosts must be multiples of 4")
-    spec = GPTSpec(num_layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab, seq_len=2048)
     rate_bps = parse_rate(args.rate)
     with tempfile.TemporaryDirectory(prefix="cluster-reshard-disk-") as tmp:
         disk_bps = disk_write_rate(Path(tmp))
@@ -319,13 +364,16 @@ def main(argv: list[str] | None = None) -> int:
                 NetCluster(n + 2, rate=args.rate, count_ports=(STORE_PORT,), root_dir=tmp) as net, \
                 EmulatedTenplex(net, scheduler=False, gpus_per_host=2) as t:
             for name in args.scenarios:
-                r = run_scenario(t, table[name], rate_bps, f"host-{n + 1}", disk_bps, n)
+                given = table[name]
+                sc = placed(spec, given) if args.placement == "policy" else given
+                r = run_scenario(t, sc, rate_bps, f"host-{n + 1}", disk_bps, n, given)
                 results.append(r)
                 print(f"{n} hosts {name:9s} state {human_bytes(r['state_bytes'])}: tenplex {r['tenplex_s']:.2f} s "
                       f"(bound {r['bound_s']:.2f} s, ratio {r['ratio']}), central {r['central_s']:.2f} s "
                       f"(up {r['central_upload_s']:.2f} + down {r['central_download_s']:.2f}), speed-up "
                       f"{r['speedup']}x; network {human_bytes(r['network_bytes'])} vs central "
-                      f"{human_bytes(r['central_bytes'])}; scheduler link {r['scheduler_link_bytes']} B; written "
+                      f"{human_bytes(r['central_bytes'])} (given placement: {human_bytes(r['given_network_bytes'])}, "
+                      f"bound {r['given_bound_s']:.2f} s); scheduler link {r['scheduler_link_bytes']} B; written "
                       f"{human_bytes(r['written_bytes'])} (disk floor {r['disk_floor_s']:.2f} s), cpu {r['cpu_busy']:.0%}",
                       flush=True)
     if args.json:

@@ -34,8 +34,9 @@ import os
 import statistics
 import time
 
-from tenplex.ptc import PTC, ParallelConfig
+from tenplex.ptc import PTC, ParallelConfig, Placement
 from tenplex.ptc.megatron import GPTSpec, megatron_gpt_ptc
+from tenplex.scheduler.policy import Decision, Policy, keep_state_placement
 from tenplex.store.client import StoreClient
 from tenplex.transformer.plan import make_plan, plan_summary
 from tenplex.transformer.remote import PlanRun
@@ -94,6 +95,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5, help="timed runs per scenario (median reported)")
     parser.add_argument("--cases", default="175b,405b", help="comma-separated: 175b, 405b")
+    parser.add_argument("--placement", action="store_true",
+                        help="also time the policy's placement step (which host runs which block of ranks, "
+                             "tenplex.scheduler.policy.keep_state_placement) on the same layouts")
     parser.add_argument("--serialize", action="store_true",
                         help="also time building and encoding every host's part (binary), as sent to the daemons")
     parser.add_argument("--json", action="store_true",
@@ -125,6 +129,22 @@ def main() -> None:
                 f"ratio {ratio:.3f}; local {s['local_bytes'] / 2**30:.1f} GiB; max send "
                 f"{s['max_send_bytes'] / 2**30:.2f} GiB, max receive {s['max_receive_bytes'] / 2**30:.2f} GiB"
             )
+            if args.placement:
+                place_walls, place_cpus = [], []
+                cfg = ParallelConfig(**{k: new.config[k] for k in ("dp", "tp", "pp", "zero") if k in new.config})
+                decision = Decision(cfg, Placement(int(new.config.get("gpus_per_node", 8)), tuple(new.hosts)), new, "given")
+                holders = alive if alive is not None else set(old.hosts)
+                moved = decision
+                for _ in range(args.repeat):
+                    wall, cpu = time.perf_counter(), time.process_time()
+                    # the provider's build of a moved placement is the layout's cost, timed apart (timed_build)
+                    moved = keep_state_placement(decision, old, holders, list(new.hosts), Policy(),
+                                                 lambda _c, _p, new=new: new)
+                    place_walls.append(time.perf_counter() - wall)
+                    place_cpus.append(time.process_time() - cpu)
+                print(f"  placement: median {statistics.median(place_walls):.3f} s (CPU median "
+                      f"{statistics.median(place_cpus):.3f} s, n={len(place_walls)}); "
+                      f"{'moved blocks: ' + moved.reason if moved is not decision else 'the given placement kept'}")
             if args.serialize:
                 plan = make_plan(old, new, job="big", old_version="s100-g0", new_version="s100-g1", alive=alive,
                                  checkpoint=checkpoint)  # a fresh plan: no host's objects built yet

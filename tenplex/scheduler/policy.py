@@ -12,17 +12,28 @@ Two ways to decide, as platform teams asked for:
 A GPU count that no configuration serves is rejected with the reasons of
 every candidate tried, so the user sees *why* (heads not divisible, too little
 memory, batch not divisible, ...).
+
+Where: ``gpus_per_node`` consecutive ranks per host (a tensor-parallel group
+never spans hosts), on usable hosts only. Given the state's current layout
+(``old``), which host runs which block of ranks is chosen to move the fewest
+bytes (:func:`keep_state_placement`): a placement that keeps pipeline stages
+and tp groups where their state already is moves less than any plan can save
+afterwards (a dp scale-up that maps the new replica's first stage onto the
+host of the old second stage moves both stages: twice the bytes).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from tenplex.core.units import human_bytes
 from tenplex.errors import InvalidConfig, TenplexError
 from tenplex.ptc import PTC, ParallelConfig, Placement
+from tenplex.transformer.plan import HostOverlap, host_overlap
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +88,23 @@ def choose(
     build: LayoutBuilder,
     hosts: list[str],
     gpus_per_node: int,
+    *,
+    old: PTC | None = None,
+    holders: Collection[str] | None = None,
 ) -> Decision:
-    """Pick the configuration and placement for ``gpus`` GPUs on ``hosts`` (in order of preference)."""
+    """Pick the configuration and placement for ``gpus`` GPUs on ``hosts`` (in order of preference).
+
+    With ``old`` (the layout of the state the new configuration starts from; ``holders``: the hosts whose
+    stores have it), the blocks of ranks go where they move the fewest bytes (:func:`keep_state_placement`),
+    never a placement that moves more than the preference order alone would.
+    """
+    decision = _choose(gpus, policy, build, hosts, gpus_per_node)
+    if old is None:
+        return decision
+    return keep_state_placement(decision, old, holders, hosts, policy, build)
+
+
+def _choose(gpus: int, policy: Policy, build: LayoutBuilder, hosts: list[str], gpus_per_node: int) -> Decision:
     if gpus < 1:
         raise InvalidConfig(f"a job needs at least 1 GPU, got {gpus}")
     capacity = len(hosts) * gpus_per_node
@@ -125,3 +151,67 @@ def _try(cfg: ParallelConfig, placement: Placement, policy: Policy, build: Layou
         if worst > budget:
             return f"largest device state {human_bytes(worst)} exceeds the budget {human_bytes(budget)}"
     return ptc
+
+
+def _receive_bound(ov: HostOverlap, columns: np.ndarray) -> tuple[float, float]:
+    """(largest, total) bytes the hosts receive when new host ``b`` runs on old-host column ``columns[b]``
+    (-1: a host that holds nothing of the state)."""
+    rows = np.arange(len(ov.new_hosts))
+    kept = np.where(columns >= 0, ov.keep[rows, np.maximum(columns, 0)], 0.0) if len(ov.old_hosts) else np.zeros(len(rows))
+    receive = ov.need - kept
+    return float(receive.max(initial=0.0)), float(receive.sum())
+
+
+def keep_state_placement(decision: Decision, old: PTC, holders: Collection[str] | None, hosts: list[str],
+                         policy: Policy, build: LayoutBuilder) -> Decision:
+    """``decision`` with its blocks of ranks moved to the hosts that hold most of their state, when that
+    lowers the reconfiguration's receive bound (the busiest host's bytes in; then the total).
+
+    The blocks (``gpus_per_node`` consecutive ranks, so tp groups stay inside a host) and the candidate
+    hosts (``hosts``: usable, with the GPUs free) are today's; only which host takes which block changes.
+    Greedy on the bytes kept: the (block, host) pairs sharing the most bytes first (each block's best few
+    hosts), then the remaining blocks on the remaining hosts in preference order. The result is kept only
+    when its bound beats the preference order's (so it is never worse); the receive side is exact (a host
+    receives what it needs and does not hold), the send side follows from where the state is.
+    """
+    placement = decision.placement
+    nodes = len(placement.hosts)
+    ov = host_overlap(old, decision.ptc, holders)
+    if not len(ov.old_hosts) or nodes == 0 or len(ov.new_hosts) != nodes:
+        return decision
+    column = {h: i for i, h in enumerate(ov.old_hosts)}
+    block = {h: b for b, h in enumerate(ov.new_hosts)}
+    order = [block[h] for h in placement.hosts]  # rank-block index -> row of the overlap
+    today = np.array([column.get(h, -1) for h in ov.new_hosts], dtype=np.int64)
+    best_keep = min(len(ov.old_hosts), 8)
+    tops = np.argpartition(-ov.keep, best_keep - 1, axis=1)[:, :best_keep] if best_keep < len(ov.old_hosts) else \
+        np.tile(np.arange(len(ov.old_hosts)), (nodes, 1))
+    pairs = [(float(ov.keep[b, h]), b, int(h)) for b in range(nodes) for h in tops[b] if ov.keep[b, h] > 0]
+    pairs.sort(key=lambda p: (-p[0], p[1], p[2]))
+    assigned: dict[int, str] = {}
+    taken: set[str] = set()
+    for _kept, b, h in pairs:
+        name = ov.old_hosts[h]
+        if b in assigned or name in taken or name not in hosts:
+            continue
+        assigned[b] = name
+        taken.add(name)
+    rest = iter(h for h in hosts if h not in taken)
+    for b in order:
+        if b not in assigned:
+            assigned[b] = next(rest)
+    chosen = np.array([column.get(assigned[b], -1) for b in range(nodes)], dtype=np.int64)
+    before, after = _receive_bound(ov, today), _receive_bound(ov, chosen)
+    if after >= before:
+        return decision
+    moved = Placement(placement.gpus_per_node, tuple(assigned[b] for b in order))
+    ptc = _try(decision.parallel, moved, policy, build)
+    if isinstance(ptc, str):
+        log.warning("placement keeping the state in place is not usable (%s); keeping %s", ptc, list(placement.hosts))
+        return decision
+    log.info("placement: ranks moved to the hosts holding their state: busiest host receives %s instead of %s, "
+             "%s in total instead of %s", human_bytes(int(after[0])), human_bytes(int(before[0])),
+             human_bytes(int(after[1])), human_bytes(int(before[1])))
+    return Decision(decision.parallel, moved, ptc,
+                    f"{decision.reason}; placed where the state is (receives {human_bytes(int(after[1]))}, "
+                    f"not {human_bytes(int(before[1]))})")

@@ -91,7 +91,10 @@ class Orchestrator:
         return host.gpus // g * g
 
     def decide(self, gpus: int, prefer: list[str], dataset_consumed: int,
-               reachable: set[str] | None = None) -> policy_mod.Decision:
+               reachable: set[str] | None = None, old: PTC | None = None,
+               state_holders: set[str] | None = None) -> policy_mod.Decision:
+        """The configuration and placement for ``gpus`` GPUs; with ``old`` (the layout of the state the change
+        starts from, held by ``state_holders``), placed where that state is (see :mod:`tenplex.scheduler.policy`)."""
         spec = self.ctx.spec
         st = self.ctx.status
         policy = spec.policy
@@ -113,10 +116,12 @@ class Orchestrator:
         def build(cfg: ParallelConfig, placement: Placement) -> PTC:
             return spec.layout.build(cfg, placement, dataset)
 
-        return policy_mod.choose(gpus, policy, build, [h.name for h in order], gpus_per_node)
+        return policy_mod.choose(gpus, policy, build, [h.name for h in order], gpus_per_node, old=old,
+                                 holders=state_holders)
 
     def decide_feasible(self, gpus: int, prefer: list[str], consumed: int,
-                        reachable: set[str] | None = None) -> policy_mod.Decision:
+                        reachable: set[str] | None = None, old: PTC | None = None,
+                        state_holders: set[str] | None = None) -> policy_mod.Decision:
         """The wanted GPU count if it fits on what is usable, else the largest count >= min_gpus that does
         (counts in whole pods: multiples of ``gpus_per_pod``)."""
         capacity = sum(self._slots(h) for h in self._usable_hosts(reachable))
@@ -124,7 +129,7 @@ class Orchestrator:
         errors = []
         for n in range(min(gpus, capacity) // g * g, self.ctx.spec.min_gpus - 1, -g):
             try:
-                return self.decide(n, prefer, consumed, reachable)
+                return self.decide(n, prefer, consumed, reachable, old, state_holders)
             except InvalidConfig as exc:
                 errors.append(f"{n} GPUs: {exc.detail}")
         raise InvalidConfig("; ".join(errors[:3]) or f"only {capacity} GPUs usable, the job needs at least {self.ctx.spec.min_gpus}")
@@ -304,7 +309,8 @@ class Orchestrator:
         # Placement and planning see the same hosts alive: those whose stores answer now.
         holders = self.holders()
         try:
-            decision = self.decide_feasible(gpus, self.preferred_hosts(), ctx.consumed_at(version), set(holders))
+            decision = self.decide_feasible(gpus, self.preferred_hosts(), ctx.consumed_at(version), set(holders),
+                                            old_ptc, {h for h, vs in holders.items() if str(version) in vs})
         except TenplexError as exc:
             self.fail(f"no configuration for the new allocation: {exc.detail}")
             return

@@ -171,50 +171,55 @@ def crc_of(arr: np.ndarray, crc: int = 0) -> int:
 _CRC32C_POLY = 0x82F63B78  # Castagnoli, bit-reflected
 
 
-def _gf2_times(mat: Sequence[int], vec: int) -> int:
-    """A 32x32 matrix over GF(2) (one int per column) times a 32-bit vector."""
-    out = 0
-    i = 0
-    while vec:
-        if vec & 1:
-            out ^= mat[i]
-        vec >>= 1
-        i += 1
-    return out
+def _mult_mod_p(a: int, b: int) -> int:
+    """a(x) * b(x) modulo the crc32c polynomial, both in the reflected bit order of the register."""
+    m = 1 << 31
+    p = 0
+    while True:
+        if a & m:
+            p ^= b
+            if not a & (m - 1):
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _CRC32C_POLY if b & 1 else b >> 1
 
 
-@functools.lru_cache(maxsize=64)
-def _zeros_operator(nbytes: int) -> tuple[int, ...]:
-    """The linear map that advances a crc32c register over ``nbytes`` zero bytes (zlib's combine method).
+def _x2n_table() -> tuple[int, ...]:
+    """x^(2^k) modulo the polynomial, k = 0..31 (zlib's x2n_table)."""
+    p = 1 << 30  # x^1
+    table = [p]
+    for _ in range(31):
+        p = _mult_mod_p(p, p)
+        table.append(p)
+    return tuple(table)
 
-    Built once per length (~ms) and cached: a store combines checksums of
-    equal-sized chunk files, so each later combination is one matrix-vector
-    product (~5 us) instead of a pass over the bytes.
+
+_X2N = _x2n_table()
+
+
+@functools.lru_cache(maxsize=4096)
+def _shift_of(nbytes: int) -> int:
+    """x^(8 * nbytes) modulo the polynomial: what advancing a crc register over ``nbytes`` bytes multiplies by.
+
+    zlib 1.2.12's method: one product per set bit of the bit count (a few ~us products), so a store that
+    combines the checksums of chunk files of many sizes pays microseconds per new size, not a 32x32 matrix
+    squaring chain; the (one-int) results are cached per length.
     """
-    odd = [_CRC32C_POLY] + [1 << n for n in range(31)]  # one zero bit
-    even = [_gf2_times(odd, c) for c in odd]  # two zero bits
-    odd = [_gf2_times(even, c) for c in even]  # four zero bits
-    result = [1 << n for n in range(32)]  # identity
-    n = nbytes
+    p = 1 << 31  # x^0
+    n, k = nbytes, 3  # 2^3 bits a byte
     while n:
-        even = [_gf2_times(odd, c) for c in odd]  # 8, 32, 128, ... zero bits
         if n & 1:
-            result = [_gf2_times(even, c) for c in result]
+            p = _mult_mod_p(_X2N[k & 31], p)
         n >>= 1
-        if not n:
-            break
-        odd = [_gf2_times(even, c) for c in even]  # 16, 64, 256, ... zero bits
-        if n & 1:
-            result = [_gf2_times(odd, c) for c in result]
-        n >>= 1
-    return tuple(result)
+        k += 1
+    return p
 
 
 def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
     """crc32c of ``A + B`` from crc32c(A), crc32c(B) and len(B), without the bytes."""
     if len2 <= 0:
         return crc1
-    return _gf2_times(_zeros_operator(len2), crc1) ^ crc2
+    return _mult_mod_p(_shift_of(len2), crc1) ^ crc2
 
 
 def _is_torch(x: Any) -> bool:

@@ -57,9 +57,10 @@ from typing import Any
 import crc32c
 import numpy as np
 
-from tenplex.core.buffers import PAGE_BYTES
+from tenplex.core.buffers import PAGE_BYTES, byte_view
 from tenplex.errors import NotFound, StateLost
 from tenplex.ptc.region import Region
+from tenplex.store.buffers import crc32c_combine
 
 log = logging.getLogger(__name__)
 
@@ -655,11 +656,44 @@ class RawChunkWriter:
             a % c == 0 and (b % c == 0 or b == n) for (a, b), c, n in zip(piece.bounds, r.chunks, r.shape, strict=True)
         )
 
-    def write(self, piece: Region, data: np.ndarray) -> None:
-        """Write ``data`` (C-contiguous, shape ``piece.shape``); ``piece`` must cover whole chunks."""
-        r = self.reader
+    def write(self, piece: Region, data: np.ndarray) -> int | None:
+        """Write ``data`` (C-contiguous, shape ``piece.shape``); ``piece`` must cover whole chunks.
+
+        Returns the crc32c of ``data``'s bytes when the chunk files' crc32c give it without another pass
+        (:meth:`_payload_crc`), else None.
+        """
         if piece.empty:
-            return
+            return None
+        self._write(piece, data)
+        return self._payload_crc(piece, data)
+
+    def _payload_crc(self, piece: Region, data: np.ndarray) -> int | None:
+        """crc32c of ``data`` (just written) from its chunk files' crc32c, combined (no pass over the bytes).
+
+        Possible where the chunk files are consecutive runs of the payload: every dimension after the last
+        one the chunks cut is whole (the store's whole-row chunks). An edge chunk's file is padded, so its
+        data part is checksummed itself (one chunk at most per band of chunks).
+        """
+        r = self.reader
+        cut = [d for d, (c, n) in enumerate(zip(r.chunks, r.shape, strict=True)) if c < n]
+        if cut and any(c != n for c, n in zip(r.chunks[cut[-1] + 1 :], r.shape[cut[-1] + 1 :], strict=True)):
+            return None
+        crc = 0
+        for coords, part in r.chunk_jobs(piece) if r.shape else [((), piece)]:
+            if part.shape == r.chunks:
+                known = self.chunk_crcs.get(coords)
+                if known is None:
+                    return None
+                crc = crc32c_combine(crc, known, r.chunk_bytes)
+            else:
+                block = data[part.relative_to(piece).slices()]
+                if not block.flags.c_contiguous:
+                    return None
+                crc = crc32c.crc32c(byte_view(block), crc) if block.size else crc
+        return crc
+
+    def _write(self, piece: Region, data: np.ndarray) -> None:
+        r = self.reader
         # Chunk files that are not whole pages (small tensors: biases, norms) go through the page cache: an
         # O_DIRECT write would need padding and a truncation afterwards (the truncations were ~8% of the
         # writer threads' time in a profile of the reshard benchmark), and the commit's syncfs flushes them.
@@ -671,6 +705,12 @@ class RawChunkWriter:
         zero = bytes(r.chunks[-1] * r.itemsize)
         for coords, part in r.chunk_jobs(piece):
             block = data[part.relative_to(piece).slices()]
+            if block.shape == r.chunks and block.flags.c_contiguous:
+                # a whole chunk lying contiguous in the piece (a band of the store's whole-row chunks): one
+                # buffer, not a view per row (a memory-tier transform spent more CPU making row views than
+                # writing: benchmarks/datapath_cpu.py)
+                self._write_file(coords, [byte_view(block)])
+                continue
             buffers: list[Any] = []
             pad_cols = (r.chunks[-1] - block.shape[-1]) * r.itemsize
             pad = memoryview(zero)[:pad_cols]

@@ -37,11 +37,12 @@ and :class:`TransformFailed` says what failed.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
@@ -192,7 +193,7 @@ class _State:
             self.metrics.replanned.inc()
 
 
-class _BufferPool:
+class BufferPool:
     """Destination buffers handed back after their shard is stored, for the next shards of any shape.
 
     A buffer is page-aligned memory of a size class (whole 2 MiB huge pages
@@ -204,13 +205,60 @@ class _BufferPool:
     layer. With the in-flight budget bounding what is allocated at once, a
     transform touches about that budget of fresh memory, not its whole state.
     At most ``limit`` bytes are kept.
+
+    A daemon keeps one pool for all its transforms (``keep_s`` > 0): the
+    transforms of a reconfiguration (and the next reconfigurations of a burst:
+    a scale-up, then a failure) reuse the memory the first one faulted in,
+    where a transform's own pool would pay the zeroing of its whole working set
+    (192 MiB for a 1.3 GiB GPT state: 0.3 core-s/GiB of the receiving daemon in
+    benchmarks/datapath_cpu.py). The free buffers are let go ``keep_s`` seconds
+    after the last transform holding the pool (:meth:`hold`) ended, so an idle
+    daemon holds none.
     """
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, *, keep_s: float = 0.0) -> None:
         self._free: dict[int, list[np.ndarray]] = {}
         self._bytes = 0
         self._limit = limit
         self._lock = threading.Lock()
+        self._keep_s = keep_s
+        self._users = 0
+        self._generation = 0
+        self.fresh = 0
+        """Bytes of fresh memory allocated (each page of it zeroed by the kernel on first touch)."""
+
+    @property
+    def free_bytes(self) -> int:
+        with self._lock:
+            return self._bytes
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[BufferPool]:
+        """Use the pool for one transform; the last user out lets the free buffers go (after ``keep_s``)."""
+        with self._lock:
+            self._users += 1
+            self._generation += 1
+        try:
+            yield self
+        finally:
+            with self._lock:
+                self._users -= 1
+                idle, generation = self._users == 0, self._generation
+            if idle:
+                if self._keep_s <= 0:
+                    self._expire(generation)
+                else:
+                    timer = threading.Timer(self._keep_s, self._expire, args=(generation,))
+                    timer.daemon = True
+                    timer.start()
+
+    def _expire(self, generation: int) -> None:
+        """Drop the free buffers if no transform used the pool since ``generation`` (their memory is unmapped)."""
+        with self._lock:
+            if self._users or generation != self._generation:
+                return
+            self._free.clear()
+            self._bytes = 0
 
     @staticmethod
     def size_class(nbytes: int) -> int:
@@ -223,14 +271,23 @@ class _BufferPool:
         if nbytes == 0:
             return np.empty(shape, dtype=dtype)
         size = self.size_class(nbytes)
+        flat = None
         with self._lock:
-            free = self._free.get(size)
-            flat = free.pop() if free else None
-            if flat is not None:
+            # best fit: the smallest free buffer that holds the shard, up to 4x its class (a transform's
+            # shards are a few sizes; a buffer of another class beats the zeroing of fresh pages, which
+            # was a third of a receiving daemon's CPU in benchmarks/datapath_cpu.py)
+            for cls in sorted(c for c in self._free if size <= c <= 4 * size):
+                free = self._free[cls]
+                flat = free.pop()
+                if not free:
+                    del self._free[cls]
                 self._bytes -= flat.nbytes
+                break
         if flat is None:
             # page-aligned: a shard's chunk files are then written with O_DIRECT straight from it
             flat = aligned_empty((size,), np.uint8)
+            with self._lock:
+                self.fresh += size
         return flat[:nbytes].view(dtype).reshape(shape)
 
     def put(self, buf: np.ndarray) -> None:
@@ -250,7 +307,7 @@ class _Shard:
 
     __slots__ = ("buf", "dest", "index", "missing", "pool")
 
-    def __init__(self, index: int, dest: DestShard, pieces: int, pool: _BufferPool) -> None:
+    def __init__(self, index: int, dest: DestShard, pieces: int, pool: BufferPool) -> None:
         self.index = index
         self.dest = dest
         self.pool = pool
@@ -270,6 +327,7 @@ def execute_host_plan(
     max_buffer_bytes: int = DEFAULT_MAX_BUFFER_BYTES,
     batch_bytes: int = DEFAULT_BATCH_BYTES,
     cancel: threading.Event | None = None,
+    buffers: BufferPool | None = None,
 ) -> TransformReport:
     """Fill and commit ``host``'s shards of ``plan.new_version`` in its store (``target``).
 
@@ -279,7 +337,8 @@ def execute_host_plan(
     with (bytes done, bytes total) from worker threads. Remote pieces of one
     source are pulled in batch reads of up to ``batch_bytes`` (0: each piece
     its own request). Setting ``cancel`` stops the transform at the next piece: nothing is
-    committed, the partial version is deleted and :class:`TransformCancelled` is raised.
+    committed, the partial version is deleted and :class:`TransformCancelled` is raised. ``buffers``: the
+    caller's pool of destination buffers (a daemon's, shared by its transforms); else one of its own.
     """
     if concurrency < 1:
         raise InvalidInput(f"concurrency must be >= 1, got {concurrency}")
@@ -301,7 +360,11 @@ def execute_host_plan(
             raise
         raise TransformFailed(f"host {host}: cannot prepare {target.url} for {plan.new_version}: {exc.detail}") from exc
     try:
-        _run(plan, hp, clients, state, concurrency, max_buffer_bytes, batch_bytes)
+        if buffers is None:
+            _run(plan, hp, clients, state, concurrency, max_buffer_bytes, batch_bytes, None)
+        else:
+            with buffers.hold():
+                _run(plan, hp, clients, state, concurrency, max_buffer_bytes, batch_bytes, buffers)
         if state.cancelled():
             raise TransformCancelled(
                 f"transform of host {host} to {plan.new_version} was cancelled; nothing was committed, "
@@ -386,6 +449,7 @@ def _run(
     concurrency: int,
     max_buffer_bytes: int,
     batch_bytes: int,
+    buffers: BufferPool | None,
 ) -> None:
     by_shard: list[list[Transfer]] = [[] for _ in hp.shards]
     for tr in hp.transfers:
@@ -405,7 +469,8 @@ def _run(
     # caller's bound), so that buffers are recycled from shard to shard instead of all being fresh memory.
     largest = max((d.nbytes for i, d in enumerate(hp.shards) if i not in linked), default=0)
     max_buffer_bytes = min(max_buffer_bytes, max(_MIN_WORKING_BYTES, (concurrency + _WRITERS) * largest))
-    buffers = _BufferPool(max_buffer_bytes)  # kept on top of the in-flight budget
+    if buffers is None:
+        buffers = BufferPool(max_buffer_bytes)  # kept on top of the in-flight budget
 
     def check(f: Future[None]) -> None:
         exc = None if f.cancelled() else f.exception()
@@ -484,6 +549,8 @@ def _run(
         with state.lock:
             pending_writes = list(writes)
         _wait_all(pending_writes, state)
+    log.debug("host %s: in-flight budget %d bytes; the buffer pool has faulted in %d bytes of fresh memory so far",
+              hp.host, max_buffer_bytes, buffers.fresh)
     if errors:
         # A TransformFailed names the piece; prefer it over secondary errors.
         first = next((e for e in errors if isinstance(e, TransformFailed)), errors[0])

@@ -1423,3 +1423,96 @@ __all__: Iterable[str] = (
     "merge_boxes",
     "plan_summary",
 )
+
+
+# -- what a placement keeps in place ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HostOverlap:
+    """Per new host of a layout, the bytes it needs and how many of them each old holder has.
+
+    What a placement choice needs (:mod:`tenplex.scheduler.policy`): putting
+    the new host ``new_hosts[b]``'s ranks on old host ``old_hosts[h]`` makes
+    that host receive ``need[b] - keep[b, h]`` bytes (exactly what the plan
+    has it receive: a host takes every byte it holds from its own store).
+    """
+
+    new_hosts: tuple[str, ...]
+    old_hosts: tuple[str, ...]
+    need: np.ndarray
+    """``(len(new_hosts),)``: the distinct bytes each new host's devices hold."""
+    keep: np.ndarray
+    """``(len(new_hosts), len(old_hosts))``: of those, the bytes the old host holds (in ``old``)."""
+
+
+def host_overlap(old: PTC, new: PTC, holders: Collection[str] | None = None) -> HostOverlap:
+    """Bytes each host of ``new`` needs and finds on each host of ``old`` (``holders``: only these old hosts).
+
+    One vectorized sweep over the two PTCs' shards (as :func:`make_plan`'s), summed over host sets: a
+    shard replicated on many hosts is counted per (new host set, old host set) pair, expanded to hosts at
+    the end, so a data-parallel layout of thousands of hosts costs a few arrays, not a loop per replica.
+    """
+    new_tensors = list(new.tensors)
+    index = {t.name: i for i, t in enumerate(new_tensors)}
+    ndim = max((len(t.shape) for t in new_tensors), default=0) or 1
+    items = np.array([dtypes.itemsize(t.dtype) for t in new_tensors], dtype=np.float64)
+    nc = _columns(new, ndim, index)
+    oc = _columns(old, ndim, index)
+    new_hosts = tuple(new.hosts)
+    held = None if holders is None else set(holders)
+    old_all = tuple(old.hosts) if held is None else tuple(h for h in old.hosts if h in held)
+    nh = {h: i for i, h in enumerate(new_hosts)}
+    oh = {h: i for i, h in enumerate(old_all)}
+
+    def hostsets(ptc: PTC, devsets: list[tuple[int, ...]], ids: Mapping[str, int]) -> tuple[list[np.ndarray], np.ndarray]:
+        """Each device tuple's set of host indices (interned: replicas share theirs), -1 hosts left out."""
+        host_of = {d.id: ids.get(d.host, -1) for d in ptc.devices}
+        sets: dict[tuple[int, ...], int] = {}
+        of_devset = np.empty(len(devsets), dtype=np.int64)
+        for k, ds in enumerate(devsets):
+            if len(ds) == 1:
+                h = host_of[ds[0]]
+                hs: tuple[int, ...] = (h,) if h >= 0 else ()
+            else:
+                hs = tuple(sorted({host_of[d] for d in ds} - {-1}))
+            of_devset[k] = sets.setdefault(hs, len(sets))
+        return [np.array(hs, dtype=np.int64) for hs in sets], of_devset
+
+    n_sets, n_of = hostsets(new, nc.devsets, nh)
+    o_sets, o_of = hostsets(old, oc.devsets, oh)
+    need = np.zeros(len(new_hosts), dtype=np.float64)
+    keep = np.zeros((len(new_hosts), len(old_all)), dtype=np.float64)
+
+    def spread(set_ids: np.ndarray, weights: np.ndarray, sets: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """(host index, weight) per member of each set: a set of k hosts repeats its weight k times."""
+        sizes = np.array([len(x) for x in sets], dtype=np.int64)[set_ids]
+        flat = np.concatenate(sets) if sets else np.zeros(0, np.int64)
+        starts = (np.cumsum([len(x) for x in sets]) - [len(x) for x in sets]).astype(np.int64) if sets else flat
+        members = flat[_ranges(starts[set_ids], sizes)] if len(set_ids) else flat[:0]
+        return members, np.repeat(weights, sizes)
+
+    if len(nc.tensor):
+        vol = np.prod(nc.hi - nc.lo, axis=1).astype(np.float64) * items[nc.tensor]
+        per_set = np.bincount(n_of[nc.devset], weights=vol, minlength=len(n_sets))
+        ids = np.flatnonzero(per_set)
+        hosts_b, w = spread(ids, per_set[ids], n_sets)
+        need += np.bincount(hosts_b, weights=w, minlength=len(new_hosts))
+    if len(nc.tensor) and len(oc.tensor) and old_all:
+        q, i, lo, hi = _sweep(nc.tensor, nc.lo, nc.hi, oc.tensor, oc.lo, oc.hi, len(new_tensors))
+        nbytes = np.prod(hi - lo, axis=1).astype(np.float64) * items[nc.tensor[q]]
+        width = max(1, len(o_sets))
+        pair = n_of[nc.devset[q]] * width + o_of[oc.devset[i]]
+        keys, inverse = np.unique(pair, return_inverse=True)
+        sums = np.bincount(inverse, weights=nbytes, minlength=len(keys))
+        ns_id, os_id = keys // width, keys % width
+        n_size = np.array([len(x) for x in n_sets], dtype=np.int64)[ns_id]
+        o_size = np.array([len(x) for x in o_sets], dtype=np.int64)[os_id]
+        single = (n_size == 1) & (o_size == 1)  # per-device state (ZeRO slices, unreplicated shards): one cell each
+        if single.any():
+            rows = np.array([x[0] if len(x) == 1 else -1 for x in n_sets], dtype=np.int64)[ns_id[single]]
+            cols = np.array([x[0] if len(x) == 1 else -1 for x in o_sets], dtype=np.int64)[os_id[single]]
+            np.add.at(keep, (rows, cols), sums[single])
+        for k in np.flatnonzero(~single & (n_size > 0) & (o_size > 0)).tolist():  # replicated: a block of cells
+            keep[np.ix_(n_sets[ns_id[k]], o_sets[os_id[k]])] += sums[k]
+    return HostOverlap(new_hosts, old_all, np.rint(need), np.rint(keep))

@@ -67,7 +67,12 @@ from tenplex.store.base import TensorStore
 from tenplex.store.client import StoreClient
 from tenplex.store.local import LocalStore
 from tenplex.store.locations import is_persistent_uri
-from tenplex.transformer.execute import DEFAULT_BATCH_BYTES, TransformMetrics, execute_host_plan
+from tenplex.transformer.execute import (
+    DEFAULT_BATCH_BYTES,
+    BufferPool,
+    TransformMetrics,
+    execute_host_plan,
+)
 from tenplex.transformer.plan import CHECKPOINT
 from tenplex.transformer.remote import (
     CANCELLED,
@@ -102,6 +107,9 @@ class TransformSettings:
     """Remote pieces of one source are pulled in batch reads of up to this many bytes."""
     source_timeout_s: float = 60.0
     """How long a source daemon may leave a read unanswered before it counts as failed (after retries)."""
+    buffer_keep_s: float = 60.0
+    """Destination buffers are kept this long after the last transform for the next ones (the transforms of
+    a burst of reconfigurations then fault in and zero no fresh memory); 0: freed when each transform ends."""
 
     def __post_init__(self) -> None:
         if self.concurrency < 1 or self.max_running < 1 or self.memory_bytes < 1 or self.batch_bytes < 0:
@@ -111,6 +119,8 @@ class TransformSettings:
             )
         if self.source_timeout_s <= 0:
             raise InvalidInput(f"transform settings: source_timeout_s must be > 0, got {self.source_timeout_s}")
+        if self.buffer_keep_s < 0:
+            raise InvalidInput(f"transform settings: buffer_keep_s must be >= 0, got {self.buffer_keep_s}")
 
     @property
     def buffer_bytes(self) -> int:
@@ -143,6 +153,8 @@ class TransformService(RecordedTasks[TransformRequest, TransformStatus, _Run]):
         self.token = token
         self.settings = settings or TransformSettings()
         self.metrics = TransformMetrics(registry)
+        # one pool of destination buffers for all transforms of this daemon (see BufferPool)
+        self.buffers = BufferPool(self.settings.memory_bytes, keep_s=self.settings.buffer_keep_s)
         super().__init__(store, max_running=self.settings.max_running)
 
     def submit(self, job: str, request: TransformRequest) -> tuple[TransformStatus, bool]:
@@ -245,7 +257,7 @@ class TransformService(RecordedTasks[TransformRequest, TransformStatus, _Run]):
                     plan, req.host, target=self.store, sources=sources, concurrency=self.settings.concurrency,
                     progress=lambda done, total: self._progress(run, done, total), metrics=self.metrics,
                     max_buffer_bytes=self.settings.buffer_bytes, batch_bytes=self.settings.batch_bytes,
-                    cancel=run.cancel,
+                    cancel=run.cancel, buffers=self.buffers,
                 )
             self._update(run, write=False, state=COMMITTED, bytes_done=report.bytes_total, finished_at=time.time(),
                          report=report.to_json())

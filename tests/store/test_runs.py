@@ -493,3 +493,19 @@ def test_the_first_read_of_a_committed_version_opens_its_other_tensors_ahead(tmp
             time.sleep(0.02)
         assert all(served.cached_tensor("j", Version.parse("s1-g0"), n) is not None for n in names)
     assert LocalStore(tmp_path).preload("j", "s1-g0") == len(names)  # the method itself, on a fresh cache
+
+
+@pytest.mark.parametrize("shape", [(1000, 64), (7, 300, 64), (5000,)])
+def test_a_shards_checksum_combined_from_its_chunk_files_is_the_checksum_of_its_bytes(tmp_path: Path, shape) -> None:
+    """The writer takes a shard's crc32c from its chunk files' (no second pass over the bytes), padded edge
+    chunks included: it must be exactly the crc32c of the shard's C-order bytes."""
+    store = LocalStore(tmp_path, chunk_bytes=16 << 10)
+    data = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
+    region = Region.full(shape)
+    info = store.write_shard("j", "s1-g0", "t", region, data, dtype="float32", global_shape=shape)
+    assert info.checksum == format_checksum(crc32c.crc32c(data.tobytes()))
+    store.commit("j", "s1-g0")
+    out = np.empty(shape, np.float32)
+    store.read_into("j", "s1-g0", "t", region, out)
+    assert np.array_equal(out, data) and store.verify("j", "s1-g0") == []
+    store.close()

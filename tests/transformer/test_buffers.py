@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from tenplex.transformer.execute import _BufferPool
+from tenplex.transformer.execute import BufferPool
 
 
 def test_a_stored_shard_buffer_serves_the_next_shard_of_its_size_class_in_any_shape() -> None:
-    pool = _BufferPool(1 << 30)
+    pool = BufferPool(1 << 30)
     a = pool.get((1000, 896), np.dtype(np.float32))  # 3.4 MiB: the 4 MiB class
     assert a.shape == (1000, 896) and a.flags.c_contiguous and a.ctypes.data % 4096 == 0
     a[...] = 1.5
@@ -23,7 +23,7 @@ def test_a_stored_shard_buffer_serves_the_next_shard_of_its_size_class_in_any_sh
 
 
 def test_the_pool_keeps_at_most_its_limit_and_ignores_empty_shards() -> None:
-    pool = _BufferPool(4 << 20)
+    pool = BufferPool(4 << 20)
     bufs = [pool.get((1 << 20,), np.dtype(np.float32)) for _ in range(2)]  # two 4 MiB buffers
     for buf in bufs:
         pool.put(buf)
@@ -32,3 +32,23 @@ def test_the_pool_keeps_at_most_its_limit_and_ignores_empty_shards() -> None:
     empty = pool.get((0, 7), np.dtype(np.float32))
     assert empty.shape == (0, 7)
     pool.put(empty)  # a 0-size shard's array is not pooled (and does not fail)
+
+
+def test_a_larger_free_buffer_serves_a_smaller_shard_instead_of_fresh_memory() -> None:
+    pool = BufferPool(1 << 30)
+    big = pool.get((2 << 20,), np.dtype(np.float32))  # 8 MiB
+    pool.put(big)
+    small = pool.get((3 << 20,), np.dtype(np.uint8))  # 3 MiB: the 4 MiB class, served by the 8 MiB buffer
+    assert small.ctypes.data == big.ctypes.data and pool.fresh == 8 << 20
+    pool.put(small)
+    tiny = pool.get((1000,), np.dtype(np.uint8))  # far smaller than any free buffer: fresh (4 KiB class)
+    assert tiny.ctypes.data != big.ctypes.data and pool.fresh == (8 << 20) + 4096
+
+
+def test_a_shared_pool_lets_its_free_buffers_go_when_the_last_transform_holding_it_ends() -> None:
+    pool = BufferPool(1 << 30, keep_s=0)
+    with pool.hold():
+        with pool.hold():  # two transforms at once
+            pool.put(pool.get((1 << 20,), np.dtype(np.uint8)))
+        assert pool.free_bytes == 1 << 20  # the other transform still runs: kept for it
+    assert pool.free_bytes == 0
