@@ -58,6 +58,10 @@ class _Model(BaseModel):
     def _from_crd(cls, data: Any, info: ValidationInfo) -> Any:
         if isinstance(data, Mapping) and isinstance(info.context, Mapping) and info.context.get("crd"):
             names = {f.serialization_alias or n: n for n, f in cls.model_fields.items()}
+            for key in data:
+                if key not in names and key in cls.model_fields:
+                    raise ValueError(f"{key!r} is the REST API's name: the ElasticJob's is "
+                                     f"{cls.model_fields[key].serialization_alias!r}")
             return {names.get(k, k): v for k, v in data.items()}
         return data
 
