@@ -514,7 +514,7 @@ class KubernetesBackend(Backend):
         """The pod running ``workers`` (one group of :func:`pod_groups`; public so that tests and
         ``kubectl``-minded readers can see exactly what runs); with ``standby_port``, a standby pod whose
         standby listens there (see the module docstring)."""
-        spec = crd.ElasticJobSpec.from_object(job_obj)
+        spec = crd.parse_spec(job_obj)
         meta = job_obj["metadata"]
         job = meta["name"]
         if len(workers) != spec.gpus_per_pod:
@@ -529,7 +529,7 @@ class KubernetesBackend(Backend):
         env += [{"name": key, "value": value} for key, value in shared.items()]
         if per_rank is not None:
             env.append({"name": ENV_POD_RANKS, "value": json.dumps(per_rank, separators=(",", ":"))})
-        env += [dict(e) for e in spec.env if "valueFrom" in e]
+        env += [e.model_dump(by_alias=True, exclude_none=True) for e in spec.env if e.value_from is not None]
         env += [
             {"name": crd.ENV_NODE_IP, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "status.hostIP"}}},
             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.name"}}},
@@ -537,8 +537,8 @@ class KubernetesBackend(Backend):
         ]
         gpus = str(len(workers))
         resources: dict[str, dict[str, Any]] = {
-            "requests": {**dict(spec.resources.get("requests") or {}), self._gpu: gpus},
-            "limits": {**dict(spec.resources.get("limits") or {}), self._gpu: gpus},
+            "requests": {**(spec.resources.requests or {}), self._gpu: gpus},
+            "limits": {**(spec.resources.limits or {}), self._gpu: gpus},
         }
         if standby_port is not None:  # the standby forks the pod's ranks itself (TENPLEX_POD_RANKS, as the launcher)
             argv = [command[0], "-m", "tenplex", "worker", "standby", "--port", str(standby_port), "--", *command]
@@ -638,7 +638,7 @@ class KubernetesBackend(Backend):
             raise InvalidConfig(f"job {job}: its ElasticJob is being deleted: no new worker pods")
         namespace = job_obj["metadata"].get("namespace") or "default"
         informer = self._informer_for(namespace)
-        spec = crd.ElasticJobSpec.from_object(job_obj)
+        spec = crd.parse_spec(job_obj)
         groups = pod_groups(workers, spec.gpus_per_pod)
         reuse = self._standbys_for(job, groups) if spec.standby else {}
         fresh = [g for i, g in enumerate(groups) if i not in reuse]

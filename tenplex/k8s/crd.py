@@ -1,12 +1,15 @@
 """The ElasticJob custom resource: its CRD as Python data, and typed views of spec and status.
 
-This module is the single source of truth for the resource. The chart's
-``crds/elasticjobs.tenplex.io.yaml`` is generated from :func:`crd_manifest`
-(``tenplex k8s crd > deploy/helm/tenplex/crds/elasticjobs.tenplex.io.yaml``;
-a test keeps them equal), the test API server serves the resource from that
-manifest, its cross-field CEL rules are evaluated from the manifest's own
-strings (:mod:`tenplex.k8s.cel`), and the scheduler's Kubernetes backend reads
-spec and writes status through :class:`ElasticJobSpec` and :class:`ElasticJobStatus`.
+This module is the single source of truth for the resource. Its spec is the
+pydantic model :class:`tenplex.scheduler.jobspec.ElasticJobSpec` (which
+shares its parts with the REST API's job body), its schema and CEL rules
+generated from that model. The chart's ``crds/elasticjobs.tenplex.io.yaml``
+is generated from :func:`crd_manifest` (``tenplex k8s crd >
+deploy/helm/tenplex/crds/elasticjobs.tenplex.io.yaml``; a test keeps them
+equal), the test API server serves the resource from that manifest, its
+cross-field CEL rules are evaluated from the manifest's own strings
+(:mod:`tenplex.k8s.cel`), and the scheduler's Kubernetes backend reads spec
+through :func:`parse_spec` and writes status through :class:`ElasticJobStatus`.
 
 Contracts with the rest of the deployment (the chart implements them):
 
@@ -27,14 +30,15 @@ import copy
 import enum
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from tenplex import registry
-from tenplex.core.protocol import ENV_NODE_IP, JOB_NAME_PATTERN
+from tenplex.core.protocol import ENV_NODE_IP
 from tenplex.errors import InvalidInput
 from tenplex.k8s import cel
+from tenplex.scheduler.jobspec import CRD, ElasticJobSpec, structural_schema
+from tenplex.scheduler.jobspec import DEFAULT_STORE_ROOT as DEFAULT_STORE_ROOT
 
 GROUP = "tenplex.io"
 VERSION = "v1alpha1"
@@ -53,13 +57,10 @@ ROLE_SCHEDULER = "scheduler"
 
 STORE_PORT = 7070
 SCHEDULER_PORT = 8080
-DEFAULT_STORE_ROOT = "/var/lib/tenplex/store"
 ENV_STORE_URL = "TENPLEX_STORE_URL"
 ENV_TOKEN = "TENPLEX_TOKEN"
 GPU_RESOURCE = "nvidia.com/gpu"
 LEADER_LEASE = "tenplex-scheduler"
-POLICY_TYPES = ("builtin", "table")
-PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 class Phase(enum.StrEnum):
@@ -90,8 +91,6 @@ def _str(description: str = "", **extra: Any) -> dict[str, Any]:
     return schema
 
 
-_QUANTITY = {"anyOf": [{"type": "integer"}, {"type": "string"}], "x-kubernetes-int-or-string": True}
-
 _PARALLEL = {
     "type": "object",
     "description": "Data-, tensor- and pipeline-parallel degrees; their product is the GPU count.",
@@ -99,196 +98,12 @@ _PARALLEL = {
     "properties": {"dp": _int(1), "tp": _int(1), "pp": _int(1)},
 }
 
-_ZERO = _int(0, "ZeRO stage: 0 replicated optimizer, 1/2 optimizer state sharded across dp, 3 parameters too.",
-             maximum=3)
-
 _SIDE = {
     "type": "object",
     "description": "A configuration before or after a reconfiguration; dp/tp/pp absent when nothing ran.",
     "required": ["gpus"],
     "properties": {"gpus": _int(0), "dp": _int(1), "tp": _int(1), "pp": _int(1)},
 }
-
-# The CRD's cross-field rules (x-kubernetes-validations), by schema location. They are evaluated from these
-# strings, by the API server and by tenplex.k8s.cel (cel-python) for `tenplex k8s validate`, the scheduler and the
-# test API server; their estimated cost is checked against the API server's limits (tenplex.k8s.cel.estimate).
-_RULES: dict[str, tuple[tuple[str, str], ...]] = {
-    "spec": (
-        ("!has(self.minGpus) || !has(self.maxGpus) || self.minGpus <= self.maxGpus", "minGpus must not exceed maxGpus"),
-        ("self.gpus % self.gpusPerPod == 0", "gpus must be a multiple of gpusPerPod"),
-        ("self.gpus == 0 || !has(self.minGpus) || self.gpus >= self.minGpus",
-         "gpus must be 0 (suspended) or at least minGpus"),
-        ("!has(self.maxGpus) || self.gpus <= self.maxGpus", "gpus must not exceed maxGpus"),
-    ),
-    "spec.policy": (
-        ("self.type != 'table' || (has(self.table) && size(self.table) > 0)",
-         "a policy of type table needs a non-empty table"),
-        ("!has(self.stateMemoryFraction) || self.stateMemoryFraction > 0.0", "stateMemoryFraction must be greater than 0"),
-    ),
-    "spec.policy.table[]": (
-        ("self.dp * self.tp * self.pp == self.gpus", "dp * tp * pp must equal gpus in every table entry"),
-    ),
-}
-
-
-def _rules_at(location: str) -> list[dict[str, str]]:
-    return [{"rule": rule, "message": message} for rule, message in _RULES[location]]
-
-
-def _spec_schema() -> dict[str, Any]:
-    table_entry = {
-        "type": "object",
-        "required": ["gpus", "dp", "tp", "pp"],
-        "properties": {"gpus": _int(1), "dp": _int(1), "tp": _int(1), "pp": _int(1), "zero": _ZERO},
-        "x-kubernetes-validations": _rules_at("spec.policy.table[]"),
-    }
-    return {
-        "type": "object",
-        "description": "What to run and on how many GPUs. spec.gpus is the scale subresource's replicas.",
-        "required": ["image", "command", "gpus", "layout"],
-        "properties": {
-            "image": _str("Container image of the workers.", minLength=1),
-            "imagePullPolicy": _str(enum=["Always", "IfNotPresent", "Never"]),
-            "command": {
-                "type": "array",
-                "minItems": 1,
-                "items": {"type": "string"},
-                "description": "Entry point of each worker process (it imports tenplex.worker).",
-            },
-            "args": {"type": "array", "items": {"type": "string"}},
-            "env": {
-                "type": "array",
-                "description": "Extra environment of the workers (Kubernetes EnvVar objects).",
-                "items": {
-                    "type": "object",
-                    "required": ["name"],
-                    "properties": {
-                        "name": _str(minLength=1),
-                        "value": _str(),
-                        "valueFrom": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
-                    },
-                },
-            },
-            "gpusPerPod": _int(1, "GPUs (nvidia.com/gpu) and ranks of each worker pod, and the granularity of gpus. "
-                                     "Above 1, a pod runs that many ranks of one node under 'tenplex worker "
-                                     "launch', each selecting its GPU by LOCAL_RANK.", default=1),
-            "standby": {
-                "type": "boolean", "default": False,
-                "description": "Keep the worker pods between generations, each running a warm standby of the job's "
-                               "code (tenplex worker standby): a reconfiguration gives a live pod on a kept node the "
-                               "next generation's workers (no pod start, interpreter or imports). The pods hold their "
-                               "GPUs between generations; the command must be `python -m MODULE` or `python SCRIPT`.",
-            },
-            "gpus": _int(0, "Desired total GPU count; 0 suspends the job keeping its state."),
-            "minGpus": _int(1, "Fewest GPUs the job may run on (failures below this fail the job)."),
-            "maxGpus": _int(1, "Most GPUs the job may be scaled to."),
-            "layout": {
-                "type": "object",
-                "description": "How the training state is laid out: a layout provider and its model description.",
-                "required": ["provider"],
-                "properties": {
-                    "provider": _str("A layout provider registered with the scheduler (entry points "
-                                     "'tenplex.layouts', e.g. megatron-gpt, example-gpt), or 'package.module:function' "
-                                     "naming one the scheduler can import.",
-                                     pattern=f"^(?:{registry.REFERENCE_PATTERN})$", maxLength=253),
-                    "model": {
-                        "type": "object",
-                        "description": "The model as the provider expects it: dimensions (layers, hidden size, ...) and, "
-                                       "for megatron-gpt, its conventions (naming, pad_vocab, normalization, ...).",
-                        "x-kubernetes-preserve-unknown-fields": True,
-                    },
-                    "precision": _str("Training precision of parameters and gradients.", enum=list(PRECISIONS), default="fp32"),
-                },
-            },
-            "policy": {
-                "type": "object",
-                "description": "How a GPU count becomes (dp, tp, pp): a table, or the built-in cost model.",
-                "properties": {
-                    "type": _str(enum=list(POLICY_TYPES), default="builtin"),
-                    "table": {
-                        "type": "array",
-                        "items": table_entry,
-                        "x-kubernetes-list-type": "map",
-                        "x-kubernetes-list-map-keys": ["gpus"],
-                    },
-                    "gpuMemoryBytes": _int(1, "Memory of one GPU for the built-in policy."),
-                    "stateMemoryFraction": {
-                        "type": "number", "minimum": 0, "maximum": 1, "default": 0.5,
-                        "description": "Part of a GPU's memory that model and optimizer state may use.",
-                    },
-                    "zero": _ZERO,
-                    "gpusPerNode": _int(1, "GPUs per node; tensor parallelism stays inside a node."),
-                },
-                "x-kubernetes-validations": _rules_at("spec.policy"),
-            },
-            "resources": {
-                "type": "object",
-                "description": "Worker container resources besides the GPUs (which follow gpusPerPod).",
-                "properties": {
-                    "limits": {"type": "object", "additionalProperties": _QUANTITY},
-                    "requests": {"type": "object", "additionalProperties": _QUANTITY},
-                },
-            },
-            "nodeSelector": {"type": "object", "additionalProperties": {"type": "string"}},
-            "tolerations": {
-                "type": "array",
-                "items": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
-            },
-            "training": {
-                "type": "object",
-                "description": "How long to train and the sample order: the scheduler needs them to lay out the "
-                               "state and to resume the data position after a reconfiguration.",
-                "required": ["dataset"],
-                "properties": {
-                    "steps": _int(1, "Total training steps.", default=100),
-                    "snapshotEvery": _int(1, "Snapshot the state to the node-local stores every this many steps.",
-                                          default=10),
-                    "heartbeatTimeoutSeconds": _int(1, "A worker silent this long counts as failed.", default=60),
-                    "maxRestarts": _int(0, "Failure recoveries allowed in a row without a newer snapshot; the next "
-                                           "failure fails the job.", default=3),
-                    "dataset": {
-                        "type": "object",
-                        "required": ["numSamples", "globalBatchSize"],
-                        "properties": {
-                            "numSamples": _int(1, "Samples in the dataset (the sample order is a permutation of them)."),
-                            "seed": _int(0, "Seed of the sample order.", default=0),
-                            "globalBatchSize": _int(1, "Samples per training step over all data-parallel ranks."),
-                            "consumedSamples": _int(0, "Samples consumed before the job starts.", default=0),
-                        },
-                    },
-                },
-            },
-            "storeRoot": _str("Directory of the node-local store as seen by the store daemon.", default=DEFAULT_STORE_ROOT),
-            "checkpoint": {
-                "type": "object",
-                "description": "Optional persistent checkpoints, the fall-back when no replica survives.",
-                "required": ["uri"],
-                "properties": {
-                    "uri": _str("Persistent location, e.g. file:///mnt/ckpt/job or a mounted volume path.", minLength=1),
-                    "intervalSteps": _int(1, "Write a persistent checkpoint every this many steps (default: every "
-                                             "snapshot)."),
-                    "keepLast": _int(1, "Persistent checkpoints kept; older ones are deleted (default 2)."),
-                },
-            },
-            "resumeFrom": {
-                "type": "object",
-                "description": "Optional: start from a persistent version (a resume after an outage, or a copy of "
-                               "a job) instead of step 0, in a layout planned for this job's GPUs.",
-                "required": ["uri"],
-                "properties": {
-                    "uri": _str("The persistent location the version was saved to (a job's checkpoint.uri), "
-                                "s3://bucket/prefix or file:///path.", minLength=1),
-                    "job": _str("The job the version was saved under (default: this job's name).",
-                                pattern=JOB_NAME_PATTERN),
-                    "version": _str("A committed persistent version (s<step>-g<generation>) or 'latest' (the "
-                                    "default): the newest committed one.",
-                                    pattern=r"^(latest|s(0|[1-9][0-9]{0,17})-g(0|[1-9][0-9]{0,8}))$"),
-                },
-            },
-        },
-        "x-kubernetes-validations": _rules_at("spec"),
-    }
-
 
 def _status_schema() -> dict[str, Any]:
     condition = {
@@ -347,7 +162,7 @@ def openapi_schema() -> dict[str, Any]:
             "apiVersion": {"type": "string"},
             "kind": {"type": "string"},
             "metadata": {"type": "object"},
-            "spec": _spec_schema(),
+            "spec": structural_schema(ElasticJobSpec),
             "status": _status_schema(),
         },
     }
@@ -506,126 +321,9 @@ def validate_elasticjob(obj: Mapping[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- typed views
 
 
-@dataclass(frozen=True, slots=True)
-class TableEntry:
-    gpus: int
-    dp: int
-    tp: int
-    pp: int
-    zero: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class PolicySpec:
-    type: str = "builtin"
-    table: tuple[TableEntry, ...] = ()
-    gpu_memory_bytes: int | None = None
-    state_memory_fraction: float = 0.5
-    zero: int = 0
-    gpus_per_node: int | None = None
-
-    def lookup(self, gpus: int) -> TableEntry | None:
-        """The table entry for ``gpus`` GPUs, if the table has one."""
-        return next((e for e in self.table if e.gpus == gpus), None)
-
-
-@dataclass(frozen=True, slots=True)
-class TrainingSpec:
-    """``spec.training``: the run length and the sample order."""
-
-    num_samples: int
-    global_batch_size: int
-    seed: int = 0
-    consumed_samples: int = 0
-    steps: int = 100
-    snapshot_every: int = 10
-    heartbeat_timeout_seconds: int = 60
-    max_restarts: int = 3
-
-
-@dataclass(frozen=True, slots=True)
-class ElasticJobSpec:
-    """A validated ElasticJob spec, with the schema defaults applied."""
-
-    image: str
-    command: tuple[str, ...]
-    gpus: int
-    layout_provider: str
-    model: Mapping[str, Any]
-    precision: str = "fp32"
-    gpus_per_pod: int = 1
-    standby: bool = False
-    args: tuple[str, ...] = ()
-    env: tuple[Mapping[str, Any], ...] = ()
-    min_gpus: int | None = None
-    max_gpus: int | None = None
-    policy: PolicySpec = field(default_factory=PolicySpec)
-    resources: Mapping[str, Any] = field(default_factory=dict)
-    node_selector: Mapping[str, str] = field(default_factory=dict)
-    tolerations: tuple[Mapping[str, Any], ...] = ()
-    image_pull_policy: str | None = None
-    store_root: str = DEFAULT_STORE_ROOT
-    checkpoint_uri: str | None = None
-    checkpoint_interval_steps: int | None = None
-    checkpoint_keep_last: int | None = None
-    resume_from: Mapping[str, Any] | None = None
-    """``spec.resumeFrom`` as given: uri, job, version."""
-    training: TrainingSpec | None = None
-    """None when the ElasticJob has no ``spec.training`` (the scheduler then cannot run it)."""
-
-    @property
-    def pods(self) -> int:
-        """Worker pods needed for the desired GPU count."""
-        return self.gpus // self.gpus_per_pod
-
-    @classmethod
-    def from_object(cls, obj: Mapping[str, Any]) -> ElasticJobSpec:
-        """Parse the spec of a whole ElasticJob object, validating it first."""
-        spec = validate_elasticjob(obj)["spec"]
-        policy = spec.get("policy", {})
-        checkpoint = spec.get("checkpoint", {})
-        training = spec.get("training")
-        return cls(
-            image=spec["image"],
-            command=tuple(spec["command"]),
-            gpus=spec["gpus"],
-            layout_provider=spec["layout"]["provider"],
-            model=copy.deepcopy(spec["layout"].get("model", {})),
-            precision=spec["layout"]["precision"],
-            gpus_per_pod=spec["gpusPerPod"],
-            standby=bool(spec.get("standby", False)),
-            args=tuple(spec.get("args", ())),
-            env=tuple(spec.get("env", ())),
-            min_gpus=spec.get("minGpus"),
-            max_gpus=spec.get("maxGpus"),
-            policy=PolicySpec(
-                type=policy.get("type", "builtin"),
-                table=tuple(TableEntry(**e) for e in policy.get("table", ())),
-                gpu_memory_bytes=policy.get("gpuMemoryBytes"),
-                state_memory_fraction=float(policy.get("stateMemoryFraction", 0.5)),
-                zero=policy.get("zero", 0),
-                gpus_per_node=policy.get("gpusPerNode"),
-            ),
-            resources=copy.deepcopy(spec.get("resources", {})),
-            node_selector=dict(spec.get("nodeSelector", {})),
-            tolerations=tuple(spec.get("tolerations", ())),
-            image_pull_policy=spec.get("imagePullPolicy"),
-            store_root=spec["storeRoot"],
-            checkpoint_uri=checkpoint.get("uri"),
-            checkpoint_interval_steps=checkpoint.get("intervalSteps"),
-            checkpoint_keep_last=checkpoint.get("keepLast"),
-            resume_from=dict(spec["resumeFrom"]) if spec.get("resumeFrom") is not None else None,
-            training=TrainingSpec(
-                num_samples=training["dataset"]["numSamples"],
-                global_batch_size=training["dataset"]["globalBatchSize"],
-                seed=training["dataset"]["seed"],
-                consumed_samples=training["dataset"]["consumedSamples"],
-                steps=training["steps"],
-                snapshot_every=training["snapshotEvery"],
-                heartbeat_timeout_seconds=training["heartbeatTimeoutSeconds"],
-                max_restarts=training["maxRestarts"],
-            ) if training is not None else None,
-        )
+def parse_spec(obj: Mapping[str, Any]) -> ElasticJobSpec:
+    """The spec of a whole ElasticJob object, validated first (schema and CEL rules; defaults applied)."""
+    return ElasticJobSpec.model_validate(validate_elasticjob(obj)["spec"], context=CRD)
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,12 +48,9 @@ from tenplex.k8s import crd
 from tenplex.k8s.backend import STOP_MARGIN_SECONDS, ClusterEvent, KubernetesBackend
 from tenplex.k8s.jobstore import ElasticJobIndex, KubeJobStore
 from tenplex.k8s.settings import ENV_ADVERTISE_URL, KubernetesSettings
-from tenplex.ptc import DatasetState, ParallelConfig
 from tenplex.scheduler.controller import JobController, SchedulerSettings
-from tenplex.scheduler.layouts import LayoutSpec
-from tenplex.scheduler.policy import Policy
 from tenplex.scheduler.service import Scheduler, SchedulerOptions
-from tenplex.scheduler.state import LATEST, CheckpointSpec, JobSpec, Phase, ResumeSpec
+from tenplex.scheduler.state import JobSpec, Phase
 
 log = logging.getLogger(__name__)
 
@@ -70,42 +67,7 @@ def budget_name(job: str) -> str:
 
 def job_spec_from_elasticjob(obj: Mapping[str, Any]) -> JobSpec:
     """The scheduler's JobSpec for an ElasticJob (validated against the CRD schema first)."""
-    spec = crd.ElasticJobSpec.from_object(obj)
-    name = obj["metadata"]["name"]
-    if spec.training is None:
-        raise InvalidConfig(f"ElasticJob {name} has no spec.training: the scheduler needs the run length and the "
-                            "dataset order (spec.training.dataset.numSamples and globalBatchSize)")
-    if spec.gpus == 0:
-        raise InvalidConfig(f"ElasticJob {name} asks for 0 GPUs: creating a suspended job is not supported")
-    t = spec.training
-    table = {e.gpus: ParallelConfig(e.dp, e.tp, e.pp, zero=e.zero) for e in spec.policy.table} \
-        if spec.policy.type == "table" else {}
-    policy = Policy(table=table, gpu_memory_bytes=spec.policy.gpu_memory_bytes,
-                    state_memory_fraction=spec.policy.state_memory_fraction, zero=spec.policy.zero)
-    env = {e["name"]: str(e.get("value", "")) for e in spec.env if "valueFrom" not in e}
-    return JobSpec(
-        name=name,
-        layout=LayoutSpec(spec.layout_provider, dict(spec.model), spec.precision),
-        dataset=DatasetState(t.num_samples, t.seed, t.global_batch_size, t.consumed_samples),
-        command=(*spec.command, *spec.args),
-        gpus=spec.gpus,
-        min_gpus=spec.min_gpus or 1,
-        max_gpus=spec.max_gpus or (1 << 20),
-        policy=policy,
-        steps=t.steps,
-        snapshot_every=t.snapshot_every,
-        heartbeat_timeout=float(t.heartbeat_timeout_seconds),
-        max_restarts=t.max_restarts,
-        gpus_per_pod=spec.gpus_per_pod,
-        standby=spec.standby,
-        image=spec.image,
-        env=env,
-        # Without intervalSteps every snapshot that completes is also persisted.
-        checkpoint=CheckpointSpec(spec.checkpoint_uri, spec.checkpoint_interval_steps or t.snapshot_every,
-                                  spec.checkpoint_keep_last or 2) if spec.checkpoint_uri else None,
-        resume_from=ResumeSpec(spec.resume_from["uri"], spec.resume_from.get("job"),
-                               spec.resume_from.get("version") or LATEST) if spec.resume_from else None,
-    )
+    return crd.parse_spec(obj).to_job_spec(obj["metadata"]["name"])
 
 
 def advertise_url(settings: KubernetesSettings, port: int, fallback: str,

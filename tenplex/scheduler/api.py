@@ -30,15 +30,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tenplex import __version__, registry
+from tenplex import __version__
 from tenplex.core import protocol as P
 from tenplex.core.auth import Authenticator, Principal, require_admin
 from tenplex.errors import Forbidden, InvalidInput, TenplexError, Unauthorized
-from tenplex.ptc import DatasetState, ParallelConfig
+from tenplex.ptc import ParallelConfig
 from tenplex.scheduler.controller import JobController
-from tenplex.scheduler.layouts import LayoutSpec, registered_providers
+from tenplex.scheduler.jobspec import JobCreate
 from tenplex.scheduler.service import Scheduler
-from tenplex.scheduler.state import CheckpointSpec, JobSpec, ResumeSpec, policy_from_json
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     code: {"description": text, "content": {"application/json": {"example": {"error": "code", "detail": "message"}}}}
@@ -54,75 +53,6 @@ _ADMIN_JOB_ROUTES = frozenset({("DELETE", "/v1/jobs/{job}"), ("POST", "/v1/jobs/
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-class LayoutBody(_Body):
-    provider: str = Field(
-        min_length=1, max_length=253, pattern=f"^(?:{registry.REFERENCE_PATTERN})$",
-        description="A layout provider registered under the entry points 'tenplex.layouts' (this scheduler has "
-                    f"{', '.join(registered_providers()) or 'none'}), or 'package.module:function' naming one.")
-    model: dict[str, Any] = Field(description="The provider's model fields (e.g. megatron-gpt's GPTSpec).")
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-
-
-class CheckpointBody(_Body):
-    uri: str = Field(min_length=1, max_length=2048, description=(
-        "Persistent location: s3://bucket/prefix (any S3-compatible store; endpoint and credentials are the store "
-        "daemons') or file:///path (a filesystem mounted on every node)."))
-    interval_steps: int = Field(ge=1, le=1 << 40, description="Copy a committed version there every this many steps.")
-    keep_last: int = Field(2, ge=1, le=1000, description="Persistent versions kept (older ones are deleted).")
-
-
-class ResumeBody(_Body):
-    uri: str = Field(min_length=1, max_length=2048, description=(
-        "The persistent location the version was saved to (a job's checkpoint.uri): s3://bucket/prefix or "
-        "file:///path."))
-    job: P.JobName | None = Field(None, description=(
-        "The job the version was saved under (another job's name for a copy of it); default: this job's name."))
-    version: str = Field("latest", pattern=r"^(latest|s(0|[1-9][0-9]{0,17})-g(0|[1-9][0-9]{0,8}))$", description=(
-        "A committed persistent version (s<step>-g<generation>) or 'latest': the newest committed one."))
-
-
-class DatasetBody(_Body):
-    num_samples: int = Field(gt=0, le=1 << 48)
-    seed: int = Field(0, ge=0, le=1 << 62)
-    global_batch_size: int = Field(gt=0, le=1 << 30)
-    consumed_samples: int = Field(0, ge=0, le=1 << 62)
-
-
-class PolicyBody(_Body):
-    table: dict[str, dict[str, Any]] = Field(default_factory=dict, description="GPU count -> {dp, tp, pp, zero}.")
-    gpu_memory_bytes: int | None = Field(None, gt=0)
-    state_memory_fraction: float = Field(0.5, gt=0, le=1)
-    zero: int = Field(0, ge=0, le=3)
-
-
-class JobCreate(_Body):
-    name: P.JobName
-    layout: LayoutBody
-    dataset: DatasetBody
-    command: list[Annotated[str, Field(min_length=1, max_length=4096)]] = Field(
-        default_factory=list, max_length=256, description="Worker command (local backend).")
-    image: str | None = Field(None, min_length=1, max_length=1024, description="Worker image (kubernetes backend).")
-    gpus: int = Field(ge=1, le=1 << 20)
-    min_gpus: int = Field(1, ge=1, le=1 << 20)
-    max_gpus: int = Field(1 << 20, ge=1, le=1 << 20)
-    policy: PolicyBody = Field(default_factory=PolicyBody)
-    steps: int = Field(100, ge=1, le=1 << 40)
-    snapshot_every: int = Field(10, ge=1, le=1 << 40)
-    heartbeat_timeout: float = Field(60.0, gt=0, le=86400)
-    max_restarts: int = Field(3, ge=0, le=1_000_000, description=(
-        "Failure recoveries allowed in a row without a newer snapshot; the next failure fails the job."))
-    checkpoint: CheckpointBody | None = Field(None, description=(
-        "Persistent checkpoints, the fall-back when no replica of some region survives."))
-    resume_from: ResumeBody | None = Field(None, description=(
-        "Start from a persistent version (a resume after an outage, or a copy of a job) instead of step 0: its "
-        "state, step and data position, in a layout planned for this job's GPUs."))
-    standby: bool = Field(False, description=(
-        "Keep a warm standby on every usable host: a process with the job's code imported that forks the new "
-        "workers of a reconfiguration (local backend)."))
-    env: dict[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")], Annotated[str, Field(max_length=65536)]] = Field(
-        default_factory=dict)
 
 
 class ParallelBody(_Body):
@@ -209,25 +139,7 @@ def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
 
     @app.post("/v1/jobs", status_code=201, tags=["jobs"], summary="Create a job", dependencies=[Auth])
     def create_job(body: JobCreate) -> dict[str, Any]:
-        spec = JobSpec(
-            name=body.name,
-            layout=LayoutSpec.from_json(body.layout.model_dump()),
-            dataset=DatasetState(**body.dataset.model_dump()),
-            command=tuple(body.command),
-            image=body.image,
-            gpus=body.gpus,
-            min_gpus=body.min_gpus,
-            max_gpus=body.max_gpus,
-            policy=policy_from_json(body.policy.model_dump()),
-            steps=body.steps,
-            snapshot_every=body.snapshot_every,
-            heartbeat_timeout=body.heartbeat_timeout,
-            max_restarts=body.max_restarts,
-            standby=body.standby,
-            checkpoint=CheckpointSpec(**body.checkpoint.model_dump()) if body.checkpoint is not None else None,
-            resume_from=ResumeSpec(**body.resume_from.model_dump()) if body.resume_from is not None else None,
-            env=body.env,
-        )
+        spec = body.to_job_spec()
         ctl = scheduler.create(spec)
         return _view(ctl)
 

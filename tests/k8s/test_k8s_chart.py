@@ -14,7 +14,6 @@ import pytest
 import yaml
 
 from tenplex.k8s import crd
-from tenplex.scheduler.layouts import LayoutSpec
 
 from .conftest import REPO, tool
 
@@ -326,9 +325,9 @@ def test_example_elasticjobs_match_the_crd_schema(path: Path) -> None:
     job = yaml.safe_load(path.read_text())
     jsonschema.validate(job, schema)  # the schema exactly as installed in the cluster
     assert crd.elasticjob_errors(job) == []  # plus unknown fields and the CEL rules
-    spec = crd.ElasticJobSpec.from_object(job)
+    spec = crd.parse_spec(job)
     assert spec.gpus % spec.gpus_per_pod == 0
-    LayoutSpec(spec.layout_provider, dict(spec.model), spec.precision)  # a registered provider; the model fits it
+    spec.layout.to_spec()  # a registered provider; the model fits it
 
 
 def test_examples_exist() -> None:

@@ -13,6 +13,7 @@ import yaml
 from tenplex.cli import main
 from tenplex.errors import InvalidInput
 from tenplex.k8s import cel, crd
+from tenplex.scheduler.jobspec import EnvVar, ResumeBody, TableEntry
 
 
 def job(**spec: Any) -> dict[str, Any]:
@@ -115,7 +116,7 @@ def test_validation_reports_every_error_with_its_values() -> None:
     assert "spec.policy.table[0]" in text and "dp=1, tp=2, pp=1, gpus=4" in text
     assert len(errors) == 5
     with pytest.raises(InvalidInput, match="ElasticJob j is invalid"):
-        crd.ElasticJobSpec.from_object(bad)
+        crd.parse_spec(bad)
 
     assert any("'command' is a required property" in e for e in crd.elasticjob_errors(
         {"apiVersion": crd.API_VERSION, "kind": crd.KIND, "metadata": {"name": "x"},
@@ -137,14 +138,14 @@ def test_spec_view_applies_defaults_and_reads_everything() -> None:
               policy={"type": "table", "table": [{"gpus": 4, "dp": 2, "tp": 2, "pp": 1, "zero": 1}]},
               checkpoint={"uri": "/mnt/ckpt", "intervalSteps": 100}, nodeSelector={"pool": "a"})
     before = copy.deepcopy(obj)
-    spec = crd.ElasticJobSpec.from_object(obj)
+    spec = crd.parse_spec(obj)
     assert obj == before, "parsing must not modify the object"
-    assert spec.pods == 2 and spec.gpus_per_pod == 2 and spec.precision == "fp32"
+    assert spec.pods == 2 and spec.gpus_per_pod == 2 and spec.layout.precision == "fp32"
     assert spec.store_root == crd.DEFAULT_STORE_ROOT
-    assert spec.policy.lookup(4) == crd.TableEntry(gpus=4, dp=2, tp=2, pp=1, zero=1)
+    assert spec.policy.lookup(4) == TableEntry(gpus=4, dp=2, tp=2, pp=1, zero=1)
     assert spec.policy.lookup(6) is None and spec.policy.state_memory_fraction == 0.5
-    assert (spec.checkpoint_uri, spec.checkpoint_interval_steps) == ("/mnt/ckpt", 100)
-    assert spec.node_selector == {"pool": "a"} and spec.env == ({"name": "A", "value": "1"},)
+    assert (spec.checkpoint.uri, spec.checkpoint.interval_steps, spec.checkpoint.keep_last) == ("/mnt/ckpt", 100, 2)
+    assert spec.node_selector == {"pool": "a"} and spec.env == [EnvVar(name="A", value="1")]
 
 
 def test_resume_from_is_validated_and_reaches_the_job_spec() -> None:
@@ -155,7 +156,7 @@ def test_resume_from_is_validated_and_reaches_the_job_spec() -> None:
                 "dataset": {"numSamples": 4096, "globalBatchSize": 8}}
     obj = job(training=training, resumeFrom={"uri": "s3://b/jobs", "job": "orig", "version": "s40-g1"})
     assert crd.elasticjob_errors(obj) == []
-    assert crd.ElasticJobSpec.from_object(obj).resume_from == {"uri": "s3://b/jobs", "job": "orig", "version": "s40-g1"}
+    assert crd.parse_spec(obj).resume_from == ResumeBody(uri="s3://b/jobs", job="orig", version="s40-g1")
     assert job_spec_from_elasticjob(obj).resume_from == ResumeSpec("s3://b/jobs", "orig", "s40-g1")
     latest = job(training=training, resumeFrom={"uri": "file:///mnt/ckpt"})
     assert job_spec_from_elasticjob(latest).resume_from == ResumeSpec("file:///mnt/ckpt", None, "latest")
