@@ -84,6 +84,8 @@ from tenplex.k8s.crd import GPU_RESOURCE
 
 LOG = logging.getLogger(__name__)
 STATUS_RETRY_SECONDS = 60.0
+HEARTBEAT_SECONDS = 2.0
+"""How often a test kubelet renews its node's Lease (every fifth beat it also posts the node's status)."""
 
 _VAR_RE = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)|\$\$")
 
@@ -233,10 +235,18 @@ def terminated(container: str, image: str, code: int) -> dict[str, Any]:
 class _Kubelet(ABC):
     """What every test kubelet does with the API: watch its node's pods, admit, report, confirm deletions."""
 
-    def __init__(self, api_client: client.ApiClient, node: str, host_ip: str) -> None:
+    def __init__(self, api_client: client.ApiClient, node: str, host_ip: str, *, gpus: int | None = None,
+                 heartbeat_seconds: float = HEARTBEAT_SECONDS) -> None:
         self._core = client.CoreV1Api(api_client)
+        self._coordination = client.CoordinationV1Api(api_client)
         self.node = node
         self.host_ip = host_ip
+        self.gpus = gpus
+        """GPUs to register the Node with when it does not exist yet (None: the test made the Node)."""
+        self.heartbeat_seconds = heartbeat_seconds
+        self.node_ready: bool | None = True
+        """The Ready condition this kubelet posts (False: the node reports itself NotReady)."""
+        self._heartbeat_thread: threading.Thread | None = None
         self._pods: dict[str, _Pod] = {}
         self._done: set[str] = set()
         """Uids this kubelet is finished with (rejected, or deletion confirmed)."""
@@ -252,9 +262,83 @@ class _Kubelet(ABC):
 
     def start(self) -> _Kubelet:
         self._stop.clear()
+        self._register()
+        self._heartbeat_thread = threading.Thread(target=self._heartbeats, name=f"kubelet-{self.node}-heartbeat",
+                                                  daemon=True)
+        self._heartbeat_thread.start()
         self._thread = threading.Thread(target=self._loop, name=f"kubelet-{self.node}", daemon=True)
         self._thread.start()
         return self
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
+
+    # -- the node -----------------------------------------------------------------------
+
+    def _register(self) -> None:
+        """Create this kubelet's Node (as the node itself: the Node authorizer and NodeRestriction allow a node
+        its own object) when the test has not, with ``gpus`` allocatable ``nvidia.com/gpu``."""
+        try:
+            self._core.read_node(self.node)
+            return
+        except client.ApiException as exc:
+            if exc.status != 404 or self.gpus is None:
+                raise
+        self._core.create_node({"metadata": {"name": self.node, "labels": {"kubernetes.io/hostname": self.node}}})
+        capacity = {GPU_RESOURCE: str(self.gpus), "cpu": "64", "memory": "512Gi", "pods": "110"}
+        self._core.patch_node_status(self.node, {"status": {
+            "capacity": capacity, "allocatable": dict(capacity),
+            "addresses": [{"type": "InternalIP", "address": self.host_ip}, {"type": "Hostname", "address": self.node}],
+            "conditions": [self._ready_condition()]}})
+
+    def _ready_condition(self) -> dict[str, Any]:
+        ready = self.node_ready
+        status = {True: "True", False: "False", None: "Unknown"}[ready]
+        return {"type": "Ready", "status": status, "lastHeartbeatTime": _now(), "lastTransitionTime": _now(),
+                "reason": "KubeletReady" if ready else "KubeletNotReady",
+                "message": "kubelet is posting ready status" if ready else "the test kubelet reports NotReady"}
+
+    def set_node_ready(self, ready: bool | None) -> None:
+        """Post the node's Ready condition now, and keep posting it (False: the node reports itself NotReady)."""
+        self.node_ready = ready
+        self._post_node_status(transition=True)
+
+    def _post_node_status(self, transition: bool = False) -> None:
+        node = self._core.read_node(self.node)
+        conditions = [c.to_dict() for c in (node.status.conditions or [])] if node.status else []
+        current = next((c for c in conditions if c["type"] == "Ready"), None)
+        fresh = self._ready_condition()
+        if current is not None and current.get("status") == fresh["status"] and not transition:
+            fresh["lastTransitionTime"] = current.get("last_transition_time") or fresh["lastTransitionTime"]
+        others = [{"type": c["type"], "status": c["status"], "reason": c.get("reason"), "message": c.get("message")}
+                  for c in conditions if c["type"] != "Ready"]
+        self._core.patch_node_status(self.node, {"status": {"conditions": [*others, fresh]}})
+
+    def _renew_lease(self) -> None:
+        """The node's heartbeat Lease in ``kube-node-lease`` (what the node lifecycle controller watches)."""
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        spec = {"holderIdentity": self.node, "leaseDurationSeconds": 40, "renewTime": now}
+        try:
+            self._coordination.patch_namespaced_lease(self.node, "kube-node-lease", {"spec": spec})
+        except client.ApiException as exc:
+            if exc.status != 404:
+                raise
+            self._coordination.create_namespaced_lease("kube-node-lease", {
+                "metadata": {"name": self.node, "namespace": "kube-node-lease"}, "spec": spec})
+
+    def _heartbeats(self) -> None:
+        beat = 0
+        while not self._stop.is_set():
+            try:
+                self._renew_lease()
+                if beat % 5 == 0:  # status every fifth beat, as a kubelet posts it less often than its lease
+                    self._post_node_status()
+                beat += 1
+            except Exception as exc:  # the API server may be restarting; the next beat tries again
+                if not self._stop.is_set():
+                    LOG.info("kubelet %s: heartbeat failed: %s", self.node, exc)
+            self._stop.wait(self.heartbeat_seconds)
 
     def stop(self) -> None:
         """The kubelet goes away: nothing on this node is reported or confirmed any more."""
@@ -264,6 +348,8 @@ class _Kubelet(ABC):
             if self._watch is not None:  # again and again: a watch may have been opened since the last stop
                 self._watch.stop()
             self._thread.join(timeout=0.1)
+        if self._heartbeat_thread is not None:
+            self._heartbeat_thread.join(timeout=10)
 
     # -- fault injection ---------------------------------------------------------------
 
@@ -474,8 +560,8 @@ class NodeAgent(_Kubelet):
     """
 
     def __init__(self, api_client: client.ApiClient, node: str, host_ip: str = "", *, run_pods: bool = False,
-                 stop_seconds: float = 0.0) -> None:
-        super().__init__(api_client, node, host_ip)
+                 stop_seconds: float = 0.0, gpus: int | None = None) -> None:
+        super().__init__(api_client, node, host_ip, gpus=gpus)
         self.run_pods = run_pods
         self.stop_seconds = stop_seconds
 
@@ -517,13 +603,14 @@ class LocalKubelet(_Kubelet):
 
     def __init__(self, api_client: client.ApiClient, node: str, host_ip: str, workdir: Path,
                  base_env: Mapping[str, str] | None = None, cwd: Path | None = None,
-                 entrypoints: Mapping[str, Sequence[str]] | None = None, probe_period_scale: float = 1.0) -> None:
+                 entrypoints: Mapping[str, Sequence[str]] | None = None, probe_period_scale: float = 1.0,
+                 gpus: int | None = None) -> None:
         """``entrypoints`` maps an image to the local command standing in for its ENTRYPOINT,
         used when a container gives only ``args`` (e.g. ``{"tenplex:0.1.0": [".venv/bin/tenplex"]}``);
         ``probe_period_scale`` multiplies the readiness probes' periods and initial delays."""
         if not probe_period_scale > 0:
             raise ValueError(f"probe_period_scale must be > 0, got {probe_period_scale}")
-        super().__init__(api_client, node, host_ip)
+        super().__init__(api_client, node, host_ip, gpus=gpus)
         self.probe_period_scale = probe_period_scale
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
