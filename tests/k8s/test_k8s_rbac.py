@@ -32,9 +32,9 @@ from tenplex.scheduler.controller import SchedulerSettings
 from tenplex.scheduler.state import Phase
 from tenplex.sockets import free_port
 from tenplex.testing.k8s import rbac
-from tenplex.testing.k8s.emulator import ApiServerEmulator
+from tenplex.testing.k8s.cluster import TestCluster
+from tenplex.testing.k8s.controlplane import User
 from tenplex.testing.k8s.kubelet import LocalKubelet
-from tenplex.testing.k8s.rbac import User
 
 from .cluster import (
     NodeAgents,
@@ -54,7 +54,7 @@ JOB_NAMESPACES = ("ml", "research")
 IDENTITY = "rel-tenplex-scheduler-6d5f7c9b8-abcde"
 
 
-def start_scheduler(api: ApiServerEmulator, state: Path, watch: tuple[str, ...]) -> KubernetesScheduler:
+def start_scheduler(api: TestCluster, state: Path, watch: tuple[str, ...]) -> KubernetesScheduler:
     settings = KubernetesSettings(namespace=RELEASE_NS, identity=IDENTITY, watch_namespaces=watch,
                                   lease_duration_seconds=3, renew_deadline_seconds=2, retry_period_seconds=1)
     # Ports no concurrent test's rendezvous can hold (a TCPStore binds every address): the standby pods' too.
@@ -67,7 +67,7 @@ def start_scheduler(api: ApiServerEmulator, state: Path, watch: tuple[str, ...])
     return sched
 
 
-def standby_jobs(api: ApiServerEmulator, sched: KubernetesScheduler, stack: ExitStack, tmp_path: Path) -> None:
+def standby_jobs(api: TestCluster, sched: KubernetesScheduler, stack: ExitStack, tmp_path: Path) -> None:
     """A node of its own with a test kubelet that runs its pods (a real store daemon, the jobs' standby pods);
     in each job namespace a job with ``standby`` whose worker dies in its pod: the pod is given generation 1
     (patched)."""
@@ -98,14 +98,14 @@ def standby_jobs(api: ApiServerEmulator, sched: KubernetesScheduler, stack: Exit
                    f"{name}'s pod given generation 1", timeout=60)
 
 
-def run_everything(api: ApiServerEmulator, agents: NodeAgents, tmp_path: Path, watch: tuple[str, ...]) -> None:
+def run_everything(api: TestCluster, agents: NodeAgents, tmp_path: Path, watch: tuple[str, ...]) -> None:
     """Every path of the scheduler that talks to the API server."""
     stack = ExitStack()
     with stack:
         _run_everything(api, agents, tmp_path, watch, stack)
 
 
-def _run_everything(api: ApiServerEmulator, agents: NodeAgents, tmp_path: Path, watch: tuple[str, ...],
+def _run_everything(api: TestCluster, agents: NodeAgents, tmp_path: Path, watch: tuple[str, ...],
                     stack: ExitStack) -> None:
     api.create_namespace(RELEASE_NS)
     for ns in JOB_NAMESPACES:
@@ -164,7 +164,7 @@ def _run_everything(api: ApiServerEmulator, agents: NodeAgents, tmp_path: Path, 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("watch", [(), JOB_NAMESPACES], ids=["all-namespaces", "watched-namespaces"])
-def test_the_charts_rbac_is_exactly_what_the_scheduler_uses(api: ApiServerEmulator, agents: NodeAgents,
+def test_the_charts_rbac_is_exactly_what_the_scheduler_uses(api: TestCluster, agents: NodeAgents,
                                                             tmp_path: Path, watch: tuple[str, ...]) -> None:
     run_everything(api, agents, tmp_path, watch)
     user = scheduler_user(RELEASE_NS)
