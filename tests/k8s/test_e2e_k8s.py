@@ -1,7 +1,7 @@
-"""End to end on emulated Kubernetes: the reference GPT job as an ElasticJob, scaled and recovered.
+"""End to end on the test cluster: the reference GPT job as an ElasticJob, scaled and recovered.
 
-Everything but the cluster itself is real: the API server emulator over
-HTTP, one test kubelet per node running that node's pods as processes, the
+Everything but the nodes is real: kube-apiserver, etcd, the controller-manager
+and the scheduler, one test kubelet per node running that node's pods as processes, the
 store DaemonSet's pods as real ``tenplex store serve`` daemons on the node
 addresses (127.0.7.x), the scheduler (Kubernetes backend, ElasticJob operator
 holding the Lease, state in ConfigMaps and the ElasticJob status) with its
@@ -105,6 +105,7 @@ class Cluster:
             kubelet = LocalKubelet(stack.enter_context(api.api_client(User.node(node))), node, ip, root / node,
                                    base_env=env, cwd=REPO, probe_period_scale=PROBE_PERIOD_SCALE)
             self.kubelets[node] = stack.enter_context(kubelet)
+            api.kubelets[node] = kubelet
             port = free_port(ip)
             pod = store_pod(node, owner, port=port, command=[
                 sys.executable, "-m", "tenplex", "store", "serve", "--root", str(root / node / "store"),
@@ -201,15 +202,6 @@ class Deployment:
                 ctl.close()  # no failure handling while the workers are taken down
                 self.sched.backend.stop(ctl.spec.name, [w.worker_id for w in ctl.status.workers], grace=2)
             self.sched.close()
-
-
-@pytest.fixture
-def api() -> Iterator[TestCluster]:
-    """A small window of watch events per resource (the real server keeps about 100 per resource type, for a
-    cluster much busier than this one): a watch resumed without a recent BOOKMARK (the kubelets ask for none)
-    after a reconfiguration's events went by answers 410 Gone and lists again."""
-    with TestCluster(watch_window=8) as emulator:
-        yield emulator
 
 
 @pytest.fixture

@@ -61,6 +61,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import http.client
+import json
 import logging
 import os
 import re
@@ -673,6 +674,8 @@ class LocalKubelet(_Kubelet):
                 command = self._entrypoints[container.image]
             argv = [expand(a, env) for a in [*command, *(container.args or [])]]
             probe = ReadinessProbe.of(container, self.host_ip)
+            if _mounts_service_account(pod) and "KUBECONFIG" not in env:
+                env["KUBECONFIG"] = str(self._service_account_kubeconfig(pod))
         except (ValueError, KeyError, client.ApiException) as exc:
             LOG.error("kubelet %s: cannot start pod %s/%s: %s", self.node, meta.namespace, meta.name, exc)
             entry.ended.set()
@@ -763,6 +766,31 @@ class LocalKubelet(_Kubelet):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
 
+    # -- the pod's service account ------------------------------------------------------------
+
+    def _service_account_kubeconfig(self, pod: client.V1Pod) -> Path:
+        """What the kubelet's projected token volume gives a container, as a process can take it: a token for
+        the pod's ServiceAccount, requested by this node (TokenRequest, bound to the pod: the Node authorizer
+        and NodeRestriction allow a node exactly that), in a kubeconfig that ``$KUBECONFIG`` names."""
+        meta = pod.metadata
+        account = pod.spec.service_account_name or "default"
+        request = {"spec": {"expirationSeconds": 3600,
+                            "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": meta.name, "uid": meta.uid}}}
+        token = self._core.create_namespaced_service_account_token(account, meta.namespace, request).status.token
+        cfg = self._core.api_client.configuration
+        cluster: dict[str, Any] = {"server": cfg.host}
+        if cfg.ssl_ca_cert:
+            cluster["certificate-authority"] = cfg.ssl_ca_cert
+        kubeconfig = {"apiVersion": "v1", "kind": "Config", "current-context": "pod",
+                      "clusters": [{"name": "cluster", "cluster": cluster}],
+                      "users": [{"name": account, "user": {"token": token}}],
+                      "contexts": [{"name": "pod", "context": {"cluster": "cluster", "user": account,
+                                                               "namespace": meta.namespace}}]}
+        path = self.workdir / f"{meta.namespace}_{meta.name}.kubeconfig"
+        path.write_text(json.dumps(kubeconfig))
+        path.chmod(0o600)
+        return path
+
     # -- environment ----------------------------------------------------------------------
 
     def _environment(self, pod: client.V1Pod, container: client.V1Container) -> dict[str, str]:
@@ -803,6 +831,15 @@ class LocalKubelet(_Kubelet):
                 raise KeyError(f"env {name}: configmap {ref.name} has no key {ref.key!r}")
             return str(data[ref.key])
         raise ValueError(f"env {name}: this kind of valueFrom is not supported by the test kubelet")
+
+
+def _mounts_service_account(pod: client.V1Pod) -> bool:
+    """Whether the pod has the projected service-account token volume the API server adds (automount)."""
+    for volume in pod.spec.volumes or []:
+        for source in (volume.projected.sources or []) if volume.projected is not None else []:
+            if source.service_account_token is not None:
+                return True
+    return False
 
 
 def _kill_leftovers(pgid: int) -> None:
