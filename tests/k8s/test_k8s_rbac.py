@@ -76,6 +76,7 @@ def standby_jobs(api: TestCluster, sched: KubernetesScheduler, stack: ExitStack,
     kubelet = LocalKubelet(stack.enter_context(api.api_client(User.node(node))), node, ip, tmp_path / node,
                            base_env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)
     stack.enter_context(kubelet)
+    api.kubelets[node] = kubelet
     with socket.socket() as probe:
         probe.bind((ip, 0))
         port = probe.getsockname()[1]

@@ -510,3 +510,17 @@ class TestCluster:
 
     def close(self) -> None:
         self._client.close()
+
+
+@contextlib.contextmanager
+def running_cluster(root: Any, bin_dir: Any) -> Iterator[TestCluster]:
+    """A control plane under ``root`` from the binaries in ``bin_dir``, with the ElasticJob CRD installed (before
+    the controllers start, so the garbage collector knows the kind at once); stopped at the end."""
+    plane = ControlPlane(root, bin_dir, crds=(crd.crd_manifest(),)).start()
+    cluster = TestCluster(plane)
+    try:
+        cluster.install_crd()
+        yield cluster
+    finally:
+        cluster.close()
+        plane.stop()

@@ -1,4 +1,4 @@
-"""Test kubelets: the node side of a pod's life, against the API emulator (or any API server) over HTTP.
+"""Test kubelets: the node side of a pod's life, against the test cluster's kube-apiserver (or any) over HTTPS.
 
 Both kinds watch, through the official client, the pods whose
 ``spec.nodeName`` is their node (as a kubelet does), and do the kubelet's part
@@ -43,7 +43,7 @@ timeouts) so that tests need not wait out production periods. Liveness and
 startup probes are not run (a container is never restarted).
 
 :class:`NodeAgent` is the same kubelet without a container runtime, for tests
-that play the containers through the emulator's hooks (``set_pod_running``,
+that play the containers through the test cluster's hooks (``set_pod_running``,
 ``fail_pod``): it admits pods, optionally reports them Running, and confirms
 their deletion once their (emulated) containers have stopped.
 
@@ -51,6 +51,16 @@ Fault injection: :meth:`~_Kubelet.freeze` makes the kubelet ignore a pod's
 deletion (a hung container runtime: the pod stays Terminating past its grace
 period, its GPUs held) until :meth:`~_Kubelet.thaw`; :meth:`~_Kubelet.stop`
 is a node losing its kubelet.
+
+The node: a kubelet registers its Node (as the node, which the Node authorizer
+and NodeRestriction allow) when the test has not made it, renews the node's
+Lease in ``kube-node-lease`` every ``heartbeat_seconds`` and posts its Ready
+condition every fifth beat (``set_node_ready(False)`` makes it report NotReady;
+a stopped kubelet posts nothing, and the node lifecycle controller marks the
+node Unknown after its grace period). A pod with the service-account token
+volume the API server adds gets, instead of the mount, a kubeconfig with a token
+its kubelet requested for it (TokenRequest bound to the pod), named by
+``$KUBECONFIG``.
 
 Watch expiry (410 Gone) and dropped watches are handled by listing again, the
 pattern every controller needs.
