@@ -168,9 +168,11 @@ class Deployment:
     def start(self) -> KubernetesScheduler:
         sock = self._sock or bind_socket("127.0.0.1", self.port)
         self._sock = None
-        # A restarted container keeps its pod's name: the Lease is renewed at once, not waited out.
+        # A restarted container keeps its pod's name: the Lease is renewed at once, not waited out. The Lease
+        # outlasts a kube-apiserver restart on this machine (up to ~20 s under load), as the chart's 15 s
+        # need not: there the scheduler's container would exit and be restarted, resuming the same way.
         settings = KubernetesSettings(namespace=NS, identity="scheduler-0", auth_secret="tenplex-auth",
-                                      lease_duration_seconds=5, renew_deadline_seconds=4, retry_period_seconds=1)
+                                      lease_duration_seconds=30, renew_deadline_seconds=25, retry_period_seconds=1)
         sched = KubernetesScheduler(scheduler_client(self.api), settings,
                                     SchedulerSettings(url=self.url, token=TOKEN, heartbeat_interval=0.3),
                                     self.root / f"sched-{self.starts}", master_ports=(self.base, self.base + 20),

@@ -39,8 +39,10 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import ssl
 import subprocess
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator, Mapping
@@ -259,6 +261,70 @@ class _Process:
             return ""
 
 
+class _Gate:
+    """A TCP forwarder in front of kube-apiserver, as a cluster's load balancer with a health check: it lets
+    connections through only while the server behind it is ready. A kube-apiserver that is starting serves
+    requests before its authorizer's caches have synced, and denies then what RBAC would allow; clients of a
+    real cluster do not see that window (the load balancer waits for ``/readyz``), nor do the tests'."""
+
+    def __init__(self, host: str, port: int, backend: tuple[str, int]) -> None:
+        self.backend = backend
+        self.open = threading.Event()
+        self._listener = socket.create_server((host, port))
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        threading.Thread(target=self._accept, name=f"apiserver-gate-{port}", daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            if not self.open.is_set():
+                conn.close()  # not ready: as a load balancer with no healthy backend
+                continue
+            try:
+                upstream = socket.create_connection(self.backend, timeout=5)
+                upstream.settimeout(None)
+            except OSError:
+                conn.close()
+                continue
+            with self._lock:
+                self._conns.update((conn, upstream))
+            for src, dst in ((conn, upstream), (upstream, conn)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
+                with self._lock:
+                    self._conns.discard(sock)
+
+    def drop(self) -> None:
+        """Stop letting connections through and end those open (the server behind is going)."""
+        self.open.clear()
+        with self._lock:
+            conns = list(self._conns)
+        for sock in conns:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self._closed = True
+        self.drop()
+        self._listener.close()
+
+
 @dataclass
 class ControlPlane:
     """etcd, kube-apiserver, kube-controller-manager and kube-scheduler under ``root`` (see the module docstring).
@@ -300,7 +366,11 @@ class ControlPlane:
         self._open_watches: dict[str, str] = {}
         self._starting: list[tuple[datetime.datetime, datetime.datetime]] = []
         self.etcd_port = free_port(self.host, 2)
-        self.port = free_port(self.host, avoid=frozenset({self.etcd_port, self.etcd_port + 1}))
+        taken = frozenset({self.etcd_port, self.etcd_port + 1})
+        self.port = free_port(self.host, avoid=taken)
+        """The API's address for every client: the gate in front of kube-apiserver's own port."""
+        self._apiserver_port = free_port(self.host, avoid=taken | {self.port})
+        self._gate: _Gate | None = None
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -336,6 +406,9 @@ class ControlPlane:
         return self
 
     def stop(self) -> None:
+        if self._gate is not None:
+            self._gate.close()
+            self._gate = None
         for name in ("kube-scheduler", "kube-controller-manager", "kube-apiserver", "etcd"):
             proc = self._procs.get(name)
             if proc is not None:
@@ -377,7 +450,7 @@ class ControlPlane:
         proc = self._spawn("kube-apiserver", [
             str(self.bin_dir / "kube-apiserver"),
             f"--etcd-servers={self.etcd_url}",
-            f"--bind-address={self.host}", f"--advertise-address={self.host}", f"--secure-port={self.port}",
+            f"--bind-address={self.host}", f"--advertise-address={self.host}", f"--secure-port={self._apiserver_port}",
             f"--tls-cert-file={cert}", f"--tls-private-key-file={key}", f"--client-ca-file={self.pki.ca_file}",
             f"--token-auth-file={self._tokens_file}",
             f"--service-account-key-file={self.sa_pub}", f"--service-account-signing-key-file={self.sa_key}",
@@ -389,6 +462,10 @@ class ControlPlane:
             "--audit-log-format=json", "--audit-log-mode=blocking",
             "--profiling=false", "--v=1"])
         self._wait(self._ready, "kube-apiserver /readyz", timeout, proc)
+        self._wait(self._authorizer_synced, "kube-apiserver's authorizer", timeout, proc)
+        if self._gate is None:
+            self._gate = _Gate(self.host, self.port, (self.host, self._apiserver_port))
+        self._gate.open.set()
 
     def _start_controller_manager(self) -> None:
         kubeconfig = self._kubeconfig_file("controller-manager", User("system:kube-controller-manager"))
@@ -414,6 +491,8 @@ class ControlPlane:
     @contextlib.contextmanager
     def apiserver_down(self, *, compact: bool = False, timeout: float = 120.0) -> Iterator[None]:
         """kube-apiserver is down inside the block, then back on the same address with every object kept."""
+        if self._gate is not None:
+            self._gate.drop()
         self._procs["kube-apiserver"].stop()
         self.accesses()
         self._open_watches.clear()  # every watch ended with the server
@@ -424,9 +503,6 @@ class ControlPlane:
             yield
         finally:
             self._start_apiserver(timeout)
-            # Until its authorizer's caches have synced, a starting server denies what RBAC would allow
-            # (clients retry): requests in that window are marked, not counted as the chart's fault.
-            self._wait(self._authorizer_synced, "the restarted API server's authorizer", timeout)
             self._starting.append((down, datetime.datetime.now(datetime.UTC)))
 
     def _authorizer_synced(self) -> bool:
@@ -434,7 +510,7 @@ class ControlPlane:
         ctx = ssl.create_default_context(cafile=str(self.pki.ca_file))
         cert, key = self.pki.client(User("system:kube-controller-manager"))
         ctx.load_cert_chain(str(cert), str(key))
-        return self._http_ok(f"{self.url}/api/v1/nodes?limit=1", ctx)
+        return self._http_ok(f"{self._direct_url}/api/v1/nodes?limit=1", ctx)
 
     def restart_scheduler(self) -> None:
         self._procs["kube-scheduler"].stop()
@@ -468,8 +544,12 @@ class ControlPlane:
         except OSError:
             return False
 
+    @property
+    def _direct_url(self) -> str:
+        return f"https://{self.host}:{self._apiserver_port}"
+
     def _ready(self) -> bool:
-        return self._http_ok(f"{self.url}/readyz", self._ssl_context())
+        return self._http_ok(f"{self._direct_url}/readyz", self._ssl_context())
 
     def get_json(self, path: str) -> Any:
         """GET ``path`` as the admin (e.g. ``/metrics`` is text: use :meth:`get_text`)."""
