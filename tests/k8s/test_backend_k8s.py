@@ -252,13 +252,13 @@ def test_watch_expiry_relists_and_replays_are_not_reported_twice(api: TestCluste
     # While no watch is open, the pod fails and a node turns NotReady: the relist must show both.
     api.fail_pod("gpt-g0-r0", NS, exit_code=137)
     api.set_node_ready("gpu-b", False)
-    assert eventually(lambda: backend.exited("gpt", ["gpt-g0-r0"]), "the failure after 410") == {"gpt-g0-r0": 137}
-    eventually(lambda: not backend.host("gpu-b").ready, "gpu-b NotReady after 410")
-    eventually(lambda: [inf.relists for inf in (backend.nodes, *backend.pods)] > relists, "relists")
+    assert eventually(lambda: backend.exited("gpt", ["gpt-g0-r0"]), "the failure after 410", timeout=120) == {"gpt-g0-r0": 137}
+    eventually(lambda: not backend.host("gpu-b").ready, "gpu-b NotReady after 410", timeout=60)
+    eventually(lambda: [inf.relists for inf in (backend.nodes, *backend.pods)] > relists, "relists", timeout=60)
     assert all(after > before for after, before in zip(
         [inf.relists for inf in (backend.nodes, *backend.pods)], relists, strict=True))
     api.expire_watches()  # a second expiry replays nothing new
-    eventually(lambda: api.open_watches() >= 2, "watches resumed")
+    eventually(lambda: api.open_watches() >= 2, "watches resumed", timeout=60)
     exits = [e for e in events if e.kind == "worker-exited"]
     lost = [e for e in events if e.kind == "node-lost"]
     assert len(exits) == 1 and len(lost) == 1, events

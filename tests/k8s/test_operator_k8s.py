@@ -334,10 +334,10 @@ def test_expired_watches_do_not_lose_events(cluster: TestCluster, sched: Kuberne
     cluster.expire_watches()
     cluster.patch("elasticjobs", "gpt", {"spec": {"gpus": 3}}, NS)
     cluster.fail_pod("gpt-g0-r0", NS)
-    eventually(lambda: ctl.status.phase == Phase.FAILED and ctl.status, "the failure seen through a relist", timeout=30)
+    eventually(lambda: ctl.status.phase == Phase.FAILED and ctl.status, "the failure seen through a relist", timeout=120)
     assert "gpt-g0-r0" in ctl.status.message
     eventually(lambda: sched.index.relists >= 2 and all(p.relists >= 2 for p in sched.kube_backend.pods),
-               "every watch listed again")
+               "every watch listed again", timeout=60)
 
 
 def test_a_restarted_scheduler_resumes_the_job_from_the_api_server(cluster: TestCluster, tmp_path: Path) -> None:
