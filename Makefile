@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.stamp-install
 TOOLS  := .tools/bin
 MCORE  := .tools/megatron-core
 
-.PHONY: install tools netns-tools megatron-core demo test lint bench clean
+.PHONY: install tools netns-tools megatron-core k8s-testbed demo test lint bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -66,10 +66,17 @@ $(MCORE)/.stamp: deploy/megatron-core.txt | $(PY)
 
 megatron-core: $(MCORE)/.stamp
 
+# The test cluster's control plane for tests/k8s: kube-apiserver, kube-controller-manager, kube-scheduler v1.37.2
+# and etcd, built with Go from the module proxy (deploy/k8s-testbed), kept in a cache of finished binaries under
+# $$HOME/.cache/tenplex keyed by version and module hash, and linked into .tools/k8s (instant once built on this
+# machine, even in a fresh clone). Without Go it prints a note and tests/k8s skip, saying why.
+k8s-testbed:
+	@deploy/k8s-testbed/build.sh .tools/k8s
+
 demo: install
 	$(VENV)/bin/tenplex --log-level WARNING demo
 
-test: install tools netns-tools megatron-core
+test: install tools netns-tools megatron-core k8s-testbed
 	$(VENV)/bin/ruff check tenplex tests benchmarks examples
 	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=25 tests
 

@@ -1,8 +1,8 @@
-"""Downtime of reconfigurations on (emulated) Kubernetes, with and without standby pods (issue 18, item 3).
+"""Downtime of reconfigurations on Kubernetes (the test cluster), with and without standby pods (issue 18, item 3).
 
 The same job and events as ``benchmarks/downtime.py`` (the reference GPT job,
-dp1 tp2 <-> dp2 tp2), run by the Kubernetes backend: the API server emulator
-over HTTP, three nodes of two GPUs, each with a test kubelet that runs its pods
+dp1 tp2 <-> dp2 tp2), run by the Kubernetes backend: the test cluster's kube-apiserver, etcd,
+controller-manager and scheduler v1.37.2 (``make k8s-testbed``), three nodes of two GPUs, each with a test kubelet that runs its pods
 as processes (tenplex.testing.k8s.kubelet.LocalKubelet) and a real store
 daemon as its store pod, and the scheduler (KubernetesScheduler with its REST
 API for the workers). The job is an ElasticJob with one GPU per worker pod,
@@ -18,7 +18,7 @@ API for the workers). The job is an ElasticJob with one GPU per worker pod,
 
 "Data" and "fixed" as in downtime.py: fixed = downtime - (final snapshot +
 transfer + restore). What a kubelet costs on a real node (pulling nothing,
-creating the sandbox and container: about a second) is not in the emulation,
+creating the sandbox and container: about a second) is not in the test cluster (its kubelets run processes),
 so the numbers without standby are a lower bound of a real cluster's; with
 standby a kept pod starts nothing of that. The target (fixed <= 1.5 s) is the
 issue's for the local backend; it is printed here for comparison.
@@ -56,9 +56,9 @@ from tenplex.scheduler.cli import phases_table  # noqa: E402
 from tenplex.scheduler.controller import SchedulerSettings  # noqa: E402
 from tenplex.serving import BackgroundServer, bind_socket  # noqa: E402
 from tenplex.sockets import free_port  # noqa: E402
-from tenplex.testing.k8s.emulator import ApiServerEmulator  # noqa: E402
+from tenplex.testing.k8s.cluster import TestCluster, running_cluster  # noqa: E402
+from tenplex.testing.k8s.controlplane import User, binaries_dir  # noqa: E402
 from tenplex.testing.k8s.kubelet import LocalKubelet, wait_for  # noqa: E402
-from tenplex.testing.k8s.rbac import User  # noqa: E402
 
 NS = "default"
 TOKEN = "downtime-token"
@@ -80,7 +80,7 @@ def elasticjob(size: str, standby: bool) -> dict[str, Any]:
                                   "dataset": {"numSamples": 100000, "globalBatchSize": batch}}}}
 
 
-def start_cluster(api: ApiServerEmulator, root: Path, stack: ExitStack) -> dict[str, LocalKubelet]:
+def start_cluster(api: TestCluster, root: Path, stack: ExitStack) -> dict[str, LocalKubelet]:
     """Three nodes of two GPUs, each with a kubelet running its pods and a store daemon as its store pod."""
     kubelets = {}
     api.create("secrets", {"metadata": {"name": "tenplex-auth"},
@@ -113,7 +113,7 @@ def run(size: str, standby: bool, root: Path) -> list[dict[str, Any]]:
     job = elasticjob(size, standby)
     name = job["metadata"]["name"]
     with ExitStack() as stack:
-        api = stack.enter_context(ApiServerEmulator())
+        api = stack.enter_context(running_cluster(root / "control-plane", binaries_dir(REPO)))
         kubelets = start_cluster(api, root / "nodes", stack)
         sock = bind_socket("127.0.0.1", 0)
         url = f"http://127.0.0.1:{sock.getsockname()[1]}"

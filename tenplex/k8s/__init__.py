@@ -10,6 +10,6 @@
 * ``tenplex.k8s.backend``, ``informer``, ``jobstore``, ``operator``: worker pods on GPU nodes,
   watched; job state in the API server; the ElasticJob operator with leader election.
 
-The API server emulator, the test kubelet and the pod binder the tests run
-this against are test machinery: :mod:`tenplex.testing.k8s`.
+The test cluster (a real kube-apiserver, etcd, controller-manager and scheduler) and the test kubelets the
+tests run this against are test machinery: :mod:`tenplex.testing.k8s`.
 """

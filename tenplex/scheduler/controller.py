@@ -29,6 +29,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import urllib3
+
 from tenplex.core.protocol import (
     Assignment,
     ExitReport,
@@ -38,7 +40,7 @@ from tenplex.core.protocol import (
     RegisterRequest,
     SnapshotReport,
 )
-from tenplex.errors import Conflict, InvalidConfig, NotFound
+from tenplex.errors import Conflict, InvalidConfig, NotFound, TenplexError
 from tenplex.ptc import PTC, ParallelConfig
 from tenplex.scheduler.backend import Backend
 from tenplex.scheduler.context import JobContext, SchedulerSettings
@@ -52,6 +54,22 @@ from tenplex.transformer.plan import Plan
 __all__ = ["STOP_MARGIN_STEPS", "JobController", "SchedulerSettings", "job_view", "log_dir_for"]
 
 log = logging.getLogger(__name__)
+
+TRANSIENT_RETRY_SECONDS = 1.0
+"""Wait before a tick that met an unavailable cluster API runs again."""
+_TRANSIENT_STATUS = frozenset({429, 500, 502, 503, 504})
+
+
+def _transient(exc: BaseException) -> bool:
+    """Whether ``exc`` says the cluster's API could not be reached or asked to come back (a kube-apiserver
+    restart, its start-up's 5xx): not the job's failure. A step a tick left half done is idempotent (a
+    launch takes the pods that exist; a stop the ones that are left), so the next tick repeats it."""
+    if isinstance(exc, urllib3.exceptions.HTTPError):  # the Kubernetes client's connection refused or reset
+        return True
+    # An API client's error answer (the kubernetes client's ApiException carries the HTTP status); Tenplex's own
+    # errors carry a status too, and are the job's business.
+    status = getattr(exc, "status", None)
+    return not isinstance(exc, TenplexError) and isinstance(status, int) and status in _TRANSIENT_STATUS
 
 
 class JobController:
@@ -257,6 +275,11 @@ class JobController:
                 with self.lock:
                     self.ctx.save_if_due()
             except Exception as exc:  # the loop must survive anything and say what happened
+                if _transient(exc):  # the cluster's API is restarting: the next tick does the same step again
+                    log.warning("job %s: cluster API unavailable (%s: %s); retrying", self.spec.name,
+                                type(exc).__name__, exc)
+                    self._closing.wait(TRANSIENT_RETRY_SECONDS)
+                    continue
                 log.exception("job %s: controller error", self.spec.name)
                 with self.lock:
                     self.orchestrator.fail(f"internal error: {exc}")

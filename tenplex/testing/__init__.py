@@ -6,9 +6,8 @@ pyproject.toml) and out of the container image's build context
 component. ``tests/cluster/test_netcluster.py`` checks that no module outside
 this package imports it.
 
-- :mod:`tenplex.testing.k8s`: a Kubernetes API server emulator that behaves as
-  kube-apiserver does where an operator could tell, test kubelets and a pod
-  binder (no cluster can be installed where Tenplex is built).
+- :mod:`tenplex.testing.k8s`: a real Kubernetes control plane on 127.0.0.1 (kube-apiserver, etcd,
+  controller-manager, scheduler from ``make k8s-testbed``) and test kubelets running pods as processes.
 - :mod:`tenplex.testing.netcluster`: a multi-host cluster emulated on one Linux
   machine with network namespaces, veth links into a bridge, ``tc`` shaping and
   per-link byte counters (needs root).

@@ -1,5 +1,5 @@
-"""Helpers of the backend, operator and end-to-end tests: emulated GPU nodes, store pods, ElasticJobs, and the
-scheduler's identity with the chart's RBAC."""
+"""Helpers of the backend, operator and end-to-end tests: GPU nodes, store pods, ElasticJobs, and the
+scheduler's identity with the chart's RBAC, on the test cluster (:class:`~tenplex.testing.k8s.cluster.TestCluster`)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ import yaml
 from kubernetes import client
 
 from tenplex.k8s import crd
-from tenplex.testing.k8s.emulator import ApiServerEmulator
+from tenplex.testing.k8s.cluster import TestCluster
+from tenplex.testing.k8s.controlplane import User
 from tenplex.testing.k8s.kubelet import NodeAgent
-from tenplex.testing.k8s.rbac import User
 
 REPO = Path(__file__).resolve().parents[2]
 TOOLS_BIN = REPO / ".tools" / "bin"
@@ -39,18 +39,28 @@ def tool(name: str) -> Path:
     return path
 
 
-def store_daemonset(api: ApiServerEmulator, namespace: str = NS) -> dict[str, Any]:
+STORE_DS_LABELS = {**STORE_LABELS, "tenplex.test/store": "daemonset"}
+"""The test store DaemonSet's selector: its pods' labels, which the store pods the tests place do not carry."""
+
+
+def store_daemonset(api: TestCluster, namespace: str = NS) -> dict[str, Any]:
     """The store DaemonSet (created once, as the chart's), as the owner reference its pods carry
-    (kubectl drain --ignore-daemonsets leaves such pods alone; the garbage collector keeps them while it exists)."""
+    (kubectl drain --ignore-daemonsets leaves such pods alone; the garbage collector keeps them while it exists).
+
+    The tests place the store pods themselves (one per node, named ``store-NODE``, Running when they say), so
+    the real DaemonSet controller must leave them alone: the DaemonSet selects a label they lack, and runs on
+    no node; they name it as a non-controlling owner."""
     ds = api.find("daemonsets", "tenplex-store", namespace)
     if ds is None:
-        template = {"metadata": {"labels": dict(STORE_LABELS)},
-                    "spec": {"containers": [{"name": "store", "image": "tenplex:test"}]}}
+        template = {"metadata": {"labels": dict(STORE_DS_LABELS)},
+                    "spec": {"containers": [{"name": "store", "image": "tenplex:test"}],
+                             "nodeSelector": {"tenplex.test/no-such-node": "true"}}}
         ds = api.create("daemonsets", {"metadata": {"name": "tenplex-store", "labels": dict(STORE_LABELS)},
-                                       "spec": {"selector": {"matchLabels": dict(STORE_LABELS)}, "template": template}},
+                                       "spec": {"selector": {"matchLabels": dict(STORE_DS_LABELS)},
+                                                "template": template}},
                         namespace)
     return {"apiVersion": "apps/v1", "kind": "DaemonSet", "name": "tenplex-store", "uid": ds["metadata"]["uid"],
-            "controller": True, "blockOwnerDeletion": True}
+            "controller": False, "blockOwnerDeletion": True}
 
 
 def store_pod(node: str, owner: dict[str, Any], *, port: int = crd.STORE_PORT, command: list[str] | None = None,
@@ -68,7 +78,7 @@ def store_pod(node: str, owner: dict[str, Any], *, port: int = crd.STORE_PORT, c
 class NodeAgents:
     """A :class:`NodeAgent` (a kubelet without containers) per emulated node, stopped at the end."""
 
-    def __init__(self, api: ApiServerEmulator) -> None:
+    def __init__(self, api: TestCluster) -> None:
         self.api = api
         self.agents: dict[str, NodeAgent] = {}
         self._clients: list[client.ApiClient] = []
@@ -78,6 +88,7 @@ class NodeAgents:
         self._clients.append(api_client)
         agent = NodeAgent(api_client, node, self.api.node_address(node), run_pods=run_pods, stop_seconds=stop_seconds)
         self.agents[node] = agent
+        self.api.kubelets[node] = agent
         agent.start()
         return agent
 
@@ -91,7 +102,7 @@ class NodeAgents:
             c.close()
 
 
-def add_gpu_node(api: ApiServerEmulator, name: str, address: str, *, agents: NodeAgents | None = None, gpus: int = 2,
+def add_gpu_node(api: TestCluster, name: str, address: str, *, agents: NodeAgents | None = None, gpus: int = 2,
                  store_running: bool = True, port: int = crd.STORE_PORT) -> None:
     """A GPU node with its store pod (Running unless told otherwise; nothing serves behind it) and, given
     ``agents``, a kubelet (:class:`NodeAgent`) that confirms its pods' deletions."""
@@ -144,12 +155,12 @@ def eventually(predicate: Callable[[], Any], what: str, timeout: float = 20.0, i
     raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {value!r})")
 
 
-def worker_pods(api: ApiServerEmulator, job: str, namespace: str = NS) -> list[dict[str, Any]]:
+def worker_pods(api: TestCluster, job: str, namespace: str = NS) -> list[dict[str, Any]]:
     return sorted(api.list("pods", namespace, label_selector=crd.worker_selector(job)),
                   key=lambda p: p["metadata"]["name"])
 
 
-def live_worker_pods(api: ApiServerEmulator, job: str, namespace: str = NS) -> list[dict[str, Any]]:
+def live_worker_pods(api: TestCluster, job: str, namespace: str = NS) -> list[dict[str, Any]]:
     """The job's worker pods that are not being deleted."""
     return [p for p in worker_pods(api, job, namespace) if not p["metadata"].get("deletionTimestamp")]
 
@@ -162,7 +173,7 @@ def chart_rbac(namespace: str, watch: tuple[str, ...] = ()) -> tuple[dict[str, A
     """The chart's RBAC objects as ``helm template`` renders them for a release in ``namespace`` (watching every
     namespace, or the ones given)."""
     args = [str(tool("helm")), "template", RELEASE, str(CHART), "--namespace", namespace,
-            "--show-only", "templates/rbac.yaml"]
+            "--show-only", "templates/serviceaccount.yaml", "--show-only", "templates/rbac.yaml"]
     if watch:
         args += ["--set", "scheduler.watchNamespaces={" + ",".join(watch) + "}"]
     result = subprocess.run(args, capture_output=True, text=True, timeout=60, check=True)
@@ -173,23 +184,20 @@ def scheduler_user(namespace: str = NS) -> User:
     return User.service_account(namespace, SERVICE_ACCOUNT)
 
 
-def scheduler_client(api: ApiServerEmulator, namespace: str = NS, watch: tuple[str, ...] = ()) -> client.ApiClient:
-    """An API client authenticated as the chart's scheduler ServiceAccount, whose permissions are the chart's
-    rendered Roles and ClusterRoles, installed in the emulator as ``helm install`` would."""
+def scheduler_client(api: TestCluster, namespace: str = NS, watch: tuple[str, ...] = ()) -> client.ApiClient:
+    """An API client authenticated as the chart's scheduler ServiceAccount (a real token from the TokenRequest
+    API), whose permissions are the chart's ServiceAccount, Roles and ClusterRoles, installed as ``helm install``
+    would: the real RBAC authorizer decides every call."""
     docs = chart_rbac(namespace, watch)
-    if api.find("clusterroles", f"{SERVICE_ACCOUNT}-nodes") is None:
+    if api.find("serviceaccounts", SERVICE_ACCOUNT, namespace) is None:
         api.apply(docs, namespace)
     return api.api_client(scheduler_user(namespace))
 
 
-def assert_rbac_clean(api: ApiServerEmulator, namespace: str = NS) -> None:
-    """Nothing the scheduler asked for was refused by the chart's RBAC, and it sent no field the API dropped."""
+def assert_rbac_clean(api: TestCluster, namespace: str = NS) -> None:
+    """Nothing the scheduler asked for was refused by the chart's RBAC (the API server's audit log)."""
     user = scheduler_user(namespace).name
     calls = api.accesses(user)
-    refused = sorted({str(a) for a in calls if not a.allowed})
+    refused = sorted({str(a) for a in calls if not a.allowed and not a.while_starting})
     assert not refused, f"the chart's RBAC refused the scheduler: {refused}"
     assert calls, "the scheduler made no API call as its ServiceAccount"
-    warnings = api.warnings(user)
-    assert not warnings, f"the API server dropped fields the scheduler sent: {warnings}"
-
-

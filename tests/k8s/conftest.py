@@ -1,14 +1,23 @@
-"""Fixtures for the Kubernetes tests: a real HTTP API server emulator and official clients bound to it."""
+"""Fixtures for the Kubernetes tests: a real control plane (etcd, kube-apiserver, kube-controller-manager,
+kube-scheduler v1.37.2 from ``make k8s-testbed``) on 127.0.0.1, one per pytest worker, reset after each test,
+and the official clients bound to it.
+
+Without the binaries: where Go is missing (they cannot be built) the tests that need the cluster skip and say
+so; where Go is there they fail, naming ``make k8s-testbed``.
+"""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
 from kubernetes import client
 
-from tenplex.testing.k8s.emulator import ApiServerEmulator
+from tenplex.k8s import crd
+from tenplex.testing.k8s.cluster import TestCluster
+from tenplex.testing.k8s.controlplane import ControlPlane, binaries_dir, missing_binaries
 
 from .cluster import REPO, TOOLS_BIN, NodeAgents, tool
 
@@ -23,14 +32,38 @@ class Clients:
     api_client: client.ApiClient
 
 
-@pytest.fixture
-def api() -> Iterator[ApiServerEmulator]:
-    with ApiServerEmulator() as emulator:
-        yield emulator
+@pytest.fixture(scope="session")
+def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestCluster]:
+    """This worker's cluster: started at its first use, stopped at the end of the session."""
+    bin_dir = binaries_dir(REPO)
+    missing = missing_binaries(bin_dir)
+    if missing:
+        if shutil.which("go") is None:
+            pytest.skip(f"no Kubernetes control plane: {', '.join(missing)} not built in {bin_dir} and Go is not "
+                        "installed to build them (install Go 1.26+, then `make k8s-testbed`)")
+        pytest.fail(f"{', '.join(missing)} missing from {bin_dir}: run `make k8s-testbed`")
+    plane = ControlPlane(tmp_path_factory.mktemp("k8s-control-plane"), bin_dir, crds=(crd.crd_manifest(),)).start()
+    cluster = TestCluster(plane)
+    try:
+        cluster.install_crd()
+        yield cluster
+    finally:
+        cluster.close()
+        plane.stop()
 
 
 @pytest.fixture
-def k8s(api: ApiServerEmulator) -> Iterator[Clients]:
+def api(control_plane: TestCluster) -> Iterator[TestCluster]:
+    """The cluster as its admin; everything the test made is removed afterwards."""
+    control_plane.plane.clear_accesses()
+    try:
+        yield control_plane
+    finally:
+        control_plane.reset()
+
+
+@pytest.fixture
+def k8s(api: TestCluster) -> Iterator[Clients]:
     """The official clients as the cluster admin (system:masters)."""
     with api.api_client() as api_client:
         yield Clients(client.CoreV1Api(api_client), client.CustomObjectsApi(api_client),
@@ -38,7 +71,7 @@ def k8s(api: ApiServerEmulator) -> Iterator[Clients]:
 
 
 @pytest.fixture
-def agents(api: ApiServerEmulator) -> Iterator[NodeAgents]:
+def agents(api: TestCluster) -> Iterator[NodeAgents]:
     """Kubelets without containers for the nodes a test adds (``agents.start(node)``)."""
     nodes = NodeAgents(api)
     try:

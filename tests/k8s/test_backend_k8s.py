@@ -5,13 +5,11 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from kubernetes import client
 
 from tenplex.errors import Conflict, InvalidConfig, InvalidInput, NotFound
 from tenplex.k8s import crd
@@ -25,11 +23,10 @@ from tenplex.k8s.backend import (
     KubernetesBackend,
     pod_groups,
 )
-from tenplex.k8s.informer import Informer
 from tenplex.k8s.settings import KubernetesSettings
 from tenplex.launcher import ENV_POD_RANKS, parse_pod_ranks
 from tenplex.scheduler.backend import HostInfo, WorkerLaunch
-from tenplex.testing.k8s.emulator import ApiServerEmulator
+from tenplex.testing.k8s.cluster import TestCluster
 
 from .cluster import (
     NS,
@@ -48,7 +45,7 @@ SETTINGS = KubernetesSettings(namespace=NS, identity="test", leader_election=Fal
 
 
 @pytest.fixture
-def backend(api: ApiServerEmulator, agents: NodeAgents) -> Iterator[KubernetesBackend]:
+def backend(api: TestCluster, agents: NodeAgents) -> Iterator[KubernetesBackend]:
     add_gpu_node(api, "gpu-a", "127.0.0.2", agents=agents)
     add_gpu_node(api, "gpu-b", "127.0.0.3", port=7171, agents=agents)
     api.add_node("cpu-only", gpus=0, address="127.0.0.9")
@@ -78,7 +75,7 @@ def test_cordon_comes_from_the_cluster_not_from_the_schedulers_api(backend: Kube
     assert backend.host("gpu-a").schedulable
 
 
-def test_hosts_are_gpu_nodes_with_a_running_store(api: ApiServerEmulator, backend: KubernetesBackend) -> None:
+def test_hosts_are_gpu_nodes_with_a_running_store(api: TestCluster, backend: KubernetesBackend) -> None:
     hosts = backend.hosts()
     assert hosts == [
         HostInfo("gpu-a", 2, "http://127.0.0.2:7070", "127.0.0.2", ready=True, schedulable=True),
@@ -101,7 +98,7 @@ def test_hosts_are_gpu_nodes_with_a_running_store(api: ApiServerEmulator, backen
         backend.host("cpu-only")
 
 
-def test_a_host_whose_store_pod_is_not_ready_is_lost_until_it_is_ready_again(api: ApiServerEmulator,
+def test_a_host_whose_store_pod_is_not_ready_is_lost_until_it_is_ready_again(api: TestCluster,
                                                                              backend: KubernetesBackend) -> None:
     """A store daemon that stops answering its readiness probe while its pod stays Running: its kubelet reports
     the pod not Ready, and the host is lost (not ready) until the pod is Ready again."""
@@ -126,7 +123,7 @@ def test_a_host_whose_store_pod_is_not_ready_is_lost_until_it_is_ready_again(api
 
 
 def test_a_standby_pod_runs_the_standby_on_a_port_no_other_pod_of_its_node_takes(
-        api: ApiServerEmulator, backend: KubernetesBackend, tmp_path: Path) -> None:
+        api: TestCluster, backend: KubernetesBackend, tmp_path: Path) -> None:
     api.patch("elasticjobs", "gpt", {"spec": {"standby": True}}, NS)
     backend.launch("gpt", ["python", "-m", "examples.gpt.train"], launches("gpt", 0, ["gpu-a"]), tmp_path)
     (pod,) = eventually(lambda: worker_pods(api, "gpt"), "the standby pod")
@@ -136,7 +133,8 @@ def test_a_standby_pod_runs_the_standby_on_a_port_no_other_pod_of_its_node_takes
     assert (port, meta["annotations"][ANNOTATION_MASTER_PORT]) == (29501, "29500")
     assert container["command"] == ["python", "-m", "tenplex", "worker", "standby", "--port", "29501", "--",
                                     "python", "-m", "examples.gpt.train"]
-    assert container["ports"] == [{"name": "standby", "containerPort": 29501, "protocol": "TCP"}]
+    # (with the host network, the API server defaults hostPort to the containerPort)
+    assert container["ports"] == [{"name": "standby", "containerPort": 29501, "hostPort": 29501, "protocol": "TCP"}]
     assert meta["labels"][LABEL_STANDBY] == "true" and meta["annotations"][ANNOTATION_WORKERS] == "gpt-g0-r0"
     # The pod is the job's: its GPU counts as free to the job's next placement, and the third port of the
     # range is all the node has left.
@@ -150,7 +148,7 @@ def test_a_standby_pod_runs_the_standby_on_a_port_no_other_pod_of_its_node_takes
     assert worker_pods(api, "gpt") == []
 
 
-def test_worker_pods_are_pinned_owned_and_get_the_worker_environment(api: ApiServerEmulator,
+def test_worker_pods_are_pinned_owned_and_get_the_worker_environment(api: TestCluster,
                                                                      backend: KubernetesBackend, tmp_path: Path) -> None:
     ids = backend.launch("gpt", ["python", "-m", "examples.gpt.train", "--steps", "5"],
                          launches("gpt", 0, ["gpu-a", "gpu-b"]), tmp_path)
@@ -191,7 +189,7 @@ def test_worker_pods_are_pinned_owned_and_get_the_worker_environment(api: ApiSer
     eventually(lambda: not worker_pods(api, "gpt"), "the garbage collector to delete the job's pods")
 
 
-def test_job_env_keeps_gloo_interface_when_the_job_sets_it(api: ApiServerEmulator, backend: KubernetesBackend,
+def test_job_env_keeps_gloo_interface_when_the_job_sets_it(api: TestCluster, backend: KubernetesBackend,
                                                            tmp_path: Path) -> None:
     api.create("elasticjobs", elasticjob("lo", 1, env=[{"name": "GLOO_SOCKET_IFNAME", "value": "lo"}]), NS)
     # The controller puts the job's own env into every worker's launch env.
@@ -201,7 +199,7 @@ def test_job_env_keeps_gloo_interface_when_the_job_sets_it(api: ApiServerEmulato
     assert env["GLOO_SOCKET_IFNAME"] == "lo"
 
 
-def test_exited_follows_pod_phases_and_deletions(api: ApiServerEmulator, backend: KubernetesBackend,
+def test_exited_follows_pod_phases_and_deletions(api: TestCluster, backend: KubernetesBackend,
                                                  tmp_path: Path) -> None:
     events: list[ClusterEvent] = []
     backend.add_listener(events.append)
@@ -213,8 +211,8 @@ def test_exited_follows_pod_phases_and_deletions(api: ApiServerEmulator, backend
     api.set_pod_succeeded("gpt-g0-r0", NS)
     api.fail_pod("gpt-g0-r1", NS, exit_code=3)
     api.delete("pods", "gpt-g0-r2", NS)
-    assert eventually(lambda: len(backend.exited("gpt", ids)) == 3 and backend.exited("gpt", ids), "three exits") == {
-        "gpt-g0-r0": 0, "gpt-g0-r1": 3, "gpt-g0-r2": None}
+    assert eventually(lambda: len(e := backend.exited("gpt", ids)) == 3 and e["gpt-g0-r2"] is None and e,
+                      "three exits, the deleted pod gone") == {"gpt-g0-r0": 0, "gpt-g0-r1": 3, "gpt-g0-r2": None}
     kinds = sorted((e.kind, e.detail) for e in events if e.job == "gpt")
     # The deleted pod was Running: its kubelet stopped its container (SIGTERM: 143) and reported that, then
     # confirmed the deletion, which is when the pod left the API.
@@ -228,7 +226,7 @@ def test_exited_follows_pod_phases_and_deletions(api: ApiServerEmulator, backend
     assert backend.exited("gpt", ids) == dict.fromkeys(ids)
 
 
-def test_master_ports_are_unique_per_node_among_live_jobs(api: ApiServerEmulator, backend: KubernetesBackend,
+def test_master_ports_are_unique_per_node_among_live_jobs(api: TestCluster, backend: KubernetesBackend,
                                                           tmp_path: Path) -> None:
     a = backend.host("gpu-a")
     first = backend.master_port(a)
@@ -241,7 +239,7 @@ def test_master_ports_are_unique_per_node_among_live_jobs(api: ApiServerEmulator
         backend.master_port(a)
 
 
-def test_watch_expiry_relists_and_replays_are_not_reported_twice(api: ApiServerEmulator, backend: KubernetesBackend,
+def test_watch_expiry_relists_and_replays_are_not_reported_twice(api: TestCluster, backend: KubernetesBackend,
                                                                  tmp_path: Path) -> None:
     events: list[ClusterEvent] = []
     backend.add_listener(events.append)
@@ -253,19 +251,19 @@ def test_watch_expiry_relists_and_replays_are_not_reported_twice(api: ApiServerE
     # While no watch is open, the pod fails and a node turns NotReady: the relist must show both.
     api.fail_pod("gpt-g0-r0", NS, exit_code=137)
     api.set_node_ready("gpu-b", False)
-    assert eventually(lambda: backend.exited("gpt", ["gpt-g0-r0"]), "the failure after 410") == {"gpt-g0-r0": 137}
-    eventually(lambda: not backend.host("gpu-b").ready, "gpu-b NotReady after 410")
-    eventually(lambda: [inf.relists for inf in (backend.nodes, *backend.pods)] > relists, "relists")
+    assert eventually(lambda: backend.exited("gpt", ["gpt-g0-r0"]), "the failure after 410", timeout=120) == {"gpt-g0-r0": 137}
+    eventually(lambda: not backend.host("gpu-b").ready, "gpu-b NotReady after 410", timeout=60)
+    eventually(lambda: [inf.relists for inf in (backend.nodes, *backend.pods)] > relists, "relists", timeout=60)
     assert all(after > before for after, before in zip(
         [inf.relists for inf in (backend.nodes, *backend.pods)], relists, strict=True))
     api.expire_watches()  # a second expiry replays nothing new
-    eventually(lambda: api.open_watches() >= 2, "watches resumed")
+    eventually(lambda: api.open_watches() >= 2, "watches resumed", timeout=60)
     exits = [e for e in events if e.kind == "worker-exited"]
     lost = [e for e in events if e.kind == "node-lost"]
     assert len(exits) == 1 and len(lost) == 1, events
 
 
-def test_store_pod_address_and_port_come_from_the_store_pod(api: ApiServerEmulator, backend: KubernetesBackend) -> None:
+def test_store_pod_address_and_port_come_from_the_store_pod(api: TestCluster, backend: KubernetesBackend) -> None:
     api.add_node("gpu-d", gpus=4, address="10.1.0.4")
     api.create("pods", store_pod("gpu-d", store_daemonset(api), port=7272), NS)
     api.set_pod_running("store-gpu-d", NS, pod_ip="10.244.0.7")
@@ -286,7 +284,7 @@ def node_launches(job: str, generation: int, hosts: list[str]) -> list[WorkerLau
     return out
 
 
-def test_multi_gpu_pods_run_their_nodes_ranks_under_the_launcher(api: ApiServerEmulator, backend: KubernetesBackend,
+def test_multi_gpu_pods_run_their_nodes_ranks_under_the_launcher(api: TestCluster, backend: KubernetesBackend,
                                                                  tmp_path: Path) -> None:
     api.create("elasticjobs", elasticjob("mp", 4, gpus_per_pod=2), NS)
     events: list[ClusterEvent] = []
@@ -352,7 +350,7 @@ def test_multi_gpu_pods_run_their_nodes_ranks_under_the_launcher(api: ApiServerE
             restarted.close()
 
 
-def test_ranks_that_cannot_be_cut_into_pods_are_refused(api: ApiServerEmulator, backend: KubernetesBackend,
+def test_ranks_that_cannot_be_cut_into_pods_are_refused(api: TestCluster, backend: KubernetesBackend,
                                                         tmp_path: Path) -> None:
     api.create("elasticjobs", elasticjob("mp", 4, gpus_per_pod=2), NS)
     with pytest.raises(InvalidConfig, match=r"node gpu-b was given 1 ranks \[2\], not a multiple of gpusPerPod=2"):
@@ -363,7 +361,7 @@ def test_ranks_that_cannot_be_cut_into_pods_are_refused(api: ApiServerEmulator, 
     assert [[w.rank for w in g] for g in pod_groups(node_launches("mp", 0, ["gpu-a"] * 4), 2)] == [[0, 1], [2, 3]]
 
 
-def test_worker_pods_mount_the_node_store_when_configured(api: ApiServerEmulator, tmp_path: Path) -> None:
+def test_worker_pods_mount_the_node_store_when_configured(api: TestCluster, tmp_path: Path) -> None:
     # The chart passes the store DaemonSet's hostPath: worker pods mount it where the daemon sees it and
     # snapshot into it directly (TENPLEX_STORE_ROOT), sharing the node's store with the daemon.
     api.create("elasticjobs", elasticjob("mnt", 1), NS)
@@ -392,7 +390,7 @@ def test_worker_pods_mount_the_node_store_when_configured(api: ApiServerEmulator
     assert {"name": "tenplex-store-memory", "hostPath": {"path": "/dev/shm/tenplex", "type": "Directory"}} in pod["spec"]["volumes"]
 
 
-def test_placement_counts_the_gpus_of_pods_still_running_or_terminating(api: ApiServerEmulator,
+def test_placement_counts_the_gpus_of_pods_still_running_or_terminating(api: TestCluster,
                                                                          backend: KubernetesBackend,
                                                                          agents: NodeAgents, tmp_path: Path,
                                                                          caplog: pytest.LogCaptureFixture) -> None:
@@ -417,7 +415,7 @@ def test_placement_counts_the_gpus_of_pods_still_running_or_terminating(api: Api
     assert not [v for v in new["spec"].get("volumes") or [] if v["name"].startswith("kube-api-access-")]
 
 
-def test_stop_does_not_wait_for_pods_on_a_node_that_is_not_ready(api: ApiServerEmulator, backend: KubernetesBackend,
+def test_stop_does_not_wait_for_pods_on_a_node_that_is_not_ready(api: TestCluster, backend: KubernetesBackend,
                                                                   agents: NodeAgents, tmp_path: Path,
                                                                   caplog: pytest.LogCaptureFixture) -> None:
     backend.launch("gpt", ["python"], launches("gpt", 0, ["gpu-a", "gpu-b"]), tmp_path)
@@ -433,24 +431,3 @@ def test_stop_does_not_wait_for_pods_on_a_node_that_is_not_ready(api: ApiServerE
     assert "still terminating" not in caplog.text, caplog.text
     assert [p["metadata"]["name"] for p in worker_pods(api, "gpt")] == ["gpt-g0-r1"]  # Terminating on gpu-b
     assert backend.held_gpus() == {"gpu-b": 1}
-
-
-def test_bookmarks_keep_an_informer_resumable_where_a_busy_resource_would_expire_it() -> None:
-    """Other pods' events fill the pods' small watch window while the informer's selector sees none of them; the
-    BOOKMARKs it asks for carry its resourceVersion forward, so its resumed watches need no 410 relist."""
-    with ApiServerEmulator(watch_window=3, bookmark_interval=0.2) as api, api.api_client() as api_client:
-        core = client.CoreV1Api(api_client)
-        informer = Informer("workers", core.list_pod_for_all_namespaces, watch_timeout=1,
-                            label_selector=crd.worker_selector("gpt")).start()
-        try:
-            assert informer.wait_synced(10)
-            for i in range(12):
-                api.create("pods", {"metadata": {"name": f"other-{i}", "labels": {"app": "other"}},
-                                    "spec": {"containers": [{"name": "c", "image": "x"}]}}, NS)
-                time.sleep(0.25)  # the informer's 1 s watches end and resume meanwhile
-            api.create("pods", {"metadata": {"name": "gpt-g0-r0", "labels": crd.job_labels("gpt")},
-                                "spec": {"containers": [{"name": "c", "image": "x"}]}}, NS)
-            eventually(lambda: informer.get(NS, "gpt-g0-r0") is not None, "the worker pod seen")
-            assert informer.relists == 1
-        finally:
-            informer.stop()

@@ -18,14 +18,14 @@ from tenplex.k8s.jobstore import (
 )
 from tenplex.k8s.settings import KubernetesSettings
 from tenplex.testing.jobstore import JOBS, JobStoreTests, busy_status, job_ptc, job_spec
-from tenplex.testing.k8s.emulator import ApiServerEmulator
+from tenplex.testing.k8s.cluster import TestCluster
 
 from .cluster import NS, elasticjob, eventually
 
 
 class TestKubeJobStore(JobStoreTests):
     @pytest.fixture
-    def store(self, api: ApiServerEmulator, tmp_path: Path) -> Iterator[KubeJobStore]:
+    def store(self, api: TestCluster, tmp_path: Path) -> Iterator[KubeJobStore]:
         for name in JOBS:
             api.create("elasticjobs", elasticjob(name, 2), NS)
         settings = KubernetesSettings(namespace=NS, identity="test", leader_election=False)
@@ -39,7 +39,7 @@ class TestKubeJobStore(JobStoreTests):
             finally:
                 index.stop()
 
-    def test_the_record_lives_in_configmaps_owned_by_the_elasticjob(self, api: ApiServerEmulator,
+    def test_the_record_lives_in_configmaps_owned_by_the_elasticjob(self, api: TestCluster,
                                                                      store: KubeJobStore) -> None:
         store.save(job_spec("alpha"), busy_status(6))
         cm = api.get("configmaps", state_configmap("alpha"), NS)

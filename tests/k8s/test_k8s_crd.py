@@ -4,16 +4,19 @@ contracts, CLI."""
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from kubernetes.client import ApiException
 
 from tenplex.cli import main
 from tenplex.errors import InvalidInput
 from tenplex.k8s import cel, crd
 from tenplex.scheduler.jobspec import EnvVar, ResumeBody, TableEntry
+from tenplex.testing.k8s.cluster import TestCluster
 
 
 def job(**spec: Any) -> dict[str, Any]:
@@ -38,7 +41,7 @@ def test_the_rules_live_in_the_crd_and_nowhere_else() -> None:
     assert not hasattr(crd, "_cel_errors")
 
 
-@pytest.mark.parametrize(("spec", "broken"), [
+RULE_CASES = [
     ({"gpus": 4, "gpusPerPod": 2, "minGpus": 2, "maxGpus": 8}, []),
     ({"gpus": 0, "gpusPerPod": 2, "minGpus": 2}, []),  # 0: suspended, below minGpus on purpose
     ({"gpus": 3, "gpusPerPod": 2}, ["gpus must be a multiple of gpusPerPod"]),
@@ -55,7 +58,10 @@ def test_the_rules_live_in_the_crd_and_nowhere_else() -> None:
     ({"gpus": 4, "gpusPerPod": 1, "policy": {"type": "table", "table": [
         {"gpus": 4, "dp": 2, "tp": 2, "pp": 1}, {"gpus": 8, "dp": 2, "tp": 2, "pp": 1}]}},
      ["dp * tp * pp must equal gpus in every table entry"]),
-])
+]
+
+
+@pytest.mark.parametrize(("spec", "broken"), RULE_CASES)
 def test_cel_rules_evaluated_from_the_schema_strings(spec: dict[str, Any], broken: list[str]) -> None:
     failures = cel.evaluate(crd.openapi_schema(), {"spec": spec})
     assert [f.message for f in failures] == broken
@@ -64,6 +70,23 @@ def test_cel_rules_evaluated_from_the_schema_strings(spec: dict[str, Any], broke
     table = spec.get("policy", {}).get("table", [])
     if broken == ["dp * tp * pp must equal gpus in every table entry"]:
         assert [f.path for f in failures] == [f"spec.policy.table[{len(table) - 1}]"]
+
+
+@pytest.mark.parametrize(("spec", "broken"), RULE_CASES)
+def test_the_api_server_refuses_what_the_rules_refuse(api: TestCluster, spec: dict[str, Any],
+                                                      broken: list[str]) -> None:
+    """The same specs created on the test cluster: kube-apiserver evaluates the CRD's CEL rules itself, and
+    refuses exactly the ones the offline evaluation refuses, with the same messages."""
+    job = {"apiVersion": crd.API_VERSION, "kind": crd.KIND, "metadata": {"name": "ej"},
+           "spec": {"image": "tenplex:test", "command": ["python"], "layout": {"provider": "megatron-gpt"}, **spec}}
+    if not broken:
+        api.create("elasticjobs", job)
+        return
+    with pytest.raises(ApiException) as refused:
+        api.create("elasticjobs", job)
+    assert refused.value.status == 422
+    causes = [c["message"] for c in json.loads(refused.value.body)["details"]["causes"]]
+    assert sorted(m.split(": ", 1)[-1] for m in causes if "Invalid value" in m or m in broken) == sorted(broken), causes
 
 
 def test_a_rule_that_cannot_be_evaluated_is_an_error_naming_it() -> None:

@@ -1,4 +1,4 @@
-"""The README's kubectl commands, run with the real kubectl (from `make tools`) against the API emulator."""
+"""The README's kubectl commands, run with the real kubectl (from `make tools`) against the test cluster's kube-apiserver."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from tenplex.k8s import crd
-from tenplex.testing.k8s.emulator import ApiServerEmulator
+from tenplex.testing.k8s.cluster import TestCluster
 
 from .cluster import NodeAgents
 from .conftest import REPO, tool
@@ -19,7 +19,7 @@ EXAMPLE = REPO / "deploy" / "examples" / "elasticjob-example-gpt.yaml"
 
 
 @pytest.fixture
-def kubectl(api: ApiServerEmulator, tmp_path: Path):  # type: ignore[no-untyped-def]
+def kubectl(api: TestCluster, tmp_path: Path):  # type: ignore[no-untyped-def]
     config = tmp_path / "kubeconfig"
     config.write_text(yaml.safe_dump(api.kubeconfig()))
     env = {"PATH": os.environ.get("PATH", ""), "KUBECONFIG": str(config), "HOME": str(tmp_path)}
@@ -34,10 +34,10 @@ def kubectl(api: ApiServerEmulator, tmp_path: Path):  # type: ignore[no-untyped-
     return run
 
 
-def test_submit_scale_and_watch_columns(api: ApiServerEmulator, kubectl) -> None:  # type: ignore[no-untyped-def]
-    api.create_namespace("tenplex")  # (kubectl would send it as protobuf, which the emulator does not speak)
-    # No OpenAPI document is served, so client-side validation is off; the server validates anyway.
-    assert "elasticjob.tenplex.io/gpt-small created" in kubectl("apply", "--validate=false", "-f", str(EXAMPLE)).stdout
+def test_submit_scale_and_watch_columns(api: TestCluster, kubectl) -> None:  # type: ignore[no-untyped-def]
+    kubectl("create", "namespace", "tenplex")
+    # kubectl's own validation (strict: the server's field validation against the CRD's schema) passes.
+    assert "elasticjob.tenplex.io/gpt-small created" in kubectl("apply", "-f", str(EXAMPLE)).stdout
     api.patch("elasticjobs", "gpt-small", {"status": crd.ElasticJobStatus(
         phase=crd.Phase.RUNNING, gpus=4, parallel=crd.Parallel(2, 2, 1), step=120, version="s120-g1",
         selector=crd.worker_selector("gpt-small")).to_dict()}, namespace="tenplex", subresource="status")
@@ -60,7 +60,7 @@ def test_submit_scale_and_watch_columns(api: ApiServerEmulator, kubectl) -> None
     assert api.get("elasticjobs", "gpt-small", "tenplex")["spec"]["gpus"] == 8
 
 
-def test_cordon_and_drain(api: ApiServerEmulator, agents: NodeAgents, kubectl) -> None:  # type: ignore[no-untyped-def]
+def test_cordon_and_drain(api: TestCluster, agents: NodeAgents, kubectl) -> None:  # type: ignore[no-untyped-def]
     api.add_node("gpu-1")
     api.add_node("gpu-2")
     agents.start("gpu-1")  # the evicted pods are gone once their kubelet confirms: kubectl drain waits for that

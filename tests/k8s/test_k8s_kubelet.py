@@ -16,7 +16,7 @@ from kubernetes import client
 
 from tenplex.k8s import crd
 from tenplex.sockets import free_port
-from tenplex.testing.k8s.emulator import ApiServerEmulator
+from tenplex.testing.k8s.cluster import TestCluster
 from tenplex.testing.k8s.kubelet import LocalKubelet, ReadinessProbe, expand, wait_for
 
 from .conftest import Clients
@@ -25,7 +25,7 @@ NS = "default"
 
 
 @pytest.fixture
-def kubelet(api: ApiServerEmulator, k8s: Clients, tmp_path: Path) -> Iterator[LocalKubelet]:
+def kubelet(api: TestCluster, k8s: Clients, tmp_path: Path) -> Iterator[LocalKubelet]:
     api.add_node("node-a", address="127.0.0.2")
     with LocalKubelet(k8s.api_client, "node-a", "127.0.0.2", tmp_path / "kubelet") as kl:
         yield kl
@@ -48,7 +48,7 @@ def test_expand_follows_kubernetes_rules() -> None:
     assert expand("$(A)-$(B)-$(C)-$$(A)", env) == "x-y-$(C)-$(A)"
 
 
-def test_pod_runs_with_downward_api_secret_and_expansion(api: ApiServerEmulator, k8s: Clients,
+def test_pod_runs_with_downward_api_secret_and_expansion(api: TestCluster, k8s: Clients,
                                                          kubelet: LocalKubelet, tmp_path: Path) -> None:
     api.create("secrets", {"metadata": {"name": "tenplex-auth"}, "data": {"token": base64.b64encode(b"s3cret").decode()}})
     out = tmp_path / "env.txt"
@@ -66,7 +66,7 @@ def test_pod_runs_with_downward_api_secret_and_expansion(api: ApiServerEmulator,
     assert pod.status.container_statuses[0].state.terminated.exit_code == 0
 
 
-def test_an_exit_during_an_api_server_outage_is_reported_when_it_is_back(api: ApiServerEmulator, k8s: Clients,
+def test_an_exit_during_an_api_server_outage_is_reported_when_it_is_back(api: TestCluster, k8s: Clients,
                                                                           kubelet: LocalKubelet, tmp_path: Path) -> None:
     go = tmp_path / "go"
     code = f"import os, sys, time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.02)\nsys.exit(4)"
@@ -106,14 +106,14 @@ def test_deleting_the_pod_terminates_the_process(k8s: Clients, kubelet: LocalKub
     wait_for(lambda: not k8s.core.list_namespaced_pod(NS).items, what="the pod gone once the kubelet confirmed")
 
 
-def test_kubelet_survives_watch_expiry(api: ApiServerEmulator, k8s: Clients, kubelet: LocalKubelet) -> None:
+def test_kubelet_survives_watch_expiry(api: TestCluster, k8s: Clients, kubelet: LocalKubelet) -> None:
     wait_for(lambda: api.open_watches() >= 1, what="the kubelet's watch")
     api.expire_watches()
     k8s.core.create_namespaced_pod(NS, python_pod("after", "pass"))
     wait_for(lambda: phase(k8s, "after") == "Succeeded", what="a pod created after the watch expired")
 
 
-def test_pods_of_other_nodes_and_bad_env_are_handled(api: ApiServerEmulator, k8s: Clients, kubelet: LocalKubelet) -> None:
+def test_pods_of_other_nodes_and_bad_env_are_handled(api: TestCluster, k8s: Clients, kubelet: LocalKubelet) -> None:
     api.add_node("node-b")
     other = python_pod("elsewhere", "pass")
     other["spec"]["nodeName"] = "node-b"
@@ -153,7 +153,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_graceful_deletion_sigterm_report_then_confirm(api: ApiServerEmulator, k8s: Clients, kubelet: LocalKubelet,
+def test_graceful_deletion_sigterm_report_then_confirm(api: TestCluster, k8s: Clients, kubelet: LocalKubelet,
                                                         tmp_path: Path) -> None:
     """The pod stays (Terminating) while its process handles SIGTERM; the kubelet reports the exit, then deletes the
     pod with grace period 0; a process ignoring SIGTERM gets SIGKILL once the grace period is over."""
@@ -186,7 +186,7 @@ def test_graceful_deletion_sigterm_report_then_confirm(api: ApiServerEmulator, k
         os.kill(pid, 0)
 
 
-def test_a_hung_runtime_keeps_the_pod_terminating_and_its_gpus(api: ApiServerEmulator, k8s: Clients,
+def test_a_hung_runtime_keeps_the_pod_terminating_and_its_gpus(api: TestCluster, k8s: Clients,
                                                                 tmp_path: Path) -> None:
     api.add_node("gpu-node", gpus=1, address="127.0.0.5")
     with LocalKubelet(k8s.api_client, "gpu-node", "127.0.0.5", tmp_path / "kl") as kl:
@@ -254,7 +254,7 @@ def answers(log: Path) -> list[str]:
     return log.read_text().split() if log.exists() else []
 
 
-def test_readiness_probe_thresholds_and_a_hung_server(api: ApiServerEmulator, k8s: Clients, tmp_path: Path) -> None:
+def test_readiness_probe_thresholds_and_a_hung_server(api: TestCluster, k8s: Clients, tmp_path: Path) -> None:
     """A real HTTP server as the pod's container, probed on its named port: not Ready until successThreshold
     probes passed, not Ready again after failureThreshold failed (answered 503, or not answered at all while the
     process is stopped), Ready once it answers again; the pod stays Running throughout."""

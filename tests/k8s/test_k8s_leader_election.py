@@ -11,11 +11,11 @@ from kubernetes.leaderelection import electionconfig, leaderelection
 from kubernetes.leaderelection.resourcelock.leaselock import LeaseLock
 
 from tenplex.k8s import crd
-from tenplex.testing.k8s.emulator import ApiServerEmulator
+from tenplex.testing.k8s.cluster import TestCluster
 
 
 @pytest.mark.slow
-def test_two_schedulers_take_turns_on_the_lease(api: ApiServerEmulator) -> None:
+def test_two_schedulers_take_turns_on_the_lease(api: TestCluster) -> None:
     # LeaseLock builds its client from the default configuration.
     api.create_namespace("tenplex")
     previous = client.Configuration.get_default_copy()

@@ -15,7 +15,7 @@ from tenplex.core.auth import Authenticator, Issuer, KeySet, Principal
 from tenplex.k8s.backend import KubernetesBackend, _pod_token
 from tenplex.k8s.settings import KubernetesSettings
 from tenplex.scheduler.backend import WorkerLaunch
-from tenplex.testing.k8s.emulator import ApiServerEmulator
+from tenplex.testing.k8s.cluster import TestCluster
 
 from .cluster import (
     NS,
@@ -37,7 +37,7 @@ def keys(tmp_path: Path) -> KeySet:
 
 
 @contextmanager
-def _backend(api: ApiServerEmulator, settings: KubernetesSettings, **kwargs) -> Iterator[KubernetesBackend]:
+def _backend(api: TestCluster, settings: KubernetesSettings, **kwargs) -> Iterator[KubernetesBackend]:
     with scheduler_client(api) as api_client:
         be = KubernetesBackend(api_client, settings, lambda name: api.get("elasticjobs", name, NS), watch_timeout=5,
                                stop_margin=2.0, token=ADMIN, **kwargs).start()
@@ -54,7 +54,7 @@ def _launches(credential: str) -> list[WorkerLaunch]:
             for rank, host in enumerate(["gpu-a", "gpu-b"])]
 
 
-def test_worker_pods_hold_their_jobs_own_credential_never_the_admin_token(api: ApiServerEmulator, agents: NodeAgents,
+def test_worker_pods_hold_their_jobs_own_credential_never_the_admin_token(api: TestCluster, agents: NodeAgents,
                                                                          keys: KeySet, tmp_path: Path) -> None:
     add_gpu_node(api, "gpu-a", "127.0.0.2", agents=agents)
     add_gpu_node(api, "gpu-b", "127.0.0.3", agents=agents)
@@ -75,7 +75,7 @@ def test_worker_pods_hold_their_jobs_own_credential_never_the_admin_token(api: A
     assert_rbac_clean(api)
 
 
-def test_with_tls_stores_are_reached_over_https_and_worker_pods_trust_the_ca(api: ApiServerEmulator,
+def test_with_tls_stores_are_reached_over_https_and_worker_pods_trust_the_ca(api: TestCluster,
                                                                              agents: NodeAgents, tmp_path: Path) -> None:
     add_gpu_node(api, "gpu-a", "127.0.0.2", agents=agents)
     add_gpu_node(api, "gpu-b", "127.0.0.3", agents=agents)

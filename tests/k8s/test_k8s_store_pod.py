@@ -11,7 +11,7 @@ import pytest
 
 from tenplex.k8s import crd
 from tenplex.sockets import free_port
-from tenplex.testing.k8s.emulator import ApiServerEmulator
+from tenplex.testing.k8s.cluster import TestCluster
 from tenplex.testing.k8s.kubelet import LocalKubelet, wait_for
 
 from .conftest import Clients
@@ -33,7 +33,7 @@ def http_status(url: str, token: str | None = None) -> int:
 
 
 @pytest.mark.slow
-def test_rendered_store_pod_serves_health_and_metrics(api: ApiServerEmulator, k8s: Clients, tmp_path: Path) -> None:
+def test_rendered_store_pod_serves_health_and_metrics(api: TestCluster, k8s: Clients, tmp_path: Path) -> None:
     port, root = free_port("0.0.0.0"), tmp_path / "store"
     docs = render("--set", f"store.root={root}", "--set", f"store.hostPath={root}", "--set", f"store.port={port}",
                   "--set", "store.fixPermissions=false", "--set", "auth.token=t0ken",

@@ -42,7 +42,7 @@ from tenplex.scheduler.api import create_app
 from tenplex.scheduler.controller import SchedulerSettings
 from tenplex.scheduler.state import JobSpec, Phase
 from tenplex.serving import BackgroundServer
-from tenplex.testing.k8s.emulator import ApiServerEmulator
+from tenplex.testing.k8s.cluster import TestCluster
 
 from .cluster import (
     NS,
@@ -57,7 +57,7 @@ from .cluster import (
 )
 
 
-def make_scheduler(api: ApiServerEmulator, state: Path, identity: str = "sched-a", *,
+def make_scheduler(api: TestCluster, state: Path, identity: str = "sched-a", *,
                    leader_election: bool = False) -> KubernetesScheduler:
     """The scheduler as the chart deploys it: its ServiceAccount, with the chart's RBAC and nothing more."""
     settings = KubernetesSettings(namespace=NS, identity=identity, leader_election=leader_election,
@@ -67,7 +67,7 @@ def make_scheduler(api: ApiServerEmulator, state: Path, identity: str = "sched-a
 
 
 @pytest.fixture
-def cluster(api: ApiServerEmulator, agents: NodeAgents) -> Iterator[ApiServerEmulator]:
+def cluster(api: TestCluster, agents: NodeAgents) -> Iterator[TestCluster]:
     add_gpu_node(api, "gpu-a", "127.0.0.2", agents=agents)
     add_gpu_node(api, "gpu-b", "127.0.0.3", agents=agents)
     yield api
@@ -77,7 +77,7 @@ def cluster(api: ApiServerEmulator, agents: NodeAgents) -> Iterator[ApiServerEmu
 
 
 @pytest.fixture
-def sched(cluster: ApiServerEmulator, tmp_path: Path) -> Iterator[KubernetesScheduler]:
+def sched(cluster: TestCluster, tmp_path: Path) -> Iterator[KubernetesScheduler]:
     s = make_scheduler(cluster, tmp_path / "a")
     s.recover()
     try:
@@ -86,7 +86,12 @@ def sched(cluster: ApiServerEmulator, tmp_path: Path) -> Iterator[KubernetesSche
         s.close()
 
 
-def ej_status(api: ApiServerEmulator, name: str) -> dict[str, Any]:
+def job_configmaps(api: TestCluster) -> list[str]:
+    """The ConfigMaps in the namespace but the one every namespace gets (``kube-root-ca.crt``)."""
+    return [c["metadata"]["name"] for c in api.list("configmaps", NS) if c["metadata"]["name"] != "kube-root-ca.crt"]
+
+
+def ej_status(api: TestCluster, name: str) -> dict[str, Any]:
     return api.get("elasticjobs", name, NS).get("status") or {}
 
 
@@ -94,12 +99,12 @@ def condition(status: dict[str, Any], kind: str) -> dict[str, Any]:
     return next(c for c in status.get("conditions", []) if c["type"] == kind)
 
 
-def running_pods(api: ApiServerEmulator, job: str, count: int) -> list[dict[str, Any]]:
+def running_pods(api: TestCluster, job: str, count: int) -> list[dict[str, Any]]:
     return eventually(lambda: (pods := worker_pods(api, job)) and len(pods) == count and pods,
                       f"{count} worker pods of {job}")
 
 
-def test_an_elasticjob_becomes_worker_pods_and_a_status(cluster: ApiServerEmulator,
+def test_an_elasticjob_becomes_worker_pods_and_a_status(cluster: TestCluster,
                                                         sched: KubernetesScheduler) -> None:
     cluster.create("elasticjobs", elasticjob("gpt", 4, table=[{"gpus": 4, "dp": 2, "tp": 2, "pp": 1}]), NS)
     pods = running_pods(cluster, "gpt", 4)
@@ -122,10 +127,10 @@ def test_an_elasticjob_becomes_worker_pods_and_a_status(cluster: ApiServerEmulat
         assert cluster.get("configmaps", name, NS)["metadata"]["ownerReferences"] == [crd.owner_reference(job)]
     cluster.delete("elasticjobs", "gpt", NS)
     eventually(lambda: not sched.list(), "the scheduler to forget the job")
-    eventually(lambda: not worker_pods(cluster, "gpt") and not cluster.list("configmaps", NS), "pods and state gone")
+    eventually(lambda: not worker_pods(cluster, "gpt") and not job_configmaps(cluster), "pods and state gone")
 
 
-def test_scale_subresource_becomes_a_scale_request_once(cluster: ApiServerEmulator, sched: KubernetesScheduler) -> None:
+def test_scale_subresource_becomes_a_scale_request_once(cluster: TestCluster, sched: KubernetesScheduler) -> None:
     cluster.create("elasticjobs", elasticjob("gpt", 2), NS)
     running_pods(cluster, "gpt", 2)
     with cluster.api_client() as api_client:
@@ -161,7 +166,7 @@ def test_scale_subresource_becomes_a_scale_request_once(cluster: ApiServerEmulat
 
 
 def test_a_failed_worker_pod_before_any_snapshot_restarts_the_job_until_max_restarts(
-        cluster: ApiServerEmulator, sched: KubernetesScheduler) -> None:
+        cluster: TestCluster, sched: KubernetesScheduler) -> None:
     cluster.create("elasticjobs", elasticjob("gpt", 2, max_restarts=1), NS)
     for pod in running_pods(cluster, "gpt", 2):
         cluster.set_pod_running(pod["metadata"]["name"], NS)
@@ -188,7 +193,7 @@ def test_a_failed_worker_pod_before_any_snapshot_restarts_the_job_until_max_rest
     assert worker_pods(cluster, "gpt") == []
 
 
-def test_a_failed_worker_pod_triggers_failure_handling(cluster: ApiServerEmulator, sched: KubernetesScheduler) -> None:
+def test_a_failed_worker_pod_triggers_failure_handling(cluster: TestCluster, sched: KubernetesScheduler) -> None:
     cluster.create("elasticjobs", elasticjob("gpt", 2, max_restarts=0), NS)
     for pod in running_pods(cluster, "gpt", 2):
         cluster.set_pod_running(pod["metadata"]["name"], NS)
@@ -213,7 +218,7 @@ def test_a_failed_worker_pod_triggers_failure_handling(cluster: ApiServerEmulato
     assert "worker gpt-g0-r1 exited with code 139" in events[1][2]
 
 
-def test_multi_gpu_pods_and_a_failed_pod_fails_all_its_ranks(cluster: ApiServerEmulator,
+def test_multi_gpu_pods_and_a_failed_pod_fails_all_its_ranks(cluster: TestCluster,
                                                              sched: KubernetesScheduler) -> None:
     cluster.create("elasticjobs", elasticjob("gpt", 4, gpus_per_pod=2, table=[{"gpus": 4, "dp": 2, "tp": 2, "pp": 1}],
                                              max_restarts=0), NS)
@@ -248,7 +253,7 @@ def test_multi_gpu_pods_and_a_failed_pod_fails_all_its_ranks(cluster: ApiServerE
     assert worker_pods(cluster, "gpt") == []  # the survivors' pod was stopped
 
 
-def test_a_not_ready_node_is_a_lost_host(cluster: ApiServerEmulator, sched: KubernetesScheduler) -> None:
+def test_a_not_ready_node_is_a_lost_host(cluster: TestCluster, sched: KubernetesScheduler) -> None:
     cluster.create("elasticjobs", elasticjob("gpt", 4, table=[{"gpus": 4, "dp": 4, "tp": 1, "pp": 1}]), NS)
     running_pods(cluster, "gpt", 4)
     ctl = sched.get("gpt")
@@ -259,7 +264,7 @@ def test_a_not_ready_node_is_a_lost_host(cluster: ApiServerEmulator, sched: Kube
     assert ctl.status.history[-1].reason == "failure"
 
 
-def test_a_store_pod_that_is_not_ready_is_a_lost_host(cluster: ApiServerEmulator, sched: KubernetesScheduler) -> None:
+def test_a_store_pod_that_is_not_ready_is_a_lost_host(cluster: TestCluster, sched: KubernetesScheduler) -> None:
     """The store daemon of gpu-b stops answering its readiness probe: its pod stays Running but turns not Ready,
     which loses the host as a NotReady node does; the workers are stopped (no internal error on the way)."""
     cluster.create("elasticjobs", elasticjob("gpt", 4, table=[{"gpus": 4, "dp": 4, "tp": 1, "pp": 1}]), NS)
@@ -276,7 +281,7 @@ def test_a_store_pod_that_is_not_ready_is_a_lost_host(cluster: ApiServerEmulator
     assert worker_pods(cluster, "gpt") == []
 
 
-def test_a_drain_waits_while_the_scheduler_redeploys_off_the_node(cluster: ApiServerEmulator,
+def test_a_drain_waits_while_the_scheduler_redeploys_off_the_node(cluster: TestCluster,
                                                                   sched: KubernetesScheduler) -> None:
     cluster.create("elasticjobs", elasticjob("gpt", 2), NS)
     for pod in running_pods(cluster, "gpt", 2):
@@ -299,11 +304,14 @@ def test_a_drain_waits_while_the_scheduler_redeploys_off_the_node(cluster: ApiSe
     # Instead the scheduler is asked to move the job off gpu-a (a planned reconfiguration: snapshot, then move).
     eventually(lambda: ctl.status.pending_reason in ("node-drain", "redeploy"), "a redeployment off gpu-a")
     # Pods that no longer run (stopped by the scheduler) are evicted at the drain's next pass.
+    # (The scheduler, seeing a worker end, may stop the other one meanwhile: it is then evicted too, or gone.)
     cluster.set_pod_succeeded("gpt-g0-r0", NS)
-    assert cluster.evict_node_pods("gpu-a") == ([f"{NS}/gpt-g0-r0"], [f"{NS}/gpt-g0-r1"])
+    evicted, blocked = cluster.evict_node_pods("gpu-a")
+    assert f"{NS}/gpt-g0-r0" not in blocked and set(blocked) <= {f"{NS}/gpt-g0-r1"}
+    assert f"{NS}/gpt-g0-r0" in evicted or cluster.find("pods", "gpt-g0-r0", NS) is None
 
 
-def test_a_redeploy_request_off_no_unschedulable_node_is_dropped(cluster: ApiServerEmulator,
+def test_a_redeploy_request_off_no_unschedulable_node_is_dropped(cluster: TestCluster,
                                                                   sched: KubernetesScheduler) -> None:
     """A cordon seen while the job ran on that node can reach the controller after it moved off (or after an
     uncordon): acting on it would restart the job for nothing, so the controller drops it."""
@@ -318,7 +326,7 @@ def test_a_redeploy_request_off_no_unschedulable_node_is_dropped(cluster: ApiSer
     eventually(lambda: ctl.status.pending_reason in ("node-drain", "redeploy"), "a redeployment off gpu-a")
 
 
-def test_expired_watches_do_not_lose_events(cluster: ApiServerEmulator, sched: KubernetesScheduler) -> None:
+def test_expired_watches_do_not_lose_events(cluster: TestCluster, sched: KubernetesScheduler) -> None:
     cluster.create("elasticjobs", elasticjob("gpt", 2, max_restarts=0), NS)
     running_pods(cluster, "gpt", 2)
     ctl = sched.get("gpt")
@@ -326,12 +334,13 @@ def test_expired_watches_do_not_lose_events(cluster: ApiServerEmulator, sched: K
     cluster.expire_watches()
     cluster.patch("elasticjobs", "gpt", {"spec": {"gpus": 3}}, NS)
     cluster.fail_pod("gpt-g0-r0", NS)
-    eventually(lambda: ctl.status.phase == Phase.FAILED, "the failure seen through a relist", timeout=30)
+    eventually(lambda: ctl.status.phase == Phase.FAILED and ctl.status, "the failure seen through a relist", timeout=120)
     assert "gpt-g0-r0" in ctl.status.message
-    assert sched.index.relists >= 2 and all(p.relists >= 2 for p in sched.kube_backend.pods)
+    eventually(lambda: sched.index.relists >= 2 and all(p.relists >= 2 for p in sched.kube_backend.pods),
+               "every watch listed again", timeout=60)
 
 
-def test_a_restarted_scheduler_resumes_the_job_from_the_api_server(cluster: ApiServerEmulator, tmp_path: Path) -> None:
+def test_a_restarted_scheduler_resumes_the_job_from_the_api_server(cluster: TestCluster, tmp_path: Path) -> None:
     first = make_scheduler(cluster, tmp_path / "a")
     first.recover()
     cluster.create("elasticjobs", elasticjob("gpt", 2), NS)
@@ -357,7 +366,7 @@ def test_a_restarted_scheduler_resumes_the_job_from_the_api_server(cluster: ApiS
         second.close()
 
 
-def test_bad_and_duplicate_elasticjobs_are_refused_in_their_status(cluster: ApiServerEmulator,
+def test_bad_and_duplicate_elasticjobs_are_refused_in_their_status(cluster: TestCluster,
                                                                    sched: KubernetesScheduler) -> None:
     cluster.create("elasticjobs", elasticjob("untrained", 2, training=False), NS)
     status = eventually(lambda: (s := ej_status(cluster, "untrained")).get("phase") == "Failed" and s, "refusal")
@@ -395,7 +404,7 @@ def test_advertised_url_is_the_scheduler_service() -> None:
 
 
 @pytest.mark.slow
-def test_only_the_lease_holder_acts_and_a_follower_takes_over(cluster: ApiServerEmulator, tmp_path: Path) -> None:
+def test_only_the_lease_holder_acts_and_a_follower_takes_over(cluster: TestCluster, tmp_path: Path) -> None:
     a = make_scheduler(cluster, tmp_path / "a", "sched-a", leader_election=True)
     a.recover()
     assert a.operator.leading.wait(15), "sched-a never led"
@@ -429,7 +438,7 @@ def test_only_the_lease_holder_acts_and_a_follower_takes_over(cluster: ApiServer
 
 
 @pytest.mark.slow
-def test_scheduler_serve_with_the_kubernetes_backend(cluster: ApiServerEmulator, tmp_path: Path) -> None:
+def test_scheduler_serve_with_the_kubernetes_backend(cluster: TestCluster, tmp_path: Path) -> None:
     """The chart's command line, run as a process against the emulator: it leads, runs the job, and exits when it
     loses the Lease (Kubernetes then restarts it as a follower)."""
     kubeconfig = tmp_path / "kubeconfig"
@@ -501,7 +510,7 @@ def test_the_chart_names_the_service_like_the_deployment() -> None:
     assert env["TENPLEX_ADVERTISE_URL"] == f"http://{service['metadata']['name']}.tenplex.svc:{port}"
 
 
-def test_pods_of_two_gpus_on_nodes_of_three_use_two_gpus_of_each(api: ApiServerEmulator, agents: NodeAgents,
+def test_pods_of_two_gpus_on_nodes_of_three_use_two_gpus_of_each(api: TestCluster, agents: NodeAgents,
                                                                   tmp_path: Path) -> None:
     """A node's GPUs count in whole pods: 3 GPUs hold one 2-GPU pod, so 4 GPUs take two nodes, 2 ranks each."""
     add_gpu_node(api, "gpu-a", "127.0.0.2", gpus=3, agents=agents)
@@ -523,7 +532,7 @@ def test_pods_of_two_gpus_on_nodes_of_three_use_two_gpus_of_each(api: ApiServerE
         sched.close()
 
 
-def test_a_job_suspended_before_it_started_starts_at_step_0_when_scaled_up(api: ApiServerEmulator, agents: NodeAgents,
+def test_a_job_suspended_before_it_started_starts_at_step_0_when_scaled_up(api: TestCluster, agents: NodeAgents,
                                                                           tmp_path: Path) -> None:
     sched = make_scheduler(api, tmp_path / "a")
     sched.recover()
@@ -550,7 +559,7 @@ def test_a_job_suspended_before_it_started_starts_at_step_0_when_scaled_up(api: 
         sched.close()
 
 
-def test_a_failure_while_suspending_still_ends_suspended(cluster: ApiServerEmulator, sched: KubernetesScheduler) -> None:
+def test_a_failure_while_suspending_still_ends_suspended(cluster: TestCluster, sched: KubernetesScheduler) -> None:
     from tenplex.core.protocol import HeartbeatRequest, RegisterRequest
 
     cluster.create("elasticjobs", elasticjob("gpt", 2), NS)
@@ -582,7 +591,7 @@ def test_a_failure_while_suspending_still_ends_suspended(cluster: ApiServerEmula
 
 
 def test_an_elasticjob_being_deleted_stops_its_job_and_makes_no_more_pods(
-        cluster: ApiServerEmulator, sched: KubernetesScheduler) -> None:
+        cluster: TestCluster, sched: KubernetesScheduler) -> None:
     """An ElasticJob that is being deleted (a finalizer of another controller holds it, or ``kubectl delete
     --cascade=foreground`` waits for its pods) is the end of the job for the scheduler, not a failure to recover
     from with new pods that its deletion would then have to wait for."""
@@ -603,11 +612,11 @@ def test_an_elasticjob_being_deleted_stops_its_job_and_makes_no_more_pods(
     kept = [f for f in cluster.get("elasticjobs", "gpt", NS)["metadata"].get("finalizers", []) if f != "example.com/audit"]
     cluster.patch("elasticjobs", "gpt", {"metadata": {"finalizers": kept or None}}, NS)  # the other controller is done
     eventually(lambda: cluster.find("elasticjobs", "gpt", NS) is None, "the ElasticJob gone")
-    eventually(lambda: cluster.list("configmaps", NS) == [], "its state collected")
+    eventually(lambda: job_configmaps(cluster) == [], "its state collected")
 
 
 def test_a_namespace_that_forbids_host_networking_fails_the_job_saying_why(
-        api: ApiServerEmulator, agents: NodeAgents, tmp_path: Path) -> None:
+        api: TestCluster, agents: NodeAgents, tmp_path: Path) -> None:
     """Worker pods use the host network (and hostPath for the node's store): PodSecurity level baseline or
     restricted refuses them. The job fails with the API server's reason in its status."""
     add_gpu_node(api, "gpu-a", "127.0.0.2", agents=agents)

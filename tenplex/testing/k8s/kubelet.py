@@ -1,4 +1,4 @@
-"""Test kubelets: the node side of a pod's life, against the API emulator (or any API server) over HTTP.
+"""Test kubelets: the node side of a pod's life, against the test cluster's kube-apiserver (or any) over HTTPS.
 
 Both kinds watch, through the official client, the pods whose
 ``spec.nodeName`` is their node (as a kubelet does), and do the kubelet's part
@@ -43,7 +43,7 @@ timeouts) so that tests need not wait out production periods. Liveness and
 startup probes are not run (a container is never restarted).
 
 :class:`NodeAgent` is the same kubelet without a container runtime, for tests
-that play the containers through the emulator's hooks (``set_pod_running``,
+that play the containers through the test cluster's hooks (``set_pod_running``,
 ``fail_pod``): it admits pods, optionally reports them Running, and confirms
 their deletion once their (emulated) containers have stopped.
 
@@ -51,6 +51,16 @@ Fault injection: :meth:`~_Kubelet.freeze` makes the kubelet ignore a pod's
 deletion (a hung container runtime: the pod stays Terminating past its grace
 period, its GPUs held) until :meth:`~_Kubelet.thaw`; :meth:`~_Kubelet.stop`
 is a node losing its kubelet.
+
+The node: a kubelet registers its Node (as the node, which the Node authorizer
+and NodeRestriction allow) when the test has not made it, renews the node's
+Lease in ``kube-node-lease`` every ``heartbeat_seconds`` and posts its Ready
+condition every fifth beat (``set_node_ready(False)`` makes it report NotReady;
+a stopped kubelet posts nothing, and the node lifecycle controller marks the
+node Unknown after its grace period). A pod with the service-account token
+volume the API server adds gets, instead of the mount, a kubeconfig with a token
+its kubelet requested for it (TokenRequest bound to the pod), named by
+``$KUBECONFIG``.
 
 Watch expiry (410 Gone) and dropped watches are handled by listing again, the
 pattern every controller needs.
@@ -61,6 +71,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import http.client
+import json
 import logging
 import os
 import re
@@ -84,6 +95,8 @@ from tenplex.k8s.crd import GPU_RESOURCE
 
 LOG = logging.getLogger(__name__)
 STATUS_RETRY_SECONDS = 60.0
+HEARTBEAT_SECONDS = 2.0
+"""How often a test kubelet renews its node's Lease (every fifth beat it also posts the node's status)."""
 
 _VAR_RE = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)|\$\$")
 
@@ -233,10 +246,18 @@ def terminated(container: str, image: str, code: int) -> dict[str, Any]:
 class _Kubelet(ABC):
     """What every test kubelet does with the API: watch its node's pods, admit, report, confirm deletions."""
 
-    def __init__(self, api_client: client.ApiClient, node: str, host_ip: str) -> None:
+    def __init__(self, api_client: client.ApiClient, node: str, host_ip: str, *, gpus: int | None = None,
+                 heartbeat_seconds: float = HEARTBEAT_SECONDS) -> None:
         self._core = client.CoreV1Api(api_client)
+        self._coordination = client.CoordinationV1Api(api_client)
         self.node = node
         self.host_ip = host_ip
+        self.gpus = gpus
+        """GPUs to register the Node with when it does not exist yet (None: the test made the Node)."""
+        self.heartbeat_seconds = heartbeat_seconds
+        self.node_ready: bool | None = True
+        """The Ready condition this kubelet posts (False: the node reports itself NotReady)."""
+        self._heartbeat_thread: threading.Thread | None = None
         self._pods: dict[str, _Pod] = {}
         self._done: set[str] = set()
         """Uids this kubelet is finished with (rejected, or deletion confirmed)."""
@@ -252,9 +273,83 @@ class _Kubelet(ABC):
 
     def start(self) -> _Kubelet:
         self._stop.clear()
+        self._register()
+        self._heartbeat_thread = threading.Thread(target=self._heartbeats, name=f"kubelet-{self.node}-heartbeat",
+                                                  daemon=True)
+        self._heartbeat_thread.start()
         self._thread = threading.Thread(target=self._loop, name=f"kubelet-{self.node}", daemon=True)
         self._thread.start()
         return self
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stop.is_set()
+
+    # -- the node -----------------------------------------------------------------------
+
+    def _register(self) -> None:
+        """Create this kubelet's Node (as the node itself: the Node authorizer and NodeRestriction allow a node
+        its own object) when the test has not, with ``gpus`` allocatable ``nvidia.com/gpu``."""
+        try:
+            self._core.read_node(self.node)
+            return
+        except client.ApiException as exc:
+            if exc.status != 404 or self.gpus is None:
+                raise
+        self._core.create_node({"metadata": {"name": self.node, "labels": {"kubernetes.io/hostname": self.node}}})
+        capacity = {GPU_RESOURCE: str(self.gpus), "cpu": "64", "memory": "512Gi", "pods": "110"}
+        self._core.patch_node_status(self.node, {"status": {
+            "capacity": capacity, "allocatable": dict(capacity),
+            "addresses": [{"type": "InternalIP", "address": self.host_ip}, {"type": "Hostname", "address": self.node}],
+            "conditions": [self._ready_condition()]}})
+
+    def _ready_condition(self) -> dict[str, Any]:
+        ready = self.node_ready
+        status = {True: "True", False: "False", None: "Unknown"}[ready]
+        return {"type": "Ready", "status": status, "lastHeartbeatTime": _now(), "lastTransitionTime": _now(),
+                "reason": "KubeletReady" if ready else "KubeletNotReady",
+                "message": "kubelet is posting ready status" if ready else "the test kubelet reports NotReady"}
+
+    def set_node_ready(self, ready: bool | None) -> None:
+        """Post the node's Ready condition now, and keep posting it (False: the node reports itself NotReady)."""
+        self.node_ready = ready
+        self._post_node_status(transition=True)
+
+    def _post_node_status(self, transition: bool = False) -> None:
+        node = self._core.read_node(self.node)
+        conditions = [c.to_dict() for c in (node.status.conditions or [])] if node.status else []
+        current = next((c for c in conditions if c["type"] == "Ready"), None)
+        fresh = self._ready_condition()
+        if current is not None and current.get("status") == fresh["status"] and not transition:
+            fresh["lastTransitionTime"] = current.get("last_transition_time") or fresh["lastTransitionTime"]
+        others = [{"type": c["type"], "status": c["status"], "reason": c.get("reason"), "message": c.get("message")}
+                  for c in conditions if c["type"] != "Ready"]
+        self._core.patch_node_status(self.node, {"status": {"conditions": [*others, fresh]}})
+
+    def _renew_lease(self) -> None:
+        """The node's heartbeat Lease in ``kube-node-lease`` (what the node lifecycle controller watches)."""
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        spec = {"holderIdentity": self.node, "leaseDurationSeconds": 40, "renewTime": now}
+        try:
+            self._coordination.patch_namespaced_lease(self.node, "kube-node-lease", {"spec": spec})
+        except client.ApiException as exc:
+            if exc.status != 404:
+                raise
+            self._coordination.create_namespaced_lease("kube-node-lease", {
+                "metadata": {"name": self.node, "namespace": "kube-node-lease"}, "spec": spec})
+
+    def _heartbeats(self) -> None:
+        beat = 0
+        while not self._stop.is_set():
+            try:
+                self._renew_lease()
+                if beat % 5 == 0:  # status every fifth beat, as a kubelet posts it less often than its lease
+                    self._post_node_status()
+                beat += 1
+            except Exception as exc:  # the API server may be restarting; the next beat tries again
+                if not self._stop.is_set():
+                    LOG.info("kubelet %s: heartbeat failed: %s", self.node, exc)
+            self._stop.wait(self.heartbeat_seconds)
 
     def stop(self) -> None:
         """The kubelet goes away: nothing on this node is reported or confirmed any more."""
@@ -264,6 +359,8 @@ class _Kubelet(ABC):
             if self._watch is not None:  # again and again: a watch may have been opened since the last stop
                 self._watch.stop()
             self._thread.join(timeout=0.1)
+        if self._heartbeat_thread is not None:
+            self._heartbeat_thread.join(timeout=10)
 
     # -- fault injection ---------------------------------------------------------------
 
@@ -474,8 +571,8 @@ class NodeAgent(_Kubelet):
     """
 
     def __init__(self, api_client: client.ApiClient, node: str, host_ip: str = "", *, run_pods: bool = False,
-                 stop_seconds: float = 0.0) -> None:
-        super().__init__(api_client, node, host_ip)
+                 stop_seconds: float = 0.0, gpus: int | None = None) -> None:
+        super().__init__(api_client, node, host_ip, gpus=gpus)
         self.run_pods = run_pods
         self.stop_seconds = stop_seconds
 
@@ -517,13 +614,14 @@ class LocalKubelet(_Kubelet):
 
     def __init__(self, api_client: client.ApiClient, node: str, host_ip: str, workdir: Path,
                  base_env: Mapping[str, str] | None = None, cwd: Path | None = None,
-                 entrypoints: Mapping[str, Sequence[str]] | None = None, probe_period_scale: float = 1.0) -> None:
+                 entrypoints: Mapping[str, Sequence[str]] | None = None, probe_period_scale: float = 1.0,
+                 gpus: int | None = None) -> None:
         """``entrypoints`` maps an image to the local command standing in for its ENTRYPOINT,
         used when a container gives only ``args`` (e.g. ``{"tenplex:0.1.0": [".venv/bin/tenplex"]}``);
         ``probe_period_scale`` multiplies the readiness probes' periods and initial delays."""
         if not probe_period_scale > 0:
             raise ValueError(f"probe_period_scale must be > 0, got {probe_period_scale}")
-        super().__init__(api_client, node, host_ip)
+        super().__init__(api_client, node, host_ip, gpus=gpus)
         self.probe_period_scale = probe_period_scale
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -586,6 +684,8 @@ class LocalKubelet(_Kubelet):
                 command = self._entrypoints[container.image]
             argv = [expand(a, env) for a in [*command, *(container.args or [])]]
             probe = ReadinessProbe.of(container, self.host_ip)
+            if _mounts_service_account(pod) and "KUBECONFIG" not in env:
+                env["KUBECONFIG"] = str(self._service_account_kubeconfig(pod))
         except (ValueError, KeyError, client.ApiException) as exc:
             LOG.error("kubelet %s: cannot start pod %s/%s: %s", self.node, meta.namespace, meta.name, exc)
             entry.ended.set()
@@ -676,6 +776,31 @@ class LocalKubelet(_Kubelet):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
 
+    # -- the pod's service account ------------------------------------------------------------
+
+    def _service_account_kubeconfig(self, pod: client.V1Pod) -> Path:
+        """What the kubelet's projected token volume gives a container, as a process can take it: a token for
+        the pod's ServiceAccount, requested by this node (TokenRequest, bound to the pod: the Node authorizer
+        and NodeRestriction allow a node exactly that), in a kubeconfig that ``$KUBECONFIG`` names."""
+        meta = pod.metadata
+        account = pod.spec.service_account_name or "default"
+        request = {"spec": {"expirationSeconds": 3600,
+                            "boundObjectRef": {"apiVersion": "v1", "kind": "Pod", "name": meta.name, "uid": meta.uid}}}
+        token = self._core.create_namespaced_service_account_token(account, meta.namespace, request).status.token
+        cfg = self._core.api_client.configuration
+        cluster: dict[str, Any] = {"server": cfg.host}
+        if cfg.ssl_ca_cert:
+            cluster["certificate-authority"] = cfg.ssl_ca_cert
+        kubeconfig = {"apiVersion": "v1", "kind": "Config", "current-context": "pod",
+                      "clusters": [{"name": "cluster", "cluster": cluster}],
+                      "users": [{"name": account, "user": {"token": token}}],
+                      "contexts": [{"name": "pod", "context": {"cluster": "cluster", "user": account,
+                                                               "namespace": meta.namespace}}]}
+        path = self.workdir / f"{meta.namespace}_{meta.name}.kubeconfig"
+        path.write_text(json.dumps(kubeconfig))
+        path.chmod(0o600)
+        return path
+
     # -- environment ----------------------------------------------------------------------
 
     def _environment(self, pod: client.V1Pod, container: client.V1Container) -> dict[str, str]:
@@ -716,6 +841,15 @@ class LocalKubelet(_Kubelet):
                 raise KeyError(f"env {name}: configmap {ref.name} has no key {ref.key!r}")
             return str(data[ref.key])
         raise ValueError(f"env {name}: this kind of valueFrom is not supported by the test kubelet")
+
+
+def _mounts_service_account(pod: client.V1Pod) -> bool:
+    """Whether the pod has the projected service-account token volume the API server adds (automount)."""
+    for volume in pod.spec.volumes or []:
+        for source in (volume.projected.sources or []) if volume.projected is not None else []:
+            if source.service_account_token is not None:
+                return True
+    return False
 
 
 def _kill_leftovers(pgid: int) -> None:

@@ -1,21 +1,10 @@
-"""Who calls the emulated API server, what they call, and whether RBAC lets them.
+"""Least privilege, checked: what a user did (the API server's audit log) against what a set of RBAC objects
+(e.g. the chart's ``helm template`` output) grants it.
 
-Every request carries a bearer token; the emulator maps it to a user (and
-groups), as the API server's token authenticator does. Each request is
-recorded as an :class:`Access` (verb, API group, resource, subresource,
-namespace, name), the attributes the RBAC authorizer decides on. Users in
-``system:masters`` (the tests' own admin client, kubectl with the emulator's
-kubeconfig) may do anything, and so may kubelets (``system:nodes``: the node
-authorizer is not emulated); any other user is authorized against the
-Role/ClusterRole objects and their bindings stored in the emulator, as the RBAC
-authorizer does, so a scheduler given the chart's rendered RBAC runs with
-exactly the permissions it would have on a cluster. A refused request is a
-403 Forbidden, recorded as refused.
-
-:func:`audit` compares what a user did with what a set of RBAC objects (e.g.
-the chart's ``helm template`` output) grants it: the accesses no rule allows
-(missing: the call would fail on a cluster) and the grants no access used
-(more than least privilege).
+The real RBAC authorizer already refuses what the rules do not allow (the tests see 403s in the audit log);
+:func:`audit` adds the other half: every granted verb is one the user needed. An atom (one group, resource,
+verb, name list and scope of one rule) is used when some access is allowed by it; a rule listing several
+resources or verbs is judged atom by atom, so a verb nobody calls shows up as unused.
 """
 
 from __future__ import annotations
@@ -24,55 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-SUPERUSERS = "system:masters"
-ADMIN = "kubernetes-admin"
-
-
-@dataclass(frozen=True, slots=True)
-class User:
-    name: str
-    groups: tuple[str, ...] = ("system:authenticated",)
-
-    @classmethod
-    def service_account(cls, namespace: str, name: str) -> User:
-        return cls(f"system:serviceaccount:{namespace}:{name}",
-                   ("system:serviceaccounts", f"system:serviceaccounts:{namespace}", "system:authenticated"))
-
-    @classmethod
-    def node(cls, node: str) -> User:
-        return cls(f"system:node:{node}", ("system:nodes", "system:authenticated"))
-
-    @property
-    def superuser(self) -> bool:
-        return SUPERUSERS in self.groups
-
-
-ADMIN_USER = User(ADMIN, (SUPERUSERS, "system:authenticated"))
-
-
-@dataclass(frozen=True, slots=True)
-class Access:
-    """One request's authorization attributes (``namespace`` is "" for cluster-scoped and all-namespaces calls)."""
-
-    user: str
-    verb: str
-    group: str
-    resource: str
-    subresource: str = ""
-    namespace: str = ""
-    name: str = ""
-    allowed: bool = True
-
-    @property
-    def key(self) -> tuple[str, str, str, str, str]:
-        """(verb, group, resource, subresource, namespace): what a least-privilege comparison looks at."""
-        return (self.verb, self.group, self.resource, self.subresource, self.namespace)
-
-    def __str__(self) -> str:
-        res = f"{self.resource}/{self.subresource}" if self.subresource else self.resource
-        where = f" in {self.namespace}" if self.namespace else " (cluster-wide)"
-        named = f" {self.name}" if self.name else ""
-        return f"{self.verb} {self.group or 'core'}/{res}{named}{where}"
+from tenplex.testing.k8s.controlplane import Access, User
 
 
 def _subject_matches(subject: Mapping[str, Any], binding_ns: str | None, user: User) -> bool:
@@ -145,14 +86,6 @@ def grants(objects: Iterable[Mapping[str, Any]], user: User) -> list[Grant]:
         source = f"{ref.get('kind')} {ref.get('name')} via {kind} {binding['metadata']['name']}" + (f" in {ns}" if ns else "")
         out += [Grant(ns, source, rule) for rule in role.get("rules") or []]
     return out
-
-
-def authorize(objects: Iterable[Mapping[str, Any]], user: User, access: Access) -> bool:
-    """RBAC's decision; kubelets (``system:nodes``) are let through, as the node authorizer would for their own
-    node's pods (which one that is, is not checked)."""
-    if user.superuser or "system:nodes" in user.groups:
-        return True
-    return any(g.allows(access) for g in grants(objects, user))
 
 
 @dataclass(frozen=True)
