@@ -102,9 +102,6 @@ def kubelets(api: TestCluster, tmp_path: Path) -> Iterator[dict[str, LocalKubele
         yield out
 
 
-@pytest.mark.skip(reason="since main's chart mounts the auth key set (Secret volume at /etc/tenplex/auth-keys) the "
-                         "scheduler and store exit under the test kubelet, which mounts no volumes (issue 23: the "
-                         "kubelet must materialise Secret volumes); passed before that chart change")
 def test_helm_install_then_kubectl_apply_restart_and_delete(
         api: TestCluster, kubelets: dict[str, LocalKubelet], tmp_path: Path) -> None:
     helm, kubectl = tools(api, tmp_path)

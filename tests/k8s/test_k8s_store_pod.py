@@ -38,8 +38,8 @@ def test_rendered_store_pod_serves_health_and_metrics(api: TestCluster, k8s: Cli
     docs = render("--set", f"store.root={root}", "--set", f"store.hostPath={root}", "--set", f"store.port={port}",
                   "--set", "store.fixPermissions=false", "--set", "auth.token=t0ken",
                   "--set", "image.repository=tenplex", "--set", "image.tag=test",
-                  # the test kubelet runs containers as processes and projects no Secret volumes (the key set's);
-                  # the daemons' key sets are tested in tests/test_security.py
+                  # only the token's Secret is made here; the key set's Secret volume is exercised by
+                  # test_k8s_helm.py, the daemons' key sets by tests/test_security.py
                   "--set", "auth.jobCredentials.enabled=false")
     api.create_namespace(NS)
     secret = one(docs, "Secret")

@@ -60,7 +60,10 @@ a stopped kubelet posts nothing, and the node lifecycle controller marks the
 node Unknown after its grace period). A pod with the service-account token
 volume the API server adds gets, instead of the mount, a kubeconfig with a token
 its kubelet requested for it (TokenRequest bound to the pod), named by
-``$KUBECONFIG``.
+``$KUBECONFIG``. Secret and ConfigMap volumes are written as files under the
+kubelet's directory, and the container's env values and arguments that name a
+path under their ``mountPath`` are pointed there (processes share the host's
+file system; there are no mount namespaces).
 
 Watch expiry (410 Gone) and dropped watches are handled by listing again, the
 pattern every controller needs.
@@ -682,7 +685,9 @@ class LocalKubelet(_Kubelet):
                     raise ValueError(f"container {container.name} has no command and image {container.image!r} has no "
                                      f"local entry point (known: {sorted(self._entrypoints)})")
                 command = self._entrypoints[container.image]
-            argv = [expand(a, env) for a in [*command, *(container.args or [])]]
+            mounts = self._data_volumes(pod, container)
+            env = {name: _remount(value, mounts) for name, value in env.items()}
+            argv = [_remount(expand(a, env), mounts) for a in [*command, *(container.args or [])]]
             probe = ReadinessProbe.of(container, self.host_ip)
             if _mounts_service_account(pod) and "KUBECONFIG" not in env:
                 env["KUBECONFIG"] = str(self._service_account_kubeconfig(pod))
@@ -801,6 +806,39 @@ class LocalKubelet(_Kubelet):
         path.chmod(0o600)
         return path
 
+    def _data_volumes(self, pod: client.V1Pod, container: client.V1Container) -> dict[str, Path]:
+        """The container's Secret and ConfigMap volumes, written as files under the kubelet's directory, by
+        mount path. A container sees them at its ``mountPath``; a process on the host cannot, so the paths the
+        container is given (env values, arguments) under a mount path are pointed at these directories
+        instead (:func:`_remount`). Written once at the start (a real kubelet also refreshes them later)."""
+        sources = {v.name: v for v in pod.spec.volumes or []}
+        mounts: dict[str, Path] = {}
+        for mount in container.volume_mounts or []:
+            volume = sources.get(mount.name)
+            if volume is None or (volume.secret is None and volume.config_map is None):
+                continue
+            if volume.secret is not None:
+                secret = self._core.read_namespaced_secret(volume.secret.secret_name, pod.metadata.namespace)
+                data = {k: base64.b64decode(v) for k, v in (secret.data or {}).items()}
+                items = volume.secret.items
+            else:
+                config_map = self._core.read_namespaced_config_map(volume.config_map.name, pod.metadata.namespace)
+                data = {k: v.encode() for k, v in (config_map.data or {}).items()}
+                items = volume.config_map.items
+            files = {item.path: data[item.key] for item in items} if items else data
+            root = self.workdir / "volumes" / f"{pod.metadata.namespace}_{pod.metadata.name}" / mount.name
+            root.mkdir(parents=True, exist_ok=True)
+            for rel, content in files.items():
+                target = root / rel
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(content)
+                target.chmod(0o600)
+            if mount.sub_path:
+                mounts[mount.mount_path] = root / mount.sub_path
+            else:
+                mounts[mount.mount_path] = root
+        return mounts
+
     # -- environment ----------------------------------------------------------------------
 
     def _environment(self, pod: client.V1Pod, container: client.V1Container) -> dict[str, str]:
@@ -841,6 +879,16 @@ class LocalKubelet(_Kubelet):
                 raise KeyError(f"env {name}: configmap {ref.name} has no key {ref.key!r}")
             return str(data[ref.key])
         raise ValueError(f"env {name}: this kind of valueFrom is not supported by the test kubelet")
+
+
+def _remount(value: str, mounts: Mapping[str, Path]) -> str:
+    """``value`` with a leading mount path (the path itself or a path below it) replaced by the host directory
+    that holds that volume's files (:meth:`LocalKubelet._data_volumes`)."""
+    for mount_path, host in mounts.items():
+        prefix = mount_path.rstrip("/")
+        if value == prefix or value.startswith(prefix + "/"):
+            return str(host) + value[len(prefix):]
+    return value
 
 
 def _mounts_service_account(pod: client.V1Pod) -> bool:
