@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml examples/pyproject.toml Makefile | $(PY)
 	$(PIP) install --quiet "torch==2.13.0"
 	$(PIP) install --quiet -e ".[test,clients]"
 	$(PIP) install --quiet --no-deps -e ./examples
-	$(PIP) install --quiet --no-deps "$(TORCHTITAN)"
+	$(PIP) install --quiet --no-deps $(TORCHTITAN)
 	$(PIP) install --quiet --no-deps $(MOTO)
 	touch $(STAMP)
 

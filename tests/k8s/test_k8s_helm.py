@@ -118,6 +118,12 @@ def test_helm_install_then_kubectl_apply_restart_and_delete(
         "--set", "store.fixPermissions=false", timeout=240)
     assert "STATUS: deployed" in installed.stdout
 
+    # The chart's NetworkPolicies (on by default) are accepted by the real API server as rendered; nothing here
+    # enforces them (the test cluster has no CNI).
+    policies = {p["metadata"]["name"]: p["spec"] for p in api.list("networkpolicies", NS)}
+    assert sorted(policies) == [f"{RELEASE}-tenplex-scheduler", f"{RELEASE}-tenplex-store"], sorted(policies)
+    assert all(spec["policyTypes"] == ["Ingress"] and spec["ingress"] for spec in policies.values())
+
     # What the cluster made of it: the scheduler pod on the CPU node, a store pod on the GPU node only.
     (sched_pod,) = api.list("pods", NS, label_selector="tenplex.io/role=scheduler")
     assert sched_pod["spec"]["nodeName"] == "cpu-0" and sched_pod["spec"]["serviceAccountName"] == SERVICE_ACCOUNT

@@ -74,6 +74,7 @@ RESOURCES = {r.plural: r for r in (
     Resource("", "v1", "limitranges", "LimitRange", True),
     Resource("coordination.k8s.io", "v1", "leases", "Lease", True),
     Resource("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget", True),
+    Resource("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy", True),
     Resource("apps", "v1", "daemonsets", "DaemonSet", True),
     Resource("apps", "v1", "deployments", "Deployment", True),
     Resource("apps", "v1", "replicasets", "ReplicaSet", True),
@@ -89,7 +90,7 @@ RESOURCES = {r.plural: r for r in (
     Resource(crd.GROUP, crd.VERSION, crd.PLURAL, crd.KIND, True),
 )}
 _BY_KIND = {(r.api_version, r.kind): r for r in RESOURCES.values()}
-_CLEARED = ("elasticjobs", "daemonsets", "deployments", "replicasets", "poddisruptionbudgets", "configmaps", "secrets",
+_CLEARED = ("elasticjobs", "networkpolicies", "daemonsets", "deployments", "replicasets", "poddisruptionbudgets", "configmaps", "secrets",
             "leases", "roles", "rolebindings", "serviceaccounts", "services", "events", "resourcequotas", "limitranges")
 """What :meth:`TestCluster.reset` empties in ``default`` (pods first), keeping what the control plane made."""
 _KEPT = {("serviceaccounts", "default"), ("configmaps", "kube-root-ca.crt"), ("services", "kubernetes")}
