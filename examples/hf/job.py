@@ -169,7 +169,7 @@ def build_stage(
         materialize(model, device, init_buffers=_init_buffers)
     model.train()
     if not torch.cuda.is_available():  # gloo has no PREMUL_SUM (CPU only)
-        from examples.torchtitan.cpu import force_sum_reductions
+        from tenplex.integrations.torchtitan.cpu import force_sum_reductions
 
         force_sum_reductions(model)
     stage.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)

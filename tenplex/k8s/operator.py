@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import urllib3
 from kubernetes import client
 from kubernetes.leaderelection import electionconfig, leaderelection
 from kubernetes.leaderelection.resourcelock.leaselock import LeaseLock
@@ -477,7 +478,9 @@ class ElasticJobOperator:
                     try:
                         self.scheduler.jobstore.publish(ctl.spec, ctl.status)
                         self._published_step[ctl.spec.name] = step
-                    except (TenplexError, client.ApiException) as exc:
+                    except (TenplexError, client.ApiException, urllib3.exceptions.HTTPError) as exc:
+                        # an API server that is restarting (connection refused or reset) must not end this
+                        # thread: the step is published again on the next round
                         log.warning("job %s: publishing the status failed: %s", ctl.spec.name, exc)
             if time.monotonic() - last_resync > RESYNC_SECONDS:
                 last_resync = time.monotonic()
