@@ -111,9 +111,9 @@ def test_helm_install_then_kubectl_apply_restart_and_delete(
         "install", RELEASE, str(CHART), "--namespace", NS, "--create-namespace", "--wait", "--timeout", "180s",
         "--set", f"auth.token={TOKEN}", "--set", f"scheduler.port={sched_port}",
         "--set", "scheduler.nodeSelector.tenplex\\.test/role=cpu",
-        "--set", "scheduler.leaderElection.leaseDurationSeconds=5",
-        "--set", "scheduler.leaderElection.renewDeadlineSeconds=4",
-        "--set", "scheduler.leaderElection.retryPeriodSeconds=1",
+        "--set", "scheduler.leaderElection.leaseDurationSeconds=15",
+        "--set", "scheduler.leaderElection.renewDeadlineSeconds=10",
+        "--set", "scheduler.leaderElection.retryPeriodSeconds=2",
         "--set", f"store.port={store_port}", "--set", f"store.root={store}", "--set", f"store.hostPath={store}",
         "--set", "store.fixPermissions=false", timeout=240)
     assert "STATUS: deployed" in installed.stdout
@@ -125,7 +125,16 @@ def test_helm_install_then_kubectl_apply_restart_and_delete(
     assert all(spec["policyTypes"] == ["Ingress"] and spec["ingress"] for spec in policies.values())
 
     # What the cluster made of it: the scheduler pod on the CPU node, a store pod on the GPU node only.
-    (sched_pod,) = api.list("pods", NS, label_selector="tenplex.io/role=scheduler")
+    # Exactly one runs. A scheduler process that exited (a pod of the test kubelet is never restarted: on a loaded
+    # machine a missed Lease renewal ends it) leaves a Failed pod that its ReplicaSet has replaced, as a kubelet
+    # would restart the container; the message shows such a pod's log.
+    sched_pods = api.list("pods", NS, label_selector="tenplex.io/role=scheduler")
+    live = [p for p in sched_pods if (p.get("status") or {}).get("phase") == "Running"
+            and not p["metadata"].get("deletionTimestamp")]
+    exited = {p["metadata"]["name"]: kubelets["cpu-0"].log_path(p["metadata"]["name"], NS).read_text()[-3000:]
+              for p in sched_pods if p not in live}
+    assert len(live) == 1, f"scheduler pods running: {[p['metadata']['name'] for p in live]}; exited: {exited}"
+    sched_pod = live[0]
     assert sched_pod["spec"]["nodeName"] == "cpu-0" and sched_pod["spec"]["serviceAccountName"] == SERVICE_ACCOUNT
     stores = api.list("pods", NS, label_selector=f"{crd.LABEL_ROLE}={crd.ROLE_STORE}")
     assert [p["spec"]["nodeName"] for p in stores] == ["gpu-0"]
