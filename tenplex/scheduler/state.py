@@ -21,7 +21,7 @@ import tempfile
 import time
 import zlib
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -416,6 +416,20 @@ def phase_split(marks: Mapping[str, float]) -> dict[str, float]:
     return {k: v for k, v in out.items() if v is not None}
 
 
+def _map_plan_hosts(plan: Mapping[str, Any], convert: Callable[[Any], Any]) -> dict[str, Any]:
+    """A copy of a record's plan inputs with its host lists (``hosts``, ``inputs.alive``,
+    ``inputs.not_holding``) passed through ``convert``: packed into runs for the record, or unpacked from it."""
+    out = dict(plan)
+    if "hosts" in out:
+        out["hosts"] = convert(out["hosts"])
+    if isinstance(out.get("inputs"), Mapping):
+        inputs = out["inputs"] = dict(out["inputs"])
+        for key in ("alive", "not_holding"):
+            if key in inputs:
+                inputs[key] = convert(inputs[key])
+    return out
+
+
 @dataclass
 class JobStatus:
     """Where the job stands. Mutated only by its controller, persisted at every change."""
@@ -487,16 +501,8 @@ class JobStatus:
         out["committed"] = {v: pack_names(hosts) for v, hosts in out["committed"].items()}
         for h in out["history"]:
             h["from_hosts"], h["to_hosts"] = pack_names(h["from_hosts"]), pack_names(h["to_hosts"])
-        plan = out.get("last_plan")
-        if plan is not None:
-            plan = out["last_plan"] = dict(plan)
-            if "hosts" in plan:
-                plan["hosts"] = pack_names(plan["hosts"])
-            if isinstance(plan.get("inputs"), Mapping):
-                inputs = plan["inputs"] = dict(plan["inputs"])
-                for key in ("alive", "not_holding"):
-                    if key in inputs:
-                        inputs[key] = pack_names(inputs[key])
+        if isinstance(out.get("last_plan"), Mapping):
+            out["last_plan"] = _map_plan_hosts(out["last_plan"], pack_names)
         return out
 
     def to_json(self, *, plan: bool = True) -> dict[str, Any]:
@@ -553,16 +559,8 @@ class JobStatus:
         data["history"] = [Reconfiguration(**{**h, "from_hosts": unpack_names(h.get("from_hosts", [])),
                                               "to_hosts": unpack_names(h.get("to_hosts", []))})
                            for h in data.get("history", [])]
-        plan = data.get("last_plan")
-        if isinstance(plan, Mapping):
-            plan = data["last_plan"] = dict(plan)
-            if "hosts" in plan:
-                plan["hosts"] = unpack_names(plan["hosts"])
-            if isinstance(plan.get("inputs"), Mapping):
-                inputs = plan["inputs"] = dict(plan["inputs"])
-                for key in ("alive", "not_holding"):
-                    if key in inputs:
-                        inputs[key] = unpack_names(inputs[key])
+        if isinstance(data.get("last_plan"), Mapping):
+            data["last_plan"] = _map_plan_hosts(data["last_plan"], unpack_names)
         return cls(**data)
 
 

@@ -15,9 +15,8 @@ from dataclasses import dataclass
 import pytest
 from kubernetes import client
 
-from tenplex.k8s import crd
-from tenplex.testing.k8s.cluster import TestCluster
-from tenplex.testing.k8s.controlplane import ControlPlane, binaries_dir, missing_binaries
+from tenplex.testing.k8s.cluster import TestCluster, running_cluster
+from tenplex.testing.k8s.controlplane import binaries_dir, missing_binaries
 
 from .cluster import REPO, TOOLS_BIN, NodeAgents, tool
 
@@ -42,14 +41,8 @@ def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TestClus
             pytest.skip(f"no Kubernetes control plane: {', '.join(missing)} not built in {bin_dir} and Go is not "
                         "installed to build them (install Go 1.26+, then `make k8s-testbed`)")
         pytest.fail(f"{', '.join(missing)} missing from {bin_dir}: run `make k8s-testbed`")
-    plane = ControlPlane(tmp_path_factory.mktemp("k8s-control-plane"), bin_dir, crds=(crd.crd_manifest(),)).start()
-    cluster = TestCluster(plane)
-    try:
-        cluster.install_crd()
+    with running_cluster(tmp_path_factory.mktemp("k8s-control-plane"), bin_dir) as cluster:
         yield cluster
-    finally:
-        cluster.close()
-        plane.stop()
 
 
 @pytest.fixture
