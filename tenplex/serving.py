@@ -32,6 +32,7 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
+from tenplex.core.files import atomic_write
 from tenplex.core.tls import ServerTLS
 from tenplex.errors import InvalidConfig, TenplexError
 from tenplex.sockets import is_loopback, set_unpaced
@@ -218,10 +219,7 @@ def uvicorn_config(app: Any, log_level: str = "warning", *, tls: ServerTLS | Non
 
 def write_port_file(path: str | Path, port: int) -> None:
     """Write the bound port atomically, so a parent polling the file never reads half of it."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(f"{port}\n")
-    os.replace(tmp, path)
+    atomic_write(path, f"{port}\n")
 
 
 def serve_forever(app: Any, sock: socket.socket, *, log_level: str = "info", tls: ServerTLS | None = None) -> None:

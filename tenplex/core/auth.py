@@ -43,6 +43,7 @@ from pathlib import Path
 
 import jwt
 
+from tenplex.core.files import atomic_write
 from tenplex.errors import Forbidden, InvalidConfig, Unauthorized
 
 log = logging.getLogger(__name__)
@@ -128,11 +129,7 @@ class KeySet:
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             kid = f"k{time.strftime('%Y%m%d')}-{secrets.token_hex(3)}"
-            tmp = path.with_name(f".{path.name}.tmp")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                json.dump({"active": kid, "keys": {kid: secrets.token_urlsafe(48)}}, f)
-            os.replace(tmp, path)
+            atomic_write(path, json.dumps({"active": kid, "keys": {kid: secrets.token_urlsafe(48)}}), mode=0o600)
         return KeySet(path)
 
     def _load(self, *, strict: bool) -> None:

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from tenplex.core.auth import ROLE_ADMIN, ROLES, Issuer, KeySet, parse_key_set
+from tenplex.core.files import atomic_write
 from tenplex.errors import InvalidInput
 
 
@@ -71,11 +72,7 @@ def _read(path: Path) -> dict[str, object]:
 
 def _write(path: Path, obj: dict[str, object]) -> None:
     """Atomically, mode 0600: the daemons and the scheduler re-read it whenever it changes."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(obj, indent=1), mode=0o600)
 
 
 def _new(args: argparse.Namespace) -> int:

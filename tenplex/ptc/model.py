@@ -13,7 +13,6 @@ Queries are served from indexes built on first use.
 from __future__ import annotations
 
 import json
-import os
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from tenplex.core.files import atomic_write
 from tenplex.errors import InvalidPTC, InvalidRegion, NotFound
 from tenplex.ptc import dtypes
 from tenplex.ptc.dataset import DatasetState
@@ -255,13 +255,7 @@ class PTC:
     def save(self, path: str | Path) -> None:
         """Write the JSON atomically: a reader never sees a half-written layout, and a failed
         write leaves an existing file as it was."""
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        try:
-            tmp.write_text(self.dumps())
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        atomic_write(path, self.dumps())
 
     @classmethod
     def from_json(cls, obj: Any) -> PTC:

@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from tenplex.core.auth import ENV_AUTH_KEYS, Issuer, KeySet
+from tenplex.core.files import atomic_write
 from tenplex.core.tls import ServerTLS
 from tenplex.errors import InvalidConfig
 from tenplex.scheduler.api import create_app
@@ -20,7 +21,7 @@ from tenplex.scheduler.backend import LocalBackend, LocalCluster
 from tenplex.scheduler.controller import SchedulerSettings
 from tenplex.scheduler.service import Scheduler, SchedulerOptions
 from tenplex.scheduler.service import build_scheduler as build_service
-from tenplex.scheduler.state import StateDir, atomic_write
+from tenplex.scheduler.state import StateDir
 from tenplex.serving import BackgroundServer, bind_socket, serve_forever, url_for, write_port_file
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ def local_cluster(state_dir: Path, hosts: int, gpus_per_host: int, token: str | 
 
 
 def save_cluster(state_dir: Path, cluster: LocalCluster) -> None:
-    atomic_write(state_dir / "cluster.json", json.dumps(cluster.describe(), indent=1))
+    atomic_write(state_dir / "cluster.json", json.dumps(cluster.describe(), indent=1), durable=True, make_parents=True)
 
 
 def local_scheduler(options: SchedulerOptions) -> Scheduler:

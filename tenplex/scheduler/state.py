@@ -15,9 +15,7 @@ from __future__ import annotations
 import base64
 import json
 import math
-import os
 import re
-import tempfile
 import time
 import zlib
 from abc import ABC, abstractmethod
@@ -30,6 +28,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from tenplex.core.files import atomic_write
 from tenplex.core.protocol import JOB_NAME_PATTERN
 from tenplex.core.version import Version
 from tenplex.errors import InvalidConfig, NotFound, TenplexError
@@ -729,10 +728,11 @@ class StateDir(JobStore):
         # Compact: json's C encoder serves only indent=None (indented output is encoded in Python, ten times slower,
         # and a record is rewritten at every worker's registration).
         atomic_write(self._job_file(spec.name),
-                     json.dumps({"spec": spec.to_json(), "status": status.to_record()}, separators=(",", ":")))
+                     json.dumps({"spec": spec.to_json(), "status": status.to_record()}, separators=(",", ":")),
+                     durable=True, make_parents=True)
 
     def save_ptc(self, name: str, generation: int, ptc: PTC) -> None:
-        atomic_write(self._ptc_file(name, generation), ptc.dumps())
+        atomic_write(self._ptc_file(name, generation), ptc.dumps(), durable=True, make_parents=True)
 
     def load_ptc(self, name: str, generation: int) -> PTC:
         path = self._ptc_file(name, generation)
@@ -757,16 +757,3 @@ class StateDir(JobStore):
             folder.rmdir()
 
 
-def atomic_write(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text`` so a crash leaves either the old or the new content."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

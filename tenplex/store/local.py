@@ -69,6 +69,7 @@ import zarr
 import zarr.storage
 from zarr.core.buffer.cpu import NDBuffer
 
+from tenplex.core.files import atomic_write, fsync_path
 from tenplex.core.units import human_bytes
 from tenplex.core.version import Version
 from tenplex.errors import (
@@ -148,24 +149,9 @@ MIN_RUN_BYTES = 64 << 10
 """Regions whose chunk-file runs average less than this are copied out rather than served run by run."""
 
 
-def _fsync_path(path: Path, *, directory: bool = False) -> None:
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_json_atomic(path: Path, obj: Any, *, durable: bool) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(json.dumps(obj, separators=(",", ":")))  # json.dump would run the pure-Python encoder
-        if durable:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(tmp, path)
-    if durable:
-        _fsync_path(path.parent, directory=True)
+    # json.dumps, not json.dump into the file: that would run the pure-Python encoder
+    atomic_write(path, json.dumps(obj, separators=(",", ":")), durable=durable)
 
 
 def _version_markers(directory: Path) -> Iterator[tuple[Version, Path]]:
@@ -962,7 +948,7 @@ class LocalStore(TensorStore):
                     shutil.rmtree(old, ignore_errors=True)
                 os.rename(staging, vdir)
                 if self.durable:
-                    _fsync_path(vdir.parent, directory=True)
+                    fsync_path(vdir.parent, directory=True)
                 disk_marker.parent.mkdir(exist_ok=True)
                 _write_json_atomic(disk_marker, replace(manifest, durable=True).to_json(), durable=self.durable)
         finally:
@@ -1776,6 +1762,6 @@ def _syncfs(path: Path) -> bool:
 def _fsync_tree(path: Path) -> None:
     for dirpath, _dirs, files in os.walk(path):
         for name in files:
-            _fsync_path(Path(dirpath) / name)
-        _fsync_path(Path(dirpath), directory=True)
+            fsync_path(Path(dirpath) / name)
+        fsync_path(Path(dirpath), directory=True)
 

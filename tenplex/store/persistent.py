@@ -62,7 +62,6 @@ import os
 import shutil
 import stat
 import threading
-import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -79,6 +78,7 @@ from zarr.core.buffer.cpu import Buffer, NDBuffer
 from zarr.core.indexing import BasicIndexer
 from zarr.core.sync import sync
 
+from tenplex.core.files import atomic_write
 from tenplex.core.version import Version
 from tenplex.errors import (
     ChecksumMismatch,
@@ -1262,17 +1262,9 @@ def _json_bytes(obj: Any) -> bytes:
 
 
 def _put_file(path: str, data: Any) -> None:
-    """Write an object of a ``file://`` location (its directory exists) as zarr's LocalStore does: to a
-    temporary name in its directory, then renamed over it (a reader never sees half of it)."""
-    tmp = f"{path}.{uuid.uuid4().hex}.partial"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    """Write an object of a ``file://`` location (its directory exists) as zarr's LocalStore does: renamed
+    over its name from a temporary one beside it, so a reader never sees half of it."""
+    atomic_write(path, data)
 
 
 def _sync_file_system(root: Path) -> None:

@@ -51,6 +51,7 @@ import crc32c
 import numpy as np
 
 from tenplex.core.buffers import PAGE_BYTES
+from tenplex.core.files import atomic_write
 from tenplex.errors import ChecksumMismatch, InvalidInput, StateLost
 from tenplex.store.base import SnapshotBuffers
 
@@ -135,13 +136,9 @@ def take_ownership(disk_root: Path, tier: MemoryTier | None) -> MemoryTier | Non
         tier_id = ""
     if not tier_id:
         tier_id = uuid.uuid4().hex
-        tmp = id_file.with_name(f"{TIER_ID}.{tier_id}.tmp")
-        tmp.write_text(tier_id)
-        os.replace(tmp, id_file)
+        atomic_write(id_file, tier_id)
     owned = MemoryTier(tier.root, tier.budget, tier.evict_grace_s, tier_id)
-    tmp = record.with_name(f"{RECORD}.{uuid.uuid4().hex}.tmp")
-    tmp.write_text(json.dumps(owned.to_json()))
-    os.replace(tmp, record)
+    atomic_write(record, json.dumps(owned.to_json()))
     return owned
 
 

@@ -56,6 +56,7 @@ from anyio import to_thread
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from tenplex.core.files import atomic_write
 from tenplex.errors import Conflict, InvalidInput, NotFound, StoreUnavailable
 from tenplex.store.local import LocalStore
 from tenplex.store.names import check_job, check_version
@@ -210,11 +211,7 @@ class RecordedTasks(ABC, Generic[RequestT, StatusT, RunT]):
             return None
 
     def _write_record(self, status: StatusT) -> None:
-        path = self._record_path(status.job, status.version)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        tmp.write_text(json.dumps(status.to_json()))
-        os.replace(tmp, path)
+        atomic_write(self._record_path(status.job, status.version), json.dumps(status.to_json()), make_parents=True)
 
     def _try_lock(self, job: str, version: str) -> int | None:
         """The record's lock, taken without waiting (its fd), or None when another run holds it."""

@@ -97,7 +97,8 @@ def test_direct_writes_from_a_page_aligned_buffer_equal_those_through_the_bounce
     data = random_array((2000, 896), "float32", seed=5)  # 64 KiB chunks: 16 rows (whole pages)
     aligned = aligned_empty(data.shape, np.float32)
     aligned[...] = data
-    unaligned = np.frombuffer(bytearray(data.nbytes + 4)[4:], np.float32).reshape(data.shape)  # off the page by 4
+    # 4 bytes past a page boundary, always (a slice of a fresh bytearray is a copy that may land on a page)
+    unaligned = aligned_empty((data.nbytes + 4,), np.uint8)[4:].view(np.float32).reshape(data.shape)
     unaligned[...] = data
     store = LocalStore(tmp_path, chunk_bytes=64 << 10)
     if not store.direct_writes:
