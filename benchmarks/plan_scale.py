@@ -35,15 +35,12 @@ import statistics
 import time
 
 from tenplex.ptc import PTC, ParallelConfig, Placement
-from tenplex.ptc.megatron import GPTSpec, megatron_gpt_ptc
+from tenplex.ptc.megatron import megatron_gpt_ptc
 from tenplex.scheduler.policy import Decision, Policy, keep_state_placement
 from tenplex.store.client import StoreClient
+from tenplex.testing.scale import GPT3_175B, GPT_405B
 from tenplex.transformer.plan import make_plan, plan_summary
 from tenplex.transformer.remote import PlanRun
-
-GPT3_175B = GPTSpec(num_layers=96, hidden=12288, heads=96, vocab=50257, seq_len=2048)
-GPT_405B = GPTSpec(num_layers=126, hidden=16384, heads=128, kv_heads=8, vocab=128256, ffn_hidden=53248,
-                   gated_mlp=True, normalization="RMSNorm", bias=False, seq_len=0)
 
 
 def timed_build(what: str, *args: object, **kwargs: object) -> PTC:

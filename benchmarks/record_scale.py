@@ -22,7 +22,11 @@ The worker pids are those of processes launched one after another (increasing,
 small gaps), as on the local backend; on Kubernetes every pod has its own pid
 namespace and the pids repeat, which compresses better.
 
-Run: .venv/bin/python benchmarks/record_scale.py [--cases 175b,405b] [--json]
+With --apiserver, every job's objects are also written through the product's
+Kubernetes job store to a real kube-apiserver and etcd (the test control plane,
+in a temporary directory) and read back as a restarted scheduler reads them.
+
+Run: .venv/bin/python benchmarks/record_scale.py [--cases 175b,405b] [--json] [--apiserver]
 """
 
 from __future__ import annotations
@@ -31,14 +35,14 @@ import argparse
 import gzip
 import json
 import os
-import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from plan_scale import GPT3_175B, GPT_405B, timed_build  # noqa: E402
+from plan_scale import timed_build  # noqa: E402
 
 from tenplex.k8s.jobstore import (  # noqa: E402
     CONFIGMAP_LIMIT,
@@ -47,10 +51,10 @@ from tenplex.k8s.jobstore import (  # noqa: E402
     state_configmap,
     state_data,
 )
-from tenplex.ptc import PTC, DatasetState, ParallelConfig  # noqa: E402
-from tenplex.scheduler.layouts import LayoutSpec  # noqa: E402
+from tenplex.ptc import PTC, ParallelConfig  # noqa: E402
 from tenplex.scheduler.plans import PlanInputs  # noqa: E402
-from tenplex.scheduler.state import JobSpec, JobStatus, Phase, Reconfiguration, Stage, WorkerRecord  # noqa: E402
+from tenplex.scheduler.state import JobStatus  # noqa: E402
+from tenplex.testing.scale import Change, changes, transferring_record  # noqa: E402
 from tenplex.transformer import part  # noqa: E402
 
 JOB = "big"
@@ -58,84 +62,94 @@ JOB_OBJ = {"apiVersion": "tenplex.io/v1alpha1", "kind": "ElasticJob",
            "metadata": {"name": JOB, "namespace": "training", "uid": "6f0c1e2a-0000-4000-8000-000000000001"}}
 
 
-def record(old: PTC, new: PTC, inputs: PlanInputs, parallel: ParallelConfig, reason: str,
-           model: dict) -> tuple[JobSpec, JobStatus]:
-    now = time.time()
-    rng = random.Random(0)
-    hosts = list(new.hosts)
-    pid = 40_000
-    workers = []
-    for d in sorted(new.devices, key=lambda d: d.id):
-        pid += rng.randint(1, 20)
-        workers.append(WorkerRecord(f"{JOB}-g1-r{d.id}", d.id, d.host, d.id % 8, 1, pid=pid, registered=True,
-                                    last_heartbeat=now - rng.random(), step=1000))
-    old_hosts = list(old.hosts)
-    spec = JobSpec(name=JOB, layout=LayoutSpec("megatron-gpt", model),
-                   dataset=DatasetState(10_000_000, 1, 1536), command=("python", "-m", "train"),
-                   gpus=len(old.devices), max_gpus=len(old.devices))
-    rec = Reconfiguration(reason=reason, started_at=now - 30, from_config=str(old.config), to_config=str(new.config),
-                          from_gpus=len(old.devices), to_gpus=len(new.devices), from_hosts=old_hosts, to_hosts=hosts,
-                          version_from=inputs.old_version, version_to=inputs.new_version)
-    status = JobStatus(
-        phase=Phase.RECONFIGURING, stage=Stage.TRANSFERRING, generation=1, gpus=len(new.devices),
-        parallel=parallel.to_json(), hosts=hosts, gpus_per_node=8, step=1000, version=inputs.old_version,
-        committed={inputs.old_version: sorted(inputs.holders())}, version_generation={inputs.old_version: 0},
-        restore_version=inputs.new_version, workers=workers, history=[rec],
-        last_plan={"inputs": inputs.to_json(), "parallel": parallel.to_json(), "hosts": hosts, "gpus_per_node": 8})
-    return spec, status
-
-
 def serialized(body: dict) -> int:
     return len(json.dumps(body, separators=(",", ":")))
 
 
-def scenarios(case: str) -> list[tuple[str, PTC, PTC, ParallelConfig, list[str], str | None]]:
-    if case == "175b":
-        hosts = [f"node-{i}" for i in range(128)]
-        old = timed_build("175B tp8 x pp16 x dp8", GPT3_175B, ParallelConfig(dp=8, tp=8, pp=16), hosts=hosts)
-        survivors = [h for h in hosts if h not in {"node-3", "node-77"}]
-        down = ParallelConfig(dp=8, tp=8, pp=12)
-        loss = ParallelConfig(dp=7, tp=8, pp=16)
-        return [
-            ("175B scale-down 1024->768", old, timed_build("175B pp12", GPT3_175B, down, hosts=hosts[:96]), down,
-             hosts, None),
-            ("175B loss of 2 hosts 1024->896", old, timed_build("175B dp7", GPT3_175B, loss, hosts=survivors[:112]),
-             loss, survivors, None),
-        ]
-    dp, pp = 128, 16
-    hosts = [f"node-{i}" for i in range(dp * pp)]
-    old = timed_build("405B dp128", GPT_405B, ParallelConfig(dp=dp, tp=8, pp=pp, zero=1), hosts=hosts,
-                      precision="bf16")
-    lost = hosts[6 * dp + 9]
-    kept = [hosts[s * dp + d] for s in range(pp) for d in range(dp) if d != 9]
-    down_hosts = [hosts[s * dp + d] for s in range(pp) for d in range(120)]
-    loss = ParallelConfig(dp=127, tp=8, pp=pp, zero=1)
-    down = ParallelConfig(dp=120, tp=8, pp=pp, zero=1)
-    return [
-        ("405B scale-down 16384->15360", old, timed_build("405B dp120", GPT_405B, down, hosts=down_hosts,
-                                                          precision="bf16"), down, hosts, None),
-        (f"405B loss of {lost} 16384->16256", old, timed_build("405B dp127", GPT_405B, loss, hosts=kept,
-                                                               precision="bf16"), loss,
-         [h for h in hosts if h != lost], "http://checkpoint.invalid:7070"),
-    ]
+def timed(model: object, parallel: ParallelConfig, **kwargs: object) -> PTC:
+    what = f"dp{parallel.dp} x tp{parallel.tp} x pp{parallel.pp} on {len(kwargs['hosts'])} hosts"  # type: ignore[arg-type]
+    return timed_build(what, model, parallel, **kwargs)
+
+
+def through_apiserver(plane_root: Path, found: list[Change]) -> None:
+    """Write every job's objects through the product's Kubernetes job store to a real kube-apiserver (the test
+    control plane of tests/k8s, on 127.0.0.1), read them back as a restarted scheduler does, and print their
+    sizes as the server stores them."""
+    from tenplex.k8s.jobstore import ElasticJobIndex, KubeJobStore
+    from tenplex.k8s.settings import KubernetesSettings
+    from tenplex.testing.k8s.cluster import running_cluster
+    from tenplex.testing.k8s.controlplane import binaries_dir, missing_binaries
+
+    bin_dir = binaries_dir(Path(__file__).resolve().parents[1])
+    if missing := missing_binaries(bin_dir):
+        raise SystemExit(f"--apiserver: {', '.join(missing)} not built in {bin_dir}: run `make k8s-testbed`")
+    with running_cluster(plane_root, bin_dir) as cluster:
+        settings = KubernetesSettings(namespace="default", identity="record-scale", leader_election=False)
+        with cluster.api_client() as api_client:
+            index = ElasticJobIndex(api_client, settings, watch_timeout=5)
+            index.start()
+            try:
+                for n, change in enumerate(found):
+                    job = f"{JOB}{n}"
+                    spec, status = transferring_record(job, change)
+                    cluster.create("elasticjobs", _elasticjob(job), "default")
+                    deadline = time.monotonic() + 30
+                    while index.find(job) is None and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                    store = KubeJobStore(api_client, index, plane_root / "jobs")
+                    start = time.perf_counter()
+                    store.save_ptc(job, 0, change.old)
+                    store.save_ptc(job, 1, change.new)
+                    store.save(spec, status)
+                    wrote = time.perf_counter() - start
+                    sizes = {cm.metadata.name: serialized(api_client.sanitize_for_serialization(cm))
+                             for cm in store.core.list_namespaced_config_map("default").items
+                             if cm.metadata.name.startswith(f"{job}-tenplex-")}
+                    start = time.perf_counter()
+                    again = KubeJobStore(api_client, index, plane_root / "again")  # as a restarted scheduler
+                    ptc, loaded = again.load_ptc(job, 1), again.load(job)
+                    read = time.perf_counter() - start
+                    same = (loaded is not None and ptc.to_json() == change.new.to_json()
+                            and loaded[1].to_record() == JobStatus.from_json(status.to_record()).to_record())
+                    print(f"{change.name}: through kube-apiserver: {len(sizes)} ConfigMaps, largest "
+                          f"{max(sizes.values()) / 1024:.0f} KiB as stored (limit {CONFIGMAP_LIMIT // 1024} KiB), "
+                          f"{sum(sizes.values()) / 1024:.0f} KiB in all; written in {wrote:.2f} s, read back in "
+                          f"{read:.2f} s; read back equal: {same}")
+                    assert same and max(sizes.values()) < CONFIGMAP_LIMIT
+            finally:
+                index.stop()
+
+
+def _elasticjob(name: str) -> dict:
+    from tenplex.k8s import crd
+
+    return {"apiVersion": crd.API_VERSION, "kind": crd.KIND, "metadata": {"name": name, "namespace": "default"},
+            "spec": {"image": "tenplex:bench", "command": ["python", "-m", "train"], "gpus": 8, "minGpus": 1,
+                     "maxGpus": 8, "layout": {"provider": "megatron-gpt", "model": {"num_layers": 2, "hidden": 16,
+                                                                                      "heads": 2, "vocab": 64,
+                                                                                      "seq_len": 8}}}}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default="175b,405b")
     parser.add_argument("--json", action="store_true", help="also the plan as JSON (what the record held before)")
+    parser.add_argument("--apiserver", action="store_true",
+                        help="also write every job's objects to a real kube-apiserver (the test control plane, "
+                             "`make k8s-testbed` builds it, started in a temporary directory) and read them back")
     args = parser.parse_args()
     print(f"machine: nproc={os.cpu_count()}, load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    found: list[Change] = []
     for case in args.cases.split(","):
-        for name, old, new, parallel, alive, checkpoint in scenarios(case.strip()):
-            inputs = PlanInputs.of(job=JOB, old_version="s1000-g0", new_version="s1000-g1", old_generation=0,
-                                   alive=alive, holders=alive, checkpoint=checkpoint)
+        for change in changes(case.strip(), timed):
+            old, new = change.old, change.new
+            inputs = change.inputs(JOB)
             plan = inputs.plan(old, new)
-            model = {k: v for k, v in vars(GPT3_175B if case.strip() == "175b" else GPT_405B).items()}
-            spec, status = record(old, new, inputs, parallel, "failure" if "loss" in name else "scale", model)
+            spec, status = transferring_record(JOB, change)
+            found.append(change)
             local = len(json.dumps({"spec": spec.to_json(), "status": status.to_record()}, separators=(",", ":")))
             cm = serialized(owned_configmap(JOB_OBJ, state_configmap(JOB), state_data(spec, status)))
-            print(f"{name}: {len(status.workers)} workers on {len(status.hosts)} hosts")
+            print(f"{change.name}: {len(status.workers)} workers on {len(status.hosts)} hosts")
             print(f"  job record: state directory {local / 1024:.1f} KiB of JSON; Kubernetes state ConfigMap "
                   f"{cm / 1024:.1f} KiB serialized (limit 1024 KiB; target <= 64 KiB)")
             for gen, ptc in ((0, old), (1, new)):
@@ -157,6 +171,9 @@ def main() -> None:
                 text = plan.dumps().encode()
                 print(f"  the plan as JSON (stored before): {len(text) / 2**20:.1f} MiB, gzipped "
                       f"{len(gzip.compress(text, 6)) / 2**20:.2f} MiB")
+    if args.apiserver:
+        with tempfile.TemporaryDirectory(prefix="record-scale-") as root:
+            through_apiserver(Path(root), found)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,10 @@ from tenplex.k8s.jobstore import (
     state_configmap,
 )
 from tenplex.k8s.settings import KubernetesSettings
+from tenplex.scheduler.state import JobStatus
 from tenplex.testing.jobstore import JOBS, JobStoreTests, busy_status, job_ptc, job_spec
 from tenplex.testing.k8s.cluster import TestCluster
+from tenplex.testing.scale import changes, transferring_record
 
 from .cluster import NS, elasticjob, eventually
 
@@ -83,3 +85,38 @@ class TestKubeJobStore(JobStoreTests):
     def test_a_chunk_size_that_cannot_fit_is_refused(self, store: KubeJobStore, tmp_path: Path) -> None:
         with pytest.raises(InvalidConfig, match="ptc_chunk_bytes"):
             KubeJobStore(store.core.api_client, store.jobs, tmp_path / "x", ptc_chunk_bytes=1 << 20)
+
+
+def test_a_real_sized_jobs_record_and_ptcs_are_accepted_by_the_api_server(api: TestCluster, tmp_path: Path) -> None:
+    """Every object the job store writes for GPT-3 175B (tp8 x pp16 x dp8, 1,024 GPUs) while it scales down to
+    768: the record with its 768 workers, the PTCs of both generations, accepted by the real kube-apiserver and
+    etcd, under the 1 MiB limit as stored, and read back equal. (The 405B job's, whose PTC takes two ConfigMaps,
+    is written the same way by ``benchmarks/record_scale.py --apiserver``: 40 s here; the chunking itself is
+    tested above with a small chunk size.)"""
+    [change] = changes("175b", kinds=("scale-down",))
+    spec, status = transferring_record("big", change)
+    api.create("elasticjobs", elasticjob("big", 2), NS)
+    settings = KubernetesSettings(namespace=NS, identity="test", leader_election=False)
+    with api.api_client() as api_client:
+        index = ElasticJobIndex(api_client, settings, watch_timeout=5)
+        index.start()
+        try:
+            eventually(lambda: index.find("big"), "the ElasticJob in the index")
+            store = KubeJobStore(api_client, index, tmp_path / "root")
+            store.save_ptc("big", 0, change.old)
+            store.save_ptc("big", 1, change.new)
+            store.save(spec, status)
+            stored = [cm for cm in store.core.list_namespaced_config_map(NS).items
+                      if cm.metadata.name.startswith("big-tenplex-")]
+            sizes = {cm.metadata.name: len(json.dumps(api_client.sanitize_for_serialization(cm)))
+                     for cm in stored}
+            assert state_configmap("big") in sizes and max(sizes.values()) < CONFIGMAP_LIMIT
+            again = KubeJobStore(api_client, index, tmp_path / "again")  # a restarted scheduler: nothing cached
+            assert again.load_ptc("big", 1).to_json() == change.new.to_json()
+            loaded = again.load("big")
+            assert loaded is not None
+            # What was saved, as any reader decodes it (heartbeats are kept in whole seconds, rounded up).
+            assert loaded[1].to_record() == JobStatus.from_json(status.to_record()).to_record()
+            assert len(loaded[1].workers) == len(change.new.devices)
+        finally:
+            index.stop()
