@@ -32,6 +32,7 @@ passes stores around (the executor, the worker) stands on it alone.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -47,6 +48,9 @@ from tenplex.store.model import Manifest, ShardInfo, VersionInfo
 
 if TYPE_CHECKING:
     import torch
+
+COMMIT_RECHECK_S = 0.25
+"""How often a wait for a commit looks again when it cannot be told of it (a commit by another process)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,14 +192,26 @@ class TensorStore(ABC):
         """All versions of a job here, committed or not, ordered by (step, generation)."""
 
     def is_committed(self, job: str, version: Version | str) -> bool:
-        """Whether ``version`` of ``job`` is committed here (False for an unknown job or version): what a
-        worker waiting for its version asks, many times a second while the version is being built. The default
+        """Whether ``version`` of ``job`` is committed here (False for an unknown job or version). The default
         asks :meth:`versions`; a store that can answer without looking at the versions' contents does."""
         want = Version.parse(str(version))
         try:
             return any(v.version == want and v.committed for v in self.versions(job))
         except NotFound:
             return False
+
+    def wait_committed(self, job: str, version: Version | str, timeout_s: float) -> bool:
+        """Whether ``version`` is committed here within ``timeout_s`` (at once when it is): what a new worker
+        does while its version is being built on its node. The node's own store is told of its commits and
+        its daemon answers a long poll, so neither waits by asking again and again; this default, for a store
+        that can do neither, asks :meth:`is_committed` every :data:`COMMIT_RECHECK_S`."""
+        deadline = time.monotonic() + timeout_s
+        while not self.is_committed(job, version):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(COMMIT_RECHECK_S, left))
+        return True
 
     @abstractmethod
     def jobs(self) -> list[str]:

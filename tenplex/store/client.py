@@ -65,6 +65,7 @@ from tenplex.store.wire import (
     DTYPE_HEADER,
     GLOBAL_SHAPE_HEADER,
     MAX_BATCH_REGIONS,
+    MAX_COMMIT_WAIT_S,
     PARTS_HEADER,
     SHAPE_HEADER,
     TOKEN_ENV,
@@ -567,6 +568,23 @@ class StoreClient(TensorStore):
 
     def versions(self, job: str) -> list[VersionInfo]:
         return [VersionInfo.from_json(v) for v in self._json("GET", versions_path(job))["versions"]]
+
+    def is_committed(self, job: str, version: Version | str) -> bool:
+        return self.wait_committed(job, version, 0.0)
+
+    def wait_committed(self, job: str, version: Version | str, timeout_s: float) -> bool:
+        """Long polls of the daemon (``GET .../committed?wait=``), each held at most :data:`MAX_COMMIT_WAIT_S`
+        and well inside this client's read timeout: the daemon answers when its store commits the version."""
+        v = check_version(version)
+        check_job(job)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            wait = max(0.0, min(MAX_COMMIT_WAIT_S, self.timeout / 2, deadline - time.monotonic()))
+            path = f"{versions_path(job, v)}/committed?wait={wait:.3f}"
+            if self._json("GET", path)["committed"]:
+                return True
+            if time.monotonic() >= deadline:
+                return False
 
     def jobs(self) -> list[str]:
         return [str(j) for j in self._json("GET", "/v1/jobs")["jobs"]]

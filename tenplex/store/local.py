@@ -83,7 +83,7 @@ from tenplex.errors import (
 )
 from tenplex.ptc.dtypes import check_dtype, itemsize, storage_dtype
 from tenplex.ptc.region import Region, subtract
-from tenplex.store.base import RegionRead, TensorStore
+from tenplex.store.base import COMMIT_RECHECK_S, RegionRead, TensorStore
 from tenplex.store.buffers import (
     DEFAULT_CHUNK_BYTES,
     chunk_shape,
@@ -537,6 +537,8 @@ class LocalStore(TensorStore):
         self._marker_sizes: dict[Path, tuple[int, int, int]] = {}
         self._slot_sets: list[MemorySlots] = []
         self._spiller: Spiller | None = None
+        self._commits = threading.Condition()
+        """Notified at every commit by this object: what :meth:`wait_committed` waits on."""
         if spill and self.memory is not None:
             self._spiller = Spiller(self, poll_s=spill_poll_s, interval_s=spill_interval_s).start()
             log.info("memory tier of %s: %s, budget %s", self.root, self.memory.root, human_bytes(self.memory.budget))
@@ -1548,6 +1550,20 @@ class LocalStore(TensorStore):
         check_job(job)
         return self._is_committed(job, v)
 
+    def wait_committed(self, job: str, version: Version | str, timeout_s: float) -> bool:
+        """Woken by this object's own commits (the daemon's transforms and commit requests, at once); a commit
+        by another process sharing the root is seen within :data:`COMMIT_RECHECK_S`."""
+        v = check_version(version)
+        check_job(job)
+        deadline = time.monotonic() + timeout_s
+        with self._commits:
+            while not self._is_committed(job, v):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._commits.wait(min(COMMIT_RECHECK_S, left))
+        return True
+
     def commit(self, job: str, version: Version | str) -> Manifest:
         """Make a version visible as committed, atomically; a no-op on a committed version.
 
@@ -1574,6 +1590,8 @@ class LocalStore(TensorStore):
                 marker = self._marker(job, v)
                 marker.parent.mkdir(exist_ok=True)
                 _write_json_atomic(marker, manifest.to_json(), durable=self.durable)
+        with self._commits:
+            self._commits.notify_all()
         if in_memory and self._spiller is not None:
             self._spiller.wake()
         log.info("committed version %s of job %s%s: %d shards, %d bytes", v, job, " in memory" if in_memory else "",

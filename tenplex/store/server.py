@@ -12,6 +12,7 @@ which is :func:`create_app`'s table)::
     POST   /v1/jobs/{job}/versions/{version}/regions         JSON list of regions -> their bytes, one body
     PUT    /v1/jobs/{job}/versions/{version}/tensors/{tensor}?region=a:b,c:d   raw body
     POST   /v1/jobs/{job}/versions/{version}/links           LinkRequest: a kept shard, hard-linked here
+    GET    /v1/jobs/{job}/versions/{version}/committed?wait=S  {"committed": bool}, once committed or after S s
     POST   /v1/jobs/{job}/versions/{version}/commit          -> counts and the committed manifest
     DELETE /v1/jobs/{job}/versions/{version}
 
@@ -122,6 +123,7 @@ from tenplex.store.wire import (
     CHECKSUM_HEADER,
     DTYPE_HEADER,
     GLOBAL_SHAPE_HEADER,
+    MAX_COMMIT_WAIT_S,
     PARTS_HEADER,
     SHAPE_HEADER,
     LinkRequest,
@@ -194,7 +196,7 @@ class _MetricsMiddleware:
 _VERSIONS = "/v1/jobs/{job}/versions"
 _READ_ROUTES = frozenset({
     ("GET", _VERSIONS), ("GET", _VERSIONS + "/{version}"), ("GET", _VERSIONS + "/{version}/tensors/{tensor:path}"),
-    ("POST", _VERSIONS + "/{version}/regions"),
+    ("POST", _VERSIONS + "/{version}/regions"), ("GET", _VERSIONS + "/{version}/committed"),
 })
 """Routes a job's ``worker`` or ``reader`` credential may call for its own job."""
 _WRITE_ROUTES = frozenset({
@@ -317,6 +319,17 @@ def create_app(
         v = check_version(version)
         manifest = await to_thread.run_sync(store.manifest, job, v)
         return manifest.to_json()
+
+    @api.get("/v1/jobs/{job}/versions/{version}/committed",
+             description=f"``?wait=S`` (at most {MAX_COMMIT_WAIT_S:g}): answer once the version is committed here, "
+                         "or after S seconds (a long poll: a new worker learns of its version's commit at once).")
+    async def committed(job: str, version: str, wait: float = 0.0) -> dict[str, Any]:
+        check_job(job)
+        v = check_version(version)
+        if not 0.0 <= wait <= MAX_COMMIT_WAIT_S:
+            raise InvalidInput(f"wait must be between 0 and {MAX_COMMIT_WAIT_S:g} seconds, got {wait}")
+        done = await to_thread.run_sync(store.wait_committed, job, v, wait)
+        return {"job": job, "version": str(v), "committed": done}
 
     @api.post("/v1/jobs/{job}/versions/{version}/commit")
     async def commit(job: str, version: str) -> dict[str, Any]:

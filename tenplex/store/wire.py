@@ -46,6 +46,8 @@ PARTS_HEADER = "X-Tenplex-Parts"
 MAX_BATCH_REGIONS = 256
 """Regions per batch read: keeps ``X-Tenplex-Parts`` well under a client's 64 KiB header line. The daemon
 refuses more; the client and the executor cut their batches at it."""
+MAX_COMMIT_WAIT_S = 30.0
+"""The longest the daemon holds a ``GET .../committed?wait=`` long poll."""
 
 
 def format_shape(shape: Sequence[int]) -> str:

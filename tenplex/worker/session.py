@@ -51,7 +51,6 @@ log = logging.getLogger(__name__)
 
 COMMIT_WAIT_S = 3600.0
 """How long a new worker waits for its version to be committed on its node (the transfer's time, at most)."""
-COMMIT_POLL_S = 0.02
 
 
 @dataclass(frozen=True, slots=True)
@@ -335,21 +334,15 @@ class ElasticWorker:
         return self.step
 
     def wait_for_version(self, version: Version, timeout_s: float = COMMIT_WAIT_S) -> None:
-        """Until ``version`` of the job is committed in this node's store (at once when it is)."""
-        deadline = time.monotonic() + timeout_s
-        waited = False
-        while True:
-            if self.store.is_committed(self.setup.job, version):
-                if waited:
-                    log.info("rank %d: %s is committed on this node; restoring", self.setup.rank, version)
-                return
-            if time.monotonic() > deadline:
-                raise StateLost(f"version {version} of job {self.setup.job!r} was not committed in this node's "
-                                f"store within {timeout_s:.0f} s")
-            if not waited:
-                log.info("rank %d: waiting for %s to be committed on this node", self.setup.rank, version)
-                waited = True
-            time.sleep(COMMIT_POLL_S)
+        """Until ``version`` of the job is committed in this node's store (at once when it is): the store
+        answers when it commits it (the daemon's long poll), not when asked again."""
+        if self.store.wait_committed(self.setup.job, version, 0.0):
+            return
+        log.info("rank %d: waiting for %s to be committed on this node", self.setup.rank, version)
+        if not self.store.wait_committed(self.setup.job, version, timeout_s):
+            raise StateLost(f"version {version} of job {self.setup.job!r} was not committed in this node's "
+                            f"store within {timeout_s:.0f} s")
+        log.info("rank %d: %s is committed on this node; restoring", self.setup.rank, version)
 
     def batches(self, dp_rank: int, start_step: int | None = None) -> Iterator[tuple[int, np.ndarray]]:
         """``(step, sample ids)`` for this data-parallel rank, from the restored position on.

@@ -216,6 +216,17 @@ class StoreTests:
         store.delete(job, "s1-g0")
         assert not store.is_committed(job, "s1-g0")
 
+    def test_a_wait_for_a_commit_ends_with_the_commit_or_its_timeout(self, store: TensorStore, job: str) -> None:
+        assert store.wait_committed(job, "s1-g0", 0.0) is False  # no such job yet
+        store.write_shard(job, "s1-g0", "w", Region.full((2,)), np.zeros(2, np.int8), dtype="int8", global_shape=(2,))
+        assert store.wait_committed(job, "s1-g0", 0.05) is False
+        answer: list[bool] = []
+        waiter = threading.Thread(target=lambda: answer.append(store.wait_committed(job, "s1-g0", 30.0)))
+        waiter.start()
+        store.commit(job, "s1-g0")
+        waiter.join(timeout=30)
+        assert answer == [True] and store.wait_committed(job, Version(1, 0), 0.0) is True
+
     def test_versions_jobs_and_manifests(self, store: TensorStore, job: str) -> None:
         for v in ("s10-g0", "s2-g1", "s2-g0", "s10-g2"):
             store.write_shard(job, v, "a/b.c", Region.full((2,)), np.zeros(2, np.float64), dtype="float64", global_shape=(2,))

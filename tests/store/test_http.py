@@ -325,3 +325,30 @@ def test_concurrent_readers_and_writers(tmp_path: Path) -> None:
             assert block.min() == block.max() and block[0, 0] in (1, 2, 3)  # never a mix of two writers
         assert store.verify("c", "s2-g0") == []
         assert len(store.manifest("c", "s2-g0").shards) == 8
+
+
+def test_a_worker_waiting_for_its_version_is_answered_at_the_commit_by_one_long_poll(
+        server: StoreServer, client: StoreClient) -> None:
+    data = np.arange(12, dtype=np.float32).reshape(3, 4)
+    client.write_shard("waits", "s5-g1", "w", Region.full((3, 4)), data, dtype="float32", global_shape=(3, 4))
+    assert client.wait_committed("waits", "s5-g1", 0.0) is False
+    assert client.wait_committed("waits", "s5-g1", 0.2) is False  # uncommitted: the wait ends with its timeout
+    assert client.wait_committed("nojob", "s1-g0", 0.0) is False  # unknown: not committed, no error
+
+    def polls() -> float:
+        text = client.metrics()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith("tenplex_store_request_seconds_count{") and "/committed" in line)
+
+    before = polls()
+    answer: list[bool] = []
+    waiter = threading.Thread(target=lambda: answer.append(client.wait_committed("waits", "s5-g1", 25.0)))
+    waiter.start()
+    time.sleep(0.5)  # the long poll is in flight (not an assertion: only what the daemon is asked is counted)
+    assert waiter.is_alive() and not answer
+    client.commit("waits", "s5-g1")
+    waiter.join(timeout=25)
+    assert answer == [True]
+    assert polls() - before == 1  # one request, answered by the commit: not a loop of asks
+    status, _headers, body = raw(server, "GET", "/v1/jobs/waits/versions/s5-g1/committed?wait=31", token=TOKEN)
+    assert status == 400 and error_of(body) == "invalid_input"
