@@ -17,7 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, TrainerCallback, TrainingArguments, default_data_collator
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    TrainerCallback,
+    TrainingArguments,
+    default_data_collator,
+)
 
 from tenplex.integrations.transformers import TenplexTrainer
 
