@@ -6,8 +6,9 @@ job scales 2 -> 4 GPUs (DDP dp2 -> dp4), survives a SIGKILLed worker (recovery f
 scales back to 2 GPUs (dp2) and finishes; every step's samples, read from what the Trainer's own data
 collator collated, follow the job's sample order with nothing repeated or skipped (a step run again after
 the rollback takes the same samples); every loss the Trainer logged matches an uninterrupted run of the
-same job within :data:`LOSS_RTOL`. A tp change is refused when asked (transformers' Trainer cannot lay out a
-model it was given with a tp_plan; :func:`~tenplex.integrations.transformers.layout.check_parallel`).
+same job within :data:`LOSS_RTOL`. A tp change is refused when asked, and the job trains on (transformers'
+Trainer cannot lay out a model it was given with a tp_plan;
+:func:`~tenplex.integrations.transformers.layout.check_parallel`).
 """
 
 from __future__ import annotations
@@ -101,6 +102,8 @@ def test_scaled_failed_and_refused_like_an_uninterrupted_run(tmp_path: Path) -> 
         other["max_restarts"] = 0
         client.create(other)
         wait_for(client, "hf", lambda s: s["phase"] == "Running" and s["step"] >= 2, "training on 2 GPUs", 300)
+        with pytest.raises(TenplexError, match="tp=2"):  # refused with the reason; the job trains on
+            client.scale("hf", 2, {"dp": 1, "tp": 2, "pp": 1})
         client.scale("hf", 4)
         st = wait_for(client, "hf", lambda s: s["phase"] == "Running" and s["history"]
                       and s["history"][0]["downtime_seconds"] is not None, "training again on 4 GPUs", 300)
