@@ -97,7 +97,8 @@ def test_scaled_failed_and_refused_like_an_uninterrupted_run(tmp_path: Path) -> 
 
         client.create(spec("base", tmp_path / "base", 2, 2, snapshot_every=STEPS))
         client.create(spec("hf", tmp_path / "hf", 2, 4))
-        other = spec("other", tmp_path / "other", 2, 2)
+        other = spec("other", tmp_path / "other", 1, 1)  # one worker: one launch is all it takes
+        other["policy"] = {"table": {"1": {"dp": 1, "zero": 0}}}
         other["env"]["HF_LAYERS"] = "3"
         other["max_restarts"] = 0
         client.create(other)
