@@ -1,6 +1,6 @@
 """A user's Hugging Face training script, as the tests run it: ``python -m tests.integrations.hf_job``.
 
-A tiny GPT-2 (``GPT2LMHeadModel``: 2 layers, width 32, tied output embedding, no dropout), fp32, trained by
+A tiny Qwen2 (``Qwen2ForCausalLM``: 2 layers, width 32, grouped-query attention), fp32, trained by
 :class:`~tenplex.integrations.transformers.TenplexTrainer` on synthetic token ids (no download). The job's
 layout is ``{"provider": "transformers", "model": MODEL}``. What the tests read is recorded from the Trainer's
 own run: its data collator notes the ids of the samples in each batch it collates (sample ``i``'s first token
@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 from transformers import (
-    GPT2Config,
-    GPT2LMHeadModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
     TrainerCallback,
     TrainingArguments,
     default_data_collator,
@@ -28,10 +28,10 @@ from transformers import (
 from tenplex.integrations.transformers import TenplexTrainer
 
 SEQ, VOCAB, SAMPLES = 16, 128, 64
-MODEL = {"architecture": "GPT2LMHeadModel",
-         "config": {"vocab_size": VOCAB, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": SEQ,
-                    "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "bos_token_id": 0,
-                    "eos_token_id": 0}}
+MODEL = {"architecture": "Qwen2ForCausalLM",
+         "config": {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+                    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": SEQ,
+                    "tie_word_embeddings": False, "bos_token_id": 0, "eos_token_id": 0}}
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -76,9 +76,9 @@ class Recorder(TrainerCallback):
         os.replace(tmp, path)
 
 
-def build_model(layers: int = 2) -> GPT2LMHeadModel:
+def build_model(layers: int = 2) -> Qwen2ForCausalLM:
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(**{**MODEL["config"], "n_layer": layers}))
+    return Qwen2ForCausalLM(Qwen2Config(**{**MODEL["config"], "num_hidden_layers": layers}))
 
 
 def main() -> int:

@@ -21,9 +21,11 @@ from tenplex.errors import InvalidConfig  # noqa: E402
 from tenplex.ptc import DatasetState, ParallelConfig, Placement  # noqa: E402
 from tenplex.scheduler.layouts import LayoutSpec, registered_providers  # noqa: E402
 from tenplex.worker.state import check_layout, ensure_optimizer_state, live_pieces  # noqa: E402
-from tests.integrations.hf_job import MODEL  # noqa: E402
 
 DATASET = DatasetState(num_samples=64, seed=0, global_batch_size=8)
+GPT2 = {"architecture": "GPT2LMHeadModel",
+        "config": {"vocab_size": 96, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 16,
+                   "bos_token_id": 0, "eos_token_id": 0}}
 LLAMA = {"architecture": "LlamaForCausalLM",
          "config": {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
                     "num_attention_heads": 4, "num_key_value_heads": 2}}
@@ -44,7 +46,7 @@ def live(model: dict, **changes) -> torch.nn.Module:
     return cls(cls.config_class(**{**model["config"], **changes}))
 
 
-@pytest.mark.parametrize("model", [MODEL, LLAMA, QWEN2], ids=["gpt2", "llama", "qwen2"])
+@pytest.mark.parametrize("model", [GPT2, LLAMA, QWEN2], ids=["gpt2", "llama", "qwen2"])
 def test_the_ptc_is_the_live_models_on_every_dp_rank(model: dict) -> None:
     assert "transformers" in registered_providers()
     ptc = layout(model)
@@ -61,8 +63,8 @@ def test_the_ptc_is_the_live_models_on_every_dp_rank(model: dict) -> None:
 
 
 def test_a_live_model_that_differs_is_refused_naming_the_tensor() -> None:
-    ptc = layout(MODEL)
-    net = live(MODEL, n_layer=3)
+    ptc = layout(GPT2)
+    net = live(GPT2, n_layer=3)
     opt = torch.optim.AdamW(net.parameters())
     with pytest.raises(InvalidConfig, match=r"live tensor 'transformer\.h\.2\."):
         ensure_optimizer_state(net, opt, ptc)

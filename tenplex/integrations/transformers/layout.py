@@ -39,9 +39,9 @@ def check_parallel(parallel: ParallelConfig) -> None:
     """What :class:`TenplexTrainer` can run: dp replicas (DDP through the Trainer); :class:`InvalidConfig` if not."""
     if parallel.tp != 1:
         raise InvalidConfig(
-            f"{parallel.describe()}: tp={parallel.tp}; TenplexTrainer runs data parallelism only. transformers' "
-            "Trainer trains a tp_plan model only when from_pretrained(tp_plan=...) loaded it inside the job's process "
-            "group, and it cannot lay out again a model it was given: use a policy with tp=1"
+            f"{parallel.describe()}: tp={parallel.tp}; TenplexTrainer runs data parallelism only: transformers' "
+            "Trainer trains a tp_plan model through accelerate's ParallelismConfig, which accelerate 1.15 refuses "
+            "without accelerators (MULTI_CPU), and Tenplex has not run it on GPUs yet: use a policy with tp=1"
         )
     if parallel.pp != 1:
         raise InvalidConfig(f"{parallel.describe()}: pp={parallel.pp}; transformers' Trainer has no pipeline "
@@ -49,7 +49,8 @@ def check_parallel(parallel: ParallelConfig) -> None:
     if parallel.zero != 0:
         raise InvalidConfig(
             f"{parallel.describe()}: zero={parallel.zero}; TenplexTrainer runs the Trainer's DDP (every dp rank a full "
-            "replica): use a policy with \"zero\": 0, e.g. {\"table\": {\"2\": {\"dp\": 2, \"zero\": 0}}}"
+            "replica; accelerate 1.15 runs the Trainer's FSDP only on accelerators, and Tenplex has not run it on "
+            "GPUs yet): use a policy with \"zero\": 0, e.g. {\"table\": {\"2\": {\"dp\": 2, \"zero\": 0}}}"
         )
 
 

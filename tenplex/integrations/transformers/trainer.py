@@ -262,6 +262,9 @@ def check_arguments(args: TrainingArguments) -> None:
     if args.fsdp:
         raise InvalidConfig(f"TrainingArguments.fsdp is {args.fsdp!r}; under Tenplex the job's policy decides the "
                             "parallelism and TenplexTrainer runs the Trainer's DDP (zero=0): leave fsdp unset")
+    if args.parallelism_config is not None:
+        raise InvalidConfig("TrainingArguments.parallelism_config is set; under Tenplex the job's policy decides the "
+                            "parallelism and TenplexTrainer runs the Trainer's DDP: leave it unset")
     if args.deepspeed:
         raise InvalidConfig("TrainingArguments.deepspeed is set; TenplexTrainer stores the state of the Trainer's "
                             "own torch optimizer under DDP: leave deepspeed unset")
