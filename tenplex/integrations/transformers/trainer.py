@@ -154,6 +154,9 @@ class TenplexTrainer(Trainer):
         if self.tenplex is None:
             return super().train(*args, **kwargs)
         worker = self.tenplex
+        if (args[0] if args else kwargs.get("resume_from_checkpoint")) not in (None, False):
+            self._fail(InvalidConfig("train(resume_from_checkpoint=...) under Tenplex: the job restores the version "
+                                     "the scheduler assigns; leave it unset"))
         try:
             out = super().train(*args, **kwargs)
         except BaseException as exc:
