@@ -41,7 +41,7 @@ from tenplex.core.protocol import (
     SnapshotReport,
 )
 from tenplex.errors import Conflict, InvalidConfig, NotFound, TenplexError
-from tenplex.ptc import PTC, ParallelConfig
+from tenplex.ptc import PTC, ParallelConfig, Placement
 from tenplex.scheduler.backend import Backend
 from tenplex.scheduler.context import JobContext, SchedulerSettings
 from tenplex.scheduler.decide import Observations, decide_running, decide_stopping
@@ -146,6 +146,9 @@ class JobController:
                 raise InvalidConfig("a suspend (0 GPUs) takes no parallel configuration")
             if parallel.world_size != gpus:
                 raise InvalidConfig(f"{parallel.describe()} is {parallel.world_size} GPUs, the request asks for {gpus}")
+            # A configuration the job's layout provider refuses (one its trainer cannot run) is refused now, with
+            # the provider's reason: found only after the workers stopped, it would fail the job.
+            self.spec.layout.build(parallel, Placement.uniform(gpus, gpus), self.spec.dataset)
         with self.lock:
             st = self.status
             if st.phase in (Phase.FAILED, Phase.SUCCEEDED):

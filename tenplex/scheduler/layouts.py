@@ -8,8 +8,8 @@ it the model's description::
     {"provider": "mypackage.layout:my_layout", "model": {...}}
 
 The provider is a name registered under the ``tenplex.layouts`` entry points
-(Tenplex registers ``megatron-gpt`` and ``torchtitan``; the example jobs'
-distribution, ``tenplex-examples``, registers ``example-gpt`` and ``example-hf``), or a ``module:function`` spec naming a provider directly.
+(Tenplex registers ``megatron-gpt``, ``torchtitan`` and ``transformers``; the example job's
+distribution, ``tenplex-examples``, registers ``example-gpt``), or a ``module:function`` spec naming a provider directly.
 Either is resolved when the spec is made (job creation, or a scheduler
 reading its records back), so an unknown provider or bad model fields are
 refused at once, with the reason. Resolving imports the provider's module

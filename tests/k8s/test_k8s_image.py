@@ -156,9 +156,10 @@ def test_the_package_builds_as_pip_install_dot_does(tmp_path: Path) -> None:
     assert "tenplex = tenplex.cli:main" in entry_points
     assert "megatron-gpt = tenplex.ptc.megatron:megatron_gpt_layout" in entry_points
     assert "torchtitan = tenplex.integrations.torchtitan.layout:torchtitan_layout" in entry_points
+    assert "transformers = tenplex.integrations.transformers.layout:transformers_layout" in entry_points
     assert "kubernetes = tenplex.k8s.operator:kubernetes_scheduler" in entry_points
     names, entry_points = contents("tenplex_examples-*.whl")
-    assert {"examples/gpt/train.py", "examples/gpt/layout.py", "examples/hf/job.py"} <= names
+    assert {"examples/gpt/train.py", "examples/gpt/layout.py"} <= names
     assert "example-gpt = examples.gpt.layout:example_gpt_layout" in entry_points
 
 

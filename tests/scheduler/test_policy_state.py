@@ -181,9 +181,9 @@ def test_providers_are_registered_by_entry_points_and_resolved_by_name():
     from tenplex.scheduler.layouts import registered_providers, resolve_provider
     from tenplex.testing.layouts import mlp_layout
 
-    # Tenplex registers megatron-gpt and torchtitan; the tenplex-examples distribution (examples/pyproject.toml)
-    # the others.
-    assert {"megatron-gpt", "torchtitan", "example-gpt", "example-hf"} <= set(registered_providers())
+    # Tenplex registers megatron-gpt, torchtitan and transformers; the tenplex-examples distribution
+    # (examples/pyproject.toml) example-gpt.
+    assert {"megatron-gpt", "torchtitan", "transformers", "example-gpt"} <= set(registered_providers())
     assert resolve_provider("megatron-gpt") is megatron_gpt_layout
     assert resolve_provider("tenplex.testing.layouts:mlp_layout") is mlp_layout
     spec = LayoutSpec("tenplex.testing.layouts:mlp_layout", {"layers": 2, "dim": 8}, "bf16")
