@@ -35,8 +35,14 @@ COPY tenplex ./tenplex
 COPY examples ./examples
 # torch==2.13.0 is already satisfied by the wheel above, so pip does not fetch another build. The example
 # jobs are their own distribution (tenplex-examples), registering their layout providers by entry points.
-RUN pip install --no-cache-dir . ./examples \
-    && python -c "import tenplex.cli, examples.gpt.train"
+# The `clients` extra and torchtitan + torchdata (without their declared dependencies, as the Makefile installs
+# them: their metadata pulls another torch) are what the `torchtitan` and `transformers` layout providers and
+# trainer integrations import: the scheduler derives those jobs' layouts, their workers run the trainers.
+# (DL3013 takes ".[clients]" for an unpinned package: it is this source tree, every requirement pinned in it.)
+# hadolint ignore=DL3013
+RUN pip install --no-cache-dir ".[clients]" ./examples \
+    && pip install --no-cache-dir --no-deps torchtitan==0.3.0 torchdata==0.11.0 \
+    && python -c "import tenplex.cli, examples.gpt.train, tenplex.integrations.torchtitan.layout, tenplex.integrations.transformers.layout"
 
 # ---------------------------------------------------------------- runtime: slim, non-root
 FROM ${PYTHON_IMAGE} AS runtime

@@ -96,6 +96,13 @@ def test_multi_stage_pinned_non_root_with_the_cli_as_entry_point() -> None:
     assert args["TORCH_VARIANT"] == "cpu"
     torch_run = next(r for w, r in builder if w == "RUN" and "torch==" in r)
     assert '--index-url "https://download.pytorch.org/whl/${TORCH_VARIANT}"' in torch_run
+    # The trainer integrations' libraries, pinned as `make install` pins them (torchtitan and torchdata without
+    # their declared dependencies), so the image's scheduler and workers can run torchtitan and HF Trainer jobs.
+    install = next(r for w, r in builder if w == "RUN" and "./examples" in r)
+    assert 'pip install --no-cache-dir ".[clients]" ./examples' in install
+    makefile_pins = re.search(r"^TORCHTITAN := (.+)$", (REPO / "Makefile").read_text(), re.M)
+    assert makefile_pins is not None
+    assert f"pip install --no-cache-dir --no-deps {makefile_pins.group(1).strip()}" in install
 
     runtime_words = [w for w, _ in runtime]
     assert ("COPY", "--from=builder /opt/venv /opt/venv") in runtime
