@@ -18,6 +18,16 @@ The life of a worker, as the protocol sees it::
     POST {PEER_FAILURE_PATH}(on timeout)  PeerFailureReport-> Ack
     POST {EXIT_PATH}        (at the end)  ExitReport       -> Ack
 
+Heartbeats usually go through the worker's node daemon instead (liveness
+scales with nodes, not workers): the worker posts a :class:`RelayedHeartbeat`
+to ``{store_url}{RELAY_HEARTBEAT_PATH}`` and gets the same
+:class:`HeartbeatReply`; the daemon sends the scheduler one
+:class:`NodeHeartbeats` per job and node per interval at
+:data:`NODE_HEARTBEATS_PATH` and answers each worker with its part of the
+:class:`NodeHeartbeatsReply`. A daemon relays only for the scheduler it was
+started for (``GET {RELAY_PATH}`` says which: :class:`RelayInfo`); a worker
+whose daemon does not relay for its scheduler heartbeats the scheduler itself.
+
 A stop request ("stop after step N") travels in the :class:`Assignment` and in
 every :class:`HeartbeatReply`; the worker finishes step N, snapshots it,
 reports the snapshot and exits with :data:`EXIT_STOPPED`. The ranks agree on
@@ -107,6 +117,12 @@ HEARTBEAT_PATH = API_PREFIX + "/jobs/{job}/workers/{worker_id}/heartbeat"
 SNAPSHOT_PATH = API_PREFIX + "/jobs/{job}/workers/{worker_id}/snapshot"
 PEER_FAILURE_PATH = API_PREFIX + "/jobs/{job}/workers/{worker_id}/peer-failure"
 EXIT_PATH = API_PREFIX + "/jobs/{job}/workers/{worker_id}/exit"
+NODE_HEARTBEATS_PATH = API_PREFIX + "/jobs/{job}/nodes/{node}/heartbeats"
+"""The scheduler's route for one node daemon's batch of its workers' heartbeats."""
+RELAY_PATH = API_PREFIX + "/relay"
+"""The node daemon's description of its relay (:class:`RelayInfo`)."""
+RELAY_HEARTBEAT_PATH = API_PREFIX + "/relay/jobs/{job}/workers/{worker_id}/heartbeat"
+"""The node daemon's route for a worker's heartbeat, relayed to the scheduler in the node's next batch."""
 
 # -- field types -----------------------------------------------------------------------
 
@@ -250,6 +266,89 @@ class HeartbeatReply(_Model):
     action: Literal["continue", "stop"] = "continue"
     generation: Generation
     stop_at_step: Step | None = Field(None, description="Finish this step, snapshot it and exit.")
+
+
+class RelayedHeartbeat(HeartbeatRequest):
+    """A heartbeat sent to the node daemon, with the scheduler it is meant for (the daemon relays only to its own)
+    and the worker's host (the node its batch is reported for)."""
+
+    scheduler_url: str = Field(min_length=1, max_length=2048)
+    host: HostName
+
+
+class RelayInfo(_Model):
+    """What a node daemon relays: heartbeats to ``scheduler_url`` (None: it relays nothing)."""
+
+    scheduler_url: str | None = None
+    interval_s: float = Field(gt=0, description="How often the daemon sends its node's batch.")
+
+
+MAX_NODE_HEARTBEATS = 4096
+"""The most heartbeats one node's batch may carry (a node has a handful of workers per job)."""
+
+
+class NodeHeartbeat(_Model):
+    """One worker's heartbeat in its node's batch: the worker's :class:`HeartbeatRequest` and how long ago the
+    daemon received it (the scheduler dates the beat back by that, so a relayed beat counts from when the
+    worker sent it, on the scheduler's clock)."""
+
+    worker_id: WorkerId
+    generation: Generation
+    step: Step
+    loss: float | None = None
+    marks: dict[str, float] | None = None
+    age_s: float = Field(0.0, ge=0, le=86400, description="Seconds since the daemon received the heartbeat.")
+
+    @field_validator("marks")
+    @classmethod
+    def _marks_known(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        return _check_marks(v)
+
+    @field_validator("loss")
+    @classmethod
+    def _finite(cls, v: float | None) -> float | None:
+        if v is not None and not math.isfinite(v):
+            raise ValueError(f"loss must be finite (send null for NaN/inf), got {v}")
+        return v
+
+
+class NodeHeartbeats(_Model):
+    """A node daemon's batch: the heartbeats its workers of one job sent since its last batch, once each."""
+
+    beats: list[NodeHeartbeat] = Field(min_length=1, max_length=MAX_NODE_HEARTBEATS)
+
+    @model_validator(mode="after")
+    def _once_each(self) -> NodeHeartbeats:
+        if len({b.worker_id for b in self.beats}) != len(self.beats):
+            raise ValueError("a worker appears more than once in the batch")
+        return self
+
+
+class ErrorBody(_Model):
+    """An error as every Tenplex service answers it (``{"error": code, "detail": message}``)."""
+
+    error: str = Field(min_length=1, max_length=64)
+    detail: str = Field(max_length=4000)
+
+
+class NodeHeartbeatAnswer(_Model):
+    """The scheduler's answer to one worker's heartbeat of a batch: its reply, or the error it would have got."""
+
+    worker_id: WorkerId
+    reply: HeartbeatReply | None = None
+    error: ErrorBody | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> NodeHeartbeatAnswer:
+        if (self.reply is None) == (self.error is None):
+            raise ValueError("an answer has either a reply or an error")
+        return self
+
+
+class NodeHeartbeatsReply(_Model):
+    """The answers to a batch, in its order."""
+
+    answers: list[NodeHeartbeatAnswer]
 
 
 class SnapshotReport(_Model):

@@ -22,7 +22,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal
 
-from fastapi import Depends, FastAPI, Query, Request
+from fastapi import Depends, FastAPI, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -249,6 +249,17 @@ def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
 
     report_route("exit", "exit_report", "A worker is exiting", P.Ack)
 
+    @app.post(P.NODE_HEARTBEATS_PATH, tags=["workers"], summary="A node daemon's batch of its workers' heartbeats",
+              name="node_heartbeats", response_model=P.NodeHeartbeatsReply,
+              openapi_extra=_json_body(P.NodeHeartbeats),
+              description="One report per node and job per interval instead of one per worker; answers each "
+                          "worker as its own heartbeat would be. Answered by `_WorkerReports` before routing.")
+    async def node_heartbeats(job: P.JobName, node: Annotated[str, Path(pattern=_NODE_NAME.pattern)],
+                              request: Request) -> Response:
+        auth(request)
+        return Response(await _worker_report(scheduler, "heartbeats", job, node, await request.body()),
+                        media_type="application/json")
+
     return app
 
 
@@ -321,9 +332,11 @@ _REPORTS: dict[str, tuple[type[BaseModel], str, Callable[[JobController, str, An
     "heartbeat": (P.HeartbeatRequest, P.HEARTBEAT_PATH, lambda ctl, w, body: ctl.heartbeat(w, body)),
     "snapshot": (P.SnapshotReport, P.SNAPSHOT_PATH, lambda ctl, w, body: ctl.snapshot_report(w, body)),
     "exit": (P.ExitReport, P.EXIT_PATH, lambda ctl, w, body: ctl.exit_report(w, body)),
+    "heartbeats": (P.NodeHeartbeats, P.NODE_HEARTBEATS_PATH, lambda ctl, node, body: ctl.node_heartbeats(node, body)),
 }
 """The worker reports every worker sends (``kind`` -> body model, route, controller call): a heartbeat every
-second or so, and at every planned change a snapshot and an exit report from each worker at once."""
+second or so (one batch per node and interval from the node daemons that relay them: ``heartbeats``, called
+with the node's name), and at every planned change a snapshot and an exit report from each worker at once."""
 
 
 async def _worker_report(scheduler: Scheduler, kind: str, job: str, worker_id: str, raw: bytes) -> bytes:
@@ -346,21 +359,24 @@ async def _worker_report(scheduler: Scheduler, kind: str, job: str, worker_id: s
     return reply.model_dump_json().encode() if reply is not None else _ACK
 
 
-_WORKER_REPORT = re.compile(r"^/v1/jobs/([^/]+)/workers/([^/]+)/(heartbeat|snapshot|exit)$")
+_WORKER_REPORT = re.compile(r"^/v1/jobs/([^/]+)/(?:workers/([^/]+)/(heartbeat|snapshot|exit)|nodes/([^/]+)/(heartbeats))$")
 _JOB_NAME = re.compile(P.JOB_NAME_PATTERN)
 _WORKER_ID = re.compile(P.WORKER_ID_PATTERN)
+_NODE_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,251}[A-Za-z0-9])?$")
+"""A node's name in the path of its batch (a Kubernetes node name, an emulated host's)."""
 
 
 class _WorkerReports:
-    """Worker reports answered before routing: heartbeats, snapshot and exit reports (:data:`_REPORTS`).
+    """Worker reports answered before routing: heartbeats (a worker's own and a node's batch), snapshot and exit
+    reports (:data:`_REPORTS`).
 
     A thousand workers send a thousand heartbeats a second, and two thousand
     reports within a second or two when a planned change stops them; through
     the framework's routing, dependencies, request objects and worker threads
     each cost several times the work of the report itself
     (``benchmarks/control_plane.py``). This ASGI layer answers
-    ``POST /v1/jobs/{job}/workers/{worker_id}/{heartbeat,snapshot,exit}``
-    itself, with the routes' contract (bearer token, body and reply models,
+    ``POST /v1/jobs/{job}/workers/{worker_id}/{heartbeat,snapshot,exit}`` and
+    ``POST /v1/jobs/{job}/nodes/{node}/heartbeats`` itself, with the routes' contract (bearer token, body and reply models,
     errors as ``{"error", "detail"}``, latency in the request histogram);
     anything else, and a path whose names are malformed, goes on to the app.
     """
@@ -373,23 +389,25 @@ class _WorkerReports:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         m = _WORKER_REPORT.match(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
-        if m is None or not _JOB_NAME.match(m.group(1)) or not _WORKER_ID.match(m.group(2)):
+        job, who, kind = "", "", ""
+        if m is not None:
+            job, who, kind = (m.group(1), m.group(2), m.group(3)) if m.group(2) else (m.group(1), m.group(4), m.group(5))
+        if m is None or not _JOB_NAME.match(job) or not (_WORKER_ID if kind != "heartbeats" else _NODE_NAME).match(who):
             await self.app(scope, receive, send)
             return
         start = time.perf_counter()
         headers: list[tuple[bytes, bytes]] = [(b"content-type", b"application/json")]
         try:
             principal = self.authn.authenticate(dict(scope["headers"]).get(b"authorization"))
-            if not principal.can_write(m.group(1)):
-                raise Forbidden(f"a {principal.describe()} may not report for job {m.group(1)!r}")
+            if not principal.can_write(job):
+                raise Forbidden(f"a {principal.describe()} may not report for job {job!r}")
             chunks = []
             while True:
                 message = await receive()
                 chunks.append(message.get("body", b""))
                 if not message.get("more_body"):
                     break
-            status, body = 200, await _worker_report(self.scheduler, m.group(3), m.group(1), m.group(2),
-                                                     b"".join(chunks))
+            status, body = 200, await _worker_report(self.scheduler, kind, job, who, b"".join(chunks))
         except TenplexError as exc:
             status, body = exc.http_status, json.dumps(exc.to_json()).encode()
             if isinstance(exc, Unauthorized):
@@ -397,7 +415,7 @@ class _WorkerReports:
         headers.append((b"content-length", str(len(body)).encode()))
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
-        self.metrics.requests.labels(_REPORTS[m.group(3)][1], "POST", str(status)).observe(time.perf_counter() - start)
+        self.metrics.requests.labels(_REPORTS[kind][1], "POST", str(status)).observe(time.perf_counter() - start)
 
 
 class _Timing:

@@ -33,9 +33,13 @@ import urllib3
 
 from tenplex.core.protocol import (
     Assignment,
+    ErrorBody,
     ExitReport,
     HeartbeatReply,
     HeartbeatRequest,
+    NodeHeartbeatAnswer,
+    NodeHeartbeats,
+    NodeHeartbeatsReply,
     PeerFailureReport,
     RegisterRequest,
     SnapshotReport,
@@ -84,6 +88,10 @@ class JobController:
         self._wake = threading.Event()
         self._closing = threading.Event()
         self._thread: threading.Thread | None = None
+        self._index: dict[str, WorkerRecord] = {}
+        """Worker id -> record of ``_index_of``, the record's worker list it was built for (the list is replaced,
+        never changed in place): a node's batch looks its workers up without a scan of every worker."""
+        self._index_of: list[WorkerRecord] | None = None
 
     @property
     def spec(self) -> JobSpec:
@@ -186,27 +194,63 @@ class JobController:
             return self.launcher.assignment(self._worker(worker_id))
 
     def heartbeat(self, worker_id: str, req: HeartbeatRequest) -> HeartbeatReply:
+        """A worker's own heartbeat (one whose node daemon does not relay for this scheduler)."""
         with self.lock:
             w = self._worker(worker_id, req.generation)
-            w.last_heartbeat = time.time()
-            w.step = req.step
-            if req.marks:
-                self.ctx.worker_marks(req.generation, req.marks)
-            metrics = self.ctx.metrics
-            if req.step > self.status.step:
-                self.status.step = req.step
-                if metrics is not None:
-                    metrics.step.labels(self.spec.name).set(req.step)
-                if req.loss is not None and metrics is not None:
-                    metrics.loss.labels(self.spec.name).set(req.loss)
-            st = self.status
-            # The loop looks at the job every poll interval anyway; a heartbeat wakes it at once only when it
-            # may move the job on (a milestone, a stop step or the last step reached, a downtime to close).
-            # At a thousand workers a wake per heartbeat meant a thousand ticks a second over every worker.
-            if (req.marks or st.phase != Phase.RUNNING or st.downtime_started_at is not None
-                    or req.step >= self.spec.steps or (st.stop_at_step is not None and req.step >= st.stop_at_step)):
+            if self._beat(w, req.step, req.loss, req.marks, time.time()):
                 self._wake.set()
-            return HeartbeatReply(action="continue", generation=st.generation, stop_at_step=st.stop_at_step)
+            return self._reply()
+
+    def node_heartbeats(self, node: str, batch: NodeHeartbeats) -> NodeHeartbeatsReply:
+        """A node daemon's batch of its workers' heartbeats: each recorded as its own heartbeat would be, dated
+        back by how long the daemon held it, so a worker's silence is measured from its last beat wherever
+        the beat went; one answer per beat, in the batch's order (an error where its own would have failed,
+        e.g. a worker of another generation or of another node)."""
+        now = time.time()
+        answers: list[NodeHeartbeatAnswer] = []
+        wake = False
+        with self.lock:
+            reply: HeartbeatReply | None = None
+            for b in batch.beats:
+                try:
+                    w = self._worker(b.worker_id, b.generation)
+                    if w.host != node:
+                        raise Conflict(f"worker {b.worker_id} runs on {w.host}, not on {node}")
+                except TenplexError as exc:
+                    answers.append(NodeHeartbeatAnswer(worker_id=b.worker_id, error=ErrorBody(**exc.to_json())))
+                    continue
+                wake |= self._beat(w, b.step, b.loss, b.marks, now - b.age_s)
+                reply = reply or self._reply()
+                answers.append(NodeHeartbeatAnswer(worker_id=b.worker_id, reply=reply))
+        if wake:
+            self._wake.set()
+        return NodeHeartbeatsReply(answers=answers)
+
+    def _beat(self, w: WorkerRecord, step: int, loss: float | None, marks: dict[str, float] | None,
+              when: float) -> bool:
+        """Record one heartbeat of ``w`` sent at ``when`` (under the lock); whether it should wake the loop."""
+        if w.last_heartbeat is None or when > w.last_heartbeat:
+            w.last_heartbeat = when
+        w.step = step
+        if marks:
+            self.ctx.worker_marks(w.generation, marks)
+        metrics = self.ctx.metrics
+        st = self.status
+        if step > st.step:
+            st.step = step
+            if metrics is not None:
+                metrics.step.labels(self.spec.name).set(step)
+            if loss is not None and metrics is not None:
+                metrics.loss.labels(self.spec.name).set(loss)
+        # The loop looks at the job every poll interval anyway; a heartbeat wakes it at once only when it
+        # may move the job on (a milestone, a stop step or the last step reached, a downtime to close).
+        # At a thousand workers a wake per heartbeat meant a thousand ticks a second over every worker.
+        return bool(marks or st.phase != Phase.RUNNING or st.downtime_started_at is not None
+                    or step >= self.spec.steps or (st.stop_at_step is not None and step >= st.stop_at_step))
+
+    def _reply(self) -> HeartbeatReply:
+        st = self.status
+        return HeartbeatReply(action="continue", generation=st.generation, stop_at_step=st.stop_at_step)
 
     def snapshot_report(self, worker_id: str, req: SnapshotReport) -> None:
         with self.lock:
@@ -250,12 +294,16 @@ class JobController:
         self._wake.set()
 
     def _worker(self, worker_id: str, generation: int | None = None) -> WorkerRecord:
-        for w in self.status.workers:
-            if w.worker_id == worker_id:
-                if generation is not None and generation != w.generation:
-                    raise Conflict(f"worker {worker_id} speaks for generation {generation}, the job is at {w.generation}")
-                return w
-        raise NotFound(f"job {self.spec.name!r} has no worker {worker_id!r} in generation {self.status.generation}")
+        workers = self.status.workers
+        if self._index_of is not workers:
+            self._index = {w.worker_id: w for w in workers}
+            self._index_of = workers
+        w = self._index.get(worker_id)
+        if w is None:
+            raise NotFound(f"job {self.spec.name!r} has no worker {worker_id!r} in generation {self.status.generation}")
+        if generation is not None and generation != w.generation:
+            raise Conflict(f"worker {worker_id} speaks for generation {generation}, the job is at {w.generation}")
+        return w
 
     # -- the loop -----------------------------------------------------------
 
