@@ -120,7 +120,7 @@ class ControlClient:
         """Whether the node daemon at ``node_url`` relays heartbeats to this worker's scheduler (False also when it
         cannot be reached or predates relays: heartbeat the scheduler then)."""
         try:
-            info = self._call("GET", p.RELAY_PATH, None, p.RelayInfo, base=node_url.rstrip("/"), retries=0)
+            info = self._call("GET", p.RELAY_PATH, None, p.RelayInfo, base=node_url.rstrip("/"), retries=2)
         except TenplexError as exc:
             log.info("node daemon at %s does not relay heartbeats (%s): heartbeating the scheduler", node_url, exc.detail)
             return False
