@@ -286,41 +286,44 @@ class RelayInfo(_Model):
 MAX_NODE_HEARTBEATS = 4096
 """The most heartbeats one node's batch may carry (a node has a handful of workers per job)."""
 
-
-class NodeHeartbeat(_Model):
-    """One worker's heartbeat in its node's batch: the worker's :class:`HeartbeatRequest` and how long ago the
-    daemon received it (the scheduler dates the beat back by that, so a relayed beat counts from when the
-    worker sent it, on the scheduler's clock)."""
-
-    worker_id: WorkerId
-    generation: Generation
-    step: Step
-    loss: float | None = None
-    marks: dict[str, float] | None = None
-    age_s: float = Field(0.0, ge=0, le=86400, description="Seconds since the daemon received the heartbeat.")
-
-    @field_validator("marks")
-    @classmethod
-    def _marks_known(cls, v: dict[str, float] | None) -> dict[str, float] | None:
-        return _check_marks(v)
-
-    @field_validator("loss")
-    @classmethod
-    def _finite(cls, v: float | None) -> float | None:
-        if v is not None and not math.isfinite(v):
-            raise ValueError(f"loss must be finite (send null for NaN/inf), got {v}")
-        return v
+_Age = Annotated[float, Field(ge=0, le=86400)]
+_Loss = Annotated[float | None, Field(allow_inf_nan=False)]
 
 
 class NodeHeartbeats(_Model):
-    """A node daemon's batch: the heartbeats its workers of one job sent since its last batch, once each."""
+    """A node daemon's batch: the heartbeats its workers of one job sent since its last batch, once each.
 
-    beats: list[NodeHeartbeat] = Field(min_length=1, max_length=MAX_NODE_HEARTBEATS)
+    Column by column (the i-th entry of each list is the i-th worker's), so that the scheduler parses a node's
+    report as a few lists of numbers: it handles one of these per node every second. ``ages`` is how long ago
+    the daemon received each heartbeat; the scheduler dates the beat back by that, so a relayed beat counts
+    from when the worker sent it, on the scheduler's clock.
+    """
+
+    workers: list[WorkerId] = Field(min_length=1, max_length=MAX_NODE_HEARTBEATS)
+    generations: list[Generation]
+    steps: list[Step]
+    ages: list[_Age] = Field(description="Seconds since the daemon received each heartbeat.")
+    losses: list[_Loss] | None = Field(None, description="Each worker's loss of its last step (null: none).")
+    marks: dict[WorkerId, dict[str, float]] | None = Field(
+        None, description="Milestones reached since the last heartbeat, of the workers that have any.")
 
     @model_validator(mode="after")
-    def _once_each(self) -> NodeHeartbeats:
-        if len({b.worker_id for b in self.beats}) != len(self.beats):
+    def _consistent(self) -> NodeHeartbeats:
+        n = len(self.workers)
+        lengths = {"generations": len(self.generations), "steps": len(self.steps), "ages": len(self.ages)}
+        if self.losses is not None:
+            lengths["losses"] = len(self.losses)
+        wrong = {k: v for k, v in lengths.items() if v != n}
+        if wrong:
+            raise ValueError(f"every column needs one entry per worker ({n}): {wrong}")
+        if len(set(self.workers)) != n:
             raise ValueError("a worker appears more than once in the batch")
+        if self.marks:
+            strangers = sorted(set(self.marks) - set(self.workers))
+            if strangers:
+                raise ValueError(f"marks of workers not in the batch: {strangers[:4]}")
+            for m in self.marks.values():
+                _check_marks(m)
         return self
 
 
@@ -331,24 +334,17 @@ class ErrorBody(_Model):
     detail: str = Field(max_length=4000)
 
 
-class NodeHeartbeatAnswer(_Model):
-    """The scheduler's answer to one worker's heartbeat of a batch: its reply, or the error it would have got."""
-
-    worker_id: WorkerId
-    reply: HeartbeatReply | None = None
-    error: ErrorBody | None = None
-
-    @model_validator(mode="after")
-    def _one(self) -> NodeHeartbeatAnswer:
-        if (self.reply is None) == (self.error is None):
-            raise ValueError("an answer has either a reply or an error")
-        return self
-
-
 class NodeHeartbeatsReply(_Model):
-    """The answers to a batch, in its order."""
+    """The answer to each worker of a batch: its error when it has one in ``errors`` (what its own heartbeat
+    would have got: an unknown worker, another generation, another node), else ``reply`` (the job's answer to
+    each of its workers: the same for all of them, so sent once)."""
 
-    answers: list[NodeHeartbeatAnswer]
+    reply: HeartbeatReply | None = Field(None, description="The answer of every worker without an error.")
+    errors: dict[WorkerId, ErrorBody] = Field(default_factory=dict)
+
+    def answer(self, worker_id: str) -> HeartbeatReply | ErrorBody | None:
+        """The answer to ``worker_id``, a worker of the batch (None only when the scheduler answered no one)."""
+        return self.errors.get(worker_id) or self.reply
 
 
 class SnapshotReport(_Model):

@@ -37,7 +37,6 @@ from tenplex.core.protocol import (
     ExitReport,
     HeartbeatReply,
     HeartbeatRequest,
-    NodeHeartbeatAnswer,
     NodeHeartbeats,
     NodeHeartbeatsReply,
     PeerFailureReport,
@@ -204,27 +203,27 @@ class JobController:
     def node_heartbeats(self, node: str, batch: NodeHeartbeats) -> NodeHeartbeatsReply:
         """A node daemon's batch of its workers' heartbeats: each recorded as its own heartbeat would be, dated
         back by how long the daemon held it, so a worker's silence is measured from its last beat wherever
-        the beat went; one answer per beat, in the batch's order (an error where its own would have failed,
-        e.g. a worker of another generation or of another node)."""
+        the beat went. Each worker is answered as its own heartbeat would be: an error where that would have
+        failed (a worker of another generation, of another node, unknown), else the job's reply."""
         now = time.time()
-        answers: list[NodeHeartbeatAnswer] = []
+        errors: dict[str, ErrorBody] = {}
         wake = False
+        losses = batch.losses or ()
         with self.lock:
-            reply: HeartbeatReply | None = None
-            for b in batch.beats:
+            for i, worker_id in enumerate(batch.workers):
                 try:
-                    w = self._worker(b.worker_id, b.generation)
+                    w = self._worker(worker_id, batch.generations[i])
                     if w.host != node:
-                        raise Conflict(f"worker {b.worker_id} runs on {w.host}, not on {node}")
+                        raise Conflict(f"worker {worker_id} runs on {w.host}, not on {node}")
                 except TenplexError as exc:
-                    answers.append(NodeHeartbeatAnswer(worker_id=b.worker_id, error=ErrorBody(**exc.to_json())))
+                    errors[worker_id] = ErrorBody(error=exc.code, detail=exc.detail)
                     continue
-                wake |= self._beat(w, b.step, b.loss, b.marks, now - b.age_s)
-                reply = reply or self._reply()
-                answers.append(NodeHeartbeatAnswer(worker_id=b.worker_id, reply=reply))
+                marks = batch.marks.get(worker_id) if batch.marks else None
+                wake |= self._beat(w, batch.steps[i], losses[i] if losses else None, marks, now - batch.ages[i])
+            reply = self._reply() if len(errors) < len(batch.workers) else None
         if wake:
             self._wake.set()
-        return NodeHeartbeatsReply(answers=answers)
+        return NodeHeartbeatsReply(reply=reply, errors=errors)
 
     def _beat(self, w: WorkerRecord, step: int, loss: float | None, marks: dict[str, float] | None,
               when: float) -> bool:

@@ -133,15 +133,18 @@ class HeartbeatRelay:
         for (job, host, authorization), group in groups.items():
             now = self._clock()
             waiting = list(group.waiting.items())
-            batch = P.NodeHeartbeats(beats=[
-                P.NodeHeartbeat(worker_id=wid, generation=w.beat.generation, step=w.beat.step, loss=w.beat.loss,
-                                marks=w.beat.marks, age_s=max(0.0, now - w.received))
-                for wid, w in waiting
-            ])
+            beats = [w.beat for _, w in waiting]
+            batch = P.NodeHeartbeats(
+                workers=[wid for wid, _ in waiting], generations=[b.generation for b in beats],
+                steps=[b.step for b in beats], ages=[max(0.0, now - w.received) for _, w in waiting],
+                losses=[b.loss for b in beats] if any(b.loss is not None for b in beats) else None,
+                marks={wid: w.beat.marks for wid, w in waiting if w.beat.marks} or None,
+            )
             path = P.NODE_HEARTBEATS_PATH.format(job=urllib.parse.quote(job, safe=""),
                                                  node=urllib.parse.quote(host, safe=""))
             try:
-                status, raw = await asyncio.to_thread(self._post, path, batch.model_dump_json().encode(), authorization)
+                status, raw = await asyncio.to_thread(self._post, path, batch.model_dump_json(exclude_none=True).encode(),
+                                                      authorization)
             except TenplexError as exc:
                 log.warning("relaying %d heartbeats of job %s: %s", len(waiting), job, exc.detail)
                 status, raw = exc.http_status, _error_json(exc)
@@ -149,7 +152,8 @@ class HeartbeatRelay:
             answers = _answers(raw) if status == 200 else {}
             for wid, w in waiting:
                 if not w.answer.done():
-                    w.answer.set_result((answers.get(wid) or _missing(wid)) if status == 200 else (status, raw))
+                    w.answer.set_result((answers.get(wid) or answers.get("") or _missing(wid)) if status == 200
+                                        else (status, raw))
         return len(groups)
 
     def _post(self, path: str, body: bytes, authorization: str | None) -> tuple[int, bytes]:
@@ -192,19 +196,18 @@ def _error_json(exc: TenplexError) -> bytes:
 
 def _answers(raw: bytes) -> dict[str, tuple[int, bytes]]:
     """Each worker's part of the scheduler's answer to a batch, as its own heartbeat's answer would read:
-    worker id -> (HTTP status, body)."""
+    worker id -> (HTTP status, body) for the workers with an error, ``""`` -> the others' (none: no reply)."""
     try:
         reply = P.NodeHeartbeatsReply.model_validate_json(raw)
     except ValidationError:
         log.warning("the scheduler's answer to a node's heartbeats is not a NodeHeartbeatsReply: %r", raw[:200])
         return {}
     parts: dict[str, tuple[int, bytes]] = {}
-    for a in reply.answers:
-        if a.reply is not None:
-            parts[a.worker_id] = 200, a.reply.model_dump_json().encode()
-        elif a.error is not None:
-            cls = errors.error_class(a.error.error) or TenplexError
-            parts[a.worker_id] = cls.http_status, a.error.model_dump_json().encode()
+    if reply.reply is not None:
+        parts[""] = 200, reply.reply.model_dump_json().encode()
+    for worker_id, error in reply.errors.items():
+        cls = errors.error_class(error.error) or TenplexError
+        parts[worker_id] = cls.http_status, error.model_dump_json().encode()
     return parts
 
 

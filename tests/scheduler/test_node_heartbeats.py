@@ -101,40 +101,42 @@ def test_a_nodes_batch_is_answered_per_worker(sched: LocalScheduler) -> None:
     url = f"{sched.url}/v1/jobs/{JOB}/nodes/host-0/heartbeats"
     set_beat(sched, wid(0), time.time() - 100)
     before = time.time()
-    status, body = post(url, {"beats": [
-        {"worker_id": wid(0), "generation": 0, "step": 7, "loss": 2.5, "age_s": 4.0},
-        {"worker_id": wid(1), "generation": 0, "step": 7},
-        {"worker_id": wid(2), "generation": 0, "step": 7},  # runs on host-1
-        {"worker_id": wid(3), "generation": 5, "step": 7},  # another generation
-        {"worker_id": "nobody", "generation": 0, "step": 7},
-    ]})
+    status, body = post(url, {
+        "workers": [wid(0), wid(1), wid(2), wid(3), "nobody"],  # wid(2) runs on host-1; wid(3) is of generation 0
+        "generations": [0, 0, 0, 5, 0], "steps": [7] * 5, "ages": [4.0, 0, 0, 0, 0],
+        "losses": [2.5, None, None, None, None], "marks": {wid(1): {"first_step": 1e9}},
+    })
     after = time.time()
     assert status == 200, body
-    answers = body["answers"]
-    assert [a["worker_id"] for a in answers] == [wid(0), wid(1), wid(2), wid(3), "nobody"]
-    assert answers[0]["reply"] == answers[1]["reply"] == {"action": "continue", "generation": 0, "stop_at_step": None}
-    assert [a["error"]["error"] for a in answers[2:]] == [Conflict.code, Conflict.code, NotFound.code]
-    assert "runs on host-1, not on host-0" in answers[2]["error"]["detail"]
+    answers = P.NodeHeartbeatsReply.model_validate(body)
+    assert answers.answer(wid(0)) == answers.answer(wid(1)) == P.HeartbeatReply(generation=0)
+    assert {w: e.error for w, e in answers.errors.items()} == {
+        wid(2): Conflict.code, wid(3): Conflict.code, "nobody": NotFound.code}
+    assert "runs on host-1, not on host-0" in answers.errors[wid(2)].detail
     # Dated back by the daemon's hold: the beat counts from when the worker sent it.
     beat = record(sched, wid(0)).last_heartbeat
     assert beat is not None and before - 4.0 <= beat <= after - 4.0
     assert record(sched, wid(0)).step == 7 and record(sched, wid(2)).step != 7
     # A beat older than the last one recorded (a delayed batch) does not move it back.
-    post(url, {"beats": [{"worker_id": wid(0), "generation": 0, "step": 8, "age_s": 60.0}]})
+    post(url, {"workers": [wid(0)], "generations": [0], "steps": [8], "ages": [60.0]})
     assert record(sched, wid(0)).last_heartbeat == beat and record(sched, wid(0)).step == 8
 
 
 def test_the_route_checks_its_input_and_credential(sched: LocalScheduler) -> None:
     url = f"{sched.url}/v1/jobs/{JOB}/nodes/host-0/heartbeats"
-    beat = {"worker_id": wid(0), "generation": 0, "step": 1}
-    assert post(url, {"beats": [beat]}, token="wrong")[1]["error"] == "unauthorized"
-    assert post(f"{sched.url}/v1/jobs/nope/nodes/host-0/heartbeats", {"beats": [beat]})[0] == 404
-    for bad, where in (({"beats": []}, "body.beats"), ({"beats": [beat, beat]}, "body"),
-                       ({"beats": [{**beat, "age_s": -1}]}, "body.beats.0.age_s"),
-                       ({"beats": [{**beat, "marks": {"typo": 1.0}}]}, "body.beats.0.marks")):
+    beat = {"workers": [wid(0)], "generations": [0], "steps": [1], "ages": [0.0]}
+    assert post(url, beat, token="wrong")[1]["error"] == "unauthorized"
+    assert post(f"{sched.url}/v1/jobs/nope/nodes/host-0/heartbeats", beat)[0] == 404
+    for bad, says in (({**beat, "workers": []}, "body.workers"),
+                      ({**beat, "workers": [wid(0), wid(0)], "generations": [0, 0], "steps": [1, 1], "ages": [0, 0]},
+                       "more than once"),
+                      ({**beat, "steps": [1, 2]}, "one entry per worker (1): {'steps': 2}"),
+                      ({**beat, "ages": [-1]}, "body.ages.0"),
+                      ({**beat, "marks": {wid(0): {"typo": 1.0}}}, "unknown marks ['typo']"),
+                      ({**beat, "marks": {wid(1): {"first_step": 1.0}}}, "marks of workers not in the batch")):
         status, body = post(url, bad)
-        assert status == 400 and body["error"] == "invalid_input" and body["detail"].startswith(where), (bad, body)
-    assert post(f"{sched.url}/v1/jobs/{JOB}/nodes/-bad-/heartbeats", {"beats": [beat]})[0] == 400
+        assert status == 400 and body["error"] == "invalid_input" and says in body["detail"], (bad, body)
+    assert post(f"{sched.url}/v1/jobs/{JOB}/nodes/-bad-/heartbeats", beat)[0] == 400
 
 
 def test_a_dead_worker_is_noticed_within_the_timeout_of_its_last_beat(sched: LocalScheduler) -> None:
