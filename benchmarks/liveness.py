@@ -55,17 +55,15 @@ MODEL = {"num_layers": 4, "hidden": 64, "heads": 8, "vocab": 512, "seq_len": 0, 
 # -- the scheduler ----------------------------------------------------------------------------------
 
 
-def role_scheduler(args: argparse.Namespace) -> None:
+def running_job(nodes: int, gpus_per_node: int, url: str, state_dir: Path) -> tuple[Any, dict[str, list[str]]]:
+    """A scheduler on ``nodes`` simulated nodes with a Running job on all their GPUs, every worker registered;
+    and the job's worker ids by node."""
     from tenplex.core.protocol import RegisterRequest
-    from tenplex.scheduler.api import create_app
     from tenplex.scheduler.backend import Backend, HostInfo, WorkerLaunch
     from tenplex.scheduler.context import SchedulerSettings
     from tenplex.scheduler.jobspec import JobCreate
     from tenplex.scheduler.service import Scheduler
     from tenplex.scheduler.state import Phase, StateDir
-    from tenplex.serving import bind_socket, serve_forever, url_for, write_port_file
-
-    logging.basicConfig(filename=args.log, level=logging.INFO, format="%(created).3f %(name)s [%(threadName)s] %(message)s")
 
     class SimulatedNodes(Backend):
         """``nodes`` hosts of ``gpus`` GPUs, all ready; workers are recorded, none runs, none exits."""
@@ -100,11 +98,9 @@ def role_scheduler(args: argparse.Namespace) -> None:
         def master_port(self, host: HostInfo) -> int:
             return 29500
 
-    sock = bind_socket("127.0.0.1", 0)
-    url = url_for("127.0.0.1", sock.getsockname()[1])
-    gpus = args.nodes * args.gpus_per_node
-    tp, pp = args.gpus_per_node, 4
-    scheduler = Scheduler(SimulatedNodes(args.nodes, args.gpus_per_node), StateDir(Path(args.state_dir)),
+    gpus = nodes * gpus_per_node
+    tp, pp = gpus_per_node, 4
+    scheduler = Scheduler(SimulatedNodes(nodes, gpus_per_node), StateDir(state_dir),
                           SchedulerSettings(url=url, token=TOKEN, heartbeat_interval=1.0, start_timeout=3600.0))
     spec = JobCreate.model_validate({
         "name": JOB, "layout": {"provider": "megatron-gpt", "model": MODEL, "precision": "fp32"},
@@ -112,7 +108,6 @@ def role_scheduler(args: argparse.Namespace) -> None:
         "gpus": gpus, "policy": {"table": {str(gpus): {"dp": gpus // (tp * pp), "tp": tp, "pp": pp, "zero": 0}}},
         "steps": 1 << 30, "snapshot_every": 1 << 30, "heartbeat_timeout": 600,
     }).to_job_spec()
-    t = time.perf_counter()
     ctl = scheduler.create(spec)
     while True:
         with ctl.lock:
@@ -122,7 +117,6 @@ def role_scheduler(args: argparse.Namespace) -> None:
         if len(workers) == gpus:
             break
         time.sleep(0.2)
-    launched = time.perf_counter() - t
     for w in workers:
         ctl.register(RegisterRequest(worker_id=w.worker_id, host=w.host, pid=1 + w.rank, rank=w.rank))
     while ctl.status.phase != Phase.RUNNING:
@@ -130,9 +124,21 @@ def role_scheduler(args: argparse.Namespace) -> None:
     by_host: dict[str, list[str]] = {}
     for w in workers:
         by_host.setdefault(w.host, []).append(w.worker_id)
+    return scheduler, by_host
+
+
+def role_scheduler(args: argparse.Namespace) -> None:
+    from tenplex.scheduler.api import create_app
+    from tenplex.serving import bind_socket, serve_forever, url_for, write_port_file
+
+    logging.basicConfig(filename=args.log, level=logging.INFO, format="%(created).3f %(name)s [%(threadName)s] %(message)s")
+    sock = bind_socket("127.0.0.1", 0)
+    url = url_for("127.0.0.1", sock.getsockname()[1])
+    t = time.perf_counter()
+    scheduler, by_host = running_job(args.nodes, args.gpus_per_node, url, Path(args.state_dir))
     Path(args.workers_file).write_text(json.dumps(by_host))
-    logging.getLogger(__name__).info("job of %d workers on %d nodes launched in %.1f s, registered and Running after "
-                                     "%.1f s", gpus, len(by_host), launched, time.perf_counter() - t)
+    logging.getLogger(__name__).info("job of %d workers on %d nodes registered and Running after %.1f s",
+                                     sum(map(len, by_host.values())), len(by_host), time.perf_counter() - t)
     write_port_file(args.port_file, sock.getsockname()[1])
     try:
         serve_forever(create_app(scheduler, token=TOKEN), sock, log_level="warning")

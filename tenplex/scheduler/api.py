@@ -77,7 +77,7 @@ class EventBody(_Body):
 
 
 def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
-    app = FastAPI(
+    app = _SchedulerApp(
         title="Tenplex scheduler",
         version=__version__,
         description="Elastic multi-dimensional-parallel training jobs: create, scale, observe; the worker protocol.",
@@ -120,7 +120,7 @@ def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
         return JSONResponse({"error": code, "detail": str(exc.detail)}, status_code=exc.status_code)
 
     app.add_middleware(_Timing, metrics=metrics)
-    app.add_middleware(_WorkerReports, scheduler=scheduler, authn=authn, metrics=metrics)
+    app.worker_reports = _WorkerReports(scheduler, authn, metrics)
 
     # -- health and metrics ----------------------------------------------------
 
@@ -279,7 +279,9 @@ def _json_body(model: type[BaseModel]) -> dict[str, Any]:
 VIEW_WAIT_S = 0.05
 """How long a read of a job waits for its controller's lock before it answers with the job's last view."""
 VIEW_POLL_S = 0.004
-"""How often a read on the event loop looks at a busy lock again."""
+"""How often a read or a worker report on the event loop looks at a busy lock again."""
+REPORT_WAIT_S = 0.05
+"""How long a worker report waits on the event loop for its job's busy lock before a worker thread waits."""
 
 
 class _Views:
@@ -341,21 +343,28 @@ with the node's name), and at every planned change a snapshot and an exit report
 
 async def _worker_report(scheduler: Scheduler, kind: str, job: str, worker_id: str, raw: bytes) -> bytes:
     """A worker report's reply: the body parsed by pydantic from the raw bytes, the reply serialized by it, and
-    the controller called on the event loop when its lock is free (held only briefly then: a report is a few
-    dictionary updates), else from a worker thread as other routes are."""
+    the controller called on the event loop once its lock is free (held only briefly then: a report is a few
+    dictionary updates). A lock held longer than ``REPORT_WAIT_S`` (planning a large job) is waited for in a
+    worker thread, as other routes do; a shorter hold (the controller's tick over its workers) is looked at
+    again every ``VIEW_POLL_S`` from the event loop: a hand-off to a thread costs more than the report."""
     model, _path, call = _REPORTS[kind]
     try:
         body = model.model_validate_json(raw)
     except ValidationError as exc:
         raise InvalidInput(_validation_detail(exc.errors(), ("body",))) from None
     ctl = scheduler.get(job)
-    if ctl.lock.acquire(blocking=False):
+    deadline = None
+    while not ctl.lock.acquire(blocking=False):
+        deadline = deadline or time.monotonic() + REPORT_WAIT_S
+        if time.monotonic() > deadline:
+            reply = await run_in_threadpool(call, ctl, worker_id, body)
+            break
+        await asyncio.sleep(VIEW_POLL_S)
+    else:
         try:
             reply = call(ctl, worker_id, body)
         finally:
             ctl.lock.release()
-    else:
-        reply = await run_in_threadpool(call, ctl, worker_id, body)
     return reply.model_dump_json().encode() if reply is not None else _ACK
 
 
@@ -367,44 +376,50 @@ _NODE_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,251}[A-Za-z0-9])?$")
 
 
 class _WorkerReports:
-    """Worker reports answered before routing: heartbeats (a worker's own and a node's batch), snapshot and exit
+    """Worker reports answered before the app: heartbeats (a worker's own and a node's batch), snapshot and exit
     reports (:data:`_REPORTS`).
 
     A thousand workers send a thousand heartbeats a second, and two thousand
     reports within a second or two when a planned change stops them; through
     the framework's routing, dependencies, request objects and worker threads
     each cost several times the work of the report itself
-    (``benchmarks/control_plane.py``). This ASGI layer answers
+    (``benchmarks/control_plane.py``). This layer, ahead of the app
+    (:class:`_SchedulerApp`), answers
     ``POST /v1/jobs/{job}/workers/{worker_id}/{heartbeat,snapshot,exit}`` and
-    ``POST /v1/jobs/{job}/nodes/{node}/heartbeats`` itself, with the routes' contract (bearer token, body and reply models,
-    errors as ``{"error", "detail"}``, latency in the request histogram);
-    anything else, and a path whose names are malformed, goes on to the app.
+    ``POST /v1/jobs/{job}/nodes/{node}/heartbeats`` itself, with the routes'
+    contract (bearer token, body and reply models, errors as
+    ``{"error", "detail"}``, latency in the request histogram); anything
+    else, and a path whose names are malformed, goes on to the app.
     """
 
-    def __init__(self, app: Any, scheduler: Scheduler, authn: Authenticator, metrics: Any) -> None:
-        self.app = app
+    def __init__(self, scheduler: Scheduler, authn: Authenticator, metrics: Any) -> None:
         self.scheduler = scheduler
         self.authn = authn
         self.metrics = metrics
+        self._latency: dict[tuple[str, int], Any] = {}
+        """(kind, status) -> its series of the request histogram (a label lookup costs as much as the rest)."""
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def answered(self, scope: dict[str, Any], receive: Any, send: Any) -> bool:
+        """Answer ``scope`` if it is a worker report (True), else leave it to the app (False)."""
         m = _WORKER_REPORT.match(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
         job, who, kind = "", "", ""
         if m is not None:
             job, who, kind = (m.group(1), m.group(2), m.group(3)) if m.group(2) else (m.group(1), m.group(4), m.group(5))
         if m is None or not _JOB_NAME.match(job) or not (_WORKER_ID if kind != "heartbeats" else _NODE_NAME).match(who):
-            await self.app(scope, receive, send)
-            return
+            return False
         start = time.perf_counter()
         headers: list[tuple[bytes, bytes]] = [(b"content-type", b"application/json")]
         try:
             principal = self.authn.authenticate(dict(scope["headers"]).get(b"authorization"))
             if not principal.can_write(job):
                 raise Forbidden(f"a {principal.describe()} may not report for job {job!r}")
-            chunks = []
+            chunks, size = [], 0
             while True:
                 message = await receive()
                 chunks.append(message.get("body", b""))
+                size += len(chunks[-1])
+                if size > MAX_REPORT_BYTES:
+                    raise InvalidInput(f"a worker or node report is at most {MAX_REPORT_BYTES} bytes")
                 if not message.get("more_body"):
                     break
             status, body = 200, await _worker_report(self.scheduler, kind, job, who, b"".join(chunks))
@@ -415,7 +430,30 @@ class _WorkerReports:
         headers.append((b"content-length", str(len(body)).encode()))
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
-        self.metrics.requests.labels(_REPORTS[kind][1], "POST", str(status)).observe(time.perf_counter() - start)
+        series = self._latency.get((kind, status))
+        if series is None:
+            series = self._latency[(kind, status)] = self.metrics.requests.labels(_REPORTS[kind][1], "POST", str(status))
+        series.observe(time.perf_counter() - start)
+        return True
+
+
+MAX_REPORT_BYTES = 1 << 20
+"""The largest worker report or node batch body the scheduler reads (a node's batch of 4,096 heartbeats is
+about 150 KiB)."""
+
+
+class _SchedulerApp(FastAPI):
+    """The scheduler's app: FastAPI, with the worker reports (:class:`_WorkerReports`) answered before any of its
+    layers (its telemetry, body limit, error handling, middleware and routing), which cost more than a
+    node's batch of heartbeats itself (``benchmarks/liveness.py``)."""
+
+    worker_reports: _WorkerReports | None = None
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        reports = self.worker_reports
+        if reports is not None and await reports.answered(scope, receive, send):
+            return
+        await super().__call__(scope, receive, send)
 
 
 class _Timing:

@@ -196,7 +196,11 @@ class JobController:
         """A worker's own heartbeat (one whose node daemon does not relay for this scheduler)."""
         with self.lock:
             w = self._worker(worker_id, req.generation)
-            if self._beat(w, req.step, req.loss, req.marks, time.time()):
+            w.last_heartbeat = max(time.time(), w.last_heartbeat or 0.0)
+            w.step = req.step
+            if req.marks:
+                self.ctx.worker_marks(w.generation, req.marks)
+            if self._progress(req.step, req.loss, bool(req.marks)):
                 self._wake.set()
             return self._reply()
 
@@ -204,43 +208,55 @@ class JobController:
         """A node daemon's batch of its workers' heartbeats: each recorded as its own heartbeat would be, dated
         back by how long the daemon held it, so a worker's silence is measured from its last beat wherever
         the beat went. Each worker is answered as its own heartbeat would be: an error where that would have
-        failed (a worker of another generation, of another node, unknown), else the job's reply."""
+        failed (a worker of another generation, of another node, unknown), else the job's reply.
+
+        A node's batch arrives every second from every node: the loop below is the whole per-worker cost."""
         now = time.time()
         errors: dict[str, ErrorBody] = {}
-        wake = False
-        losses = batch.losses or ()
+        losses, steps, ages, generations = batch.losses, batch.steps, batch.ages, batch.generations
+        top, top_loss = -1, None
         with self.lock:
+            index = self._workers_index()
             for i, worker_id in enumerate(batch.workers):
-                try:
-                    w = self._worker(worker_id, batch.generations[i])
-                    if w.host != node:
-                        raise Conflict(f"worker {worker_id} runs on {w.host}, not on {node}")
-                except TenplexError as exc:
-                    errors[worker_id] = ErrorBody(error=exc.code, detail=exc.detail)
+                w = index.get(worker_id)
+                if w is None or w.generation != generations[i] or w.host != node:
+                    errors[worker_id] = self._beat_error(worker_id, generations[i], node)
                     continue
-                marks = batch.marks.get(worker_id) if batch.marks else None
-                wake |= self._beat(w, batch.steps[i], losses[i] if losses else None, marks, now - batch.ages[i])
+                when = now - ages[i]
+                if w.last_heartbeat is None or when > w.last_heartbeat:
+                    w.last_heartbeat = when
+                w.step = step = steps[i]
+                if step > top:
+                    top, top_loss = step, losses[i] if losses else None
+            marks = {wid: m for wid, m in (batch.marks or {}).items() if wid not in errors}
+            for wid, m in marks.items():
+                self.ctx.worker_marks(index[wid].generation, m)
+            wake = top >= 0 and self._progress(top, top_loss, bool(marks))
             reply = self._reply() if len(errors) < len(batch.workers) else None
         if wake:
             self._wake.set()
         return NodeHeartbeatsReply(reply=reply, errors=errors)
 
-    def _beat(self, w: WorkerRecord, step: int, loss: float | None, marks: dict[str, float] | None,
-              when: float) -> bool:
-        """Record one heartbeat of ``w`` sent at ``when`` (under the lock); whether it should wake the loop."""
-        if w.last_heartbeat is None or when > w.last_heartbeat:
-            w.last_heartbeat = when
-        w.step = step
-        if marks:
-            self.ctx.worker_marks(w.generation, marks)
-        metrics = self.ctx.metrics
+    def _beat_error(self, worker_id: str, generation: int, node: str) -> ErrorBody:
+        """What a worker's heartbeat that cannot be taken is answered (under the lock): the error its own
+        heartbeat would get, or that it reports for another node than its own."""
+        try:
+            w = self._worker(worker_id, generation)
+            exc: TenplexError = Conflict(f"worker {worker_id} runs on {w.host}, not on {node}")
+        except TenplexError as error:
+            exc = error
+        return ErrorBody(error=exc.code, detail=exc.detail)
+
+    def _progress(self, step: int, loss: float | None, marks: bool) -> bool:
+        """The job's step after heartbeats up to ``step`` (under the lock); whether they should wake the loop."""
         st = self.status
         if step > st.step:
             st.step = step
+            metrics = self.ctx.metrics
             if metrics is not None:
                 metrics.step.labels(self.spec.name).set(step)
-            if loss is not None and metrics is not None:
-                metrics.loss.labels(self.spec.name).set(loss)
+                if loss is not None:
+                    metrics.loss.labels(self.spec.name).set(loss)
         # The loop looks at the job every poll interval anyway; a heartbeat wakes it at once only when it
         # may move the job on (a milestone, a stop step or the last step reached, a downtime to close).
         # At a thousand workers a wake per heartbeat meant a thousand ticks a second over every worker.
@@ -292,12 +308,16 @@ class JobController:
             self.status.step = max(self.status.step, req.step)
         self._wake.set()
 
-    def _worker(self, worker_id: str, generation: int | None = None) -> WorkerRecord:
+    def _workers_index(self) -> dict[str, WorkerRecord]:
+        """Worker id -> record of the current generation (under the lock)."""
         workers = self.status.workers
         if self._index_of is not workers:
             self._index = {w.worker_id: w for w in workers}
             self._index_of = workers
-        w = self._index.get(worker_id)
+        return self._index
+
+    def _worker(self, worker_id: str, generation: int | None = None) -> WorkerRecord:
+        w = self._workers_index().get(worker_id)
         if w is None:
             raise NotFound(f"job {self.spec.name!r} has no worker {worker_id!r} in generation {self.status.generation}")
         if generation is not None and generation != w.generation:
