@@ -250,8 +250,8 @@ class Heartbeat:
 
     With ``node`` (the node daemon's URL and this worker's host) the beats go
     through the daemon when it relays for this worker's scheduler (asked at
-    the first beat, and again after a relayed beat failed), else straight to
-    the scheduler.
+    the first beat, and again after a relayed beat failed, which is sent to
+    the scheduler itself), else straight to the scheduler.
     """
 
     def __init__(
@@ -338,12 +338,20 @@ class Heartbeat:
             self._relay = self._node if self._client.relays_for_me(self._node[0]) else None
             self._asked = True
         try:
-            reply = self._client.heartbeat(self._generation, step, loss, marks, relay=self._relay)
+            try:
+                reply = self._client.heartbeat(self._generation, step, loss, marks, relay=self._relay)
+            except TenplexError as exc:
+                if self._relay is None:
+                    raise
+                # The daemon may be gone, restarted for another scheduler, or cut off from this one: this beat
+                # goes to the scheduler itself (which also answers an error of the worker's own as it is),
+                # and the next one asks the daemon again.
+                log.warning("heartbeat through the node daemon failed (%s): sending it to the scheduler", exc.detail)
+                self._relay, self._asked = None, False
+                reply = self._client.heartbeat(self._generation, step, loss, marks)
         except BaseException:
             with self._lock:  # sent with the next one
                 self._marks = {**marks, **self._marks}
-            if self._relay is not None:  # ask the daemon again: it may have been restarted for another scheduler
-                self._asked = self._node is None
             raise
         with self._lock:
             if reply.generation != self._generation:

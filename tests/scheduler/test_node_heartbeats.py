@@ -221,6 +221,11 @@ def test_a_worker_heartbeats_through_its_daemon_and_hears_the_stop_step(sched: L
     direct.update(31)
     direct.beat_now()
     assert not direct.relayed and record(sched, wid(3)).step == 31
+    # A relayed beat that fails (here: reported for the wrong node) goes to the scheduler itself.
+    wrong = Heartbeat(ControlClient(sched.url, JOB, wid(3), TOKEN), 0, 3600.0, node=(node, "host-0"))
+    wrong.update(32)
+    wrong.beat_now()
+    assert not wrong.relayed and record(sched, wid(3)).step == 32
 
 
 def test_a_relay_needs_a_scheduler_url() -> None:
