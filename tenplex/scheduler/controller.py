@@ -91,6 +91,9 @@ class JobController:
         """Worker id -> record of ``_index_of``, the record's worker list it was built for (the list is replaced,
         never changed in place): a node's batch looks its workers up without a scan of every worker."""
         self._index_of: list[WorkerRecord] | None = None
+        self._replies: tuple[tuple[int, int | None], HeartbeatReply, NodeHeartbeatsReply] | None = None
+        """The job's answer to a heartbeat and to a node's batch without errors, for (generation, stop step):
+        made again only when either changes (the models are frozen)."""
 
     @property
     def spec(self) -> JobSpec:
@@ -232,10 +235,13 @@ class JobController:
             for wid, m in marks.items():
                 self.ctx.worker_marks(index[wid].generation, m)
             wake = top >= 0 and self._progress(top, top_loss, bool(marks))
-            reply = self._reply() if len(errors) < len(batch.workers) else None
+            self._reply()
+            assert self._replies is not None
+            answer = self._replies[2] if not errors else NodeHeartbeatsReply(
+                reply=self._replies[1] if len(errors) < len(batch.workers) else None, errors=errors)
         if wake:
             self._wake.set()
-        return NodeHeartbeatsReply(reply=reply, errors=errors)
+        return answer
 
     def _beat_error(self, worker_id: str, generation: int, node: str) -> ErrorBody:
         """What a worker's heartbeat that cannot be taken is answered (under the lock): the error its own
@@ -265,7 +271,11 @@ class JobController:
 
     def _reply(self) -> HeartbeatReply:
         st = self.status
-        return HeartbeatReply(action="continue", generation=st.generation, stop_at_step=st.stop_at_step)
+        key = (st.generation, st.stop_at_step)
+        if self._replies is None or self._replies[0] != key:
+            reply = HeartbeatReply(action="continue", generation=st.generation, stop_at_step=st.stop_at_step)
+            self._replies = (key, reply, NodeHeartbeatsReply(reply=reply))
+        return self._replies[1]
 
     def snapshot_report(self, worker_id: str, req: SnapshotReport) -> None:
         with self.lock:
