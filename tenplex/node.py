@@ -82,6 +82,8 @@ def create_node_app(store: LocalStore, *, token: str | None, transforms: Transfo
     registry = CollectorRegistry(auto_describe=True)
     if store.memory is not None:
         registry.register(_MemoryTierCollector(store))
+    if relay is not None:
+        registry.register(_RelayCollector(relay))
     service = TransformService(store, token=token, settings=transforms, registry=registry)
     upload_service = UploadService(store, settings=uploads, registry=registry)
     app = create_app(store, token=token, auth=auth, routers=[transform_router(service), upload_router(upload_service),
@@ -296,6 +298,20 @@ class _MemoryTierCollector(Collector):
             yield CounterMetricFamily("tenplex_store_spill_failures", "Spills that failed (retried)", value=spiller.failures)
             yield GaugeMetricFamily("tenplex_store_spill_in_progress", "1 while a version is being spilled to disk",
                                     value=1 if spiller.busy else 0)
+
+
+class _RelayCollector(Collector):
+    """The heartbeat relay's counters on every scrape: batches sent, heartbeats in them, batches unanswered."""
+
+    def __init__(self, relay: HeartbeatRelay) -> None:
+        self._relay = relay
+
+    def collect(self) -> Any:
+        relay = self._relay
+        yield CounterMetricFamily("tenplex_relay_batches", "Batches of this node's heartbeats sent to the scheduler",
+                                  value=relay.batches)
+        yield CounterMetricFamily("tenplex_relay_heartbeats", "Worker heartbeats relayed in them", value=relay.heartbeats)
+        yield CounterMetricFamily("tenplex_relay_failures", "Batches the scheduler did not answer", value=relay.failures)
 
 
 class NodeDaemon(BackgroundServer):

@@ -342,10 +342,6 @@ class NodeHeartbeatsReply(_Model):
     reply: HeartbeatReply | None = Field(None, description="The answer of every worker without an error.")
     errors: dict[WorkerId, ErrorBody] = Field(default_factory=dict)
 
-    def answer(self, worker_id: str) -> HeartbeatReply | ErrorBody | None:
-        """The answer to ``worker_id``, a worker of the batch (None only when the scheduler answered no one)."""
-        return self.errors.get(worker_id) or self.reply
-
 
 class SnapshotReport(_Model):
     """A worker finished writing its part of a version (and maybe committed its host's copy)."""

@@ -103,7 +103,11 @@ class HeartbeatRelay:
         self._conn: http.client.HTTPConnection | None = None
         self._conn_lock = threading.Lock()
         self.batches = 0
-        """Batches sent (for tests and metrics)."""
+        """Batches sent (the daemon's ``tenplex_relay_batches``)."""
+        self.heartbeats = 0
+        """Heartbeats relayed in them (``tenplex_relay_heartbeats``)."""
+        self.failures = 0
+        """Batches the scheduler did not answer (``tenplex_relay_failures``)."""
 
     def info(self) -> P.RelayInfo:
         return P.RelayInfo(scheduler_url=self.scheduler_url, interval_s=self.interval_s)
@@ -148,7 +152,9 @@ class HeartbeatRelay:
             except TenplexError as exc:
                 log.warning("relaying %d heartbeats of job %s: %s", len(waiting), job, exc.detail)
                 status, raw = exc.http_status, _error_json(exc)
+                self.failures += 1
             self.batches += 1
+            self.heartbeats += len(waiting)
             answers = _answers(raw) if status == 200 else {}
             for wid, w in waiting:
                 if not w.answer.done():
