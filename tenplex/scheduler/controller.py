@@ -405,6 +405,11 @@ class JobController:
             orch.begin_failure(outcome.failure)
             return
         if outcome.succeeded:
+            # The workers may finish before a heartbeat past the restored step reaches the scheduler (relayed
+            # beats come up to an interval late): their exit reports say they trained, so the downtime ends here.
+            if st.downtime_started_at is not None and any(
+                    w.step is not None and w.step > (st.restored_step or 0) for w in st.workers):
+                orch.finish_downtime()
             for w in st.workers:
                 w.exit_code = obs.exits[w.worker_id]
             self.ctx.enter(Phase.SUCCEEDED, None, f"completed {st.step} steps")
