@@ -240,6 +240,10 @@ def _matches(pattern: str, text: str) -> bool:
 # -- heartbeats and stop requests -------------------------------------------------------------
 
 
+RELAYED_CLOSE_WAIT_S = 0.1
+"""How long closing the heartbeats waits for a beat in flight through the node daemon."""
+
+
 class Heartbeat:
     """Background heartbeats: the loop calls :meth:`update` after each step, never blocks.
 
@@ -317,7 +321,9 @@ class Heartbeat:
         self._closed.set()
         self._wake.set()
         if self._thread.is_alive():
-            self._thread.join(timeout=self._client.timeout_s + 1)
+            # A beat through the node daemon waits for the daemon's next batch (up to its interval), which the
+            # daemon sends whether or not this worker still waits: an exiting worker does not wait for it.
+            self._thread.join(timeout=RELAYED_CLOSE_WAIT_S if self._relay is not None else self._client.timeout_s + 1)
 
     def _run(self) -> None:
         while not self._closed.is_set():
