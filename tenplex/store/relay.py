@@ -131,12 +131,23 @@ class HeartbeatRelay:
             await self.flush()
 
     async def flush(self) -> int:
-        """Send every waiting beat now, one batch per job and node, and answer each waiting worker; the number
-        of batches sent."""
+        """Send every waiting beat now, one batch per job and node (of at most
+        :data:`~tenplex.core.protocol.MAX_NODE_HEARTBEATS`), and answer each waiting worker; the number of
+        batches sent."""
         groups, self._groups = self._groups, {}
+        sent = 0
         for (job, host, authorization), group in groups.items():
-            now = self._clock()
             waiting = list(group.waiting.items())
+            for i in range(0, len(waiting), P.MAX_NODE_HEARTBEATS):
+                await self._send(job, host, authorization, waiting[i:i + P.MAX_NODE_HEARTBEATS])
+                sent += 1
+        return sent
+
+    async def _send(self, job: str, host: str, authorization: str | None, waiting: list[tuple[str, _Waiting]]) -> None:
+        """One batch to the scheduler; each of its workers answered with its part of the answer (every one of them
+        with the error when there is none)."""
+        try:
+            now = self._clock()
             beats = [w.beat for _, w in waiting]
             batch = P.NodeHeartbeats(
                 workers=[wid for wid, _ in waiting], generations=[b.generation for b in beats],
@@ -146,21 +157,24 @@ class HeartbeatRelay:
             )
             path = P.NODE_HEARTBEATS_PATH.format(job=urllib.parse.quote(job, safe=""),
                                                  node=urllib.parse.quote(host, safe=""))
-            try:
-                status, raw = await asyncio.to_thread(self._post, path, batch.model_dump_json(exclude_none=True).encode(),
-                                                      authorization)
-            except TenplexError as exc:
-                log.warning("relaying %d heartbeats of job %s: %s", len(waiting), job, exc.detail)
-                status, raw = exc.http_status, _error_json(exc)
-                self.failures += 1
-            self.batches += 1
-            self.heartbeats += len(waiting)
-            answers = _answers(raw) if status == 200 else {}
-            for wid, w in waiting:
-                if not w.answer.done():
-                    w.answer.set_result((answers.get(wid) or answers.get("") or _missing(wid)) if status == 200
-                                        else (status, raw))
-        return len(groups)
+            status, raw = await asyncio.to_thread(self._post, path, batch.model_dump_json(exclude_none=True).encode(),
+                                                  authorization)
+        except TenplexError as exc:
+            log.warning("relaying %d heartbeats of job %s: %s", len(waiting), job, exc.detail)
+            status, raw = exc.http_status, _error_json(exc)
+            self.failures += 1
+        except Exception as exc:  # a batch that cannot be made or sent must not leave its workers waiting
+            log.exception("relaying %d heartbeats of job %s failed", len(waiting), job)
+            unexpected = SchedulerUnavailable(f"the node daemon could not relay the heartbeat: {exc}")
+            status, raw = unexpected.http_status, _error_json(unexpected)
+            self.failures += 1
+        self.batches += 1
+        self.heartbeats += len(waiting)
+        answers = _answers(raw) if status == 200 else {}
+        for wid, w in waiting:
+            if not w.answer.done():
+                w.answer.set_result((answers.get(wid) or answers.get("") or _missing(wid)) if status == 200
+                                    else (status, raw))
 
     def _post(self, path: str, body: bytes, authorization: str | None) -> tuple[int, bytes]:
         """POST one batch on the daemon's kept-alive connection to the scheduler (opened again once when it broke)."""
