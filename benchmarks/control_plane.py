@@ -10,8 +10,9 @@ Three processes besides this driver, as on a cluster:
 - ``--role daemons``: 128 real node daemons (``tenplex.node.NodeDaemon``, store and transforms) in one process,
   each with its own store directory, described in a hosts file;
 - ``--role agent``: the simulated workers (``tenplex.testing.simworkers``): every rank an asyncio task that speaks
-  the worker protocol over HTTP (register, PTC fetch, heartbeats, the stop step, its snapshot written into its
-  host's store, snapshot and exit reports), ranks of a generation in lockstep, no torch;
+  the worker protocol over HTTP (register, PTC fetch, the stop step, its snapshot written into its host's store,
+  snapshot and exit reports; heartbeats as the node daemons relay them, one batch per host and second), ranks
+  of a generation in lockstep, no torch;
 - ``--role scheduler``: ``tenplex scheduler serve``'s scheduler (REST API, job controller, planner) on the
   simulated backend (``tenplex.testing.simworkers:simulated_scheduler``: the local backend's hosts, workers
   launched in the agent), with a per-thread CPU sampler that attributes its CPU time to threads and functions.
@@ -382,7 +383,9 @@ def main() -> None:
         prof1, cpu1, t1 = read_json(out / "scheduler-cpu.json"), proc_cpu(sched.pid), time.monotonic()
         seconds = t1 - t0
         beats = counts1["heartbeat"] - counts0["heartbeat"]
-        print(f"steady training, {seconds:.1f} s (load {os.getloadavg()[0]:.1f}): {beats / seconds:.0f} heartbeats/s; "
+        reports = counts1["node_report"] - counts0["node_report"]
+        print(f"steady training, {seconds:.1f} s (load {os.getloadavg()[0]:.1f}): {beats / seconds:.0f} heartbeats/s "
+              f"in {reports / seconds:.0f} node reports/s; "
               f"scheduler process CPU {100 * (cpu1 - cpu0) / seconds:.1f}% of one core "
               f"({1e6 * (cpu1 - cpu0) / max(beats, 1):.0f} us per heartbeat, everything included)")
         for line in top(diff(prof0, prof1), 14, seconds):

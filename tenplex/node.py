@@ -12,6 +12,9 @@ nodes' daemons and writes them into its own store; the scheduler only sends
 it the plan. With a memory tier (``--memory-root``, ``--memory-bytes``) it
 owns the tier: it records it in the store root (workers writing there
 directly use it too) and runs its one spiller (:mod:`tenplex.store.tiers`).
+Started for a scheduler (``--scheduler-url``), it relays its workers'
+heartbeats to it as one report per node and interval
+(:mod:`tenplex.store.relay`): liveness scales with nodes, not workers.
 
 Serving: uvicorn with uvloop and httptools on a socket bound before it
 starts (``port=0`` gives a real port at once, written to ``port_file`` for a
@@ -50,6 +53,7 @@ from tenplex.serving import (
     write_port_file,
 )
 from tenplex.store.local import LocalStore
+from tenplex.store.relay import DEFAULT_INTERVAL_S, HeartbeatRelay, relay_router
 from tenplex.store.server import MULTIPROC_ENV, create_app
 from tenplex.store.wire import TOKEN_ENV
 from tenplex.transformer.service import TransformService, TransformSettings, transform_router
@@ -59,28 +63,35 @@ log = logging.getLogger(__name__)
 
 _ROOT_ENV = "TENPLEX_STORE_ROOT"
 _OPTIONS_ENV = "TENPLEX_STORE_OPTIONS"
+_RELAY_ENV = "TENPLEX_STORE_RELAY"
+"""The worker processes' relay configuration (JSON: scheduler URL, interval), set by the supervising one."""
 
 
 def create_node_app(store: LocalStore, *, token: str | None, transforms: TransformSettings | None = None,
                     uploads: UploadSettings | None = None, auth_keys: str | Path | None = None,
-                    **store_options: Any) -> tuple[FastAPI, TransformService]:
+                    relay: HeartbeatRelay | None = None, **store_options: Any) -> tuple[FastAPI, TransformService]:
     """The daemon's app over ``store`` and the transform service behind its transform routes (the upload
-    service behind the upload routes is ``app.state.uploads``).
+    service behind the upload routes is ``app.state.uploads``, the heartbeat relay ``app.state.relay``).
 
     ``token`` is the admin token; ``auth_keys`` (default ``$TENPLEX_AUTH_KEYS``) the key set whose signed
-    credentials it accepts too. ``store_options`` go to :func:`tenplex.store.server.create_app` (request size
-    bounds).
+    credentials it accepts too. ``relay``: this node's workers' heartbeats go through it to its scheduler
+    (None: the daemon relays none; its workers heartbeat their scheduler themselves). ``store_options`` go to
+    :func:`tenplex.store.server.create_app` (request size bounds).
     """
     auth = Authenticator.from_env(token, auth_keys)
     registry = CollectorRegistry(auto_describe=True)
     if store.memory is not None:
         registry.register(_MemoryTierCollector(store))
+    if relay is not None:
+        registry.register(_RelayCollector(relay))
     service = TransformService(store, token=token, settings=transforms, registry=registry)
     upload_service = UploadService(store, settings=uploads, registry=registry)
-    app = create_app(store, token=token, auth=auth, routers=[transform_router(service), upload_router(upload_service)],
+    app = create_app(store, token=token, auth=auth, routers=[transform_router(service), upload_router(upload_service),
+                                                             relay_router(relay)],
                      registry=registry, **store_options)
     app.state.transforms = service
     app.state.uploads = upload_service
+    app.state.relay = relay
     return app, service
 
 
@@ -104,8 +115,13 @@ def serve(
     spill_interval_s: float = 0.0,
     auth_keys: str | Path | None = None,
     tls: ServerTLS | None = None,
+    scheduler_url: str | None = None,
+    relay_interval_s: float = DEFAULT_INTERVAL_S,
 ) -> None:
     """Run the node daemon until interrupted (blocking). ``port=0`` picks a free port.
+
+    ``scheduler_url``: relay this node's workers' heartbeats to that scheduler, one batch per job every
+    ``relay_interval_s`` (:mod:`tenplex.store.relay`); None: relay none.
 
     ``memory_root`` and ``memory_bytes``: the store's memory tier (a tmpfs
     directory and its budget); this daemon owns it (records it in the root,
@@ -127,6 +143,8 @@ def serve(
     uploads = uploads or UploadSettings()
     if (memory_root is None) != (memory_bytes is None):
         raise InvalidInput("a memory tier needs both its directory (memory_root) and its budget (memory_bytes)")
+    relay_config = {"scheduler_url": scheduler_url, "interval_s": relay_interval_s} if scheduler_url else None
+    relay = HeartbeatRelay(**relay_config) if relay_config else None  # checked here, before anything starts
     options: dict[str, Any] = {"map_chunks": map_chunks}
     if chunk_bytes is not None:
         options["chunk_bytes"] = chunk_bytes
@@ -146,29 +164,35 @@ def serve(
     if store.memory is not None:
         log.info("memory tier %s, budget %d MiB: new versions are written and served there and spilled to %s",
                  store.memory.root, store.memory.budget >> 20, store.root)
+    if relay is not None:
+        log.info("relaying this node's workers' heartbeats to %s every %.1fs", relay.scheduler_url, relay.interval_s)
     if workers > 1:
         try:
             _serve_workers(sock, store, token, workers, log_level, tune_malloc=tune_malloc, transforms=transforms,
-                           uploads=uploads, auth_keys=auth_keys, tls=tls)
+                           uploads=uploads, auth_keys=auth_keys, tls=tls, relay=relay_config)
         finally:
             store.close()  # the spiller runs in this (the supervising) process
         log.info("tenplex node daemon at %s stopped", url_for(host, bound, tls=tls is not None))
         return
     if tune_malloc:
         _keep_freed_memory()
-    app, service = create_node_app(store, token=token, transforms=transforms, uploads=uploads, auth_keys=auth_keys)
+    app, service = create_node_app(store, token=token, transforms=transforms, uploads=uploads, auth_keys=auth_keys,
+                                   relay=relay)
     try:
         serve_forever(app, sock, log_level=log_level, tls=tls)
     finally:
         service.close()
         app.state.uploads.close()
+        if relay is not None:
+            relay.close()
         store.close()
     log.info("tenplex node daemon at %s stopped", url_for(host, bound, tls=tls is not None))
 
 
 def _serve_workers(sock: socket.socket, store: LocalStore, token: str | None, workers: int, log_level: str, *,
                    tune_malloc: bool, transforms: TransformSettings, uploads: UploadSettings,
-                   auth_keys: str | None = None, tls: ServerTLS | None = None) -> None:
+                   auth_keys: str | None = None, tls: ServerTLS | None = None,
+                   relay: dict[str, Any] | None = None) -> None:
     """Several uvicorn worker processes on one listening socket (uvicorn's supervisor restarts dead ones).
 
     One event loop sends every response body from one thread, so on a node
@@ -188,6 +212,7 @@ def _serve_workers(sock: socket.socket, store: LocalStore, token: str | None, wo
                                   "tune_malloc": tune_malloc, "transforms": dataclasses.asdict(transforms),
                                   "uploads": dataclasses.asdict(uploads)}),
         MULTIPROC_ENV: metrics_dir,
+        _RELAY_ENV: json.dumps(relay) if relay else "",
         TOKEN_ENV: token or "",
         ENV_AUTH_KEYS: auth_keys or "",
         ENV_TLS_CERT: tls.certfile if tls else "",
@@ -218,8 +243,10 @@ def app_from_env() -> FastAPI:
         _keep_freed_memory()
     transforms = TransformSettings(**options.pop("transforms", {}))
     uploads = UploadSettings(**options.pop("uploads", {}))
+    relay = os.environ.get(_RELAY_ENV)
     app, _service = create_node_app(LocalStore(root, **options), token=os.environ.get(TOKEN_ENV) or None,
-                                    transforms=transforms, uploads=uploads)
+                                    transforms=transforms, uploads=uploads,
+                                    relay=HeartbeatRelay(**json.loads(relay)) if relay else None)
     return app
 
 
@@ -273,6 +300,20 @@ class _MemoryTierCollector(Collector):
                                     value=1 if spiller.busy else 0)
 
 
+class _RelayCollector(Collector):
+    """The heartbeat relay's counters on every scrape: batches sent, heartbeats in them, batches unanswered."""
+
+    def __init__(self, relay: HeartbeatRelay) -> None:
+        self._relay = relay
+
+    def collect(self) -> Any:
+        relay = self._relay
+        yield CounterMetricFamily("tenplex_relay_batches", "Batches of this node's heartbeats sent to the scheduler",
+                                  value=relay.batches)
+        yield CounterMetricFamily("tenplex_relay_heartbeats", "Worker heartbeats relayed in them", value=relay.heartbeats)
+        yield CounterMetricFamily("tenplex_relay_failures", "Batches the scheduler did not answer", value=relay.failures)
+
+
 class NodeDaemon(BackgroundServer):
     """A node daemon (store and transforms) in a background thread, for tests and embedding.
 
@@ -282,11 +323,12 @@ class NodeDaemon(BackgroundServer):
     def __init__(self, root: str | Path, host: str = "127.0.0.1", port: int = 0, token: str | None = None, *,
                  store: LocalStore | None = None, transforms: TransformSettings | None = None,
                  uploads: UploadSettings | None = None, log_level: str = "warning", auth_keys: str | Path | None = None,
-                 tls: ServerTLS | None = None, **store_options: Any) -> None:
+                 tls: ServerTLS | None = None, relay: HeartbeatRelay | None = None, **store_options: Any) -> None:
         self.store = store if store is not None else LocalStore(root)
         self.token = token
+        self.relay = relay
         app, self.transforms = create_node_app(self.store, token=token, transforms=transforms, uploads=uploads,
-                                               auth_keys=auth_keys, **store_options)
+                                               auth_keys=auth_keys, relay=relay, **store_options)
         self.uploads: UploadService = app.state.uploads
         super().__init__(app, host, port, log_level=log_level, tls=tls)
 
@@ -298,4 +340,6 @@ class NodeDaemon(BackgroundServer):
         super().stop(timeout)
         self.transforms.close()
         self.uploads.close()
+        if self.relay is not None:
+            self.relay.close()
         self.store.close()

@@ -18,6 +18,16 @@ The life of a worker, as the protocol sees it::
     POST {PEER_FAILURE_PATH}(on timeout)  PeerFailureReport-> Ack
     POST {EXIT_PATH}        (at the end)  ExitReport       -> Ack
 
+Heartbeats usually go through the worker's node daemon instead (liveness
+scales with nodes, not workers): the worker posts a :class:`RelayedHeartbeat`
+to ``{store_url}{RELAY_HEARTBEAT_PATH}`` and gets the same
+:class:`HeartbeatReply`; the daemon sends the scheduler one
+:class:`NodeHeartbeats` per job and node per interval at
+:data:`NODE_HEARTBEATS_PATH` and answers each worker with its part of the
+:class:`NodeHeartbeatsReply`. A daemon relays only for the scheduler it was
+started for (``GET {RELAY_PATH}`` says which: :class:`RelayInfo`); a worker
+whose daemon does not relay for its scheduler heartbeats the scheduler itself.
+
 A stop request ("stop after step N") travels in the :class:`Assignment` and in
 every :class:`HeartbeatReply`; the worker finishes step N, snapshots it,
 reports the snapshot and exits with :data:`EXIT_STOPPED`. The ranks agree on
@@ -107,6 +117,12 @@ HEARTBEAT_PATH = API_PREFIX + "/jobs/{job}/workers/{worker_id}/heartbeat"
 SNAPSHOT_PATH = API_PREFIX + "/jobs/{job}/workers/{worker_id}/snapshot"
 PEER_FAILURE_PATH = API_PREFIX + "/jobs/{job}/workers/{worker_id}/peer-failure"
 EXIT_PATH = API_PREFIX + "/jobs/{job}/workers/{worker_id}/exit"
+NODE_HEARTBEATS_PATH = API_PREFIX + "/jobs/{job}/nodes/{node}/heartbeats"
+"""The scheduler's route for one node daemon's batch of its workers' heartbeats."""
+RELAY_PATH = API_PREFIX + "/relay"
+"""The node daemon's description of its relay (:class:`RelayInfo`)."""
+RELAY_HEARTBEAT_PATH = API_PREFIX + "/relay/jobs/{job}/workers/{worker_id}/heartbeat"
+"""The node daemon's route for a worker's heartbeat, relayed to the scheduler in the node's next batch."""
 
 # -- field types -----------------------------------------------------------------------
 
@@ -250,6 +266,81 @@ class HeartbeatReply(_Model):
     action: Literal["continue", "stop"] = "continue"
     generation: Generation
     stop_at_step: Step | None = Field(None, description="Finish this step, snapshot it and exit.")
+
+
+class RelayedHeartbeat(HeartbeatRequest):
+    """A heartbeat sent to the node daemon, with the scheduler it is meant for (the daemon relays only to its own)
+    and the worker's host (the node its batch is reported for)."""
+
+    scheduler_url: str = Field(min_length=1, max_length=2048)
+    host: HostName
+
+
+class RelayInfo(_Model):
+    """What a node daemon relays: heartbeats to ``scheduler_url`` (None: it relays nothing)."""
+
+    scheduler_url: str | None = None
+    interval_s: float = Field(gt=0, description="How often the daemon sends its node's batch.")
+
+
+MAX_NODE_HEARTBEATS = 4096
+"""The most heartbeats one node's batch may carry (a node has a handful of workers per job)."""
+
+_Age = Annotated[float, Field(ge=0, le=86400)]
+_Loss = Annotated[float | None, Field(allow_inf_nan=False)]
+
+
+class NodeHeartbeats(_Model):
+    """A node daemon's batch: the heartbeats its workers of one job sent since its last batch, once each.
+
+    Column by column (the i-th entry of each list is the i-th worker's), so that the scheduler parses a node's
+    report as a few lists of numbers: it handles one of these per node every second. ``ages`` is how long ago
+    the daemon received each heartbeat; the scheduler dates the beat back by that, so a relayed beat counts
+    from when the worker sent it, on the scheduler's clock.
+    """
+
+    workers: list[WorkerId] = Field(min_length=1, max_length=MAX_NODE_HEARTBEATS)
+    generations: list[Generation]
+    steps: list[Step]
+    ages: list[_Age] = Field(description="Seconds since the daemon received each heartbeat.")
+    losses: list[_Loss] | None = Field(None, description="Each worker's loss of its last step (null: none).")
+    marks: dict[WorkerId, dict[str, float]] | None = Field(
+        None, description="Milestones reached since the last heartbeat, of the workers that have any.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> NodeHeartbeats:
+        n = len(self.workers)
+        lengths = {"generations": len(self.generations), "steps": len(self.steps), "ages": len(self.ages)}
+        if self.losses is not None:
+            lengths["losses"] = len(self.losses)
+        wrong = {k: v for k, v in lengths.items() if v != n}
+        if wrong:
+            raise ValueError(f"every column needs one entry per worker ({n}): {wrong}")
+        if len(set(self.workers)) != n:
+            raise ValueError("a worker appears more than once in the batch")
+        if self.marks:
+            strangers = sorted(set(self.marks) - set(self.workers))
+            if strangers:
+                raise ValueError(f"marks of workers not in the batch: {strangers[:4]}")
+            for m in self.marks.values():
+                _check_marks(m)
+        return self
+
+
+class ErrorBody(_Model):
+    """An error as every Tenplex service answers it (``{"error": code, "detail": message}``)."""
+
+    error: str = Field(min_length=1, max_length=64)
+    detail: str = Field(max_length=4000)
+
+
+class NodeHeartbeatsReply(_Model):
+    """The answer to each worker of a batch: its error when it has one in ``errors`` (what its own heartbeat
+    would have got: an unknown worker, another generation, another node), else ``reply`` (the job's answer to
+    each of its workers: the same for all of them, so sent once)."""
+
+    reply: HeartbeatReply | None = Field(None, description="The answer of every worker without an error.")
+    errors: dict[WorkerId, ErrorBody] = Field(default_factory=dict)
 
 
 class SnapshotReport(_Model):

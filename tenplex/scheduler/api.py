@@ -22,7 +22,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal
 
-from fastapi import Depends, FastAPI, Query, Request
+from fastapi import Depends, FastAPI, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -77,7 +77,7 @@ class EventBody(_Body):
 
 
 def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
-    app = FastAPI(
+    app = _SchedulerApp(
         title="Tenplex scheduler",
         version=__version__,
         description="Elastic multi-dimensional-parallel training jobs: create, scale, observe; the worker protocol.",
@@ -120,7 +120,7 @@ def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
         return JSONResponse({"error": code, "detail": str(exc.detail)}, status_code=exc.status_code)
 
     app.add_middleware(_Timing, metrics=metrics)
-    app.add_middleware(_WorkerReports, scheduler=scheduler, authn=authn, metrics=metrics)
+    app.worker_reports = _WorkerReports(scheduler, authn, metrics)
 
     # -- health and metrics ----------------------------------------------------
 
@@ -249,6 +249,17 @@ def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
 
     report_route("exit", "exit_report", "A worker is exiting", P.Ack)
 
+    @app.post(P.NODE_HEARTBEATS_PATH, tags=["workers"], summary="A node daemon's batch of its workers' heartbeats",
+              name="node_heartbeats", response_model=P.NodeHeartbeatsReply,
+              openapi_extra=_json_body(P.NodeHeartbeats),
+              description="One report per node and job per interval instead of one per worker; answers each "
+                          "worker as its own heartbeat would be. Answered by `_WorkerReports` before routing.")
+    async def node_heartbeats(job: P.JobName, node: Annotated[str, Path(pattern=_NODE_NAME.pattern)],
+                              request: Request) -> Response:
+        auth(request)
+        return Response(await _worker_report(scheduler, "heartbeats", job, node, await request.body()),
+                        media_type="application/json")
+
     return app
 
 
@@ -268,7 +279,9 @@ def _json_body(model: type[BaseModel]) -> dict[str, Any]:
 VIEW_WAIT_S = 0.05
 """How long a read of a job waits for its controller's lock before it answers with the job's last view."""
 VIEW_POLL_S = 0.004
-"""How often a read on the event loop looks at a busy lock again."""
+"""How often a read or a worker report on the event loop looks at a busy lock again."""
+REPORT_WAIT_S = 0.05
+"""How long a worker report waits on the event loop for its job's busy lock before a worker thread waits."""
 
 
 class _Views:
@@ -321,75 +334,95 @@ _REPORTS: dict[str, tuple[type[BaseModel], str, Callable[[JobController, str, An
     "heartbeat": (P.HeartbeatRequest, P.HEARTBEAT_PATH, lambda ctl, w, body: ctl.heartbeat(w, body)),
     "snapshot": (P.SnapshotReport, P.SNAPSHOT_PATH, lambda ctl, w, body: ctl.snapshot_report(w, body)),
     "exit": (P.ExitReport, P.EXIT_PATH, lambda ctl, w, body: ctl.exit_report(w, body)),
+    "heartbeats": (P.NodeHeartbeats, P.NODE_HEARTBEATS_PATH, lambda ctl, node, body: ctl.node_heartbeats(node, body)),
 }
 """The worker reports every worker sends (``kind`` -> body model, route, controller call): a heartbeat every
-second or so, and at every planned change a snapshot and an exit report from each worker at once."""
+second or so (one batch per node and interval from the node daemons that relay them: ``heartbeats``, called
+with the node's name), and at every planned change a snapshot and an exit report from each worker at once."""
 
 
 async def _worker_report(scheduler: Scheduler, kind: str, job: str, worker_id: str, raw: bytes) -> bytes:
     """A worker report's reply: the body parsed by pydantic from the raw bytes, the reply serialized by it, and
-    the controller called on the event loop when its lock is free (held only briefly then: a report is a few
-    dictionary updates), else from a worker thread as other routes are."""
+    the controller called on the event loop once its lock is free (held only briefly then: a report is a few
+    dictionary updates). A lock held longer than ``REPORT_WAIT_S`` (planning a large job) is waited for in a
+    worker thread, as other routes do; a shorter hold (the controller's tick over its workers) is looked at
+    again every ``VIEW_POLL_S`` from the event loop: a hand-off to a thread costs more than the report."""
     model, _path, call = _REPORTS[kind]
     try:
         body = model.model_validate_json(raw)
     except ValidationError as exc:
         raise InvalidInput(_validation_detail(exc.errors(), ("body",))) from None
     ctl = scheduler.get(job)
-    if ctl.lock.acquire(blocking=False):
+    deadline = None
+    while not ctl.lock.acquire(blocking=False):
+        deadline = deadline or time.monotonic() + REPORT_WAIT_S
+        if time.monotonic() > deadline:
+            reply = await run_in_threadpool(call, ctl, worker_id, body)
+            break
+        await asyncio.sleep(VIEW_POLL_S)
+    else:
         try:
             reply = call(ctl, worker_id, body)
         finally:
             ctl.lock.release()
-    else:
-        reply = await run_in_threadpool(call, ctl, worker_id, body)
     return reply.model_dump_json().encode() if reply is not None else _ACK
 
 
-_WORKER_REPORT = re.compile(r"^/v1/jobs/([^/]+)/workers/([^/]+)/(heartbeat|snapshot|exit)$")
+_WORKER_REPORT = re.compile(r"^/v1/jobs/([^/]+)/(?:workers/([^/]+)/(heartbeat|snapshot|exit)|nodes/([^/]+)/(heartbeats))$")
 _JOB_NAME = re.compile(P.JOB_NAME_PATTERN)
 _WORKER_ID = re.compile(P.WORKER_ID_PATTERN)
+_NODE_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,251}[A-Za-z0-9])?$")
+"""A node's name in the path of its batch (a Kubernetes node name, an emulated host's)."""
 
 
 class _WorkerReports:
-    """Worker reports answered before routing: heartbeats, snapshot and exit reports (:data:`_REPORTS`).
+    """Worker reports answered before the app: heartbeats (a worker's own and a node's batch), snapshot and exit
+    reports (:data:`_REPORTS`).
 
     A thousand workers send a thousand heartbeats a second, and two thousand
     reports within a second or two when a planned change stops them; through
     the framework's routing, dependencies, request objects and worker threads
     each cost several times the work of the report itself
-    (``benchmarks/control_plane.py``). This ASGI layer answers
-    ``POST /v1/jobs/{job}/workers/{worker_id}/{heartbeat,snapshot,exit}``
-    itself, with the routes' contract (bearer token, body and reply models,
-    errors as ``{"error", "detail"}``, latency in the request histogram);
-    anything else, and a path whose names are malformed, goes on to the app.
+    (``benchmarks/control_plane.py``). This layer, ahead of the app
+    (:class:`_SchedulerApp`), answers
+    ``POST /v1/jobs/{job}/workers/{worker_id}/{heartbeat,snapshot,exit}`` and
+    ``POST /v1/jobs/{job}/nodes/{node}/heartbeats`` itself, with the routes'
+    contract (bearer token, body and reply models, errors as
+    ``{"error", "detail"}``, latency in the request histogram); anything
+    else, and a path whose names are malformed, goes on to the app.
     """
 
-    def __init__(self, app: Any, scheduler: Scheduler, authn: Authenticator, metrics: Any) -> None:
-        self.app = app
+    def __init__(self, scheduler: Scheduler, authn: Authenticator, metrics: Any) -> None:
         self.scheduler = scheduler
         self.authn = authn
         self.metrics = metrics
+        self._latency: dict[tuple[str, int], Any] = {}
+        """(kind, status) -> its series of the request histogram (a label lookup costs as much as the rest)."""
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def answered(self, scope: dict[str, Any], receive: Any, send: Any) -> bool:
+        """Answer ``scope`` if it is a worker report (True), else leave it to the app (False)."""
         m = _WORKER_REPORT.match(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
-        if m is None or not _JOB_NAME.match(m.group(1)) or not _WORKER_ID.match(m.group(2)):
-            await self.app(scope, receive, send)
-            return
+        job, who, kind = "", "", ""
+        if m is not None:
+            job, who, kind = (m.group(1), m.group(2), m.group(3)) if m.group(2) else (m.group(1), m.group(4), m.group(5))
+        if m is None or not _JOB_NAME.match(job) or not (_WORKER_ID if kind != "heartbeats" else _NODE_NAME).match(who):
+            return False
         start = time.perf_counter()
         headers: list[tuple[bytes, bytes]] = [(b"content-type", b"application/json")]
         try:
             principal = self.authn.authenticate(dict(scope["headers"]).get(b"authorization"))
-            if not principal.can_write(m.group(1)):
-                raise Forbidden(f"a {principal.describe()} may not report for job {m.group(1)!r}")
-            chunks = []
+            if not principal.can_write(job):
+                raise Forbidden(f"a {principal.describe()} may not report for job {job!r}")
+            chunks, size = [], 0
             while True:
                 message = await receive()
                 chunks.append(message.get("body", b""))
+                size += len(chunks[-1])
+                if size > MAX_REPORT_BYTES:
+                    raise InvalidInput(f"a worker or node report is at most {MAX_REPORT_BYTES} bytes")
                 if not message.get("more_body"):
                     break
-            status, body = 200, await _worker_report(self.scheduler, m.group(3), m.group(1), m.group(2),
-                                                     b"".join(chunks))
+            status, body = 200, await _worker_report(self.scheduler, kind, job, who, b"".join(chunks))
         except TenplexError as exc:
             status, body = exc.http_status, json.dumps(exc.to_json()).encode()
             if isinstance(exc, Unauthorized):
@@ -397,7 +430,30 @@ class _WorkerReports:
         headers.append((b"content-length", str(len(body)).encode()))
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
-        self.metrics.requests.labels(_REPORTS[m.group(3)][1], "POST", str(status)).observe(time.perf_counter() - start)
+        series = self._latency.get((kind, status))
+        if series is None:
+            series = self._latency[(kind, status)] = self.metrics.requests.labels(_REPORTS[kind][1], "POST", str(status))
+        series.observe(time.perf_counter() - start)
+        return True
+
+
+MAX_REPORT_BYTES = 1 << 20
+"""The largest worker report or node batch body the scheduler reads (a node's batch of 4,096 heartbeats is
+about 150 KiB)."""
+
+
+class _SchedulerApp(FastAPI):
+    """The scheduler's app: FastAPI, with the worker reports (:class:`_WorkerReports`) answered before any of its
+    layers (its telemetry, body limit, error handling, middleware and routing), which cost more than a
+    node's batch of heartbeats itself (``benchmarks/liveness.py``)."""
+
+    worker_reports: _WorkerReports | None = None
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        reports = self.worker_reports
+        if reports is not None and await reports.answered(scope, receive, send):
+            return
+        await super().__call__(scope, receive, send)
 
 
 class _Timing:

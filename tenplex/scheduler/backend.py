@@ -189,6 +189,11 @@ class LocalCluster:
     command on its host (``ip netns exec NS``, ``ssh HOST``), environment for
     its workers, and the directory of its store as its workers see it.
 
+    With ``scheduler_url`` the started daemons relay their workers' heartbeats
+    to that scheduler every ``relay_interval`` seconds, one report per node
+    (:mod:`tenplex.store.relay`); a hosts file's daemons relay when they were
+    started with it (their workers ask).
+
     ``memory_bytes`` gives each started host's daemon a memory tier of that
     budget (:mod:`tenplex.store.tiers`) in ``memory_root``/<host> (default: a
     new directory on ``/dev/shm``, removed by :meth:`stop`): the workers,
@@ -207,6 +212,8 @@ class LocalCluster:
     gpus_per_host: int = 2
     memory_bytes: int | None = None
     memory_root: Path | None = None
+    scheduler_url: str | None = None
+    relay_interval: float = 1.0
     _own_memory_root: bool = False
     _hosts: dict[str, _LocalHost] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -221,6 +228,8 @@ class LocalCluster:
         port_file.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "tenplex", "store", "serve", "--root", str(root / "store"),
                "--host", address, "--port", "0", "--port-file", str(port_file), *self._memory_flags(name)]
+        if self.scheduler_url:
+            cmd += ["--scheduler-url", self.scheduler_url, "--relay-interval", str(self.relay_interval)]
         env = dict(os.environ)
         if self.token:
             env["TENPLEX_TOKEN"] = self.token

@@ -33,9 +33,12 @@ import urllib3
 
 from tenplex.core.protocol import (
     Assignment,
+    ErrorBody,
     ExitReport,
     HeartbeatReply,
     HeartbeatRequest,
+    NodeHeartbeats,
+    NodeHeartbeatsReply,
     PeerFailureReport,
     RegisterRequest,
     SnapshotReport,
@@ -84,6 +87,13 @@ class JobController:
         self._wake = threading.Event()
         self._closing = threading.Event()
         self._thread: threading.Thread | None = None
+        self._index: dict[str, WorkerRecord] = {}
+        """Worker id -> record of ``_index_of``, the record's worker list it was built for (the list is replaced,
+        never changed in place): a node's batch looks its workers up without a scan of every worker."""
+        self._index_of: list[WorkerRecord] | None = None
+        self._replies: tuple[tuple[int, int | None], HeartbeatReply, NodeHeartbeatsReply] | None = None
+        """The job's answer to a heartbeat and to a node's batch without errors, for (generation, stop step):
+        made again only when either changes (the models are frozen)."""
 
     @property
     def spec(self) -> JobSpec:
@@ -186,27 +196,86 @@ class JobController:
             return self.launcher.assignment(self._worker(worker_id))
 
     def heartbeat(self, worker_id: str, req: HeartbeatRequest) -> HeartbeatReply:
+        """A worker's own heartbeat (one whose node daemon does not relay for this scheduler)."""
         with self.lock:
             w = self._worker(worker_id, req.generation)
-            w.last_heartbeat = time.time()
+            w.last_heartbeat = max(time.time(), w.last_heartbeat or 0.0)
             w.step = req.step
             if req.marks:
-                self.ctx.worker_marks(req.generation, req.marks)
-            metrics = self.ctx.metrics
-            if req.step > self.status.step:
-                self.status.step = req.step
-                if metrics is not None:
-                    metrics.step.labels(self.spec.name).set(req.step)
-                if req.loss is not None and metrics is not None:
-                    metrics.loss.labels(self.spec.name).set(req.loss)
-            st = self.status
-            # The loop looks at the job every poll interval anyway; a heartbeat wakes it at once only when it
-            # may move the job on (a milestone, a stop step or the last step reached, a downtime to close).
-            # At a thousand workers a wake per heartbeat meant a thousand ticks a second over every worker.
-            if (req.marks or st.phase != Phase.RUNNING or st.downtime_started_at is not None
-                    or req.step >= self.spec.steps or (st.stop_at_step is not None and req.step >= st.stop_at_step)):
+                self.ctx.worker_marks(w.generation, req.marks)
+            if self._progress(req.step, req.loss, bool(req.marks)):
                 self._wake.set()
-            return HeartbeatReply(action="continue", generation=st.generation, stop_at_step=st.stop_at_step)
+            return self._reply()
+
+    def node_heartbeats(self, node: str, batch: NodeHeartbeats) -> NodeHeartbeatsReply:
+        """A node daemon's batch of its workers' heartbeats: each recorded as its own heartbeat would be, dated
+        back by how long the daemon held it, so a worker's silence is measured from its last beat wherever
+        the beat went. Each worker is answered as its own heartbeat would be: an error where that would have
+        failed (a worker of another generation, of another node, unknown), else the job's reply.
+
+        A node's batch arrives every second from every node: the loop below is the whole per-worker cost."""
+        now = time.time()
+        errors: dict[str, ErrorBody] = {}
+        losses, steps, ages, generations = batch.losses, batch.steps, batch.ages, batch.generations
+        top, top_loss = -1, None
+        with self.lock:
+            index = self._workers_index()
+            for i, worker_id in enumerate(batch.workers):
+                w = index.get(worker_id)
+                if w is None or w.generation != generations[i] or w.host != node:
+                    errors[worker_id] = self._beat_error(worker_id, generations[i], node)
+                    continue
+                when = now - ages[i]
+                if w.last_heartbeat is None or when > w.last_heartbeat:
+                    w.last_heartbeat = when
+                w.step = step = steps[i]
+                if step > top:
+                    top, top_loss = step, losses[i] if losses else None
+            marks = {wid: m for wid, m in (batch.marks or {}).items() if wid not in errors}
+            for wid, m in marks.items():
+                self.ctx.worker_marks(index[wid].generation, m)
+            wake = top >= 0 and self._progress(top, top_loss, bool(marks))
+            self._reply()
+            assert self._replies is not None
+            answer = self._replies[2] if not errors else NodeHeartbeatsReply(
+                reply=self._replies[1] if len(errors) < len(batch.workers) else None, errors=errors)
+        if wake:
+            self._wake.set()
+        return answer
+
+    def _beat_error(self, worker_id: str, generation: int, node: str) -> ErrorBody:
+        """What a worker's heartbeat that cannot be taken is answered (under the lock): the error its own
+        heartbeat would get, or that it reports for another node than its own."""
+        try:
+            w = self._worker(worker_id, generation)
+            exc: TenplexError = Conflict(f"worker {worker_id} runs on {w.host}, not on {node}")
+        except TenplexError as error:
+            exc = error
+        return ErrorBody(error=exc.code, detail=exc.detail)
+
+    def _progress(self, step: int, loss: float | None, marks: bool) -> bool:
+        """The job's step after heartbeats up to ``step`` (under the lock); whether they should wake the loop."""
+        st = self.status
+        if step > st.step:
+            st.step = step
+            metrics = self.ctx.metrics
+            if metrics is not None:
+                metrics.step.labels(self.spec.name).set(step)
+                if loss is not None:
+                    metrics.loss.labels(self.spec.name).set(loss)
+        # The loop looks at the job every poll interval anyway; a heartbeat wakes it at once only when it
+        # may move the job on (a milestone, a stop step or the last step reached, a downtime to close).
+        # At a thousand workers a wake per heartbeat meant a thousand ticks a second over every worker.
+        return bool(marks or st.phase != Phase.RUNNING or st.downtime_started_at is not None
+                    or step >= self.spec.steps or (st.stop_at_step is not None and step >= st.stop_at_step))
+
+    def _reply(self) -> HeartbeatReply:
+        st = self.status
+        key = (st.generation, st.stop_at_step)
+        if self._replies is None or self._replies[0] != key:
+            reply = HeartbeatReply(action="continue", generation=st.generation, stop_at_step=st.stop_at_step)
+            self._replies = (key, reply, NodeHeartbeatsReply(reply=reply))
+        return self._replies[1]
 
     def snapshot_report(self, worker_id: str, req: SnapshotReport) -> None:
         with self.lock:
@@ -249,13 +318,21 @@ class JobController:
             self.status.step = max(self.status.step, req.step)
         self._wake.set()
 
+    def _workers_index(self) -> dict[str, WorkerRecord]:
+        """Worker id -> record of the current generation (under the lock)."""
+        workers = self.status.workers
+        if self._index_of is not workers:
+            self._index = {w.worker_id: w for w in workers}
+            self._index_of = workers
+        return self._index
+
     def _worker(self, worker_id: str, generation: int | None = None) -> WorkerRecord:
-        for w in self.status.workers:
-            if w.worker_id == worker_id:
-                if generation is not None and generation != w.generation:
-                    raise Conflict(f"worker {worker_id} speaks for generation {generation}, the job is at {w.generation}")
-                return w
-        raise NotFound(f"job {self.spec.name!r} has no worker {worker_id!r} in generation {self.status.generation}")
+        w = self._workers_index().get(worker_id)
+        if w is None:
+            raise NotFound(f"job {self.spec.name!r} has no worker {worker_id!r} in generation {self.status.generation}")
+        if generation is not None and generation != w.generation:
+            raise Conflict(f"worker {worker_id} speaks for generation {generation}, the job is at {w.generation}")
+        return w
 
     # -- the loop -----------------------------------------------------------
 
@@ -328,6 +405,11 @@ class JobController:
             orch.begin_failure(outcome.failure)
             return
         if outcome.succeeded:
+            # The workers may finish before a heartbeat past the restored step reaches the scheduler (relayed
+            # beats come up to an interval late): their exit reports say they trained, so the downtime ends here.
+            if st.downtime_started_at is not None and any(
+                    w.step is not None and w.step > (st.restored_step or 0) for w in st.workers):
+                orch.finish_downtime()
             for w in st.workers:
                 w.exit_code = obs.exits[w.worker_id]
             self.ctx.enter(Phase.SUCCEEDED, None, f"completed {st.step} steps")

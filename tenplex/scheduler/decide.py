@@ -110,9 +110,9 @@ def decide_running(spec: JobSpec, status: JobStatus, obs: Observations, *, start
     failure = detect_failure(spec, status, obs, start_timeout=start_timeout)
     if failure is not None:
         return RunningOutcome(failure=failure)
-    ids = [w.worker_id for w in status.workers]
-    if ids and len(obs.exits) == len(ids) and all(
-        (r := obs.exit_reports.get(wid)) is not None and r.status == "completed" for wid in ids
+    # Every tick of a running job comes here: the workers are looked at only once all of them have exited.
+    if status.workers and len(obs.exits) == len(status.workers) and all(
+        (r := obs.exit_reports.get(w.worker_id)) is not None and r.status == "completed" for w in status.workers
     ):
         return RunningOutcome(succeeded=True)
     # A step past the restored one means every rank took part in it (its collectives): training is back.

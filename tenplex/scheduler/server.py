@@ -32,10 +32,12 @@ AUTH_KEYS_FILE = "auth-keys.json"
 
 def local_cluster(state_dir: Path, hosts: int, gpus_per_host: int, token: str | None,
                   hosts_file: Path | None = None, *, memory_bytes: int | None = None,
-                  memory_root: Path | None = None, auth_keys: Path | None = None) -> LocalCluster:
+                  memory_root: Path | None = None, auth_keys: Path | None = None,
+                  scheduler_url: str | None = None, relay_interval: float = 1.0) -> LocalCluster:
     """Start the emulated hosts, or re-attach to them after a scheduler restart, or take the hosts a hosts
     file describes (their daemons run already; see :meth:`LocalCluster.attach`). ``memory_bytes`` (and
-    ``memory_root``): the started hosts' store memory tier (see :class:`LocalCluster`)."""
+    ``memory_root``): the started hosts' store memory tier (see :class:`LocalCluster`); ``scheduler_url``:
+    the started daemons relay their workers' heartbeats to it every ``relay_interval`` seconds."""
     described = state_dir / "cluster.json"
     if described.exists():
         cluster = LocalCluster.attach(state_dir / "cluster", json.loads(described.read_text()), token=token)
@@ -53,7 +55,8 @@ def local_cluster(state_dir: Path, hosts: int, gpus_per_host: int, token: str | 
         log.info("%d hosts from %s", len(listed), hosts_file)
         return cluster
     cluster = LocalCluster(root=state_dir / "cluster", token=token, gpus_per_host=gpus_per_host,
-                           memory_bytes=memory_bytes, memory_root=memory_root, auth_keys=auth_keys)
+                           memory_bytes=memory_bytes, memory_root=memory_root, auth_keys=auth_keys,
+                           scheduler_url=scheduler_url, relay_interval=relay_interval)
     cluster.start(hosts)
     save_cluster(state_dir, cluster)
     return cluster
@@ -72,7 +75,8 @@ def local_scheduler(options: SchedulerOptions) -> Scheduler:
     settings = SchedulerSettings(url=options.url, token=options.token, heartbeat_interval=options.heartbeat_interval,
                                  credentials=Issuer(KeySet(keys)) if keys is not None else None)
     cluster = local_cluster(state_dir, options.hosts, options.gpus_per_host, options.token, options.hosts_file,
-                            memory_bytes=options.memory_bytes, memory_root=options.memory_root, auth_keys=keys)
+                            memory_bytes=options.memory_bytes, memory_root=options.memory_root, auth_keys=keys,
+                            scheduler_url=options.url, relay_interval=options.heartbeat_interval)
     backend = LocalBackend(cluster, cwd=Path.cwd(), host_timeout=options.host_timeout)
     return Scheduler(backend, StateDir(state_dir), settings)
 

@@ -78,6 +78,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--spill-interval", type=float, default=0.0, metavar="SECONDS",
                        help="memory tier: spill each job's newest version to disk at most this often; the versions in "
                             "between stay in memory only (default 0: every version, as soon as it is committed)")
+    serve.add_argument("--scheduler-url", default=os.environ.get("TENPLEX_SCHEDULER_URL") or None, metavar="URL",
+                       help="relay this node's workers' heartbeats to this scheduler, one report per node and "
+                            "interval (default $TENPLEX_SCHEDULER_URL; none: workers heartbeat the scheduler "
+                            "themselves)")
+    serve.add_argument("--relay-interval", type=float, default=1.0, metavar="SECONDS",
+                       help="how often the relayed heartbeats are sent (default 1)")
     serve.set_defaults(func=_serve)
 
     ls = cmds.add_parser("ls", help="list the jobs of a store daemon, or the versions of one job")
@@ -156,6 +162,8 @@ def _serve(args: argparse.Namespace) -> int:
         spill_interval_s=args.spill_interval,
         auth_keys=args.auth_keys,
         tls=ServerTLS.from_options(args.tls_cert, args.tls_key),
+        scheduler_url=args.scheduler_url,
+        relay_interval_s=args.relay_interval,
     )
     return 0
 

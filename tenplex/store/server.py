@@ -95,6 +95,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tenplex.core.auth import Authenticator, Principal, require_admin, require_read, require_write
 from tenplex.core.buffers import byte_view
+from tenplex.core.protocol import RELAY_HEARTBEAT_PATH, RELAY_PATH
 from tenplex.core.version import Version
 from tenplex.errors import InvalidInput, TenplexError
 from tenplex.ptc.dtypes import check_dtype, itemsize, storage_dtype
@@ -201,10 +202,11 @@ _READ_ROUTES = frozenset({
 """Routes a job's ``worker`` or ``reader`` credential may call for its own job."""
 _WRITE_ROUTES = frozenset({
     ("PUT", _VERSIONS + "/{version}/tensors/{tensor:path}"), ("POST", _VERSIONS + "/{version}/links"),
-    ("POST", _VERSIONS + "/{version}/commit"),
+    ("POST", _VERSIONS + "/{version}/commit"), ("POST", RELAY_HEARTBEAT_PATH),
 })
-"""Routes a job's ``worker`` credential may call for its own job (a snapshot: write, link, commit)."""
-_ANY_ROUTES = frozenset({("GET", "/v1/jobs")})
+"""Routes a job's ``worker`` credential may call for its own job (a snapshot: write, link, commit; a heartbeat the
+node daemon relays, :mod:`tenplex.store.relay`)."""
+_ANY_ROUTES = frozenset({("GET", "/v1/jobs"), ("GET", RELAY_PATH)})
 """Routes any valid credential may call (the handler narrows the answer to the caller's job)."""
 
 

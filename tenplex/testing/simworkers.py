@@ -7,8 +7,9 @@ Each rank does, over real HTTP, what :class:`tenplex.worker.ElasticWorker`
 does: registers (``RegisterRequest`` -> ``Assignment``), fetches the PTC from
 ``ptc_url`` when it is not inline, checks that the version it is to restore is
 committed in its host's store, heartbeats every ``heartbeat_interval_s`` with
-its step, obeys the stop step that a heartbeat reply or its assignment
-carries, snapshots that step into its host's store (the real store, on the
+its step (as the node daemons relay them: one batch per host and interval,
+:data:`~tenplex.core.protocol.NODE_HEARTBEATS_PATH`), obeys the stop step
+that a heartbeat reply or its assignment carries, snapshots that step into its host's store (the real store, on the
 node daemon's root, the shards the PTC gives it: a shard held by several
 devices of a host is written by the lowest of them; the last writer of a host
 commits), reports the snapshot and its exit. The ranks of a job generation
@@ -34,6 +35,7 @@ import logging
 import os
 import threading
 import time
+import zlib
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -212,6 +214,8 @@ class _Generation:
     snapshot: asyncio.Task[dict[str, bool]] | None = None
     finished: int = 0
     restore_checks: dict[str, asyncio.Future[Any]] = field(default_factory=dict)
+    relays: dict[str, list[_Rank]] = field(default_factory=dict)
+    """Host -> its registered ranks, whose heartbeats one task per host sends as the host's batch."""
     timeline: dict[str, float] = field(default_factory=dict)
     """Wall-clock times of what the generation went through (launched, registered, stop_heard, ...)."""
 
@@ -228,8 +232,8 @@ class Agent:
         self._stores: dict[str, LocalStore] = {}
         self._io = ThreadPoolExecutor(max_workers=store_threads, thread_name_prefix="sim-store")
         self._client: _Http | None = None
-        self.counts: dict[str, int] = {"register": 0, "ptc": 0, "heartbeat": 0, "snapshot": 0, "exit": 0,
-                                       "shards_written": 0}
+        self.counts: dict[str, int] = {"register": 0, "ptc": 0, "heartbeat": 0, "node_report": 0, "snapshot": 0,
+                                       "exit": 0, "shards_written": 0}
 
     def client(self, url: str) -> _Http:
         if self._client is None:
@@ -327,11 +331,17 @@ class Agent:
         if g.registered == len(g.ranks):
             g.timeline["registered"] = time.time()
             g.ready.set()
-        beat = asyncio.get_running_loop().create_task(self._heartbeats(g, r, a))
+        relay = g.relays.get(r.host)
+        beat = None
+        if relay is None:
+            relay = g.relays[r.host] = []
+            beat = asyncio.get_running_loop().create_task(self._heartbeats(g, r.host, relay, a))
+        relay.append(r)
         try:
             await g.done.wait()
         finally:
-            beat.cancel()
+            if beat is not None:
+                beat.cancel()
         status = "stopped" if g.stop_at is not None or g.abort else "completed"
         if g.snapshot is not None and not g.abort:
             committed = await g.snapshot
@@ -385,19 +395,48 @@ class Agent:
             await asyncio.sleep(COMMIT_POLL_S)
         return False
 
-    async def _heartbeats(self, g: _Generation, r: _Rank, a: P.Assignment) -> None:
+    async def _heartbeats(self, g: _Generation, host: str, ranks: list[_Rank], a: P.Assignment) -> None:
+        """The host's registered ranks' heartbeats as its node daemon relays them: one batch per interval."""
         interval = a.heartbeat_interval_s
-        await asyncio.sleep(interval * (r.rank % 97) / 97)  # spread over the interval, as independent processes are
+        # spread over the interval, as independent nodes are
+        await asyncio.sleep(interval * (zlib.crc32(host.encode()) % 97) / 97)
         while not g.done.is_set():
-            reply = P.HeartbeatReply.model_validate(await self._post(
-                r, P.HEARTBEAT_PATH, P.HeartbeatRequest(generation=g.generation, step=g.step, loss=1.0), "heartbeat"))
-            if reply.action == "stop":
-                g.abort = True
-                g.done.set()
-            if reply.stop_at_step is not None:
-                g.timeline.setdefault("stop_heard", time.time())
-                g.stop_at = reply.stop_at_step if g.stop_at is None else min(g.stop_at, reply.stop_at_step)
+            if ranks:
+                env = ranks[0].env
+                n = len(ranks)
+                batch = P.NodeHeartbeats(workers=[r.worker_id for r in ranks], generations=[g.generation] * n,
+                                         steps=[g.step] * n, ages=[0.0] * n, losses=[1.0] * n)
+                reply = await self._node_report(env, host, batch)
+                self.counts["heartbeat"] += n
+                if reply.errors:
+                    raise TenplexError(f"{host}: heartbeats refused: {reply.errors}")
+                assert reply.reply is not None
+                if reply.reply.action == "stop":
+                    g.abort = True
+                    g.done.set()
+                if reply.reply.stop_at_step is not None:
+                    g.timeline.setdefault("stop_heard", time.time())
+                    g.stop_at = reply.reply.stop_at_step if g.stop_at is None else min(g.stop_at, reply.reply.stop_at_step)
             await asyncio.sleep(interval)
+
+    async def _node_report(self, env: Mapping[str, str], host: str, batch: P.NodeHeartbeats) -> P.NodeHeartbeatsReply:
+        path = P.NODE_HEARTBEATS_PATH.format(job=env[P.ENV_JOB], node=host)
+        for attempt in range(20):
+            try:
+                status, raw = await self.client(env[P.ENV_SCHEDULER_URL]).request(
+                    "POST", path, batch.model_dump_json(exclude_none=True).encode(), env.get(P.ENV_TOKEN))
+            except OSError as exc:
+                log.warning("%s heartbeats: %s (retrying)", host, exc)
+                await asyncio.sleep(min(2.0, 0.1 * 2 ** attempt))
+                continue
+            if status in (502, 503, 504):
+                await asyncio.sleep(min(2.0, 0.1 * 2 ** attempt))
+                continue
+            if status >= 400:
+                raise TenplexError(f"{host} heartbeats: HTTP {status}: {raw[:300]!r}")
+            self.counts["node_report"] += 1
+            return P.NodeHeartbeatsReply.model_validate_json(raw)
+        raise TenplexError(f"{host} heartbeats: the scheduler did not answer")
 
     # -- lockstep training and the stop snapshot ---------------------------------------------------------
 

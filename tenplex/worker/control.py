@@ -5,6 +5,12 @@ client and the scheduler cannot disagree about them. Transport is the standard
 library (``urllib``): the messages are a few hundred bytes, and a training
 process should not need another HTTP stack for them.
 
+Heartbeats go through the worker's node daemon when it relays for this
+worker's scheduler (:mod:`tenplex.store.relay`: one report per node and
+interval reaches the scheduler, not one per worker); the worker asks its
+daemon once, and heartbeats the scheduler itself when the daemon relays for
+none or another scheduler, or cannot be reached.
+
 Stopping has to be collective: every rank of a job must finish the same step,
 snapshot it, and exit, or the ranks that go on would hang in their next
 collective. Each rank learns ``stop_at_step`` on its own (from its assignment
@@ -96,11 +102,33 @@ class ControlClient:
         return self._call("GET", p.ASSIGNMENT_PATH, None, p.Assignment)
 
     def heartbeat(self, generation: int, step: int, loss: float | None = None,
-                  marks: dict[str, float] | None = None) -> p.HeartbeatReply:
+                  marks: dict[str, float] | None = None, *, relay: tuple[str, str] | None = None) -> p.HeartbeatReply:
+        """One heartbeat, to the scheduler or, with ``relay`` (the node daemon's URL, this worker's host), through
+        the node daemon, which answers what the scheduler answered for this worker."""
         if loss is not None and not math.isfinite(loss):
             loss = None  # JSON has no NaN; the scheduler learns of it from the worker's exit instead
+        if relay is not None:
+            node_url, host = relay
+            relayed = p.RelayedHeartbeat(generation=generation, step=step, loss=loss, marks=marks or None,
+                                         scheduler_url=self.base_url, host=host)
+            return self._call("POST", p.RELAY_HEARTBEAT_PATH, relayed, p.HeartbeatReply, base=node_url.rstrip("/"),
+                              retries=1)
         body = p.HeartbeatRequest(generation=generation, step=step, loss=loss, marks=marks or None)
         return self._call("POST", p.HEARTBEAT_PATH, body, p.HeartbeatReply)
+
+    def relays_for_me(self, node_url: str) -> bool:
+        """Whether the node daemon at ``node_url`` relays heartbeats to this worker's scheduler (False also when it
+        cannot be reached or predates relays: heartbeat the scheduler then)."""
+        try:
+            info = self._call("GET", p.RELAY_PATH, None, p.RelayInfo, base=node_url.rstrip("/"), retries=2)
+        except TenplexError as exc:
+            log.info("node daemon at %s does not relay heartbeats (%s): heartbeating the scheduler", node_url, exc.detail)
+            return False
+        if info.scheduler_url is None or info.scheduler_url.rstrip("/") != self.base_url:
+            log.info("node daemon at %s relays heartbeats to %s, not to %s: heartbeating the scheduler",
+                     node_url, info.scheduler_url, self.base_url)
+            return False
+        return True
 
     def report_snapshot(self, report: p.SnapshotReport) -> None:
         self._call("POST", p.SNAPSHOT_PATH, report, p.Ack)
@@ -141,13 +169,14 @@ class ControlClient:
         body: BaseModel | None,
         reply: type[M],
         retries: int | None = None,
+        base: str | None = None,
     ) -> M:
         path = path_template.format(
             job=urllib.parse.quote(self.job, safe=""),
             worker_id=urllib.parse.quote(self.worker_id, safe=""),
         )
         data = None if body is None else body.model_dump_json().encode()
-        raw = self._request(method, self.base_url + path, data, self.retries if retries is None else retries)
+        raw = self._request(method, (base or self.base_url) + path, data, self.retries if retries is None else retries)
         try:
             return reply.model_validate_json(raw)
         except ValidationError as exc:
@@ -211,6 +240,10 @@ def _matches(pattern: str, text: str) -> bool:
 # -- heartbeats and stop requests -------------------------------------------------------------
 
 
+RELAYED_CLOSE_WAIT_S = 0.1
+"""How long closing the heartbeats waits for a beat in flight through the node daemon."""
+
+
 class Heartbeat:
     """Background heartbeats: the loop calls :meth:`update` after each step, never blocks.
 
@@ -218,12 +251,21 @@ class Heartbeat:
     scheduler answers: :attr:`stop_at_step` (finish that step, snapshot, exit)
     and :attr:`abort` (``action="stop"``: exit at once). A scheduler that is
     briefly unreachable is logged, not fatal: training goes on.
+
+    With ``node`` (the node daemon's URL and this worker's host) the beats go
+    through the daemon when it relays for this worker's scheduler (asked at
+    the first beat, and again after a relayed beat failed, which is sent to
+    the scheduler itself), else straight to the scheduler.
     """
 
     def __init__(
-        self, client: ControlClient, generation: int, interval_s: float, stop_at_step: int | None = None
+        self, client: ControlClient, generation: int, interval_s: float, stop_at_step: int | None = None,
+        node: tuple[str, str] | None = None,
     ) -> None:
         self._client = client
+        self._node = node
+        self._relay: tuple[str, str] | None = None
+        self._asked = node is None
         self._generation = generation
         self._interval_s = interval_s
         self._lock = threading.Lock()
@@ -257,6 +299,11 @@ class Heartbeat:
             return marks
 
     @property
+    def relayed(self) -> bool:
+        """Whether the beats go through the node daemon (known after the first beat)."""
+        return self._relay is not None
+
+    @property
     def stop_at_step(self) -> int | None:
         with self._lock:
             return self._stop_at
@@ -274,7 +321,9 @@ class Heartbeat:
         self._closed.set()
         self._wake.set()
         if self._thread.is_alive():
-            self._thread.join(timeout=self._client.timeout_s + 1)
+            # A beat through the node daemon waits for the daemon's next batch (up to its interval), which the
+            # daemon sends whether or not this worker still waits: an exiting worker does not wait for it.
+            self._thread.join(timeout=RELAYED_CLOSE_WAIT_S if self._relay is not None else self._client.timeout_s + 1)
 
     def _run(self) -> None:
         while not self._closed.is_set():
@@ -290,8 +339,22 @@ class Heartbeat:
         with self._lock:
             step, loss = self._step, self._loss
         marks = self.take_marks()
+        if not self._asked:
+            assert self._node is not None
+            self._relay = self._node if self._client.relays_for_me(self._node[0]) else None
+            self._asked = True
         try:
-            reply = self._client.heartbeat(self._generation, step, loss, marks)
+            try:
+                reply = self._client.heartbeat(self._generation, step, loss, marks, relay=self._relay)
+            except TenplexError as exc:
+                if self._relay is None:
+                    raise
+                # The daemon may be gone, restarted for another scheduler, or cut off from this one: this beat
+                # goes to the scheduler itself (which also answers an error of the worker's own as it is),
+                # and the next one asks the daemon again.
+                log.warning("heartbeat through the node daemon failed (%s): sending it to the scheduler", exc.detail)
+                self._relay, self._asked = None, False
+                reply = self._client.heartbeat(self._generation, step, loss, marks)
         except BaseException:
             with self._lock:  # sent with the next one
                 self._marks = {**marks, **self._marks}

@@ -150,7 +150,8 @@ class ElasticWorker:
             self.store, setup.job, setup.ptc, setup.rank, on_done=self._report_snapshot if control else None
         )
         self.heartbeat = (
-            Heartbeat(control, setup.generation, setup.heartbeat_interval_s, setup.stop_at_step).start()
+            Heartbeat(control, setup.generation, setup.heartbeat_interval_s, setup.stop_at_step,
+                      node=(setup.store, setup.host) if setup.store.startswith(("http://", "https://")) else None).start()
             if control is not None
             else None
         )

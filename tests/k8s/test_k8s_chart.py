@@ -168,6 +168,10 @@ def test_store_daemonset_contract() -> None:
     assert (args.upload_concurrency, args.upload_memory, args.upload_max_running, args.upload_retry_for) == \
         (4, 512 << 20, 2, 900.0)
     assert not [e for e in container["env"] if e["name"].startswith("AWS_")]  # no Secret named: none
+    # It relays its workers' heartbeats to the scheduler the workers are told of (the daemon checks they match).
+    scheduler_env = _workload_env(one(docs, "Deployment"))
+    assert _workload_env(ds)["TENPLEX_SCHEDULER_URL"]["value"] == scheduler_env["TENPLEX_ADVERTISE_URL"]["value"] == \
+        "http://rel-tenplex-scheduler.tenplex.svc:8080"
     (port,) = container["ports"]
     assert port["containerPort"] == port["hostPort"] == crd.STORE_PORT
     volumes = {v["name"]: v for v in spec["volumes"]}

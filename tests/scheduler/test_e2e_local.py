@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tenplex.core.auth import Authenticator, Principal
+from tenplex.core.protocol import HEARTBEAT_PATH, NODE_HEARTBEATS_PATH
 from tenplex.errors import TenplexError
 from tenplex.scheduler.cli import SchedulerClient
 from tenplex.scheduler.server import LocalScheduler
@@ -102,6 +103,9 @@ def test_scale_up_scale_down_and_worker_sigkill(tmp_path: Path) -> None:
         victim = st["workers"][-1]
         kill_worker(victim)
         st = wait_for(client, "elastic", lambda s: s["phase"] == "Succeeded", "recovering and finishing")
+        # Liveness went through the node daemons: one batch per node and interval, no worker's own heartbeat.
+        beats = heartbeat_requests(sched)
+        assert beats.get(NODE_HEARTBEATS_PATH, 0) > 0 and beats.get(HEARTBEAT_PATH, 0) == 0, beats
 
     assert st["step"] == 36
     up, down, failure = st["history"]
@@ -115,6 +119,17 @@ def test_scale_up_scale_down_and_worker_sigkill(tmp_path: Path) -> None:
     # newest periodic snapshot is still being written, so up to two snapshot intervals can be lost.
     assert 0 <= failure["steps_lost"] <= 2 * SNAPSHOT_EVERY, failure
     assert failure["version_from"] is not None and failure["bytes_remote"] == failure["lower_bound_bytes"]
+
+
+def heartbeat_requests(sched: LocalScheduler) -> dict[str, float]:
+    """Requests the scheduler answered per heartbeat route (a worker's own, a node's batch)."""
+    assert sched.scheduler is not None
+    counts: dict[str, float] = {}
+    for metric in sched.scheduler.metrics.requests.collect():
+        for sample in metric.samples:
+            if sample.name.endswith("_count") and sample.labels["route"] in (HEARTBEAT_PATH, NODE_HEARTBEATS_PATH):
+                counts[sample.labels["route"]] = counts.get(sample.labels["route"], 0) + sample.value
+    return counts
 
 
 def _environ(pid: int) -> dict[str, str]:

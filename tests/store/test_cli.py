@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import pytest
 import torch
 
 from tenplex.cli import main
+from tenplex.core.protocol import RELAY_PATH, RelayInfo
 from tenplex.ptc.region import Region
 from tenplex.store.client import StoreClient
 
@@ -103,13 +105,15 @@ def test_serve_ls_get_verify_gc(daemon: tuple[str, Path], tmp_path: Path, capsys
 
 @pytest.mark.slow
 def test_serve_with_worker_processes(tmp_path: Path) -> None:
-    """Two uvicorn workers on one port share the root; /metrics sums both processes."""
+    """Two uvicorn workers on one port share the root; /metrics sums both processes; each relays heartbeats to the
+    scheduler the daemon was started for."""
     port_file = tmp_path / "port"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     root = tmp_path / "root"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tenplex", "store", "serve", "--root", str(root), "--port-file", str(port_file), "--workers", "2", "--token", TOKEN],
+        [sys.executable, "-m", "tenplex", "store", "serve", "--root", str(root), "--port-file", str(port_file), "--workers", "2", "--token", TOKEN,
+         "--scheduler-url", "http://127.0.0.1:9", "--relay-interval", "2"],
         env=env,
         stderr=subprocess.PIPE,
         text=True,
@@ -138,6 +142,11 @@ def test_serve_with_worker_processes(tmp_path: Path) -> None:
             }
             assert metrics["tenplex_store_bytes_in_total"] == data.nbytes
             assert metrics["tenplex_store_bytes_out_total"] == data.nbytes
+            for _ in range(4):  # new connections land on either process
+                with urllib.request.urlopen(urllib.request.Request(
+                        f"{c.url}{RELAY_PATH}", headers={"Authorization": f"Bearer {TOKEN}", "Connection": "close"})) as r:
+                    assert RelayInfo.model_validate_json(r.read()) == RelayInfo(scheduler_url="http://127.0.0.1:9",
+                                                                               interval_s=2.0)
     finally:
         proc.send_signal(signal.SIGINT)
         try:

@@ -66,6 +66,12 @@ tenplex.io/role: {{ .role }}
 {{- ternary "https" "http" (eq (include "tenplex.tlsEnabled" .) "true") }}
 {{- end }}
 
+{{/* The scheduler's URL through its Service, which outlives any one scheduler pod: what the workers are told,
+     and where the stores relay their workers' heartbeats (one report per node). */}}
+{{- define "tenplex.schedulerUrl" -}}
+{{- printf "%s://%s-scheduler.%s.svc:%v" (include "tenplex.scheme" .) (include "tenplex.fullname" .) .Release.Namespace .Values.scheduler.service.port }}
+{{- end }}
+
 {{/* The key set and TLS environment of the scheduler and the stores (files from the volumes below). */}}
 {{- define "tenplex.securityEnv" -}}
 {{- if .Values.auth.jobCredentials.enabled }}

@@ -1,0 +1,258 @@
+"""The node daemon's heartbeat relay: its workers' liveness goes to the scheduler as one report per node.
+
+Without it every worker heartbeats the scheduler itself, every second or so:
+at 16,384 workers that is 16,384 requests a second at one process, several
+cores for nothing but liveness. The node daemon already runs on every node
+and its workers already talk to it, so each worker posts its heartbeat here
+(:data:`~tenplex.core.protocol.RELAY_HEARTBEAT_PATH`) and the daemon sends
+the scheduler, once per ``interval_s``, one
+:class:`~tenplex.core.protocol.NodeHeartbeats` per job and node with the
+heartbeats that came in since its last batch; the scheduler handles one
+request per node per interval. Each beat carries how long the daemon held it
+(``age_s``, on the daemon's monotonic clock), and the scheduler dates it back
+by that, so a worker's silence is measured from its own last beat: a worker
+that dies is declared failed at the first scheduler tick after its last
+beat + the job's heartbeat timeout, the bound of a direct heartbeat. A
+daemon that dies stops the reports of its workers; the scheduler keeps their
+last beats and the same bound holds (and its host is lost sooner).
+
+A worker's request waits for the batch that carries it and is answered with
+that worker's part of the scheduler's answer: the stop step, a newer
+generation, or the error its own heartbeat would have got (unknown worker,
+another generation), so what the scheduler says reaches each worker as it
+does directly, at most one interval later. The batch is sent with the
+worker's own credential (the daemon checked that it may write its job), so
+the scheduler authorizes each job's batch as it would the worker.
+
+A daemon relays only to the scheduler it was started for (``--scheduler-url``
+or ``$TENPLEX_SCHEDULER_URL``); a worker asks it which (``GET``
+:data:`~tenplex.core.protocol.RELAY_PATH`) once, and heartbeats the scheduler
+itself when its daemon relays for another one or for none (see
+:class:`tenplex.worker.control.Heartbeat`). With several worker processes
+(``tenplex store serve --workers N``) each process relays the beats it
+received: up to N batches per node and interval.
+
+Lives with the store because it is a route of the same daemon and stands on
+the worker protocol only (no control-plane code).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import logging
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+from pydantic import ValidationError
+
+from tenplex import errors
+from tenplex.core import protocol as P
+from tenplex.core.tls import client_context
+from tenplex.errors import Conflict, InvalidConfig, InvalidInput, SchedulerUnavailable, TenplexError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_INTERVAL_S = 1.0
+"""How often a daemon sends its batch, by default: the scheduler's default heartbeat interval."""
+
+
+@dataclass
+class _Waiting:
+    """A worker's heartbeat waiting for its batch, and the request that waits for the answer."""
+
+    beat: P.RelayedHeartbeat
+    received: float
+    answer: asyncio.Future[tuple[int, bytes]]
+
+
+@dataclass
+class _Group:
+    """The beats of one job's workers on one node, sent with one credential: one batch."""
+
+    waiting: dict[str, _Waiting] = field(default_factory=dict)
+
+
+class HeartbeatRelay:
+    """Collects the node's workers' heartbeats and sends them to the scheduler as one batch per job and node.
+
+    :meth:`beat` is called by the route on the daemon's event loop; the batches are sent every ``interval_s``
+    by :meth:`flush` (a task of that loop, started with the first beat; tests call it directly). ``clock`` is
+    the monotonic clock the beats' ages are measured on.
+    """
+
+    def __init__(self, scheduler_url: str, *, interval_s: float = DEFAULT_INTERVAL_S, timeout_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        parts = urllib.parse.urlsplit(scheduler_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise InvalidConfig(f"the scheduler URL must be http(s)://host[:port], got {scheduler_url!r}")
+        if not interval_s > 0:
+            raise InvalidConfig(f"the relay interval must be positive, got {interval_s}")
+        self.scheduler_url = scheduler_url.rstrip("/")
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self._clock = clock
+        self._parts = parts
+        self._groups: dict[tuple[str, str, str | None], _Group] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._conn: http.client.HTTPConnection | None = None
+        self._conn_lock = threading.Lock()
+        self.batches = 0
+        """Batches sent (the daemon's ``tenplex_relay_batches``)."""
+        self.heartbeats = 0
+        """Heartbeats relayed in them (``tenplex_relay_heartbeats``)."""
+        self.failures = 0
+        """Batches the scheduler did not answer (``tenplex_relay_failures``)."""
+
+    def info(self) -> P.RelayInfo:
+        return P.RelayInfo(scheduler_url=self.scheduler_url, interval_s=self.interval_s)
+
+    async def beat(self, job: str, worker_id: str, authorization: str | None, beat: P.RelayedHeartbeat) -> tuple[int, bytes]:
+        """Queue ``beat`` for its node's next batch and wait for its answer: ``(HTTP status, body)``."""
+        if beat.scheduler_url.rstrip("/") != self.scheduler_url:
+            raise Conflict(f"this node daemon relays heartbeats to {self.scheduler_url}, not to {beat.scheduler_url}")
+        loop = asyncio.get_running_loop()
+        group = self._groups.setdefault((job, beat.host, authorization), _Group())
+        previous = group.waiting.get(worker_id)
+        answer = previous.answer if previous is not None else loop.create_future()  # a retry joins the first's wait
+        group.waiting[worker_id] = _Waiting(beat, self._clock(), answer)
+        if self._task is None or self._task.done():
+            self._task = loop.create_task(self._run(), name="tenplex-heartbeat-relay")
+        return await asyncio.shield(answer)
+
+    async def _run(self) -> None:
+        while self._groups:
+            await asyncio.sleep(self.interval_s)
+            await self.flush()
+
+    async def flush(self) -> int:
+        """Send every waiting beat now, one batch per job and node (of at most
+        :data:`~tenplex.core.protocol.MAX_NODE_HEARTBEATS`), and answer each waiting worker; the number of
+        batches sent."""
+        groups, self._groups = self._groups, {}
+        sent = 0
+        for (job, host, authorization), group in groups.items():
+            waiting = list(group.waiting.items())
+            for i in range(0, len(waiting), P.MAX_NODE_HEARTBEATS):
+                await self._send(job, host, authorization, waiting[i:i + P.MAX_NODE_HEARTBEATS])
+                sent += 1
+        return sent
+
+    async def _send(self, job: str, host: str, authorization: str | None, waiting: list[tuple[str, _Waiting]]) -> None:
+        """One batch to the scheduler; each of its workers answered with its part of the answer (every one of them
+        with the error when there is none)."""
+        try:
+            now = self._clock()
+            beats = [w.beat for _, w in waiting]
+            batch = P.NodeHeartbeats(
+                workers=[wid for wid, _ in waiting], generations=[b.generation for b in beats],
+                steps=[b.step for b in beats], ages=[max(0.0, now - w.received) for _, w in waiting],
+                losses=[b.loss for b in beats] if any(b.loss is not None for b in beats) else None,
+                marks={wid: w.beat.marks for wid, w in waiting if w.beat.marks} or None,
+            )
+            path = P.NODE_HEARTBEATS_PATH.format(job=urllib.parse.quote(job, safe=""),
+                                                 node=urllib.parse.quote(host, safe=""))
+            status, raw = await asyncio.to_thread(self._post, path, batch.model_dump_json(exclude_none=True).encode(),
+                                                  authorization)
+        except TenplexError as exc:
+            log.warning("relaying %d heartbeats of job %s: %s", len(waiting), job, exc.detail)
+            status, raw = exc.http_status, _error_json(exc)
+            self.failures += 1
+        except Exception as exc:  # a batch that cannot be made or sent must not leave its workers waiting
+            log.exception("relaying %d heartbeats of job %s failed", len(waiting), job)
+            unexpected = SchedulerUnavailable(f"the node daemon could not relay the heartbeat: {exc}")
+            status, raw = unexpected.http_status, _error_json(unexpected)
+            self.failures += 1
+        self.batches += 1
+        self.heartbeats += len(waiting)
+        answers = _answers(raw) if status == 200 else {}
+        for wid, w in waiting:
+            if not w.answer.done():
+                w.answer.set_result((answers.get(wid) or answers.get("") or _missing(wid)) if status == 200
+                                    else (status, raw))
+
+    def _post(self, path: str, body: bytes, authorization: str | None) -> tuple[int, bytes]:
+        """POST one batch on the daemon's kept-alive connection to the scheduler (opened again once when it broke)."""
+        headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        if authorization:
+            headers["Authorization"] = authorization
+        base = self._parts.path.rstrip("/")
+        with self._conn_lock:
+            last = ""
+            for _attempt in range(2):
+                if self._conn is None:
+                    self._conn = self._connect()
+                try:
+                    self._conn.request("POST", base + path, body=body, headers=headers)
+                    resp = self._conn.getresponse()
+                    return resp.status, resp.read()
+                except (OSError, http.client.HTTPException) as exc:
+                    last = str(exc) or type(exc).__name__
+                    self._conn.close()
+                    self._conn = None
+            raise SchedulerUnavailable(f"POST {self.scheduler_url}{path} failed: {last}")
+
+    def _connect(self) -> http.client.HTTPConnection:
+        host, port = self._parts.hostname or "", self._parts.port
+        if self._parts.scheme == "https":
+            return http.client.HTTPSConnection(host, port, timeout=self.timeout_s, context=client_context())
+        return http.client.HTTPConnection(host, port, timeout=self.timeout_s)
+
+    def close(self) -> None:
+        with self._conn_lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+
+def _error_json(exc: TenplexError) -> bytes:
+    return P.ErrorBody(error=exc.code, detail=exc.detail[:4000]).model_dump_json().encode()
+
+
+def _answers(raw: bytes) -> dict[str, tuple[int, bytes]]:
+    """Each worker's part of the scheduler's answer to a batch, as its own heartbeat's answer would read:
+    worker id -> (HTTP status, body) for the workers with an error, ``""`` -> the others' (none: no reply)."""
+    try:
+        reply = P.NodeHeartbeatsReply.model_validate_json(raw)
+    except ValidationError:
+        log.warning("the scheduler's answer to a node's heartbeats is not a NodeHeartbeatsReply: %r", raw[:200])
+        return {}
+    parts: dict[str, tuple[int, bytes]] = {}
+    if reply.reply is not None:
+        parts[""] = 200, reply.reply.model_dump_json().encode()
+    for worker_id, error in reply.errors.items():
+        cls = errors.error_class(error.error) or TenplexError
+        parts[worker_id] = cls.http_status, error.model_dump_json().encode()
+    return parts
+
+
+def _missing(worker_id: str) -> tuple[int, bytes]:
+    exc = SchedulerUnavailable(f"the scheduler's answer to its node's heartbeats has none for worker {worker_id}")
+    return exc.http_status, _error_json(exc)
+
+
+def relay_router(relay: HeartbeatRelay | None, interval_s: float = DEFAULT_INTERVAL_S) -> APIRouter:
+    """The relay's routes: ``GET`` :data:`~tenplex.core.protocol.RELAY_PATH` (which scheduler, if any) and, with a
+    relay, ``POST`` :data:`~tenplex.core.protocol.RELAY_HEARTBEAT_PATH` (a worker's heartbeat)."""
+    router = APIRouter()
+
+    @router.get(P.RELAY_PATH)
+    async def relay_info() -> P.RelayInfo:
+        return relay.info() if relay is not None else P.RelayInfo(scheduler_url=None, interval_s=interval_s)
+
+    if relay is not None:
+        @router.post(P.RELAY_HEARTBEAT_PATH)
+        async def relay_heartbeat(job: P.JobName, worker_id: P.WorkerId, request: Request) -> Response:
+            try:
+                beat = P.RelayedHeartbeat.model_validate_json(await request.body())
+            except ValidationError as exc:
+                raise InvalidInput(f"bad heartbeat: {exc.errors()[0].get('msg')}") from None
+            status, body = await relay.beat(job, worker_id, request.headers.get("authorization"), beat)
+            return Response(body, status_code=status, media_type="application/json")
+
+    return router

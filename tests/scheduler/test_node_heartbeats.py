@@ -1,0 +1,249 @@
+"""Liveness per node: the node daemon's heartbeat relay and the scheduler's batched heartbeat route.
+
+A real scheduler (REST on 127.0.0.1, its local backend's two emulated hosts, whose daemons relay for it) with
+one running job recovered from its state directory: four workers, two per host, whose process is a sleeper
+(the backend adopts it, as it adopts running workers after a scheduler restart); the test speaks for them. The
+relay's batches are sent by hand (``flush``) with a clock the test moves, so every age is exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tenplex.core import protocol as P
+from tenplex.errors import Conflict, InvalidConfig, NotFound
+from tenplex.ptc import DatasetState, ParallelConfig, Placement
+from tenplex.scheduler.decide import Observations, detect_failure
+from tenplex.scheduler.layouts import LayoutSpec
+from tenplex.scheduler.server import LocalScheduler
+from tenplex.scheduler.state import JobSpec, JobStatus, Phase, StateDir, WorkerRecord
+from tenplex.store.relay import HeartbeatRelay
+from tenplex.testing.layouts import MLP, mlp_layout
+from tenplex.worker.control import ControlClient, Heartbeat
+
+TOKEN = "node-heartbeats"
+JOB = "live"
+HOSTS = ("host-0", "host-1")
+TIMEOUT = 3600.0
+
+
+def wid(rank: int) -> str:
+    return f"{JOB}-g0-r{rank}"
+
+
+@pytest.fixture(scope="module")
+def sched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalScheduler]:
+    root = tmp_path_factory.mktemp("sched")
+    parallel = ParallelConfig(dp=4)
+    spec = JobSpec(name=JOB, layout=LayoutSpec.from_json({"provider": "tenplex.testing.layouts:mlp_layout",
+                                                          "model": {"layers": 1, "dim": 4}}),
+                   dataset=DatasetState(num_samples=64, seed=0, global_batch_size=4), command=("python", "-c", "pass"),
+                   gpus=4, steps=10_000, heartbeat_timeout=TIMEOUT)
+    now = time.time()
+    sleeper = subprocess.Popen(["sleep", "3600"], start_new_session=True)
+    workers = [WorkerRecord(worker_id=wid(r), rank=r, host=HOSTS[r // 2], local_rank=r % 2, generation=0,
+                            pid=sleeper.pid, registered=True, last_heartbeat=now, step=1) for r in range(4)]
+    status = JobStatus(phase=Phase.RUNNING, generation=0, gpus=4, parallel=parallel.to_json(), hosts=list(HOSTS),
+                       gpus_per_node=2, step=1, workers=workers)
+    state = StateDir(root)
+    state.save_ptc(JOB, 0, mlp_layout(MLP(1, 4), parallel, Placement(2, HOSTS), None, "fp32"))
+    state.save(spec, status)
+    try:
+        with LocalScheduler(root, hosts=2, gpus_per_host=2, token=TOKEN) as s:
+            assert s.scheduler is not None and s.scheduler.get(JOB).status.phase == Phase.RUNNING
+            yield s
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def post(url: str, body: object, token: str | None = TOKEN) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def record(sched: LocalScheduler, worker: str) -> WorkerRecord:
+    assert sched.scheduler is not None
+    ctl = sched.scheduler.get(JOB)
+    with ctl.lock:
+        return next(w for w in ctl.status.workers if w.worker_id == worker)
+
+
+def set_beat(sched: LocalScheduler, worker: str, when: float) -> None:
+    assert sched.scheduler is not None
+    ctl = sched.scheduler.get(JOB)
+    with ctl.lock:
+        next(w for w in ctl.status.workers if w.worker_id == worker).last_heartbeat = when
+
+
+def daemon_url(sched: LocalScheduler, host: str) -> str:
+    return next(h.store_url for h in sched.cluster.hosts() if h.name == host)
+
+
+def test_a_nodes_batch_is_answered_per_worker(sched: LocalScheduler) -> None:
+    """One request for a node's workers: each gets its own heartbeat's answer, in the batch's order."""
+    url = f"{sched.url}/v1/jobs/{JOB}/nodes/host-0/heartbeats"
+    set_beat(sched, wid(0), time.time() - 100)
+    before = time.time()
+    status, body = post(url, {
+        "workers": [wid(0), wid(1), wid(2), wid(3), "nobody"],  # wid(2) runs on host-1; wid(3) is of generation 0
+        "generations": [0, 0, 0, 5, 0], "steps": [7] * 5, "ages": [4.0, 0, 0, 0, 0],
+        "losses": [2.5, None, None, None, None], "marks": {wid(1): {"first_step": 1e9}},
+    })
+    after = time.time()
+    assert status == 200, body
+    answers = P.NodeHeartbeatsReply.model_validate(body)
+    assert answers.reply == P.HeartbeatReply(generation=0) and wid(0) not in answers.errors
+    assert wid(1) not in answers.errors
+    assert {w: e.error for w, e in answers.errors.items()} == {
+        wid(2): Conflict.code, wid(3): Conflict.code, "nobody": NotFound.code}
+    assert "runs on host-1, not on host-0" in answers.errors[wid(2)].detail
+    # Dated back by the daemon's hold: the beat counts from when the worker sent it.
+    beat = record(sched, wid(0)).last_heartbeat
+    assert beat is not None and before - 4.0 <= beat <= after - 4.0
+    assert record(sched, wid(0)).step == 7 and record(sched, wid(2)).step != 7
+    # A beat older than the last one recorded (a delayed batch) does not move it back.
+    post(url, {"workers": [wid(0)], "generations": [0], "steps": [8], "ages": [60.0]})
+    assert record(sched, wid(0)).last_heartbeat == beat and record(sched, wid(0)).step == 8
+
+
+def test_the_route_checks_its_input_and_credential(sched: LocalScheduler) -> None:
+    url = f"{sched.url}/v1/jobs/{JOB}/nodes/host-0/heartbeats"
+    beat = {"workers": [wid(0)], "generations": [0], "steps": [1], "ages": [0.0]}
+    assert post(url, beat, token="wrong")[1]["error"] == "unauthorized"
+    assert post(f"{sched.url}/v1/jobs/nope/nodes/host-0/heartbeats", beat)[0] == 404
+    for bad, says in (({**beat, "workers": []}, "body.workers"),
+                      ({**beat, "workers": [wid(0), wid(0)], "generations": [0, 0], "steps": [1, 1], "ages": [0, 0]},
+                       "more than once"),
+                      ({**beat, "steps": [1, 2]}, "one entry per worker (1): {'steps': 2}"),
+                      ({**beat, "ages": [-1]}, "body.ages.0"),
+                      ({**beat, "marks": {wid(0): {"typo": 1.0}}}, "unknown marks ['typo']"),
+                      ({**beat, "marks": {wid(1): {"first_step": 1.0}}}, "marks of workers not in the batch")):
+        status, body = post(url, bad)
+        assert status == 400 and body["error"] == "invalid_input" and says in body["detail"], (bad, body)
+    assert post(f"{sched.url}/v1/jobs/{JOB}/nodes/-bad-/heartbeats", beat)[0] == 400
+
+
+def test_a_dead_worker_is_noticed_within_the_timeout_of_its_last_beat(sched: LocalScheduler) -> None:
+    """The bound: failed at the first tick after its last beat (as the daemon received it) + the heartbeat
+    timeout, whether its beats went straight to the scheduler or through its node's daemon (which dates each
+    beat back by how long it held it; a worker that stops beating is not in its node's next batch)."""
+    relay = HeartbeatRelay(sched.url, interval_s=3600.0, clock=lambda: clock[0])
+    clock = [100.0]
+    auth = f"Bearer {TOKEN}"
+
+    for r in (0, 1):
+        set_beat(sched, wid(r), time.time() - 100)
+
+    async def beats() -> tuple[float, float, int]:
+        waits = [asyncio.create_task(relay.beat(JOB, wid(r), auth, P.RelayedHeartbeat(
+            generation=0, step=20, scheduler_url=sched.url, host="host-0"))) for r in (0, 1)]
+        await asyncio.sleep(0)
+        clock[0] += 2.5  # the daemon held them 2.5 s
+        before = time.time()
+        assert await relay.flush() == 1  # one batch for the node's two workers
+        after = time.time()
+        answers = [await w for w in waits]
+        assert [s for s, _ in answers] == [200, 200]
+        assert P.HeartbeatReply.model_validate_json(answers[0][1]).generation == 0
+        # Worker 1 died: only worker 0 beats again.
+        late = asyncio.create_task(relay.beat(JOB, wid(0), auth, P.RelayedHeartbeat(
+            generation=0, step=21, scheduler_url=sched.url, host="host-0")))
+        await asyncio.sleep(0)
+        assert await relay.flush() == 1
+        assert (await late)[0] == 200
+        return before, after, relay.batches
+
+    before, after, batches = asyncio.run(beats())
+    relay.close()
+    assert batches == 2
+    dead, alive = record(sched, wid(1)), record(sched, wid(0))
+    assert dead.step == 20 and alive.step == 21
+    last = dead.last_heartbeat
+    assert last is not None and before - 2.5 <= last <= after - 2.5  # dated back by the hold
+    assert sched.scheduler is not None
+    ctl = sched.scheduler.get(JOB)
+    with ctl.lock:
+        spec, status = ctl.spec, ctl.status
+        others = {w.worker_id for w in status.workers} - {wid(1)}
+        for w in status.workers:
+            if w.worker_id in others:
+                w.last_heartbeat = last + TIMEOUT  # the others beat on
+        at_bound = Observations(now=last + TIMEOUT, stage_age=0.0, hosts=[], exits={})
+        past = Observations(now=last + TIMEOUT + 0.001, stage_age=0.0, hosts=[], exits={})
+        assert detect_failure(spec, status, at_bound, start_timeout=60) is None
+        assert detect_failure(spec, status, past, start_timeout=60) == f"worker {wid(1)} missed heartbeats for 3600s"
+
+
+def test_a_worker_heartbeats_through_its_daemon_and_hears_the_stop_step(sched: LocalScheduler) -> None:
+    """The worker's heartbeat thread asks its daemon, relays through it, and gets what the scheduler answers."""
+    host = "host-1"
+    node = daemon_url(sched, host)
+    client = ControlClient(sched.url, JOB, wid(2), TOKEN)
+    assert client.relays_for_me(node)
+    assert not ControlClient("http://127.0.0.1:9", JOB, wid(2), TOKEN).relays_for_me(node)  # another scheduler
+    assert sched.scheduler is not None
+    ctl = sched.scheduler.get(JOB)
+    with ctl.lock:
+        ctl.status.stop_at_step = 50
+    try:
+        hb = Heartbeat(client, 0, 3600.0, node=(node, host))
+        hb.update(30)
+        hb.beat_now()
+        assert hb.relayed and hb.stop_at_step == 50 and not hb.abort
+        assert record(sched, wid(2)).step == 30
+        # A worker of this host that the scheduler does not know gets its own error back through the daemon.
+        stranger = ControlClient(sched.url, JOB, "stranger", TOKEN)
+        with pytest.raises(NotFound, match="has no worker 'stranger'"):
+            stranger.heartbeat(0, 1, relay=(node, host))
+        with pytest.raises(Conflict, match="relays heartbeats to"):
+            ControlClient("http://127.0.0.1:9", JOB, wid(2), TOKEN).heartbeat(0, 1, relay=(node, host))
+    finally:
+        with ctl.lock:
+            ctl.status.stop_at_step = None
+    # The daemon counts what it relayed.
+    with urllib.request.urlopen(urllib.request.Request(node + "/metrics",
+                                                       headers={"Authorization": f"Bearer {TOKEN}"})) as resp:
+        relayed = {line.split(" ")[0]: float(line.split(" ")[1]) for line in resp.read().decode().splitlines()
+                   if line.startswith("tenplex_relay_")}
+    assert relayed["tenplex_relay_batches_total"] >= 2 and relayed["tenplex_relay_heartbeats_total"] >= 2, relayed
+    # Without a node (or with a daemon that relays for another scheduler) it heartbeats the scheduler itself.
+    direct = Heartbeat(ControlClient(sched.url, JOB, wid(3), TOKEN), 0, 3600.0)
+    direct.update(31)
+    direct.beat_now()
+    assert not direct.relayed and record(sched, wid(3)).step == 31
+    # A relayed beat that fails (here: reported for the wrong node) goes to the scheduler itself.
+    wrong = Heartbeat(ControlClient(sched.url, JOB, wid(3), TOKEN), 0, 3600.0, node=(node, "host-0"))
+    wrong.update(32)
+    wrong.beat_now()
+    assert not wrong.relayed and record(sched, wid(3)).step == 32
+
+
+def test_a_relay_needs_a_scheduler_url() -> None:
+    with pytest.raises(InvalidConfig, match="scheduler URL"):
+        HeartbeatRelay("ftp://x")
+    with pytest.raises(InvalidConfig, match="interval"):
+        HeartbeatRelay("http://127.0.0.1:1", interval_s=0)
+
+
+def test_the_daemon_says_whom_it_relays_for(sched: LocalScheduler, tmp_path: Path) -> None:
+    with urllib.request.urlopen(urllib.request.Request(daemon_url(sched, "host-0") + P.RELAY_PATH,
+                                                       headers={"Authorization": f"Bearer {TOKEN}"})) as resp:
+        info = P.RelayInfo.model_validate_json(resp.read())
+    assert info.scheduler_url == sched.url and info.interval_s == 0.5
