@@ -86,6 +86,7 @@ from tenplex.ptc.region import Region, subtract
 from tenplex.store.base import COMMIT_RECHECK_S, RegionRead, TensorStore
 from tenplex.store.buffers import (
     DEFAULT_CHUNK_BYTES,
+    ReceivedCrcs,
     chunk_shape,
     crc32c_combine,
     crc_of,
@@ -1179,11 +1180,15 @@ class LocalStore(TensorStore):
         *,
         dtype: str,
         global_shape: Sequence[int],
+        received: ReceivedCrcs | None = None,
     ) -> ShardInfo:
         """Store ``data`` (shape ``region.shape``; numpy in the storage dtype or a torch tensor of ``dtype``).
 
         Rewriting the same region of an uncommitted version replaces it;
-        writing into a committed version raises :class:`Conflict`.
+        writing into a committed version raises :class:`Conflict`. With
+        ``received`` (the crc32c prefixes of ``data`` recorded as it was
+        received) the chunk files' and the shard's crc32c come from them, not
+        from another pass over the bytes.
         """
         check_dtype(dtype)
         arr = host_data(data, dtype, what=f"data for tensor {tensor!r}")
@@ -1192,6 +1197,11 @@ class LocalStore(TensorStore):
         if arr.shape != region.shape:
             raise InvalidInput(f"data has shape {list(arr.shape)}, region {region.format()!r} has shape {list(region.shape)}")
         writer = self.open_writer(job, version, tensor, region, dtype=dtype, global_shape=global_shape)
+        if received is not None and writer.raw is not None:
+            if received.base != arr.ctypes.data or received.nbytes != arr.nbytes:
+                writer.abort()
+                raise InvalidInput(f"the received crc32c of shard {tensor!r} {region.format()!r} describe another buffer")
+            writer.raw.received = received
         try:
             for i, piece in enumerate(writer.pieces):
                 writer.write_piece(i, arr[piece.slices()])
