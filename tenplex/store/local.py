@@ -173,8 +173,7 @@ def _version_markers(directory: Path) -> Iterator[tuple[Version, Path]]:
 
 def _read_meta(node_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """A zarr node's metadata document and our record in it (zarr v3 spec: ``attributes`` of zarr.json)."""
-    with open(node_dir / "zarr.json", encoding="utf-8") as f:
-        meta = json.load(f)
+    meta = json.loads(_read_small(node_dir / "zarr.json"))
     rec = meta.get("attributes", {}).get(ATTR)
     if not isinstance(rec, dict):
         raise InvalidInput(f"{node_dir} is not a shard written by the tenplex store (no '{ATTR}' attribute)")
@@ -190,9 +189,28 @@ def _write_group(node_dir: Path, attributes: dict[str, Any]) -> None:
     """
     node_dir.mkdir(parents=True, exist_ok=True)
     doc = {"zarr_format": 3, "node_type": "group", "attributes": {ATTR: attributes}}
-    fd = os.open(node_dir / "zarr.json", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    _write_small(node_dir / "zarr.json", json.dumps(doc, separators=(",", ":")).encode())
+
+
+def _read_small(path: Path) -> bytes:
+    """A small file's bytes, without a Python file object (a metadata document per shard on every scan)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
-        os.write(fd, json.dumps(doc, separators=(",", ":")).encode())
+        parts = [os.read(fd, 1 << 16)]
+        while parts[-1]:
+            parts.append(os.read(fd, 1 << 16))
+    finally:
+        os.close(fd)
+    return b"".join(parts)
+
+
+def _write_small(path: Path, data: bytes) -> None:
+    """A new small file with ``data``, without a Python file object (whose set-up costs four system calls)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
     finally:
         os.close(fd)
 
@@ -463,8 +481,7 @@ class ShardWriter:
             chunk_crcs = self.raw.chunk_checksums() if self.raw is not None and self._zarr is None else None
             if chunk_crcs is not None:
                 attributes[CHUNK_CRCS] = chunk_crcs
-            with open(self.staging / "zarr.json", "w", encoding="utf-8") as f:
-                f.write(json.dumps(self.layout.metadata(attributes), separators=(",", ":")))
+            _write_small(self.staging / "zarr.json", json.dumps(self.layout.metadata(attributes), separators=(",", ":")).encode())
             self.store._install(self.job, self.version, info, self.staging, self.in_memory)
         except BaseException:
             shutil.rmtree(self.staging, ignore_errors=True)
@@ -679,11 +696,13 @@ class LocalStore(TensorStore):
     def _locked(self, job: str, *, create: bool = False) -> Iterator[None]:
         """The job's lock (in the disk root, for both tiers). Lock order: the budget lock before any job's."""
         job_dir = self._job_dir(job)
-        if create or (self._mroot is not None and self._mjob(job).is_dir()):
+        try:  # the common case first: the job's directory is there (one system call, not three)
+            fd = os.open(job_dir / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        except FileNotFoundError:
+            if not (create or (self._mroot is not None and self._mjob(job).is_dir())):
+                raise NotFound(f"job {job!r} is not in this store") from None
             job_dir.mkdir(parents=True, exist_ok=True)
-        elif not job_dir.is_dir():
-            raise NotFound(f"job {job!r} is not in this store")
-        fd = os.open(job_dir / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(job_dir / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
