@@ -62,6 +62,8 @@ log = logging.getLogger("datapath_cpu")
 REPO = Path(os.environ.get("DATAPATH_CODE") or Path(__file__).resolve().parent.parent)
 """The checkout whose ``tenplex`` the daemons run (``--code``: compare two versions of the data path)."""
 TOKEN = "datapath-bench"
+DAEMON_ARGS: list[str] = []
+"""Extra ``tenplex store serve`` options for both daemons (``--daemon-args``)."""
 OLD_V, NEW_V, NEW_V2 = "s1-g0", "s1-g1", "s1-g2"
 GIB = 1 << 30
 TICK = os.sysconf("SC_CLK_TCK")
@@ -106,7 +108,7 @@ def shard_data(name: str, region: Region) -> np.ndarray:
 def daemon(root: Path, tier: str, work: Path, name: str) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
     port = free_port()
     cmd = [sys.executable, "-m", "tenplex", "--log-level", "WARNING", "store", "serve", "--root", str(root),
-           "--port", str(port), "--token", TOKEN]
+           "--port", str(port), "--token", TOKEN, *DAEMON_ARGS]
     if tier == "memory":
         mem = Path("/dev/shm") / f"tenplex-bench-{os.getpid()}-{name}"
         mem.mkdir(parents=True, exist_ok=True)
@@ -135,13 +137,16 @@ def daemon(root: Path, tier: str, work: Path, name: str) -> Iterator[tuple[subpr
 
 
 @contextmanager
-def profiled(pid: int, out: Path | None, rate: int, perf: bool = False) -> Iterator[None]:
-    """py-spy (and with ``perf``, ``perf record -g``: kernel stacks too) on ``pid`` while the block runs."""
+def profiled(pid: int, out: Path | None, rate: int, perf: bool = False, gil: bool = False) -> Iterator[None]:
+    """py-spy (and with ``perf``, ``perf record -g``: kernel stacks too) on ``pid`` while the block runs.
+
+    ``gil``: py-spy samples only the thread holding the GIL (Python's own CPU; without it a thread blocked
+    in a system call, e.g. an ``O_DIRECT`` write waiting for the disk, is sampled as busy)."""
     if out is None:
         yield
         return
     procs = [subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(pid), "--rate",
-                               str(rate), "--format", "raw", "--output", str(out), "--nonblocking"],
+                               str(rate), "--format", "raw", "--output", str(out), "--nonblocking", *(["--gil"] if gil else [])],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
     if perf:
         procs.append(subprocess.Popen(["perf", "record", "-g", "-F", "499", "-p", str(pid), "-o", str(out.with_suffix(".perf"))],
@@ -292,8 +297,8 @@ def run_tier(args: argparse.Namespace, tier: str, work: Path) -> dict[str, Any]:
 
             spilled()
             spy = prof if prof is not None and i == 1 else None
-            with profiled(src.pid, spy / f"{tier}-src.txt" if spy else None, args.rate, args.perf), \
-                    profiled(dst.pid, spy / f"{tier}-dst.txt" if spy else None, args.rate, args.perf):
+            with profiled(src.pid, spy / f"{tier}-src.txt" if spy else None, args.rate, args.perf, args.gil), \
+                    profiled(dst.pid, spy / f"{tier}-dst.txt" if spy else None, args.rate, args.perf, args.gil):
                 c0 = (cpu_seconds(src.pid), cpu_seconds(dst.pid), self_cpu())
                 start = time.perf_counter()
                 PlanRun(plan, {"src": src_url, "dst": dst_url}, token=TOKEN, client_for=client_for).wait(
@@ -410,14 +415,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", default=None, metavar="DIR", help="py-spy profiles of both daemons into DIR")
     ap.add_argument("--perf", action="store_true", help="with --profile: perf record -g too (kernel symbols), "
                     "summarised into <tier>-<role>.perf.txt")
+    ap.add_argument("--gil", action="store_true", help="with --profile: py-spy samples only the thread holding "
+                    "the GIL (where the Python CPU goes)")
     ap.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     ap.add_argument("--code", default=None, metavar="DIR",
                     help="run the daemons from this checkout (default: this one), e.g. the main branch for a baseline")
+    ap.add_argument("--daemon-args", default="", metavar="ARGS",
+                    help="extra 'tenplex store serve' options for both daemons, e.g. '--transform-concurrency 4'")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     if args.code:
         global REPO
         REPO = Path(args.code).resolve()
+    DAEMON_ARGS[:] = args.daemon_args.split()
     logging.basicConfig(level=logging.WARNING)
     if args.profile:
         Path(args.profile).mkdir(parents=True, exist_ok=True)

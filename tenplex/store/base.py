@@ -44,6 +44,7 @@ from tenplex.core.version import Version
 from tenplex.errors import NotFound
 from tenplex.ptc.dtypes import storage_dtype
 from tenplex.ptc.region import Region
+from tenplex.store.buffers import ReceivedCrcs
 from tenplex.store.model import Manifest, ShardInfo, VersionInfo
 
 if TYPE_CHECKING:
@@ -60,6 +61,9 @@ class RegionRead:
     tensor: str
     region: Region
     out: Any  # np.ndarray | torch.Tensor, C-contiguous, shape region.shape
+    received: ReceivedCrcs | None = None
+    """Of ``out``: a reader that checksums the bytes as they arrive (a daemon's client) records its running
+    crc32c there, so that the store writing ``out`` next need not checksum it again; others leave it empty."""
 
 
 class SnapshotBuffers(ABC):
@@ -153,12 +157,16 @@ class TensorStore(ABC):
         *,
         dtype: str,
         global_shape: Sequence[int],
+        received: ReceivedCrcs | None = None,
     ) -> ShardInfo:
         """Store ``data`` (shape ``region.shape``; numpy in the storage dtype or a torch tensor of ``dtype``) as
         the shard ``region`` of ``tensor`` in an uncommitted version; the same region again replaces it.
 
         :class:`~tenplex.errors.Conflict` for a committed version, or a dtype or global shape that differs
-        from the tensor's other shards in the version.
+        from the tensor's other shards in the version. ``received``: the crc32c prefixes of ``data`` taken
+        when it was received (:class:`~tenplex.store.buffers.ReceivedCrcs`); a store that checksums what it
+        writes takes the checksums of ``data``'s parts from them instead of another pass over the bytes
+        (one that receives the bytes over the network checksums them itself and ignores it).
         """
 
     @abstractmethod

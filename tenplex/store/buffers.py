@@ -222,6 +222,62 @@ def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
     return _mult_mod_p(_shift_of(len2), crc1) ^ crc2
 
 
+RECEIVED_CRC_BLOCK = 256 << 10
+"""Granularity of :class:`ReceivedCrcs` (a receive pass records its running crc32c every this many bytes)."""
+
+
+class ReceivedCrcs:
+    """The running crc32c of a buffer's bytes recorded every ``block`` bytes, as they were received.
+
+    Why: a transform checksums every byte it receives (to verify the source's
+    checksum) and the store then checksums the same bytes again to record each
+    chunk file's crc32c. With the prefixes of the receive pass the store gets
+    the crc32c of any part of the buffer from two prefixes (one product modulo
+    the polynomial) plus the few bytes between a part's ends and the nearest
+    block boundaries: one pass over the bytes instead of two. ``prefix[i]`` is
+    the crc32c of ``buffer[: min((i + 1) * block, nbytes)]``; a part outside
+    the buffer, or a buffer not fully recorded, gets None (the caller
+    checksums the bytes itself).
+    """
+
+    __slots__ = ("base", "nbytes", "block", "prefix")
+
+    def __init__(self, buffer: np.ndarray, block: int = RECEIVED_CRC_BLOCK) -> None:
+        if not buffer.flags.c_contiguous:
+            raise InvalidInput(f"buffer of shape {buffer.shape} is not C-contiguous")
+        self.base = int(buffer.ctypes.data)
+        self.nbytes = int(buffer.nbytes)
+        self.block = block
+        self.prefix: list[int] = []
+
+    @property
+    def complete(self) -> bool:
+        return len(self.prefix) == _ceil_div(self.nbytes, self.block)
+
+    def _at(self, offset: int) -> int:
+        """crc32c of the first ``offset`` bytes; ``offset`` a block boundary or the end."""
+        return 0 if offset == 0 else self.prefix[_ceil_div(offset, self.block) - 1]
+
+    def crc_of(self, view: memoryview) -> int | None:
+        """crc32c of ``view`` (flat bytes lying inside the recorded buffer), or None when it does not."""
+        if not self.complete or not view.contiguous:
+            return None
+        addr = np.frombuffer(view, np.uint8).ctypes.data if view.nbytes else self.base
+        start = addr - self.base
+        stop = start + view.nbytes
+        if start < 0 or stop > self.nbytes:
+            return None
+        lo = _ceil_div(start, self.block) * self.block
+        hi = stop if stop == self.nbytes else stop // self.block * self.block
+        if lo >= hi:
+            return crc32c.crc32c(view) if view.nbytes else 0
+        mid = self._at(hi)
+        if lo:  # crc(buf[lo:hi]) = prefix(hi) - prefix(lo) advanced over hi - lo bytes
+            mid ^= _mult_mod_p(_shift_of(hi - lo), self._at(lo))
+        crc = crc32c_combine(crc32c.crc32c(view[: lo - start]), mid, hi - lo) if lo > start else mid
+        return crc32c.crc32c(view[hi - start :], crc) if stop > hi else crc
+
+
 def _is_torch(x: Any) -> bool:
     return type(x).__module__.startswith("torch") and hasattr(x, "untyped_storage")
 

@@ -57,7 +57,7 @@ from tenplex.ptc.dtypes import itemsize, name_of_torch
 from tenplex.ptc.region import Region
 from tenplex.sockets import create_connection
 from tenplex.store.base import RegionRead, TensorStore
-from tenplex.store.buffers import host_data, numpy_view, payload_offset, slabs
+from tenplex.store.buffers import ReceivedCrcs, host_data, numpy_view, payload_offset, slabs
 from tenplex.store.model import Manifest, ShardInfo, VersionInfo, format_checksum
 from tenplex.store.names import check_job, check_tensor, check_version
 from tenplex.store.wire import (
@@ -369,32 +369,49 @@ class StoreClient(TensorStore):
                 f"the buffer holds {item}-byte elements of shape [{expected_shape}]"
             )
 
-    def _receive(self, resp: http.client.HTTPResponse, target: memoryview, checksum: str | None, what: str, version: Version) -> None:
+    def _receive(self, resp: http.client.HTTPResponse, target: memoryview, checksum: str | None, what: str, version: Version,
+                 received: ReceivedCrcs | None = None) -> None:
         """Read ``len(target)`` body bytes into ``target``; with a ``checksum`` (the store's), verify them against it.
 
         The checksum follows the body block by block while each block is still
         in the CPU cache (a second pass over a large buffer would read it back
-        from memory).
+        from memory). ``received`` (describing ``target``) gets the running
+        crc32c at each of its block boundaries, for the store that writes the
+        buffer next (:class:`~tenplex.store.buffers.ReceivedCrcs`).
         """
         total = len(target)
         got = crc = 0
+        step = received.block if received is not None and checksum is not None else total
+        mark = step
         while got < total:
             n = resp.readinto(target[got : min(total, got + VERIFY_BLOCK_BYTES)])
             if not n:
                 raise http.client.IncompleteRead(bytes(0), total - got)
             if checksum is not None:
-                crc = crc32c.crc32c(target[got : got + n], crc)
-            got += n
+                end = got + n
+                while got < end:
+                    cut = min(end, mark)
+                    crc = crc32c.crc32c(target[got:cut], crc)
+                    got = cut
+                    if got in (mark, total):
+                        if received is not None:
+                            received.prefix.append(crc)
+                        mark += step
+            else:
+                got += n
         if checksum is not None and format_checksum(crc) != checksum:
             raise ChecksumMismatch(
                 f"{what} of version {version} from {self.url}: "
                 f"payload crc32c {format_checksum(crc)}, the store says {checksum or 'nothing'}"
             )
 
-    def _fetch_batch(self, job: str, version: Version, batch: Sequence[tuple[str, Region, np.ndarray]], verify: bool) -> None:
-        """One ``POST .../regions`` filling every buffer of ``batch``."""
-        body = RegionsRequest.of((t, r) for t, r, _out in batch).model_dump_json().encode()
-        total = sum(out.nbytes for _t, _r, out in batch)
+    def _fetch_batch(
+        self, job: str, version: Version, batch: Sequence[tuple[str, Region, np.ndarray, ReceivedCrcs | None]], verify: bool
+    ) -> None:
+        """One ``POST .../regions`` filling every buffer of ``batch`` (and recording the receive pass's crc32c
+        prefixes where a :class:`~tenplex.store.buffers.ReceivedCrcs` is given)."""
+        body = RegionsRequest.of((t, r) for t, r, _out, _rc in batch).model_dump_json().encode()
+        total = sum(out.nbytes for _t, _r, out, _rc in batch)
 
         def handle(resp: http.client.HTTPResponse) -> None:
             try:
@@ -402,14 +419,17 @@ class StoreClient(TensorStore):
             except InvalidInput as exc:
                 resp.read()
                 raise InvalidInput(f"store {self.url} answered a batch read of {len(batch)} regions: {exc.detail}") from None
-            for (tensor, region, out), (dtype, shape, _checksum) in zip(batch, parts, strict=True):
+            for (tensor, region, out, _rc), (dtype, shape, _checksum) in zip(batch, parts, strict=True):
                 self._check_part(resp, f"{tensor!r} {region.format()!r}", dtype, shape, region, out.dtype.itemsize)
             length = resp.getheader("Content-Length")
             if length is None or int(length) != total:
                 resp.read()
                 raise InvalidInput(f"store {self.url} sent {length} bytes for a batch read of {total} bytes")
-            for (tensor, region, out), (_dtype, _shape, checksum) in zip(batch, parts, strict=True):
-                self._receive(resp, byte_view(out), checksum if verify else None, f"{tensor!r} {region.format()!r}", version)
+            for (tensor, region, out, received), (_dtype, _shape, checksum) in zip(batch, parts, strict=True):
+                if received is not None:
+                    received.prefix.clear()  # a retried request records them anew
+                self._receive(resp, byte_view(out), checksum if verify else None, f"{tensor!r} {region.format()!r}", version,
+                              received)
 
         self._call("POST", f"{versions_path(job, version)}/regions", handle, body=body, headers={"Content-Type": "application/json"})
 
@@ -472,17 +492,17 @@ class StoreClient(TensorStore):
                     raise InvalidInput(
                         f"output buffer for {r.tensor!r} has shape {list(host.shape)}, region {r.region.format()!r} has {list(r.region.shape)}"
                     )
-                hosts.append((r.tensor, r.region, host))
-            batch: list[tuple[str, Region, np.ndarray]] = []
+                hosts.append((r.tensor, r.region, host, r.received))
+            batch: list[tuple[str, Region, np.ndarray, ReceivedCrcs | None]] = []
             size = 0
-            for tensor, region, host in hosts:
+            for tensor, region, host, received in hosts:
                 if host.nbytes > self.max_request_bytes:
                     self.read_into(job, v, tensor, region, host, verify=verify)
                     continue
                 if batch and (len(batch) >= MAX_BATCH_REGIONS or size + host.nbytes > self.max_request_bytes):
                     self._fetch_batch(job, v, batch, verify)
                     batch, size = [], 0
-                batch.append((tensor, region, host))
+                batch.append((tensor, region, host, received))
                 size += host.nbytes
             if batch:
                 self._fetch_batch(job, v, batch, verify)
@@ -541,8 +561,10 @@ class StoreClient(TensorStore):
         *,
         dtype: str,
         global_shape: Sequence[int],
+        received: ReceivedCrcs | None = None,
     ) -> ShardInfo:
-        """Upload a shard (PUT, sent straight from the buffer); replaces the same region of an uncommitted version."""
+        """Upload a shard (PUT, sent straight from the buffer); replaces the same region of an uncommitted version.
+        (``received`` is not used: the daemon checksums the bytes it receives.)"""
         arr = host_data(data, dtype, what=f"data for tensor {tensor!r}")
         if not isinstance(region, Region):
             raise InvalidInput(f"region must be a Region, got {type(region).__name__}")

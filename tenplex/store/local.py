@@ -86,6 +86,7 @@ from tenplex.ptc.region import Region, subtract
 from tenplex.store.base import COMMIT_RECHECK_S, RegionRead, TensorStore
 from tenplex.store.buffers import (
     DEFAULT_CHUNK_BYTES,
+    ReceivedCrcs,
     chunk_shape,
     crc32c_combine,
     crc_of,
@@ -172,8 +173,7 @@ def _version_markers(directory: Path) -> Iterator[tuple[Version, Path]]:
 
 def _read_meta(node_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """A zarr node's metadata document and our record in it (zarr v3 spec: ``attributes`` of zarr.json)."""
-    with open(node_dir / "zarr.json", encoding="utf-8") as f:
-        meta = json.load(f)
+    meta = json.loads(_read_small(node_dir / "zarr.json"))
     rec = meta.get("attributes", {}).get(ATTR)
     if not isinstance(rec, dict):
         raise InvalidInput(f"{node_dir} is not a shard written by the tenplex store (no '{ATTR}' attribute)")
@@ -181,10 +181,48 @@ def _read_meta(node_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def _write_group(node_dir: Path, attributes: dict[str, Any]) -> None:
-    """A zarr v3 group node (``zarr.json``), written directly: zarr's own path costs milliseconds per group."""
+    """A zarr v3 group node (``zarr.json``), written directly: zarr's own path costs milliseconds per group.
+
+    Written in place, not through a temporary file and a rename: the caller holds the job's lock (no other
+    writer), the group is in an uncommitted version (not served; a torn one after a crash is redone with
+    the version) and the commit's ``syncfs`` makes it durable. A transform creates one per tensor.
+    """
     node_dir.mkdir(parents=True, exist_ok=True)
     doc = {"zarr_format": 3, "node_type": "group", "attributes": {ATTR: attributes}}
-    _write_json_atomic(node_dir / "zarr.json", doc, durable=False)
+    _write_small(node_dir / "zarr.json", json.dumps(doc, separators=(",", ":")).encode())
+
+
+def _read_small(path: Path) -> bytes:
+    """A small file's bytes, without a Python file object (a metadata document per shard on every scan)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        parts = [os.read(fd, 1 << 16)]
+        while parts[-1]:
+            parts.append(os.read(fd, 1 << 16))
+    finally:
+        os.close(fd)
+    return b"".join(parts)
+
+
+def _write_small(path: Path, data: bytes) -> None:
+    """A new small file with ``data``, without a Python file object (whose set-up costs four system calls)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
+
+
+def _group_written(node_dir: Path) -> bool:
+    """Whether a group's ``zarr.json`` is there and not empty (a writer killed between creating and writing
+    it, see :func:`_write_group`, leaves it empty; one ``write`` of a small document is never half done
+    by a process that dies)."""
+    try:
+        return os.stat(node_dir / "zarr.json").st_size > 0
+    except FileNotFoundError:
+        return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -443,8 +481,7 @@ class ShardWriter:
             chunk_crcs = self.raw.chunk_checksums() if self.raw is not None and self._zarr is None else None
             if chunk_crcs is not None:
                 attributes[CHUNK_CRCS] = chunk_crcs
-            with open(self.staging / "zarr.json", "w", encoding="utf-8") as f:
-                f.write(json.dumps(self.layout.metadata(attributes), separators=(",", ":")))
+            _write_small(self.staging / "zarr.json", json.dumps(self.layout.metadata(attributes), separators=(",", ":")).encode())
             self.store._install(self.job, self.version, info, self.staging, self.in_memory)
         except BaseException:
             shutil.rmtree(self.staging, ignore_errors=True)
@@ -659,11 +696,13 @@ class LocalStore(TensorStore):
     def _locked(self, job: str, *, create: bool = False) -> Iterator[None]:
         """The job's lock (in the disk root, for both tiers). Lock order: the budget lock before any job's."""
         job_dir = self._job_dir(job)
-        if create or (self._mroot is not None and self._mjob(job).is_dir()):
+        try:  # the common case first: the job's directory is there (one system call, not three)
+            fd = os.open(job_dir / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        except FileNotFoundError:
+            if not (create or (self._mroot is not None and self._mjob(job).is_dir())):
+                raise NotFound(f"job {job!r} is not in this store") from None
             job_dir.mkdir(parents=True, exist_ok=True)
-        elif not job_dir.is_dir():
-            raise NotFound(f"job {job!r} is not in this store")
-        fd = os.open(job_dir / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(job_dir / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
@@ -1143,12 +1182,20 @@ class LocalStore(TensorStore):
         dtype: str,
         global_shape: Sequence[int],
         piece_bytes: int = _PIECE_BYTES,
+        check_tensor: bool = True,
     ) -> ShardWriter:
-        """Start writing a shard; check everything that can be checked before any byte arrives."""
+        """Start writing a shard; check everything that can be checked before any byte arrives.
+
+        ``check_tensor=False`` leaves the tensor's dtype and global shape to the check made when the shard
+        is installed (under the job's lock, where it counts): for callers whose bytes are in memory already,
+        which lose nothing but the write when it fails there (one directory scan and one metadata read
+        less per shard).
+        """
         v, gshape = check_shard_target(job, version, tensor, dtype, global_shape, region)
         if self._is_committed(job, v):
             raise Conflict(f"version {v} of job {job!r} is committed; committed versions are immutable")
-        self._check_tensor_consistent(job, v, tensor, dtype, gshape)
+        if check_tensor:
+            self._check_tensor_consistent(job, v, tensor, dtype, gshape)
         st = storage_dtype(dtype)
         in_memory = self._place(job, v, region.volume * st.itemsize)
 
@@ -1179,11 +1226,15 @@ class LocalStore(TensorStore):
         *,
         dtype: str,
         global_shape: Sequence[int],
+        received: ReceivedCrcs | None = None,
     ) -> ShardInfo:
         """Store ``data`` (shape ``region.shape``; numpy in the storage dtype or a torch tensor of ``dtype``).
 
         Rewriting the same region of an uncommitted version replaces it;
-        writing into a committed version raises :class:`Conflict`.
+        writing into a committed version raises :class:`Conflict`. With
+        ``received`` (the crc32c prefixes of ``data`` recorded as it was
+        received) the chunk files' and the shard's crc32c come from them, not
+        from another pass over the bytes.
         """
         check_dtype(dtype)
         arr = host_data(data, dtype, what=f"data for tensor {tensor!r}")
@@ -1191,7 +1242,12 @@ class LocalStore(TensorStore):
             raise InvalidInput(f"region must be a Region, got {type(region).__name__}")
         if arr.shape != region.shape:
             raise InvalidInput(f"data has shape {list(arr.shape)}, region {region.format()!r} has shape {list(region.shape)}")
-        writer = self.open_writer(job, version, tensor, region, dtype=dtype, global_shape=global_shape)
+        writer = self.open_writer(job, version, tensor, region, dtype=dtype, global_shape=global_shape, check_tensor=False)
+        if received is not None and writer.raw is not None:
+            if received.base != arr.ctypes.data or received.nbytes != arr.nbytes:
+                writer.abort()
+                raise InvalidInput(f"the received crc32c of shard {tensor!r} {region.format()!r} describe another buffer")
+            writer.raw.received = received
         try:
             for i, piece in enumerate(writer.pieces):
                 writer.write_piece(i, arr[piece.slices()])
@@ -1295,9 +1351,9 @@ class LocalStore(TensorStore):
             tdir = vdir / tensor_dirname(info.tensor)
             target = tdir / region_key(info.region)
             self._check_tensor_consistent(job, version, info.tensor, info.dtype, info.global_shape)
-            if not (vdir / "zarr.json").is_file():
+            if not _group_written(vdir):
                 _write_group(vdir, {"job": job, "version": str(version)})
-            if not (tdir / "zarr.json").is_file():
+            if not _group_written(tdir):
                 _write_group(tdir, {"tensor": info.tensor})
             if target.exists():
                 old = staging.with_name(f"replaced-{uuid.uuid4().hex}")

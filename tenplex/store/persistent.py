@@ -94,7 +94,7 @@ from tenplex.errors import (
 from tenplex.ptc.dtypes import check_dtype, storage_dtype
 from tenplex.ptc.region import Region, subtract
 from tenplex.store.base import RegionRead, TensorStore
-from tenplex.store.buffers import crc_of, host_buffer, host_data, numpy_view, slabs
+from tenplex.store.buffers import ReceivedCrcs, crc_of, host_buffer, host_data, numpy_view, slabs
 from tenplex.store.locations import check_options, check_uri
 from tenplex.store.model import Manifest, ShardInfo, VersionInfo, format_checksum
 from tenplex.store.names import (
@@ -732,9 +732,11 @@ class PersistentStore(TensorStore):
         *,
         dtype: str,
         global_shape: Sequence[int],
+        received: ReceivedCrcs | None = None,
     ) -> ShardInfo:
         """Store ``data`` as the shard ``region`` of ``tensor`` in an uncommitted version (the same region again
-        replaces it): its chunk objects first, then its metadata with the checksum."""
+        replaces it): its chunk objects first, then its metadata with the checksum. (``received`` is not used:
+        the chunk objects' crc32c codec checksums them as they are encoded.)"""
         check_dtype(dtype)
         arr = host_data(data, dtype, what=f"data for tensor {tensor!r}")
         if not isinstance(region, Region):

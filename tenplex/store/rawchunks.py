@@ -60,7 +60,7 @@ import numpy as np
 from tenplex.core.buffers import PAGE_BYTES, byte_view
 from tenplex.errors import NotFound, StateLost
 from tenplex.ptc.region import Region
-from tenplex.store.buffers import crc32c_combine
+from tenplex.store.buffers import ReceivedCrcs, crc32c_combine
 
 log = logging.getLogger(__name__)
 
@@ -642,6 +642,16 @@ class RawChunkWriter:
         self._nested = layout.separator == "/" and len(layout.chunks) > 0  # chunk files in subdirectories
         self.chunk_crcs: dict[tuple[int, ...], int] = {}
         """crc32c of each chunk file written (its full bytes, padding included), by chunk coordinates."""
+        self.received: ReceivedCrcs | None = None
+        """The crc32c prefixes of the caller's buffer from the pass that received it (set by the store): the
+        checksums of whole chunks lying in it come from there instead of a pass over their bytes."""
+
+    def _crc(self, view: memoryview, crc: int = 0) -> int:
+        """crc32c of ``view``'s bytes (continuing from ``crc``), from :attr:`received` where it covers them."""
+        known = self.received.crc_of(view) if self.received is not None else None
+        if known is None:
+            return crc32c.crc32c(view, crc)
+        return crc32c_combine(crc, known, view.nbytes) if crc else known
 
     def chunk_checksums(self) -> list[int] | None:
         """Every chunk file's crc32c in chunk-grid order, when this writer wrote them all (else None)."""
@@ -689,7 +699,7 @@ class RawChunkWriter:
                 block = data[part.relative_to(piece).slices()]
                 if not block.flags.c_contiguous:
                     return None
-                crc = crc32c.crc32c(byte_view(block), crc) if block.size else crc
+                crc = self._crc(byte_view(block), crc) if block.size else crc
         return crc
 
     def _write(self, piece: Region, data: np.ndarray) -> None:
@@ -753,7 +763,7 @@ class RawChunkWriter:
                 else:
                     np.copyto(chunk, block)
                 payload = memoryview(bounce)[:size]
-            self.chunk_crcs[coords] = crc32c.crc32c(payload)
+            self.chunk_crcs[coords] = self._crc(payload)
             name = self.path / self.reader._encode(coords)
             if self._nested:
                 name.parent.mkdir(parents=True, exist_ok=True)
@@ -781,7 +791,7 @@ class RawChunkWriter:
             name.parent.mkdir(parents=True, exist_ok=True)
         crc = 0
         for b in buffers:
-            crc = crc32c.crc32c(memoryview(b).cast("B"), crc)  # type: ignore[arg-type]
+            crc = self._crc(memoryview(b).cast("B"), crc)  # type: ignore[arg-type]
         self.chunk_crcs[coords] = crc
         fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:

@@ -62,6 +62,7 @@ from tenplex.errors import (
 )
 from tenplex.ptc.dtypes import storage_dtype
 from tenplex.store.base import RegionRead, TensorStore
+from tenplex.store.buffers import ReceivedCrcs
 from tenplex.store.wire import MAX_BATCH_REGIONS
 from tenplex.transformer.plan import CHECKPOINT, DestShard, HostPlan, Plan, Transfer
 
@@ -305,7 +306,7 @@ class BufferPool:
 class _Shard:
     """A destination shard being assembled: its buffer and how many pieces are still missing."""
 
-    __slots__ = ("buf", "dest", "index", "missing", "pool")
+    __slots__ = ("buf", "dest", "index", "missing", "pool", "received")
 
     def __init__(self, index: int, dest: DestShard, pieces: int, pool: BufferPool) -> None:
         self.index = index
@@ -313,6 +314,9 @@ class _Shard:
         self.pool = pool
         self.buf = pool.get(dest.region.shape, storage_dtype(dest.dtype))
         self.missing = pieces
+        self.received: ReceivedCrcs | None = None
+        """Set when one batch read fills the whole buffer: its receive pass's crc32c prefixes, which the
+        store takes the chunk files' checksums from (one pass over the bytes, not two)."""
 
 
 def execute_host_plan(
@@ -650,7 +654,12 @@ def _fetch_batch(
         return
     client = clients.get(source)
     if client is not None and source not in state.dead:
-        reads = [RegionRead(tr.tensor, tr.region, shard.buf[tr.region.relative_to(shard.dest.region).slices()]) for shard, tr in items]
+        reads = []
+        for shard, tr in items:
+            # a read of the whole region fills the buffer alone (a shard's transfers are disjoint)
+            shard.received = ReceivedCrcs(shard.buf) if tr.region == shard.dest.region else None
+            reads.append(RegionRead(tr.tensor, tr.region, shard.buf[tr.region.relative_to(shard.dest.region).slices()],
+                                    shard.received))
         try:
             client.read_regions(plan.source_job, plan.old_version, reads)
         except StoreUnavailable as exc:
@@ -664,6 +673,7 @@ def _fetch_batch(
                 _piece_done(shard, state, finish)
             return
     for shard, tr in items:
+        shard.received = None  # what the failed batch recorded need not be what the retry receives
         _piece(plan, hp, shard, tr, clients, state, finish)
 
 
@@ -745,9 +755,10 @@ def _store(
         if state.failed.is_set():
             return
         try:
+            received = shard.received if shard.received is not None and shard.received.complete else None
             clients[hp.host].write_shard(
                 plan.job, plan.new_version, dest.tensor, dest.region, shard.buf,
-                dtype=dest.dtype, global_shape=dest.global_shape,
+                dtype=dest.dtype, global_shape=dest.global_shape, received=received,
             )
         except TenplexError as exc:
             raise TransformFailed(

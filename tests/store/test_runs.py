@@ -9,6 +9,7 @@ a body must be the crc32c of the very bytes sent, on every server path.
 from __future__ import annotations
 
 import http.client
+import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,14 +21,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tenplex.core.version import Version
-from tenplex.errors import ChecksumMismatch, NotFound, StateLost
+from tenplex.errors import ChecksumMismatch, InvalidInput, NotFound, StateLost
 from tenplex.ptc.region import Region
 from tenplex.store import client as client_module
 from tenplex.store import local as local_module
-from tenplex.store.buffers import chunk_shape, crc32c_combine
+from tenplex.store.base import RegionRead
+from tenplex.store.buffers import ReceivedCrcs, chunk_shape, crc32c_combine
 from tenplex.store.client import StoreClient
 from tenplex.store.local import LocalStore
 from tenplex.store.model import format_checksum
+from tenplex.store.names import region_key
 from tenplex.store.rawchunks import (
     RawChunkReader,
     checksum_runs,
@@ -319,6 +322,45 @@ def test_chunk_aligned_bodies_use_the_recorded_chunk_checksums(tmp_path: Path) -
     assert aligned is not None and reader.recorded_checksum(aligned) == crc32c.crc32c(data[32:96].tobytes())
     partial = reader.runs(Region(((33, 96), (0, 64))), 1)
     assert partial is not None and reader.recorded_checksum(partial) is None  # starts inside a chunk
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.binary(max_size=700), block=st.integers(1, 100), start=st.integers(0, 700), length=st.integers(0, 700))
+def test_received_crc_prefixes_give_the_checksum_of_any_part(data: bytes, block: int, start: int, length: int) -> None:
+    buf = np.frombuffer(data, np.uint8).copy()
+    received = ReceivedCrcs(buf, block)
+    view = memoryview(buf)
+    assert received.crc_of(view) is None or not data  # nothing recorded yet
+    for k in range(0, len(data), block):
+        received.prefix.append(crc32c.crc32c(data[: k + block]))
+    start = min(start, len(data))
+    stop = min(len(data), start + length)
+    assert received.crc_of(view[start:stop]) == crc32c.crc32c(data[start:stop])
+    if data:
+        assert received.crc_of(memoryview(bytearray(data))) is None  # other memory: the caller checksums it
+
+
+def test_a_batch_read_records_the_prefixes_the_writer_takes_its_checksums_from(
+    http_server: StoreServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(client_module, "VERIFY_BLOCK_BYTES", 1000)  # receive blocks that are not prefix blocks
+    box = Region(((3, 4), (0, 45), (0, 33)))  # 5940 bytes: one request on every server of the fixture
+    out = np.empty(box.shape, np.float32)
+    received = ReceivedCrcs(out, block=768)
+    with StoreClient(http_server.url) as c:
+        c.read_regions("j", "s1-g0", [RegionRead("two", box, out, received)])
+    expected = np.ascontiguousarray(FULL[box.slices()])
+    assert out.tobytes() == expected.tobytes()
+    assert received.complete and received.prefix[-1] == crc32c.crc32c(expected.tobytes())
+    # the writer's chunk files and shard checksum equal those of a store that checksummed the bytes itself
+    given_crcs, plain = LocalStore(tmp_path / "given", chunk_bytes=1024), LocalStore(tmp_path / "plain", chunk_bytes=1024)
+    a = given_crcs.write_shard("j", "s1-g1", "two", box, out, dtype="float32", global_shape=SHAPE, received=received)
+    b = plain.write_shard("j", "s1-g1", "two", box, expected, dtype="float32", global_shape=SHAPE)
+    assert a.checksum == b.checksum
+    meta = [json.loads((s.root / "j" / "s1-g1" / "two" / region_key(box) / "zarr.json").read_text()) for s in (given_crcs, plain)]
+    assert meta[0]["attributes"][local_module.CHUNK_CRCS] == meta[1]["attributes"][local_module.CHUNK_CRCS]
+    with pytest.raises(InvalidInput, match="another buffer"):
+        given_crcs.write_shard("j", "s1-g1", "two", box, expected, dtype="float32", global_shape=SHAPE, received=received)
 
 
 def test_the_client_verifies_in_blocks_that_do_not_divide_the_body(http_server: StoreServer, monkeypatch: pytest.MonkeyPatch) -> None:
