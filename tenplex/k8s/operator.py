@@ -204,6 +204,8 @@ class ElasticJobOperator:
         self._lock = threading.RLock()
         self._threads: list[threading.Thread] = []
         self._published_step: dict[str, int] = {}
+        self._lease_client: client.ApiClient | None = None
+        """The leader election's own client (its calls time out within the renew deadline), while electing."""
         self._events: queue.Queue[tuple[str, Any, Any] | None] = queue.Queue()
         """Watch events, handled on the operator's own thread: an informer must never wait for a
         job controller's lock (a controller that deletes pods waits for the informer to see them go)."""
@@ -218,9 +220,9 @@ class ElasticJobOperator:
         # This client's configuration, not the process-wide default one; a call that takes longer than the renew
         # deadline is given up (a renewal stuck on a dead connection must not outlast the Lease it renews).
         deadline = float(self.settings.renew_deadline_seconds)
-        lock.api_instance = client.CoordinationV1Api(with_timeouts(
-            client.ApiClient(self.coordination.api_client.configuration),
-            connect=min(CONNECT_TIMEOUT_S, deadline), read=deadline))
+        self._lease_client = with_timeouts(client.ApiClient(self.coordination.api_client.configuration),
+                                           connect=min(CONNECT_TIMEOUT_S, deadline), read=deadline)
+        lock.api_instance = client.CoordinationV1Api(self._lease_client)
         config = electionconfig.Config(lock, lease_duration=self.settings.lease_duration_seconds,
                                        renew_deadline=self.settings.renew_deadline_seconds,
                                        retry_period=self.settings.retry_period_seconds,
@@ -235,6 +237,8 @@ class ElasticJobOperator:
         self._stop_acting()
         for t in self._threads:
             t.join(timeout=5)
+        if self._lease_client is not None:
+            self._lease_client.close()
 
     def _spawn(self, target: Callable[[], None], name: str) -> None:
         t = threading.Thread(target=target, name=name, daemon=True)
