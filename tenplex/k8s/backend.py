@@ -95,7 +95,7 @@ from tenplex.k8s import crd
 from tenplex.k8s.informer import Informer
 from tenplex.k8s.settings import KubernetesSettings
 from tenplex.k8s.standbys import PodLink, StandbyLinks
-from tenplex.scheduler.backend import Backend, HostInfo, WorkerLaunch
+from tenplex.scheduler.backend import TRANSIENT_API_STATUS, Backend, HostInfo, WorkerLaunch
 
 log = logging.getLogger(__name__)
 
@@ -683,6 +683,8 @@ class KubernetesBackend(Backend):
                 resp = self.core.create_namespaced_pod(namespace, manifest, _preload_content=False)
                 informer.add_created(json.loads(resp.data))
             except client.ApiException as exc:
+                if exc.status in TRANSIENT_API_STATUS:
+                    raise  # the API server is restarting or overloaded: the controller repeats the launch
                 if exc.status != 409:
                     raise InvalidConfig(f"job {job}: the API server refused worker pod {namespace}/{w.worker_id}: "
                                         f"{exc.status} {_api_message(exc)}") from None
@@ -763,6 +765,8 @@ class KubernetesBackend(Backend):
         try:
             resp = self.core.create_namespaced_pod(meta["namespace"], manifest, _preload_content=False)
         except client.ApiException as exc:
+            if exc.status in TRANSIENT_API_STATUS:
+                raise
             raise InvalidConfig(f"the API server refused worker pod {meta['namespace']}/{meta['name']}: "
                                 f"{exc.status} {_api_message(exc)}") from None
         informer.add_created(json.loads(resp.data))

@@ -6,9 +6,10 @@ controller, and must learn of a failed pod or a NotReady node promptly. An
 ``resourceVersion``, keeping a cache of plain JSON objects (``dict``, the
 API's camelCase) and calling its handlers on every real change.
 
-Watches end: the server times them out, connections drop, and a
-``resourceVersion`` too old for the server's history is answered with
-410 Gone. All of these lead to a fresh list, and the cache is reconciled
+Watches end: the server times them out, connections drop (one that dies
+silently is given up a margin past the server's timeout: a client-side read
+timeout), and a ``resourceVersion`` too old for the server's history is
+answered with 410 Gone. All of these lead to a fresh list, and the cache is reconciled
 against it: objects that vanished meanwhile are reported DELETED, changed
 ones MODIFIED. An event whose ``resourceVersion`` the cache already holds
 (a replay after resuming) calls no handler, so handlers see each change
@@ -27,6 +28,8 @@ from typing import Any
 
 from kubernetes import client
 from kubernetes.watch.watch import iter_resp_lines
+
+from tenplex.k8s.apiclient import WATCH_READ_MARGIN_S, watch_timeouts
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +59,14 @@ class Informer:
     """
 
     def __init__(self, name: str, list_fn: Callable[..., Any], *, watch_timeout: int = 60,
-                 retry_interval: float = 1.0, **kwargs: Any) -> None:
+                 retry_interval: float = 1.0, read_margin: float = WATCH_READ_MARGIN_S, **kwargs: Any) -> None:
+        """``watch_timeout``: the server ends each watch after that many seconds; ``read_margin``: a watch silent
+        that much longer is a dead connection (see :mod:`tenplex.k8s.apiclient`), given up and listed again."""
         self.name = name
         self._list_fn = list_fn
         self._kwargs = kwargs
         self._watch_timeout = watch_timeout
+        self._read_margin = read_margin
         self._retry = retry_interval
         self._cache: dict[Key, dict[str, Any]] = {}
         self._pending_added: set[Key] = set()
@@ -186,7 +192,8 @@ class Informer:
         (a warning and a retry delay) instead of a plain relist.
         """
         resp = self._list_fn(watch=True, resource_version=rv, timeout_seconds=self._watch_timeout,
-                             allow_watch_bookmarks=True, _preload_content=False, **self._kwargs)
+                             allow_watch_bookmarks=True, _preload_content=False,
+                             _request_timeout=watch_timeouts(self._watch_timeout, self._read_margin), **self._kwargs)
         self._resp = resp
         try:
             for line in iter_resp_lines(resp):

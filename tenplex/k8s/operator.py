@@ -46,6 +46,7 @@ from kubernetes.leaderelection.resourcelock.leaselock import LeaseLock
 from tenplex.core.auth import ENV_AUTH_KEYS, Issuer, KeySet
 from tenplex.errors import InvalidConfig, NotFound, NotLeader, StoreUnavailable, TenplexError
 from tenplex.k8s import crd
+from tenplex.k8s.apiclient import CONNECT_TIMEOUT_S, timeouts_of, with_timeouts
 from tenplex.k8s.backend import STOP_MARGIN_SECONDS, ClusterEvent, KubernetesBackend
 from tenplex.k8s.jobstore import ElasticJobIndex, KubeJobStore
 from tenplex.k8s.settings import ENV_ADVERTISE_URL, KubernetesSettings
@@ -100,6 +101,8 @@ class KubernetesScheduler(Scheduler):
                  master_ports: tuple[int, int] = (29500, 29999), watch_timeout: int = 60,
                  exit_on_lost_leadership: bool = False, store_client: Callable[[str], Any] | None = None,
                  stop_margin: float = STOP_MARGIN_SECONDS) -> None:
+        if timeouts_of(api_client) is None:  # no call may hang on a dead connection (see tenplex.k8s.apiclient)
+            with_timeouts(api_client)
         self.k8s_settings = settings
         self.index = ElasticJobIndex(api_client, settings, watch_timeout=watch_timeout)
         backend = KubernetesBackend(api_client, settings, self.index.get, master_ports=master_ports,
@@ -201,6 +204,8 @@ class ElasticJobOperator:
         self._lock = threading.RLock()
         self._threads: list[threading.Thread] = []
         self._published_step: dict[str, int] = {}
+        self._lease_client: client.ApiClient | None = None
+        """The leader election's own client (its calls time out within the renew deadline), while electing."""
         self._events: queue.Queue[tuple[str, Any, Any] | None] = queue.Queue()
         """Watch events, handled on the operator's own thread: an informer must never wait for a
         job controller's lock (a controller that deletes pods waits for the informer to see them go)."""
@@ -212,7 +217,12 @@ class ElasticJobOperator:
             self._lead()
             return
         lock = LeaseLock(self.settings.lease_name, self.settings.namespace, self.settings.identity)
-        lock.api_instance = self.coordination  # this client, not the process-wide default configuration
+        # This client's configuration, not the process-wide default one; a call that takes longer than the renew
+        # deadline is given up (a renewal stuck on a dead connection must not outlast the Lease it renews).
+        deadline = float(self.settings.renew_deadline_seconds)
+        self._lease_client = with_timeouts(client.ApiClient(self.coordination.api_client.configuration),
+                                           connect=min(CONNECT_TIMEOUT_S, deadline), read=deadline)
+        lock.api_instance = client.CoordinationV1Api(self._lease_client)
         config = electionconfig.Config(lock, lease_duration=self.settings.lease_duration_seconds,
                                        renew_deadline=self.settings.renew_deadline_seconds,
                                        retry_period=self.settings.retry_period_seconds,
@@ -227,6 +237,8 @@ class ElasticJobOperator:
         self._stop_acting()
         for t in self._threads:
             t.join(timeout=5)
+        if self._lease_client is not None:
+            self._lease_client.close()
 
     def _spawn(self, target: Callable[[], None], name: str) -> None:
         t = threading.Thread(target=target, name=name, daemon=True)

@@ -35,6 +35,11 @@ from tenplex.sockets import free_port
 
 log = logging.getLogger(__name__)
 
+TRANSIENT_API_STATUS = frozenset({429, 500, 502, 503, 504})
+"""HTTP statuses of a cluster API's answer that say "come back later" (throttled; a restarting or overloaded
+server, e.g. kube-apiserver before its storage is ready): a backend lets the API client's exception for them
+through unchanged, and the job's controller repeats the step (see :mod:`tenplex.scheduler.controller`)."""
+
 
 @dataclass(frozen=True)
 class HostInfo:

@@ -45,7 +45,7 @@ from tenplex.core.protocol import (
 )
 from tenplex.errors import Conflict, InvalidConfig, NotFound, TenplexError
 from tenplex.ptc import PTC, ParallelConfig, Placement
-from tenplex.scheduler.backend import Backend
+from tenplex.scheduler.backend import TRANSIENT_API_STATUS, Backend
 from tenplex.scheduler.context import JobContext, SchedulerSettings
 from tenplex.scheduler.decide import Observations, decide_running, decide_stopping
 from tenplex.scheduler.launcher import WorkerLauncher
@@ -60,7 +60,6 @@ log = logging.getLogger(__name__)
 
 TRANSIENT_RETRY_SECONDS = 1.0
 """Wait before a tick that met an unavailable cluster API runs again."""
-_TRANSIENT_STATUS = frozenset({429, 500, 502, 503, 504})
 
 
 def _transient(exc: BaseException) -> bool:
@@ -72,7 +71,7 @@ def _transient(exc: BaseException) -> bool:
     # An API client's error answer (the kubernetes client's ApiException carries the HTTP status); Tenplex's own
     # errors carry a status too, and are the job's business.
     status = getattr(exc, "status", None)
-    return not isinstance(exc, TenplexError) and isinstance(status, int) and status in _TRANSIENT_STATUS
+    return not isinstance(exc, TenplexError) and isinstance(status, int) and status in TRANSIENT_API_STATUS
 
 
 class JobController:

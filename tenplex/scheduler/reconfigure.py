@@ -165,6 +165,9 @@ class Orchestrator:
 
     def start_fresh(self) -> None:
         ctx, st = self.ctx, self.ctx.status
+        if st.workers and ctx.spec.resume_from is None:  # a first launch begun and cut short
+            self._finish_first_launch()
+            return
         if st.requested_gpus == 0:  # suspended before it ever started
             st.requested_gpus = st.pending_reason = None
             self.suspend()
@@ -185,6 +188,31 @@ class Orchestrator:
         self.launcher.launch(decision, generation=0)
         ctx.enter(Phase.RUNNING, None,
                   f"started in {decision.parallel.describe()} on {len(decision.placement.hosts)} hosts ({decision.reason})")
+
+    def _finish_first_launch(self) -> None:
+        """Finish the first launch, begun and cut short (the cluster's API went away mid-launch, or the scheduler
+        restarted): its workers are in the record (they are saved before any pod or process is made), and so is
+        its decision (configuration, placement, the PTC of generation 0), which is carried out, not made again.
+
+        A new decision would see the GPUs that the launch's own pods hold as taken, and any scale request that
+        came in meanwhile: it could wait for GPUs while those pods run unwatched (a Pending job looks at no
+        worker: one that fails is never noticed), or adopt pods made for another layout as its own. A request
+        that came in meanwhile is acted on once the job runs. As a restart's half-done launch, the workers not
+        known to run (no process id: a pod, or a process never started) are stopped and launched again whole,
+        so that every rank gets the same rendezvous."""
+        ctx, st = self.ctx, self.ctx.status
+        if st.parallel is None or not st.hosts:
+            raise StateLost(f"job {ctx.name}: its record lists workers {ctx.worker_ids()} of a first launch "
+                            "without that launch's configuration and placement")
+        cfg = ParallelConfig.from_json(st.parallel)
+        placement = Placement(st.gpus_per_node, tuple(st.hosts))
+        if not all(w.pid for w in st.workers):
+            log.info("job %s: finishing its first launch (%s on %s), cut short before", ctx.name, cfg.describe(),
+                     ", ".join(placement.hosts))
+            ctx.backend.stop(ctx.name, ctx.worker_ids(), grace=2.0)
+            self.launcher.launch(policy_mod.Decision(cfg, placement, ctx.ptc(0), "as decided before"), generation=0)
+        ctx.enter(Phase.RUNNING, None, f"started in {cfg.describe()} on {len(placement.hosts)} hosts "
+                                       "(a launch cut short, finished as decided)")
 
     def start_resumed(self) -> None:
         """The first start of a job with ``resume_from``: plan its layout from the persistent version's PTC,

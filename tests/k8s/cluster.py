@@ -143,8 +143,10 @@ def elasticjob(name: str, gpus: int, *, namespace: str = NS, provider: str = "me
             "spec": spec}
 
 
-def eventually(predicate: Callable[[], Any], what: str, timeout: float = 20.0, interval: float = 0.05) -> Any:
-    """Poll until ``predicate()`` is truthy; fail naming ``what`` and the last value."""
+def eventually(predicate: Callable[[], Any], what: str, timeout: float = 20.0, interval: float = 0.05,
+               detail: Callable[[], Any] | None = None) -> Any:
+    """Poll until ``predicate()`` is truthy; fail naming ``what``, the last value and ``detail()`` (what the
+    reader of the failure needs to know of the state it was stuck in)."""
     deadline = time.monotonic() + timeout
     value = None
     while time.monotonic() < deadline:
@@ -152,7 +154,8 @@ def eventually(predicate: Callable[[], Any], what: str, timeout: float = 20.0, i
         if value:
             return value
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {value!r})")
+    shown = f"; {detail()}" if detail is not None else ""
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {value!r}){shown}")
 
 
 def worker_pods(api: TestCluster, job: str, namespace: str = NS) -> list[dict[str, Any]]:

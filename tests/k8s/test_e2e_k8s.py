@@ -617,8 +617,6 @@ def _relists(sched: KubernetesScheduler) -> list[int]:
     return [sched.index.relists, sched.kube_backend.nodes.relists, *(p.relists for p in sched.kube_backend.pods)]
 
 
-@pytest.mark.skip(reason="on the real control plane this test does not finish within its 300 s timeout on the shared "
-                         "2-core VM after the kube-apiserver restart mid-reconfiguration (issue 23: not yet diagnosed)")
 def test_failures_while_pods_terminate(api: TestCluster, cluster: Cluster, deployment: Deployment) -> None:
     """What graceful deletion makes possible, on the reference job with real stores, nothing lost:
 

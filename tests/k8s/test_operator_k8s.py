@@ -326,18 +326,91 @@ def test_a_redeploy_request_off_no_unschedulable_node_is_dropped(cluster: TestCl
     eventually(lambda: ctl.status.pending_reason in ("node-drain", "redeploy"), "a redeployment off gpu-a")
 
 
+def job_state(sched: KubernetesScheduler, job: str) -> str:
+    """What a failure message should show of a job: its controller's record and the worker pods as cached."""
+    st = sched.get(job).status
+    pods = [(p["metadata"]["name"], (p.get("status") or {}).get("phase"), bool(p["metadata"].get("deletionTimestamp")))
+            for p in sched.kube_backend.job_pods(job)]
+    return (f"job {job}: {st.phase.value}{f'/{st.stage.value}' if st.stage else ''} ({st.message!r}), requested "
+            f"{st.requested_gpus} ({st.pending_reason}), workers {[w.worker_id for w in st.workers]}; cached pods "
+            f"(name, phase, terminating): {sorted(pods)}; relists: elasticjobs {sched.index.relists}, pods "
+            f"{[p.relists for p in sched.kube_backend.pods]}")
+
+
 def test_expired_watches_do_not_lose_events(cluster: TestCluster, sched: KubernetesScheduler) -> None:
+    """A running job's ElasticJob changes and one of its pods fails while no watch can resume (kube-apiserver
+    restarted, etcd's history compacted: 410 Gone): both are seen through the informers' lists."""
     cluster.create("elasticjobs", elasticjob("gpt", 2, max_restarts=0), NS)
     running_pods(cluster, "gpt", 2)
     ctl = sched.get("gpt")
+    # Running first: a start cut short by the restart is another test's subject (a first launch cut short).
+    eventually(lambda: ctl.status.phase == Phase.RUNNING, "Running", detail=lambda: job_state(sched, "gpt"))
     eventually(lambda: cluster.open_watches() >= 5, "the operator's watches (and the two kubelets')")
     cluster.expire_watches()
     cluster.patch("elasticjobs", "gpt", {"spec": {"gpus": 3}}, NS)
     cluster.fail_pod("gpt-g0-r0", NS)
-    eventually(lambda: ctl.status.phase == Phase.FAILED and ctl.status, "the failure seen through a relist", timeout=120)
+    eventually(lambda: ctl.status.phase == Phase.FAILED and ctl.status, "the failure seen through a relist", timeout=120,
+               detail=lambda: job_state(sched, "gpt"))
     assert "gpt-g0-r0" in ctl.status.message
     eventually(lambda: sched.index.relists >= 2 and all(p.relists >= 2 for p in sched.kube_backend.pods),
-               "every watch listed again", timeout=60)
+               "every watch listed again", timeout=60, detail=lambda: job_state(sched, "gpt"))
+
+
+def refuse_pod_creation(api: TestCluster, pod: str) -> str:
+    """Have the API server answer the creation of pod ``pod`` with 500, as a restarting or overloaded server may:
+    a validating webhook, for that name alone, at an address where nothing listens, with failurePolicy Fail.
+    Returns the webhook configuration's name (deleting it lets the pod be created)."""
+    name = f"refuse-{pod}"
+    api.create("validatingwebhookconfigurations", {"metadata": {"name": name}, "webhooks": [{
+        "name": "refuse.tenplex.test", "admissionReviewVersions": ["v1"], "sideEffects": "None",
+        "failurePolicy": "Fail", "timeoutSeconds": 1, "clientConfig": {"url": "https://127.0.0.1:9/refuse"},
+        "rules": [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE"], "resources": ["pods"]}],
+        "matchConditions": [{"name": "this-pod", "expression": f"object.metadata.name == '{pod}'"}]}]})
+    probe = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": pod, "namespace": NS},
+             "spec": {"containers": [{"name": "c", "image": "none"}]}}
+
+    def refused() -> bool:  # the server applies the webhook once its informer has it
+        try:
+            api.request("POST", TestCluster.resource("pods").path(NS), probe, query={"dryRun": "All"})
+        except client.ApiException as exc:
+            return exc.status == 500
+        return False
+
+    eventually(refused, f"the API server to refuse pod {pod} with 500")
+    return name
+
+
+def test_a_first_launch_cut_short_is_finished_as_decided(cluster: TestCluster, sched: KubernetesScheduler) -> None:
+    """The API server fails the job's first start halfway (its first pod made, the second answered 500), and
+    keeps failing it while the ElasticJob asks for 3 GPUs. The controller retries the launch it began, as it
+    decided it (configuration, placement, one rendezvous for every rank): deciding again would see its own pod's
+    GPU as taken and the new request, and could wait Pending with that pod unwatched, or adopt it into another
+    layout. The request is acted on once the job runs, and a worker's failure is seen."""
+    webhook = refuse_pod_creation(cluster, "gpt-g0-r1")
+    cluster.create("elasticjobs", elasticjob("gpt", 2, max_restarts=0), NS)
+    ctl = eventually(lambda: sched.list() and sched.get("gpt"), "the job's controller")
+    eventually(lambda: [p["metadata"]["name"] for p in worker_pods(cluster, "gpt")] == ["gpt-g0-r0"]
+               and [w.worker_id for w in ctl.status.workers] == ["gpt-g0-r0", "gpt-g0-r1"], "the launch cut short")
+    cluster.patch("elasticjobs", "gpt", {"spec": {"gpus": 3}}, NS)
+    eventually(lambda: ctl.status.requested_gpus == 3, "the scale request")
+    assert ctl.status.phase == Phase.PENDING, ctl.status.message  # the 500s are retried, not the job's failure
+    cluster.delete("validatingwebhookconfigurations", webhook)
+
+    eventually(lambda: ctl.status.phase != Phase.PENDING, "the launch finished", timeout=60,
+               detail=lambda: job_state(sched, "gpt"))
+    assert (ctl.status.gpus, ctl.status.hosts, ctl.status.generation) == (2, ["gpu-a"], 0), ctl.status.message
+    assert [(w.worker_id, w.host) for w in ctl.status.workers] == [("gpt-g0-r0", "gpu-a"), ("gpt-g0-r1", "gpu-a")]
+    pods = running_pods(cluster, "gpt", 2)
+    assert [(p["metadata"]["name"], p["spec"]["nodeName"]) for p in pods] == [("gpt-g0-r0", "gpu-a"),
+                                                                             ("gpt-g0-r1", "gpu-a")]
+    envs = [{e["name"]: e.get("value") for e in p["spec"]["containers"][0]["env"]} for p in pods]
+    assert [(e["RANK"], e["WORLD_SIZE"], e["MASTER_PORT"]) for e in envs] == [
+        ("0", "2", str(ctl.status.master_port)), ("1", "2", str(ctl.status.master_port))]
+    assert ctl.status.requested_gpus == 3 or ctl.status.history, "the request is kept for the running job"
+    cluster.fail_pod("gpt-g0-r0", NS)
+    eventually(lambda: ctl.status.phase == Phase.FAILED, "the failure seen", timeout=60,
+               detail=lambda: job_state(sched, "gpt"))
+    assert "gpt-g0-r0" in ctl.status.message
 
 
 def test_a_restarted_scheduler_resumes_the_job_from_the_api_server(cluster: TestCluster, tmp_path: Path) -> None:

@@ -84,6 +84,8 @@ RESOURCES = {r.plural: r for r in (
     Resource(_RBAC, "v1", "clusterrolebindings", "ClusterRoleBinding", False),
     Resource("apiextensions.k8s.io", "v1", "customresourcedefinitions", "CustomResourceDefinition", False),
     Resource("admissionregistration.k8s.io", "v1", "validatingadmissionpolicies", "ValidatingAdmissionPolicy", False),
+    Resource("admissionregistration.k8s.io", "v1", "validatingwebhookconfigurations", "ValidatingWebhookConfiguration",
+             False),
     Resource("admissionregistration.k8s.io", "v1", "validatingadmissionpolicybindings",
              "ValidatingAdmissionPolicyBinding", False),
     Resource("monitoring.coreos.com", "v1", "servicemonitors", "ServiceMonitor", True),

@@ -291,7 +291,11 @@ class _Gate:
             except OSError:
                 conn.close()
                 continue
-            with self._lock:
+            with self._lock:  # under the lock drop() takes: a connection is either ended by it or not let through
+                if not self.open.is_set():
+                    for sock in (conn, upstream):
+                        sock.close()
+                    continue
                 self._conns.update((conn, upstream))
             for src, dst in ((conn, upstream), (upstream, conn)):
                 threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
@@ -312,8 +316,8 @@ class _Gate:
 
     def drop(self) -> None:
         """Stop letting connections through and end those open (the server behind is going)."""
-        self.open.clear()
         with self._lock:
+            self.open.clear()
             conns = list(self._conns)
         for sock in conns:
             with contextlib.suppress(OSError):

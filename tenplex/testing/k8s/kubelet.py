@@ -94,6 +94,7 @@ from typing import Any
 import urllib3
 from kubernetes import client, watch
 
+from tenplex.k8s.apiclient import timeouts_of, watch_timeouts, with_timeouts
 from tenplex.k8s.crd import GPU_RESOURCE
 
 LOG = logging.getLogger(__name__)
@@ -251,6 +252,8 @@ class _Kubelet(ABC):
 
     def __init__(self, api_client: client.ApiClient, node: str, host_ip: str, *, gpus: int | None = None,
                  heartbeat_seconds: float = HEARTBEAT_SECONDS) -> None:
+        if timeouts_of(api_client) is None:  # as a real kubelet's: no call hangs on a dead connection
+            with_timeouts(api_client)
         self._core = client.CoreV1Api(api_client)
         self._coordination = client.CoordinationV1Api(api_client)
         self.node = node
@@ -402,7 +405,8 @@ class _Kubelet(ABC):
                     self._sync(pod, deleted=False)
                 self._watch = watch.Watch()
                 for event in self._watch.stream(self._core.list_pod_for_all_namespaces, field_selector=selector,
-                                                resource_version=listed.metadata.resource_version, timeout_seconds=30):
+                                                resource_version=listed.metadata.resource_version, timeout_seconds=30,
+                                                _request_timeout=watch_timeouts(30)):
                     if self._stop.is_set():
                         break
                     self._sync(event["object"], deleted=event["type"] == "DELETED")
