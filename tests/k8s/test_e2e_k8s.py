@@ -527,7 +527,8 @@ def test_standby_pods_run_the_next_generations_and_survive_a_scheduler_restart(
     sched = deployment.restart()  # the pods go on; the new scheduler connects to them and hears everything again
     backend = sched.kube_backend
     pid = eventually(lambda: (link := backend.standbys.link(uid)) and link.greeted and link.pids.get("gpt-g2-r0"),
-                     "the restarted scheduler to hear from the standby pod", timeout=60)
+                     "the restarted scheduler to hear from the standby pod", timeout=180)  # a liveness deadline:
+    # the new scheduler's start (informers, the Lease, the job resumed) and its reconnect back-off, on a loaded VM
     os.kill(pid, signal.SIGKILL)  # the worker dies in its pod; the pod and its standby live on
     st = wait_job(sched, "gpt", lambda s: s.phase == Phase.SUCCEEDED, "recovering and finishing", cluster=cluster)
     assert st.step == steps
