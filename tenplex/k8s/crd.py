@@ -6,10 +6,11 @@ shares its parts with the REST API's job body), its schema and CEL rules
 generated from that model. The chart's ``crds/elasticjobs.tenplex.io.yaml``
 is generated from :func:`crd_manifest` (``tenplex k8s crd >
 deploy/helm/tenplex/crds/elasticjobs.tenplex.io.yaml``; a test keeps them
-equal), the test API server serves the resource from that manifest, its
-cross-field CEL rules are evaluated from the manifest's own strings
-(:mod:`tenplex.k8s.cel`), and the scheduler's Kubernetes backend reads spec
-through :func:`parse_spec` and writes status through :class:`ElasticJobStatus`.
+equal). The API server enforces the schema and the CEL rules on every write;
+offline (``tenplex k8s validate``), :func:`elasticjob_errors` checks the same
+schema and the models' twins of the rules, which say the same messages. The
+scheduler's Kubernetes backend reads spec through :func:`parse_spec` and
+writes status through :class:`ElasticJobStatus`.
 
 Contracts with the rest of the deployment (the chart implements them):
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import functools
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -36,8 +38,7 @@ from typing import Any
 
 from tenplex.core.protocol import ENV_NODE_IP
 from tenplex.errors import InvalidInput
-from tenplex.k8s import cel
-from tenplex.scheduler.jobspec import CRD, ElasticJobSpec, structural_schema
+from tenplex.scheduler.jobspec import CRD, RULE_ERROR, ElasticJobSpec, structural_schema
 from tenplex.scheduler.jobspec import DEFAULT_STORE_ROOT as DEFAULT_STORE_ROOT
 
 GROUP = "tenplex.io"
@@ -154,6 +155,12 @@ def _status_schema() -> dict[str, Any]:
 
 def openapi_schema() -> dict[str, Any]:
     """The ``openAPIV3Schema`` of ElasticJob (a fresh copy each call)."""
+    return copy.deepcopy(_openapi_schema())
+
+
+@functools.cache
+def _openapi_schema() -> dict[str, Any]:
+    # Built once: pydantic's JSON schema generation is the dearest part of validating an object.
     return {
         "type": "object",
         "description": "A training job whose GPU count can change while it runs.",
@@ -270,21 +277,39 @@ def _metadata_free(schema: dict[str, Any]) -> dict[str, Any]:
     return schema
 
 
-def rule_failures(obj: Mapping[str, Any]) -> list[cel.Failure]:
-    """The CRD's CEL rules that ``obj`` (schema-valid, defaults applied) breaks, evaluated from the schema's strings."""
-    return cel.evaluate(openapi_schema(), obj)
+def _where(loc: Sequence[int | str]) -> str:
+    """A pydantic error location below spec as a field path, ``spec.policy.table[0]`` style."""
+    return "spec" + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc)
 
 
-def _explained(failure: cel.Failure) -> str:
-    """A failure with the values its rule reads, for people (the API server says only the message)."""
-    target = failure.value if isinstance(failure.value, Mapping) else {}
-    fields = dict.fromkeys(re.findall(r"self\.(\w+)", failure.rule))
-    got = ", ".join(f"{f}={target[f]!r}" for f in fields if f in target)
-    return f"{failure} (got {got}; rule {failure.rule!r})"
+def _camel(loc: Sequence[int | str]) -> list[int | str]:
+    return [p if isinstance(p, int) else re.sub(r"_(\w)", lambda m: m[1].upper(), p) for p in loc]
+
+
+def rule_errors(spec: Mapping[str, Any]) -> list[str]:
+    """The CRD's cross-field rules that ``spec`` (schema-valid, defaults applied) breaks, worded as the API server
+    words them, ``<path>: Invalid value: "object": <message>``, with the values the rule reads (for people)."""
+    from pydantic import ValidationError
+
+    try:
+        ElasticJobSpec.model_validate(spec, context=CRD)
+    except ValidationError as exc:
+        out = []
+        for err in exc.errors():
+            where = _where(_camel(err["loc"]))
+            if err["type"] != RULE_ERROR:
+                out.append(f"{where}: {err['msg']}")
+                continue
+            rule, value = err["ctx"]["rule"], err["input"]
+            fields = dict.fromkeys(re.findall(r"self\.(\w+)", rule))
+            got = ", ".join(f"{f}={value[f]!r}" for f in fields if f in value)
+            out.append(f'{where}: Invalid value: "object": {err["msg"]} (got {got}; rule {rule!r})')
+        return out
+    return []
 
 
 def elasticjob_errors(obj: Mapping[str, Any], *, defaults: bool = True) -> list[str]:
-    """Every way ``obj`` violates the ElasticJob schema and its CEL rules ([] when valid).
+    """Every way ``obj`` violates the ElasticJob schema and its cross-field rules ([] when valid).
 
     Unknown fields count as errors, as with kubectl's default strict field
     validation. With ``defaults`` the schema defaults are applied first, as the
@@ -305,7 +330,7 @@ def elasticjob_errors(obj: Mapping[str, Any], *, defaults: bool = True) -> list[
         where = ".".join(str(p) for p in err.absolute_path) or "<root>"
         errors.append(f"{where}: {err.message}")
     if not errors:
-        errors.extend(_explained(f) for f in rule_failures(obj))
+        errors.extend(rule_errors(obj["spec"]))
     return errors
 
 

@@ -8,6 +8,11 @@ persistent checkpoints, a resume) are the same models here, with one set of
 bounds and descriptions; FastAPI derives the REST API's OpenAPI document from
 them, and :func:`structural_schema` derives the CRD's ``openAPIV3Schema``
 (CEL rules included), which the chart's CRD file is generated from. Each
+cross-field rule is written twice, side by side in one :class:`Rule`: as CEL,
+which the API server enforces on every write, and as a Python predicate, which
+the models' validator applies (with the same message) so that an offline
+``tenplex k8s validate`` refuses what a cluster refuses; the tests check the
+two against kube-apiserver and against a CEL interpreter. Each
 shape has one converter to the scheduler's :class:`~tenplex.scheduler.state.JobSpec`
 (``to_job_spec``); nothing converts back: the scheduler's record keeps its own form.
 
@@ -18,19 +23,23 @@ object in that shape is read with ``model_validate(obj, context=CRD)``.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     AliasGenerator,
     BaseModel,
     ConfigDict,
     Field,
+    ModelWrapValidatorHandler,
+    ValidationError,
     ValidationInfo,
     WithJsonSchema,
     model_validator,
 )
 from pydantic.alias_generators import to_camel
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from tenplex import registry
 from tenplex.core import protocol as P
@@ -45,13 +54,71 @@ CRD: dict[str, bool] = {"crd": True}
 DEFAULT_STORE_ROOT = "/var/lib/tenplex/store"
 VERSION_PATTERN = r"^(latest|s(0|[1-9][0-9]{0,17})-g(0|[1-9][0-9]{0,8}))$"
 MAX_GPUS = 1 << 20
+RULE_ERROR = "cel_rule"
+"""The pydantic error type of a broken cross-field rule; its context holds the rule's CEL string."""
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """One cross-field rule of the CRD: the CEL the API server evaluates, and the same test in Python."""
+
+    cel: str
+    """The ``x-kubernetes-validations`` rule, over the CRD's camelCase names."""
+    message: str
+    """What the API server (and the model's validator) says when the rule is broken."""
+    reads: tuple[str, ...]
+    """The model fields ``holds`` reads: a rule is not applied while one of them is invalid."""
+    holds: Callable[[Any], bool]
+    """The rule on the model (snake_case attributes; an absent optional field is None)."""
+
+
+def _broken(model: Any, rules: tuple[Rule, ...], skip: set[str]) -> list[Rule]:
+    return [r for r in rules if not skip.intersection(r.reads) and not r.holds(model)]
+
+
+def _rule_error(rule: Rule, data: Any) -> InitErrorDetails:
+    return InitErrorDetails(type=PydanticCustomError(RULE_ERROR, rule.message, {"rule": rule.cel}), loc=(),
+                            input=data)
 
 
 class _Model(BaseModel):
-    """Unknown fields are errors; the camelCase name of a field is its CRD name."""
+    """Unknown fields are errors; the camelCase name of a field is its CRD name; ``CEL_RULES`` are applied."""
 
     model_config = ConfigDict(extra="forbid", frozen=True,
                               alias_generator=AliasGenerator(serialization_alias=to_camel))
+    CEL_RULES: ClassVar[tuple[Rule, ...]] = ()
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _cel_rules(cls, data: Any, handler: ModelWrapValidatorHandler[Any]) -> Any:
+        """Every broken rule is an error, as on the API server, even where a field below is invalid too."""
+        if not cls.CEL_RULES:
+            return handler(data)
+        try:
+            model = handler(data)
+        except ValidationError as exc:
+            # The fields that did validate are read as given (defaults for the absent ones), the rest skipped.
+            errors = exc.errors()
+            if not isinstance(data, Mapping):
+                raise
+            names = {f.serialization_alias or n: n for n, f in cls.model_fields.items()}
+            given = {names.get(k, k): v for k, v in data.items() if names.get(k, k) in cls.model_fields}
+            try:
+                broken = _broken(cls.model_construct(**given), cls.CEL_RULES,
+                                 {str(e["loc"][0]) for e in errors if e["loc"]})
+            except (TypeError, ValueError, AttributeError):
+                broken = []  # a value the schema would refuse: its own error says so
+            if not broken:
+                raise
+            raise ValidationError.from_exception_data(cls.__name__, [
+                *(_rule_error(r, data) for r in broken),
+                *(InitErrorDetails(type=PydanticCustomError(e["type"], e["msg"].replace("{", "{{").replace("}", "}}"),
+                                                            e.get("ctx") if e["type"] == RULE_ERROR else None),
+                                   loc=e["loc"], input=e["input"]) for e in errors)]) from None
+        broken = _broken(model, cls.CEL_RULES, set())
+        if broken:
+            raise ValidationError.from_exception_data(cls.__name__, [_rule_error(r, data) for r in broken])
+        return model
 
     @model_validator(mode="before")
     @classmethod
@@ -175,29 +242,37 @@ class JobCreate(_Model):
 
 # --------------------------------------------------------------------------- the ElasticJob's spec
 
-# The CRD's cross-field rules (x-kubernetes-validations), by schema location. The API server evaluates them from
-# the CRD's strings (and `tenplex k8s validate` with tenplex.k8s.cel).
-RULES: dict[str, tuple[tuple[str, str], ...]] = {
+# The CRD's cross-field rules (x-kubernetes-validations), by schema location; each model below applies its own.
+RULES: dict[str, tuple[Rule, ...]] = {
     "spec": (
-        ("!has(self.minGpus) || !has(self.maxGpus) || self.minGpus <= self.maxGpus", "minGpus must not exceed maxGpus"),
-        ("self.gpus % self.gpusPerPod == 0", "gpus must be a multiple of gpusPerPod"),
-        ("self.gpus == 0 || !has(self.minGpus) || self.gpus >= self.minGpus",
-         "gpus must be 0 (suspended) or at least minGpus"),
-        ("!has(self.maxGpus) || self.gpus <= self.maxGpus", "gpus must not exceed maxGpus"),
+        Rule("!has(self.minGpus) || !has(self.maxGpus) || self.minGpus <= self.maxGpus",
+             "minGpus must not exceed maxGpus", ("min_gpus", "max_gpus"),
+             lambda s: s.min_gpus is None or s.max_gpus is None or s.min_gpus <= s.max_gpus),
+        Rule("self.gpus % self.gpusPerPod == 0", "gpus must be a multiple of gpusPerPod", ("gpus", "gpus_per_pod"),
+             lambda s: s.gpus % s.gpus_per_pod == 0),
+        Rule("self.gpus == 0 || !has(self.minGpus) || self.gpus >= self.minGpus",
+             "gpus must be 0 (suspended) or at least minGpus", ("gpus", "min_gpus"),
+             lambda s: s.gpus == 0 or s.min_gpus is None or s.gpus >= s.min_gpus),
+        Rule("!has(self.maxGpus) || self.gpus <= self.maxGpus", "gpus must not exceed maxGpus", ("gpus", "max_gpus"),
+             lambda s: s.max_gpus is None or s.gpus <= s.max_gpus),
     ),
     "spec.policy": (
-        ("self.type != 'table' || (has(self.table) && size(self.table) > 0)",
-         "a policy of type table needs a non-empty table"),
-        ("!has(self.stateMemoryFraction) || self.stateMemoryFraction > 0.0", "stateMemoryFraction must be greater than 0"),
+        Rule("self.type != 'table' || (has(self.table) && size(self.table) > 0)",
+             "a policy of type table needs a non-empty table", ("type", "table"),
+             lambda p: p.type != "table" or len(p.table) > 0),
+        Rule("!has(self.stateMemoryFraction) || self.stateMemoryFraction > 0.0",
+             "stateMemoryFraction must be greater than 0", ("state_memory_fraction",),
+             lambda p: p.state_memory_fraction > 0.0),
     ),
     "spec.policy.table[]": (
-        ("self.dp * self.tp * self.pp == self.gpus", "dp * tp * pp must equal gpus in every table entry"),
+        Rule("self.dp * self.tp * self.pp == self.gpus", "dp * tp * pp must equal gpus in every table entry",
+             ("dp", "tp", "pp", "gpus"), lambda e: e.dp * e.tp * e.pp == e.gpus),
     ),
 }
 
 
 def _rules(location: str) -> dict[str, Any]:
-    return {"x-kubernetes-validations": [{"rule": r, "message": m} for r, m in RULES[location]]}
+    return {"x-kubernetes-validations": [{"rule": r.cel, "message": r.message} for r in RULES[location]]}
 
 
 _ZERO = "ZeRO stage: 0 replicated optimizer, 1/2 optimizer state sharded across dp, 3 parameters too."
@@ -207,6 +282,7 @@ _Quantity = Annotated[int | str, WithJsonSchema(
 
 class TableEntry(_Model):
     model_config = ConfigDict(json_schema_extra=_rules("spec.policy.table[]"))
+    CEL_RULES = RULES["spec.policy.table[]"]
 
     gpus: int = Field(ge=1)
     dp: int = Field(ge=1)
@@ -219,6 +295,7 @@ class PolicySpec(_Model):
     """How a GPU count becomes (dp, tp, pp): a table, or the built-in cost model."""
 
     model_config = ConfigDict(json_schema_extra=_rules("spec.policy"))
+    CEL_RULES = RULES["spec.policy"]
 
     type: Literal["builtin", "table"] = "builtin"
     table: list[TableEntry] = Field(default_factory=list, json_schema_extra={
@@ -266,6 +343,7 @@ class ElasticJobSpec(_Model):
     """What to run and on how many GPUs. spec.gpus is the scale subresource's replicas."""
 
     model_config = ConfigDict(json_schema_extra=_rules("spec"))
+    CEL_RULES = RULES["spec"]
 
     image: str = Field(min_length=1, description="Container image of the workers.")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
