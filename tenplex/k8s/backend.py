@@ -305,11 +305,15 @@ class KubernetesBackend(Backend):
                                        f"within {self._sync_timeout:.0f}s")
         return self
 
-    def close(self) -> None:
+    def stop_watches(self) -> None:
+        """Stop the watches (idempotent; :meth:`start` may start them again)."""
         for inf in (self.nodes, *self.pods):
             inf.stop()
-        self.standbys.close()
         self._started = False
+
+    def close(self) -> None:
+        self.stop_watches()
+        self.standbys.close()
 
     def add_listener(self, listener: Listener) -> None:
         with self._lock:

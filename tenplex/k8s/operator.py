@@ -252,10 +252,21 @@ class ElasticJobOperator:
         log.info("%s: leading", self.settings.identity)
         sched = self.scheduler
         sched.index.start()
-        if not sched.index.wait_synced(30):
-            raise StoreUnavailable("the Kubernetes API did not answer the first list of ElasticJobs within 30s")
-        sched.kube_backend.start()
-        self._acting.set()
+        try:
+            if not sched.index.wait_synced(30):
+                raise StoreUnavailable("the Kubernetes API did not answer the first list of ElasticJobs within 30s")
+            if not self._stop.is_set():
+                sched.kube_backend.start()
+        except BaseException:
+            self._release_watches()
+            raise
+        with self._lock:
+            stopped = self._stop.is_set()
+            if not stopped:
+                self._acting.set()
+        if stopped:  # closed while syncing: the watches started here must not outlive the operator
+            self._release_watches()
+            return
         names = sched.resume_jobs()
         if names:
             log.info("resumed jobs: %s", ", ".join(names))
@@ -280,10 +291,19 @@ class ElasticJobOperator:
         self._stop_acting()
         self.lost.set()
 
+    def _release_watches(self) -> None:
+        """Stop the watches a leader started (idempotent)."""
+        self.scheduler.kube_backend.stop_watches()
+        self.scheduler.index.stop()
+
     def _stop_acting(self) -> None:
-        if not self._acting.is_set():
+        with self._lock:
+            acting = self._acting.is_set()
+            self._acting.clear()
+        if not acting:
+            if self._stop.is_set():  # closed while ``_lead`` syncs: end its watches now, not at its timeout
+                self._release_watches()
             return
-        self._acting.clear()
         self.leading.clear()
         self._events.put(None)
         for ctl in self.scheduler.list():

@@ -13,19 +13,30 @@ group, resource, subresource, namespace) are compared with the rendered rules:
 none refused (nothing missing) and every granted verb used (least privilege),
 for both namespace modes of the chart. Every other operator and end-to-end
 test checks the first half too (``assert_rbac_clean``).
+
+And by what fails (``test_every_rule_of_the_chart_is_needed``): each verb of each rule of the chart's Roles and
+ClusterRoles is taken out on the real server, and the scheduler, driven through a short scenario until it gets
+there, is refused (403) a request only that verb allowed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import signal
 import socket
 import sys
+import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import pytest
+from kubernetes.client import ApiException
 
+from tenplex.k8s import crd
 from tenplex.k8s.operator import KubernetesScheduler
 from tenplex.k8s.settings import KubernetesSettings
 from tenplex.scheduler.controller import SchedulerSettings
@@ -48,6 +59,7 @@ from .cluster import (
     store_pod,
 )
 
+LOG = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parents[2]
 RELEASE_NS = "tenplex"
 JOB_NAMESPACES = ("ml", "research")
@@ -173,3 +185,213 @@ def test_the_charts_rbac_is_exactly_what_the_scheduler_uses(api: TestCluster, ag
     assert calls and all(a.allowed for a in calls), sorted({str(a) for a in calls if not a.allowed})
     audit = rbac.audit(chart_rbac(RELEASE_NS, watch), user, calls)
     assert audit.ok, "the chart's RBAC is not exactly what the scheduler uses:\n" + audit.report()
+
+
+# --------------------------------------------------------------------------- every rule needed: remove it, see a 403
+
+JOB_NS = JOB_NAMESPACES[0]
+Atom = tuple[str, str]
+"""(resource with subresource, verb): one verb of one rule of the chart (the granularity of the audit above)."""
+
+REMOVAL_GROUPS: tuple[tuple[str, frozenset[Atom]], ...] = (
+    # (how far the scenario must go, the verbs removed together); each removed verb's own request is refused
+    ("lead", frozenset({("leases", "get")})),
+    ("lead", frozenset({("leases", "create")})),
+    ("lead", frozenset({("leases", "update")})),
+    ("lead", frozenset({("elasticjobs", "list")})),
+    ("lead", frozenset({("nodes", "list"), ("pods", "list")})),
+    ("lead", frozenset({("nodes", "watch"), ("pods", "watch"), ("elasticjobs", "watch")})),
+    ("launch", frozenset({("configmaps", "create"), ("poddisruptionbudgets", "create")})),
+    ("launch", frozenset({("configmaps", "list")})),
+    ("launch", frozenset({("configmaps", "patch")})),
+    ("launch", frozenset({("pods", "create")})),
+    ("launch", frozenset({("elasticjobs/status", "patch")})),
+    ("launch", frozenset({("events", "create")})),
+    ("relaunch", frozenset({("pods", "delete")})),
+    ("restart", frozenset({("configmaps", "delete"), ("configmaps", "get")})),
+)
+NOT_REMOVED: dict[Atom, str] = {
+    ("pods", "patch"): "only the standby path relabels a pod (it needs a real standby process in a kubelet-run pod); "
+                       "test_the_charts_rbac_is_exactly_what_the_scheduler_uses shows the patch made and allowed",
+}
+STAGES = ("lead", "launch", "relaunch", "restart")
+
+
+class Refused(Exception):
+    """Every removed verb has had its 403: the scenario stops there."""
+
+
+def _atoms(docs: tuple[dict[str, Any], ...]) -> dict[Atom, tuple[rbac.Grant, str, str | None, int]]:
+    """Each verb of each rule of the chart's Roles and ClusterRoles: its one-verb grant (the scope it applies in)
+    and where it is (kind and name, namespace, rule index)."""
+    scopes = {id(g.rule): g for g in rbac.grants(docs, scheduler_user(RELEASE_NS))}
+    out: dict[Atom, tuple[rbac.Grant, str, str | None, int]] = {}
+    for doc in docs:
+        if doc["kind"] not in ("Role", "ClusterRole"):
+            continue
+        for i, rule in enumerate(doc["rules"]):
+            grant = scopes[id(rule)]
+            for resource in rule["resources"]:
+                for verb in rule["verbs"]:
+                    key = (resource, verb)
+                    assert key not in out, f"{key} granted twice: the atoms are no longer one per rule verb"
+                    one = {**rule, "resources": [resource], "verbs": [verb]}
+                    out[key] = (rbac.Grant(grant.namespace, grant.source, one), f"{doc['kind']}/{doc['metadata']['name']}",
+                                doc["metadata"].get("namespace"), i)
+    return out
+
+
+def _role_path(kind_name: str, namespace: str | None) -> str:
+    kind, name = kind_name.split("/")
+    plural = "roles" if kind == "Role" else "clusterroles"
+    return TestCluster.resource(plural).path(namespace, name)
+
+
+def _set_rules(api: TestCluster, docs: tuple[dict[str, Any], ...], removed: frozenset[Atom]) -> None:
+    """Write the chart's Roles and ClusterRoles with the ``removed`` verbs taken out (a rule left with no verb
+    goes), then wait until the real authorizer answers accordingly (a SubjectAccessReview per changed verb)."""
+    atoms = _atoms(docs)
+    for doc in docs:
+        if doc["kind"] not in ("Role", "ClusterRole"):
+            continue
+        rules = []
+        for rule in doc["rules"]:
+            verbs = [v for v in rule["verbs"] if not any((r, v) in removed for r in rule["resources"])]
+            if verbs:
+                rules.append({**rule, "verbs": verbs})
+        path = _role_path(f"{doc['kind']}/{doc['metadata']['name']}", doc["metadata"].get("namespace"))
+        current = api.request("GET", path)
+        if current.get("rules") != rules:
+            api.request("PUT", path, {**current, "rules": rules})
+    user = scheduler_user(RELEASE_NS)
+    for key, (grant, *_) in atoms.items():
+        resource, _, sub = key[0].partition("/")
+        rule = grant.rule
+        attrs = {"verb": key[1], "group": rule["apiGroups"][0], "resource": resource, "subresource": sub,
+                 "namespace": grant.namespace or JOB_NS, "name": (rule.get("resourceNames") or [""])[0]}
+        review = {"apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview",
+                  "spec": {"user": user.name, "groups": list(user.groups), "resourceAttributes": attrs}}
+        eventually(lambda r=review, k=key: api.request("POST", "/apis/authorization.k8s.io/v1/subjectaccessreviews",
+                                                       r)["status"].get("allowed", False) == (k not in removed),
+                   f"the authorizer to {'refuse' if key in removed else 'allow'} {key}", timeout=10)
+
+
+def _refused(api: TestCluster, atoms: dict[Atom, tuple[rbac.Grant, str, str | None, int]],
+             removed: frozenset[Atom]) -> dict[Atom, str]:
+    """The removed verbs the scheduler was refused so far (403 in the audit log), with the request refused."""
+    out: dict[Atom, str] = {}
+    for access in api.accesses(scheduler_user(RELEASE_NS).name):
+        if access.code != 403 or access.while_starting:
+            continue
+        for key in removed:
+            if key not in out and atoms[key][0].allows(access):
+                out[key] = str(access)
+    return out
+
+
+def _scenario(api: TestCluster, tmp_path: Path, last: str, done: Callable[[], bool]) -> None:
+    """The short scenario, up to stage ``last``, as the leader: take the Lease and sync (lead); one ElasticJob
+    of 2 GPUs running (launch); a worker failing twice, relaunched as generations 1 and 2, generation 0's PTC
+    pruned (relaunch); a second scheduler resuming it (restart). Raises :class:`Refused` as soon as ``done()``."""
+
+    def until(predicate: Callable[[], Any], what: str, timeout: float = 30.0) -> Any:
+        return eventually(lambda: done() or predicate(), what, timeout=timeout) if not done() else None
+
+    def check() -> None:
+        if done():
+            raise Refused
+
+    def start(state: Path) -> KubernetesScheduler:
+        settings = KubernetesSettings(namespace=RELEASE_NS, identity=IDENTITY, lease_duration_seconds=3,
+                                      renew_deadline_seconds=2, retry_period_seconds=1)
+        base = free_port("0.0.0.0", 20)
+        sched = KubernetesScheduler(scheduler_client(api, RELEASE_NS), settings,
+                                    SchedulerSettings(url="http://127.0.0.1:9", poll_interval=0.1), state,
+                                    watch_timeout=5, master_ports=(base, base + 19))
+        sched.recover()
+        return sched
+
+    job = "rm"
+    sched = start(tmp_path / "a")
+    try:
+        until(sched.operator.leading.is_set, "the scheduler leading")
+        check()
+        if last == "lead":
+            # The informers' watches follow their lists: give them a renewal period to be refused or not.
+            until(lambda: False, "every removed verb refused", timeout=10)
+            return
+        api.create("elasticjobs", elasticjob(job, 2, namespace=JOB_NS, max_restarts=5), JOB_NS)
+        until(lambda: [p["status"]["phase"] for p in live_worker_pods(api, job, JOB_NS)] == ["Running"] * 2, "pods")
+        check()
+        ctl = until(lambda: sched.find(job), f"{job} known")
+        until(lambda: ctl.status.phase == Phase.RUNNING, f"{job} Running")
+        check()
+        if STAGES.index(last) >= STAGES.index("relaunch"):
+            for generation in (1, 2):
+                api.fail_pod(live_worker_pods(api, job, JOB_NS)[0]["metadata"]["name"], JOB_NS)
+                until(lambda g=generation: [p["metadata"]["name"] for p in live_worker_pods(api, job, JOB_NS)
+                                            if p["status"].get("phase") == "Running"] == [f"{job}-g{g}-r0", f"{job}-g{g}-r1"],
+                      f"generation {generation}")
+                check()
+    finally:
+        # A controller refused a deletion waits for its pods to go before it lets the scheduler close: they go.
+        api.request("DELETE", TestCluster.resource("pods").path(JOB_NS), {"gracePeriodSeconds": 0})
+        sched.close()
+    if last == "restart":
+        sched = start(tmp_path / "b")
+        try:
+            until(lambda: sched.operator.leading.is_set() and sched.find(job), f"{job} resumed")
+        finally:
+            sched.close()
+
+
+def _clean(api: TestCluster) -> None:
+    """What one removal's run left: the ElasticJob (its ConfigMaps and budget go with it), its pods (at once) and
+    the Lease, so that the next run starts as the first."""
+    with contextlib.suppress(ApiException):
+        api.delete("elasticjobs", "rm", JOB_NS)
+    api.request("DELETE", TestCluster.resource("pods").path(JOB_NS), {"gracePeriodSeconds": 0})
+    with contextlib.suppress(ApiException):
+        api.delete("leases", "tenplex-scheduler", RELEASE_NS)
+    eventually(lambda: not api.list("pods", JOB_NS) and not api.list("configmaps", JOB_NS,
+                                                                      label_selector=crd.LABEL_JOB),
+               "the removal run's pods and ConfigMaps gone")
+
+
+def test_every_rule_of_the_chart_is_needed(api: TestCluster, agents: NodeAgents, tmp_path: Path) -> None:
+    """Least privilege by what fails: with one verb of one rule of the chart's Roles and ClusterRoles taken out
+    (several at once where the scenario reaches each anyway), the scheduler, as the chart's ServiceAccount, is
+    refused (403 from the real authorizer) a request that verb would have allowed. Each run stops at the first
+    point where every removed verb has been refused. Every verb the chart grants is in a group or in
+    ``NOT_REMOVED`` with the reason."""
+    docs = chart_rbac(RELEASE_NS)
+    atoms = _atoms(docs)
+    grouped = [a for _, g in REMOVAL_GROUPS for a in g]
+    assert len(grouped) == len(set(grouped)), "a verb is removed in two groups"
+    assert set(grouped) | set(NOT_REMOVED) == set(atoms), (
+        f"not placed: {sorted(set(atoms) - set(grouped) - set(NOT_REMOVED))}; "
+        f"not in the chart: {sorted((set(grouped) | set(NOT_REMOVED)) - set(atoms))}")
+    for ns in (RELEASE_NS, JOB_NS):
+        api.create_namespace(ns)
+    api.add_node("gpu-a", gpus=2, address="127.0.0.2")
+    api.create("pods", store_pod("gpu-a", store_daemonset(api, RELEASE_NS), namespace=RELEASE_NS), RELEASE_NS)
+    api.set_pod_running("store-gpu-a", RELEASE_NS)
+    agents.start("gpu-a", run_pods=True)
+    scheduler_client(api, RELEASE_NS).close()  # the chart's ServiceAccount and RBAC, installed
+    missed = {}
+    for i, (stage, removed) in enumerate(REMOVAL_GROUPS):
+        began = time.monotonic()
+        _set_rules(api, docs, removed)
+        api.plane.clear_accesses()
+        try:
+            with contextlib.suppress(Refused):
+                _scenario(api, tmp_path / str(i), stage,
+                          lambda r=removed: len(_refused(api, atoms, r)) == len(r))
+        except AssertionError as exc:  # a wait timed out: the removal did not stop it, or it stopped it before
+            LOG.info("removal %s: %s", sorted(removed), exc)
+        refused = _refused(api, atoms, removed)
+        LOG.info("removed %s: refused %s (%.1fs)", sorted(removed), refused, time.monotonic() - began)
+        missed.update({f"{key} ({atoms[key][1]} rule {atoms[key][3]})": stage for key in removed - set(refused)})
+        _set_rules(api, docs, frozenset())
+        _clean(api)
+    assert not missed, f"removed, yet nothing the scenario did was refused (the verb looks unneeded): {missed}"
