@@ -47,6 +47,8 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
+from tenplex.testing.processes import stop_processes
+
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "bench-token"
 JOB = "cp"
@@ -468,14 +470,7 @@ def main() -> None:
         for line in top(diff(prof2, prof3), 16, span):
             print(line)
     finally:
-        for p in reversed(children):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in reversed(children):
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(reversed(children), signal.SIGTERM, grace=30)
 
 
 if __name__ == "__main__":

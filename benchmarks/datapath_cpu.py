@@ -55,6 +55,7 @@ from tenplex.ptc import ParallelConfig, Region
 from tenplex.ptc.megatron import GPTSpec, megatron_gpt_ptc
 from tenplex.sockets import free_port
 from tenplex.store.client import StoreClient
+from tenplex.testing.processes import stop_processes
 from tenplex.transformer.plan import make_plan
 from tenplex.transformer.remote import PlanRun
 
@@ -126,12 +127,7 @@ def daemon(root: Path, tier: str, work: Path, name: str) -> Iterator[tuple[subpr
                 time.sleep(0.1)
         yield proc, url
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_processes([proc])
         if tier == "memory":
             subprocess.run(["rm", "-rf", str(mem)], check=False)
 

@@ -45,6 +45,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from tenplex.testing.processes import stop_processes
+
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "bench-token"
 JOB = "live"
@@ -329,14 +331,7 @@ def main() -> None:
               f"worker's own {100 * (idle + direct_beat * workers):.0f}% ({direct_beat / max(batch_beat, 1e-9):.1f}x "
               f"the CPU per heartbeat); idle loop {100 * idle:.1f}%")
     finally:
-        for p in reversed(children):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in reversed(children):
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(reversed(children), signal.SIGTERM, grace=30)
 
 
 if __name__ == "__main__":

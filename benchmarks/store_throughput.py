@@ -26,7 +26,6 @@ import http.client
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -45,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 from tenplex.ptc.region import Region  # noqa: E402
 from tenplex.store.client import ReadRequest, StoreClient  # noqa: E402
 from tenplex.store.local import LocalStore  # noqa: E402
+from tenplex.testing.processes import stop_processes  # noqa: E402
 
 N = 16384  # 16384 x 16384 float32 = 1 GiB
 MiB = 1 << 20
@@ -195,12 +195,7 @@ def start_daemon(root: Path, workdir: Path, workers: int) -> tuple[subprocess.Po
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    stop_processes([proc])
 
 
 def main() -> int:

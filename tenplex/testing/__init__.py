@@ -15,6 +15,7 @@ this package imports it.
   :class:`~tenplex.scheduler.state.JobStore` passes (subclassed per implementation).
 - :mod:`tenplex.testing.faults`: fault injection from outside (a worker killed by
   its pid, a host's daemon and workers killed), as real failures come.
+- :mod:`tenplex.testing.processes`: ending the daemons and helpers a test or benchmark started (asked, then killed).
 - :mod:`tenplex.testing.layouts`: a user's own layout provider (the README's), named
   by ``module:function`` in tests.
 """

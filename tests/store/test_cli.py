@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from tenplex.cli import main
 from tenplex.core.protocol import RELAY_PATH, RelayInfo
 from tenplex.ptc.region import Region
 from tenplex.store.client import StoreClient
+from tenplex.testing.processes import stop_processes
 
 TOKEN = "cli-token"
 
@@ -47,12 +47,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
                 time.sleep(0.05)
         yield url, root
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_processes([proc])
         assert proc.stderr is not None
         log = proc.stderr.read()
         assert f"serving {root}" in log or "serving" in log
@@ -148,10 +143,5 @@ def test_serve_with_worker_processes(tmp_path: Path) -> None:
                     assert RelayInfo.model_validate_json(r.read()) == RelayInfo(scheduler_url="http://127.0.0.1:9",
                                                                                interval_s=2.0)
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_processes([proc])
     assert proc.returncode == 0

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -52,6 +51,7 @@ from tenplex.store.local import LocalStore
 from tenplex.store.names import region_key, tensor_dirname
 from tenplex.store.persistent import PersistentStore
 from tenplex.store.wire import MAX_BATCH_REGIONS
+from tenplex.testing.processes import stop_processes
 
 from .test_local import random_array, same_bits
 
@@ -433,12 +433,7 @@ def multiprocess_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tu
                 time.sleep(0.05)
         yield url, root
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_processes([proc])
 
 
 class TestClientOnDaemon(StoreTests):
