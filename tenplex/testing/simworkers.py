@@ -285,25 +285,30 @@ class Agent:
 
     # -- one rank -----------------------------------------------------------------------------------
 
-    async def _post(self, r: _Rank, path: str, body: Any, kind: str) -> dict[str, Any]:
-        env = r.env
+    async def _scheduler_post(self, env: Mapping[str, str], path: str, body: bytes, what: str, kind: str) -> bytes:
+        """POST to the scheduler as ``env``'s worker would, retrying a refused connection or a 502-504 with
+        back-off; the answer's body, counted under ``kind``."""
         client = self.client(env[P.ENV_SCHEDULER_URL])
         for attempt in range(20):
             try:
-                status, raw = await client.request("POST", path.format(job=env[P.ENV_JOB], worker_id=r.worker_id),
-                                                   body.model_dump_json().encode(), env.get(P.ENV_TOKEN))
+                status, raw = await client.request("POST", path, body, env.get(P.ENV_TOKEN))
             except OSError as exc:
-                log.warning("%s %s: %s (retrying)", r.worker_id, kind, exc)
+                log.warning("%s: %s (retrying)", what, exc)
                 await asyncio.sleep(min(2.0, 0.1 * 2 ** attempt))
                 continue
             if status in (502, 503, 504):
                 await asyncio.sleep(min(2.0, 0.1 * 2 ** attempt))
                 continue
             if status >= 400:
-                raise TenplexError(f"{r.worker_id} {kind}: HTTP {status}: {raw[:300]!r}")
+                raise TenplexError(f"{what}: HTTP {status}: {raw[:300]!r}")
             self.counts[kind] += 1
-            return json.loads(raw)
-        raise TenplexError(f"{r.worker_id} {kind}: the scheduler did not answer")
+            return raw
+        raise TenplexError(f"{what}: the scheduler did not answer")
+
+    async def _post(self, r: _Rank, path: str, body: Any, kind: str) -> dict[str, Any]:
+        raw = await self._scheduler_post(r.env, path.format(job=r.env[P.ENV_JOB], worker_id=r.worker_id),
+                                         body.model_dump_json().encode(), f"{r.worker_id} {kind}", kind)
+        return json.loads(raw)
 
     async def _run_rank(self, g: _Generation, r: _Rank) -> int:
         code = 0
@@ -421,22 +426,9 @@ class Agent:
 
     async def _node_report(self, env: Mapping[str, str], host: str, batch: P.NodeHeartbeats) -> P.NodeHeartbeatsReply:
         path = P.NODE_HEARTBEATS_PATH.format(job=env[P.ENV_JOB], node=host)
-        for attempt in range(20):
-            try:
-                status, raw = await self.client(env[P.ENV_SCHEDULER_URL]).request(
-                    "POST", path, batch.model_dump_json(exclude_none=True).encode(), env.get(P.ENV_TOKEN))
-            except OSError as exc:
-                log.warning("%s heartbeats: %s (retrying)", host, exc)
-                await asyncio.sleep(min(2.0, 0.1 * 2 ** attempt))
-                continue
-            if status in (502, 503, 504):
-                await asyncio.sleep(min(2.0, 0.1 * 2 ** attempt))
-                continue
-            if status >= 400:
-                raise TenplexError(f"{host} heartbeats: HTTP {status}: {raw[:300]!r}")
-            self.counts["node_report"] += 1
-            return P.NodeHeartbeatsReply.model_validate_json(raw)
-        raise TenplexError(f"{host} heartbeats: the scheduler did not answer")
+        raw = await self._scheduler_post(env, path, batch.model_dump_json(exclude_none=True).encode(),
+                                         f"{host} heartbeats", "node_report")
+        return P.NodeHeartbeatsReply.model_validate_json(raw)
 
     # -- lockstep training and the stop snapshot ---------------------------------------------------------
 

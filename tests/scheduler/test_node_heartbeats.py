@@ -9,7 +9,6 @@ relay's batches are sent by hand (``flush``) with a clock the test moves, so eve
 from __future__ import annotations
 
 import asyncio
-import json
 import subprocess
 import time
 import urllib.error
@@ -29,6 +28,7 @@ from tenplex.scheduler.state import JobSpec, JobStatus, Phase, StateDir, WorkerR
 from tenplex.store.relay import HeartbeatRelay
 from tenplex.testing.layouts import MLP, mlp_layout
 from tenplex.worker.control import ControlClient, Heartbeat
+from tests.scheduler.test_api import call
 
 TOKEN = "node-heartbeats"
 JOB = "live"
@@ -67,15 +67,8 @@ def sched(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalScheduler]:
 
 
 def post(url: str, body: object, token: str | None = TOKEN) -> tuple[int, dict]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
-    if token:
-        req.add_header("Authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
+    """POST JSON to the whole ``url`` with this module's credential (test_api's request helper)."""
+    return call(url, "POST", "", body, token=token)
 
 
 def record(sched: LocalScheduler, worker: str) -> WorkerRecord:
