@@ -35,8 +35,10 @@ from tests.scheduler.test_e2e_local import wait_for  # noqa: E402
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 DATASET = DatasetState(num_samples=64, seed=0, global_batch_size=8)
-STEPS = 24
-"""Three epochs of the 64 samples; room for the steps a fast machine trains between the test's polls."""
+STEPS = 40
+"""Five epochs of the 64 samples: room for the steps a fast machine trains between the test's polls, so that every
+generation (the last one after the recovery's first step and a scale) still has steps of its own (at 24, one CI run
+saw the last generation start at the final step)."""
 LOSS_RTOL = 1e-5
 """fp32 on CPU. dp2 and dp4 sum the same gradients in another order (DDP's all-reduce over 2 or 4 ranks, the
 loss's token count and mean over the ranks), which moves a loss by a few float32 ulps; AdamW carries that on.
