@@ -405,9 +405,9 @@ class JobController:
             return
         if outcome.succeeded:
             # The workers may finish before a heartbeat past the restored step reaches the scheduler (relayed
-            # beats come up to an interval late): their exit reports say they trained, so the downtime ends here.
-            if st.downtime_started_at is not None and any(
-                    w.step is not None and w.step > (st.restored_step or 0) for w in st.workers):
+            # beats come up to an interval late), or have restored the last step's version and had nothing left
+            # to train (a failure as they finished): either way the change's record ends here.
+            if st.downtime_started_at is not None:
                 orch.finish_downtime()
             for w in st.workers:
                 w.exit_code = obs.exits[w.worker_id]

@@ -223,11 +223,12 @@ class Recovery:
 
 
 def choose_recovery(status: JobStatus, holders: Mapping[str, Sequence[str]],
-                    ptc_of: Callable[[int], PTC | None], persisted: Sequence[str] = ()) -> Recovery | None:
+                    ptc_of: Callable[[int], PTC | None], persisted: Sequence[str] = (),
+                    reached: int | None = None) -> Recovery | None:
     """The newest version the survivors cover (``holders``: host -> committed versions, the survivors
     only) or, with them, the persistent tier (``persisted``: versions committed there, each whole), with the
-    steps lost since; None when there is none."""
-    reached = steps_reached(status)
+    steps lost since the step ``reached`` (default: :func:`steps_reached`); None when there is none."""
+    reached = max(reached or 0, steps_reached(status))
     candidates = sorted({v for vs in holders.values() for v in vs} | set(persisted), key=Version.parse, reverse=True)
     for version in candidates:
         ptc = ptc_of(status.version_generation.get(version, Version.parse(version).generation))
@@ -255,5 +256,7 @@ def missing_text(ptc: PTC, survivors: set[str], limit: int = 6) -> str:
 
 
 def steps_reached(status: JobStatus) -> int:
-    """The newest step any worker of the generation reported."""
-    return max([status.step] + [w.step for w in status.workers if w.step is not None])
+    """The newest step the job is known to have reached: any worker's report, or its newest committed version
+    (committed at its step, so reached even when the heartbeats that carry the step are still on their way)."""
+    committed = Version.parse(status.version).step if status.version is not None else 0
+    return max([status.step, committed] + [w.step for w in status.workers if w.step is not None])

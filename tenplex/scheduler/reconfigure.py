@@ -597,10 +597,15 @@ class Orchestrator:
             else:  # still stopping the workers: no downtime yet
                 st.history[-1].finished_at = time.time()
         st.downtime_started_at = st.downtime_started_at or time.time()
+        reached: int | None = None
         if not st.history or st.history[-1].finished_at is not None or st.history[-1].reason != "failure":
             st.history.append(Reconfiguration(reason="failure", started_at=time.time(), from_config=ctx.config_text(),
                                               from_gpus=st.gpus, from_hosts=list(st.hosts)))
             ctx.mark("requested")
+        elif st.version is not None:
+            # Joined: the first failure went back to st.version, losing rec.steps_lost steps, and nothing trained
+            # since (a trained step closes the record); the steps lost count from the step it had reached.
+            reached = Version.parse(st.version).step + st.history[-1].steps_lost
         rec = st.history[-1]
         # A failure during the recovery from another one joins its record: keep every cause, first first.
         rec.error = f"{rec.error}; then {reason}" if rec.error else reason
@@ -618,7 +623,7 @@ class Orchestrator:
             except NotFound:
                 return None
 
-        recovery = choose_recovery(st, holders, ptc_of, st.persisted)
+        recovery = choose_recovery(st, holders, ptc_of, st.persisted, reached)
         if recovery is not None:
             st.version = recovery.version
             rec.steps_lost = recovery.steps_lost

@@ -19,6 +19,7 @@ from tenplex.scheduler.decide import (
     detect_failure,
     find_stop_version,
     missing_text,
+    steps_reached,
 )
 from tenplex.scheduler.layouts import LayoutSpec
 from tenplex.scheduler.policy import Policy
@@ -182,6 +183,21 @@ def test_recovery_takes_the_newest_version_the_survivors_cover() -> None:
     assert rec is not None and rec.version == "s15-g0" and rec.steps_lost == 5
     assert choose_recovery(st, {"h0": ["s18-g1"]}, {0: dp2, 1: tp4}.get) is None
     assert choose_recovery(st, {"h0": ["s18-g1"]}, {}.get) is None  # a layout no longer known is skipped
+
+
+def test_steps_lost_count_from_the_newest_committed_version_when_heartbeats_lag() -> None:
+    # A CI run: the relayed heartbeats had said step 5 while s14 was committed everywhere; the host died and the
+    # job went back to the persisted s12. Two steps were lost, not zero.
+    gspec = GPTSpec(num_layers=2, hidden=8, heads=2, vocab=16, make_vocab_size_divisible_by=4)
+    tp2pp2 = megatron_gpt_ptc(gspec, ParallelConfig(tp=2, pp=2), gpus_per_node=2, hosts=["h0", "h1"], precision="fp32")
+    st = status(step=5, version="s14-g0", version_generation={"s14-g0": 0, "s12-g0": 0})
+    assert steps_reached(st) == 14
+    rec = choose_recovery(st, {"h0": ["s14-g0"]}, {0: tp2pp2}.get, persisted=["s4-g0", "s12-g0"])
+    assert rec is not None and (rec.version, rec.steps_lost) == ("s12-g0", 2)
+    # A failure that joins another's recovery counts from the step reached before the first one.
+    st = status(step=12, version="s12-g0", version_generation={"s12-g0": 0})
+    rec = choose_recovery(st, {"h0": []}, {0: tp2pp2}.get, persisted=["s4-g0", "s12-g0"], reached=14)
+    assert rec is not None and (rec.version, rec.steps_lost) == ("s12-g0", 2)
 
 
 @pytest.mark.parametrize("stage_age", [0.0, 1e9])
