@@ -44,6 +44,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 """Training precisions a layout spec may name (the provider decides what each means for its tensors)."""
 
 BuildFunction = Callable[[Any, ParallelConfig, Placement, "DatasetState | None", str], PTC]
+CheckFunction = Callable[[Any, ParallelConfig], None]
 
 
 @dataclass(frozen=True)
@@ -56,10 +57,17 @@ class LayoutProvider:
     model: Callable[..., Any]
     """Called with the layout spec's ``model`` fields as keyword arguments (a dataclass, typically); raises
     :class:`InvalidConfig`, ``TypeError`` or ``ValueError`` for bad values."""
+    check: CheckFunction | None = None
+    """``(model, parallel) -> None``: raises :class:`InvalidConfig` for a configuration the model's trainer
+    cannot run at all, without building the PTC. Cheap, so the scheduler asks it for every configuration a
+    job's policy table names when the job is created: an entry no placement can fix is a refused job, not a
+    job left pending at its first scale event."""
 
     def __post_init__(self) -> None:
         if not callable(self.build) or not callable(self.model):
             raise InvalidConfig("a layout provider needs a callable build function and a callable model type")
+        if self.check is not None and not callable(self.check):
+            raise InvalidConfig("a layout provider's check must be callable")
 
     @property
     def name(self) -> str:
@@ -88,10 +96,12 @@ class LayoutProvider:
         return self.build(model, parallel, placement, dataset, precision)
 
 
-def layout_provider(model: Callable[..., Any]) -> Callable[[BuildFunction], LayoutProvider]:
-    """Decorator: the function becomes a :class:`LayoutProvider` whose model description is ``model``."""
+def layout_provider(model: Callable[..., Any], *,
+                    check: CheckFunction | None = None) -> Callable[[BuildFunction], LayoutProvider]:
+    """Decorator: the function becomes a :class:`LayoutProvider` whose model description is ``model``
+    (and whose configurations ``check`` refuses, see :attr:`LayoutProvider.check`)."""
 
     def wrap(build: BuildFunction) -> LayoutProvider:
-        return LayoutProvider(build=build, model=model)
+        return LayoutProvider(build=build, model=model, check=check)
 
     return wrap

@@ -63,6 +63,13 @@ class LayoutSpec:
         """The provider's typed model description (raises InvalidConfig on bad fields)."""
         return self.layout_provider.model_config(self.model, f"{self.provider} model")
 
+    def check_parallel(self, parallel: ParallelConfig) -> None:
+        """Whether the provider's trainer can run ``parallel`` at all (:attr:`LayoutProvider.check`; providers
+        without one accept every configuration here and say no when the layout is built)."""
+        provider = self.layout_provider
+        if provider.check is not None:
+            provider.check(self.model_config(), parallel)
+
     def build(self, parallel: ParallelConfig, placement: Placement, dataset: DatasetState | None) -> PTC:
         """The PTC of this model in ``parallel`` on ``placement``."""
         if dataset is not None:

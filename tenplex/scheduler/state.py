@@ -219,6 +219,11 @@ class JobSpec:
             raise InvalidConfig("a job needs a worker command (local backend) or an image (kubernetes backend)")
         if not isinstance(self.standby, bool):
             raise InvalidConfig(f"standby must be true or false, got {self.standby!r}")
+        for gpus, cfg in sorted(self.policy.table.items()):
+            try:
+                self.layout.check_parallel(cfg)
+            except InvalidConfig as exc:
+                raise InvalidConfig(f"the policy table's entry for {gpus} GPUs cannot run: {exc.detail}") from None
 
     def check_gpus(self, gpus: int) -> None:
         if isinstance(gpus, bool) or not isinstance(gpus, int) or not self.min_gpus <= gpus <= self.max_gpus:

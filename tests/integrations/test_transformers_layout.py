@@ -128,3 +128,18 @@ def test_outside_a_scheduler_it_is_the_plain_trainer(tmp_path: Path, monkeypatch
     args.auto_find_batch_size = True
     with pytest.raises(InvalidConfig, match="auto_find_batch_size"):
         check_arguments(args)  # what a job cannot run is refused before the worker registers
+
+
+def test_a_policy_table_entry_the_trainer_cannot_run_refuses_the_job() -> None:
+    from tenplex.scheduler.state import JobSpec
+
+    def job(table: dict) -> JobSpec:
+        return JobSpec.from_json({"name": "hf", "layout": {"provider": "transformers", "model": LLAMA},
+                                  "dataset": DATASET.to_json(), "command": ["python", "train.py"], "gpus": 2,
+                                  "policy": {"table": table}})
+
+    assert job({"2": {"dp": 2, "zero": 0}}).policy.table[2] == ParallelConfig(dp=2)
+    with pytest.raises(InvalidConfig, match="entry for 4 GPUs cannot run: dp4 .*zero=3"):
+        job({"2": {"dp": 2, "zero": 0}, "4": {"dp": 4, "zero": 3}})
+    with pytest.raises(InvalidConfig, match="entry for 2 GPUs cannot run: .*tp=2"):
+        job({"2": {"dp": 1, "tp": 2, "zero": 0}})

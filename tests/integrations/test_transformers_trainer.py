@@ -93,13 +93,12 @@ def test_scaled_failed_and_refused_like_an_uninterrupted_run(tmp_path: Path) -> 
         with pytest.raises(TenplexError, match="'Qwen2Model' is not a causal LM"):
             client.create(bad)
         assert client.jobs() == []
-        # a layout the Trainer cannot run (FSDP through the policy): no worker starts, the job says why
+        # a policy table entry the Trainer cannot run (FSDP): refused at creation, naming the entry
         fsdp = spec("fsdp", tmp_path / "fsdp", 2, 2)
-        fsdp["policy"] = {"table": {"2": {"dp": 2, "zero": 3}}}
-        client.create(fsdp)
-        st = wait_for(client, "fsdp", lambda s: "zero=3" in (s["message"] or ""), "refusing zero=3", 60)
-        assert st["phase"] == "Pending" and not st["workers"], st
-        client.delete("fsdp")
+        fsdp["policy"] = {"table": {"2": {"dp": 2, "zero": 0}, "4": {"dp": 4, "zero": 3}}}
+        with pytest.raises(TenplexError, match="entry for 4 GPUs cannot run: .*zero=3"):
+            client.create(fsdp)
+        assert client.jobs() == []
 
         client.create(spec("base", tmp_path / "base", 2, 2, snapshot_every=STEPS))
         client.create(spec("hf", tmp_path / "hf", 2, 4))

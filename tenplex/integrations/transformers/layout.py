@@ -178,7 +178,11 @@ def transformers_ptc(model: TransformersModel, parallel: ParallelConfig, placeme
     )
 
 
-@layout_provider(TransformersModel)
+def _check(model: TransformersModel, parallel: ParallelConfig) -> None:
+    check_parallel(parallel)
+
+
+@layout_provider(TransformersModel, check=_check)
 def transformers_layout(model: TransformersModel, parallel: ParallelConfig, placement: Placement,
                         dataset: DatasetState | None, precision: str) -> PTC:
     """The ``transformers`` layout provider (``precision``: the dtype of the model the Trainer trains)."""
