@@ -7,7 +7,7 @@ sub-plans to the node daemons, launch) below 5 s beyond planning.
 
 Three processes besides this driver, as on a cluster:
 
-- ``--role daemons``: 128 real node daemons (``tenplex.node.NodeDaemon``, store and transforms) in one process,
+- ``--role daemons``: 128 real node daemons (``tenplex.node.daemon.NodeDaemon``, store and transforms) in one process,
   each with its own store directory, described in a hosts file;
 - ``--role agent``: the simulated workers (``tenplex.testing.simworkers``): every rank an asyncio task that speaks
   the worker protocol over HTTP (register, PTC fetch, the stop step, its snapshot written into its host's store,
@@ -65,7 +65,7 @@ tp8 x pp16 x dp8) with tiny tensors: ``--model gpt3-175b-shape``."""
 
 
 def role_daemons(args: argparse.Namespace) -> None:
-    from tenplex.node import NodeDaemon
+    from tenplex.node.daemon import NodeDaemon
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

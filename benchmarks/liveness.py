@@ -3,7 +3,7 @@
 Target on the 2-core VM: at most 25% of one core for the liveness of 16,384
 workers on 2,048 nodes (issue 27, item 4). Each node daemon relays its
 workers' heartbeats as one ``POST /v1/jobs/{job}/nodes/{node}/heartbeats``
-per interval (:mod:`tenplex.store.relay`), so the scheduler answers 2,048
+per interval (:mod:`tenplex.node.relay`), so the scheduler answers 2,048
 requests a second carrying 16,384 heartbeats, instead of 16,384 requests.
 
 Two processes besides this driver:

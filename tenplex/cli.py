@@ -18,7 +18,7 @@ from tenplex import __version__
 from tenplex.errors import InvalidInput, TenplexError
 
 # Modules with a ``register(subparsers)`` function, in the order shown by --help.
-COMMAND_MODULES: tuple[str, ...] = ("tenplex.ptc.cli", "tenplex.store.cli", "tenplex.transformer.cli", "tenplex.interop.cli", "tenplex.scheduler.cli", "tenplex.k8s.cli", "tenplex.core.cli", "tenplex.launcher", "tenplex.demo")
+COMMAND_MODULES: tuple[str, ...] = ("tenplex.ptc.cli", "tenplex.node.cli", "tenplex.transformer.cli", "tenplex.interop.cli", "tenplex.scheduler.cli", "tenplex.k8s.cli", "tenplex.core.cli", "tenplex.launcher", "tenplex.demo")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -26,7 +26,7 @@ from tenplex.core import auth
 from tenplex.core.auth import Issuer, KeySet
 from tenplex.core.tls import ENV_TLS_CA, ServerTLS
 from tenplex.errors import Forbidden, StoreUnavailable, TenplexError, Unauthorized
-from tenplex.node import NodeDaemon
+from tenplex.node.daemon import NodeDaemon
 from tenplex.ptc import ParallelConfig
 from tenplex.ptc.region import Region
 from tenplex.scheduler.api import create_app

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tenplex.node.store_routes import StoreServer
 from tenplex.ptc.region import Region
 from tenplex.serving import bind_socket
 from tenplex.sockets import (
@@ -22,7 +23,6 @@ from tenplex.sockets import (
 )
 from tenplex.store.client import StoreClient
 from tenplex.store.local import LocalStore
-from tenplex.store.server import StoreServer
 
 
 def _congestion(sock: socket.socket) -> bytes:

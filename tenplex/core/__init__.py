@@ -3,6 +3,7 @@
 - :mod:`~tenplex.core.version`: :class:`Version`, the name of one stored state of a job.
 - :mod:`~tenplex.core.units`: byte quantities for people (``human_bytes``, ``parse_bytes``).
 - :mod:`~tenplex.core.buffers`: page-aligned host buffers and byte views of arrays.
+- :mod:`~tenplex.core.parallel`: :class:`~tenplex.core.parallel.ParallelConfig`, a job's parallel degrees and rank order.
 - :mod:`~tenplex.core.protocol`: the worker <-> scheduler REST bodies and the ``TENPLEX_*``
   environment both sides read (imported as a module, it loads pydantic).
 

@@ -6,9 +6,9 @@ validates the bodies and documents them in its OpenAPI), and
 module is what keeps the two sides from drifting apart, and keeping that
 module on the ground floor (not in ``tenplex.scheduler``) is what lets the
 worker library speak it without importing the control plane. It stands on
-the data model's :class:`~tenplex.ptc.parallel.ParallelConfig` (an assignment's
-parallel configuration is checked against its world size), so in the layering
-it sits beside ``tenplex.ptc``, above the rest of ``tenplex.core``.
+the ground floor's :class:`~tenplex.core.parallel.ParallelConfig` (an
+assignment's parallel configuration is checked against its world size) and
+imports nothing above ``tenplex.core``.
 
 The life of a worker, as the protocol sees it::
 
@@ -52,9 +52,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from tenplex.core.parallel import ParallelConfig
 from tenplex.core.version import Version
 from tenplex.errors import InvalidConfig, InvalidInput
-from tenplex.ptc.parallel import ParallelConfig
 
 PROTOCOL_VERSION = 1
 """Bumped on any incompatible change of the bodies below."""

@@ -196,7 +196,7 @@ class LocalCluster:
 
     With ``scheduler_url`` the started daemons relay their workers' heartbeats
     to that scheduler every ``relay_interval`` seconds, one report per node
-    (:mod:`tenplex.store.relay`); a hosts file's daemons relay when they were
+    (:mod:`tenplex.node.relay`); a hosts file's daemons relay when they were
     started with it (their workers ask).
 
     ``memory_bytes`` gives each started host's daemon a memory tier of that

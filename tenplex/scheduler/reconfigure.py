@@ -15,7 +15,7 @@ workers are re-adopted, the stores say what is committed, the daemons'
 transforms are attached to again, never run twice.
 
 Not a byte of state passes through this module: it decides, plans and sends
-plans; the node daemons move the bytes (:mod:`tenplex.transformer.service`).
+plans; the node daemons move the bytes (:mod:`tenplex.node.transforms`).
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@
 - :class:`~tenplex.store.client.StoreClient`: the node's daemon over HTTP.
 - :class:`~tenplex.store.persistent.PersistentStore`: a job's persistent tier (``s3://`` or ``file://``, zarr v3
   through zarr's own storage backends; imports zarr and obstore).
-- :mod:`tenplex.store.server`: the daemon's routes (FastAPI on uvicorn); :mod:`tenplex.store.wire`: the
-  headers, limits and bodies client and server share.
+- :mod:`tenplex.store.wire`: the headers, limits and bodies of the store's HTTP API, shared by the client and
+  the node daemon that serves it (:mod:`tenplex.node.store_routes`).
 
 Importing this package loads neither zarr nor FastAPI: the worker library and the executor stand on it.
 """

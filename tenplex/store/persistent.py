@@ -7,7 +7,7 @@ an ``obstore`` :class:`~obstore.store.S3Store` (any S3-compatible store: the
 endpoint, region and credentials come from the options or the standard AWS
 environment variables), ``file:///path`` through :class:`zarr.storage.LocalStore`.
 It is what the node daemons upload committed versions into
-(:mod:`tenplex.transformer.uploads`) and what a transform reads the regions
+(:mod:`tenplex.node.uploads`) and what a transform reads the regions
 no survivor holds from (the plan's ``checkpoint`` source).
 
 Layout under the location, the node store's logical layout (job, version,

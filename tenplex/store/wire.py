@@ -8,7 +8,7 @@ Routes (``/v1``; all but ``/healthz`` behind ``Authorization: Bearer <token>`` w
     POST   /v1/jobs/{job}/versions/{version}/links       LinkRequest -> {"linked": shard}
 
 (and the JSON routes for jobs, versions, manifests, commit and delete, see
-:mod:`tenplex.store.server`). Bulk bytes are raw C-order element bytes; what
+:mod:`tenplex.node.store_routes`). Bulk bytes are raw C-order element bytes; what
 describes them travels in headers:
 
 - ``X-Tenplex-Dtype``: the tensor's dtype name (``bfloat16``, ``float32``, ...);

@@ -2,7 +2,7 @@
 
 Every store is a :class:`~tenplex.store.base.TensorStore`: the target is
 normally the node's own :class:`~tenplex.store.local.LocalStore` (the daemon
-runs its host's part, :mod:`tenplex.transformer.service`: local pieces and the
+runs its host's part, :mod:`tenplex.node.transforms`: local pieces and the
 new shards never cross a socket), the sources are the other daemons'
 clients; any store works in either role.
 

@@ -6,7 +6,7 @@ library (``urllib``): the messages are a few hundred bytes, and a training
 process should not need another HTTP stack for them.
 
 Heartbeats go through the worker's node daemon when it relays for this
-worker's scheduler (:mod:`tenplex.store.relay`: one report per node and
+worker's scheduler (:mod:`tenplex.node.relay`: one report per node and
 interval reaches the scheduler, not one per worker); the worker asks its
 daemon once, and heartbeats the scheduler itself when the daemon relays for
 none or another scheduler, or cannot be reached.

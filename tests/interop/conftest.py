@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from tenplex.node.store_routes import StoreServer
 from tenplex.ptc import (
     PTC,
     DatasetState,
@@ -23,7 +24,6 @@ from tenplex.ptc.dtypes import torch_dtype
 from tenplex.store import TensorStore
 from tenplex.store.client import StoreClient
 from tenplex.store.local import LocalStore
-from tenplex.store.server import StoreServer
 from tenplex.worker import trainer_state
 
 TOKEN = "dcp-token"

@@ -79,7 +79,7 @@ def test_rendezvous_ports_lie_below_the_ephemeral_range_and_are_not_handed_out_t
 def test_hosts_from_a_hosts_file_run_their_workers_through_their_launch_prefix(tmp_path: Path) -> None:
     """A described host: its workers start through its prefix, with its environment, and see its store root
     only where the file gives one; the scheduler neither stops its daemon nor invents a root."""
-    from tenplex.node import NodeDaemon
+    from tenplex.node.daemon import NodeDaemon
 
     with NodeDaemon(tmp_path / "remote-store") as daemon:
         cluster = LocalCluster.attach(tmp_path / "cluster", [

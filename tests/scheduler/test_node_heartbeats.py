@@ -20,12 +20,12 @@ import pytest
 
 from tenplex.core import protocol as P
 from tenplex.errors import Conflict, InvalidConfig, NotFound
+from tenplex.node.relay import HeartbeatRelay
 from tenplex.ptc import DatasetState, ParallelConfig, Placement
 from tenplex.scheduler.decide import Observations, detect_failure
 from tenplex.scheduler.layouts import LayoutSpec
 from tenplex.scheduler.server import LocalScheduler
 from tenplex.scheduler.state import JobSpec, JobStatus, Phase, StateDir, WorkerRecord
-from tenplex.store.relay import HeartbeatRelay
 from tenplex.testing.layouts import MLP, mlp_layout
 from tenplex.worker.control import ControlClient, Heartbeat
 from tests.scheduler.test_api import call

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from tenplex.node.store_routes import StoreServer
 from tenplex.store.client import StoreClient
 from tenplex.store.local import LocalStore
-from tenplex.store.server import StoreServer
 
 TOKEN = "s3cret-token"
 

@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tenplex.errors import ChecksumMismatch, InvalidInput, NotFound, RegionOutOfBounds
+from tenplex.node.store_routes import StoreServer, create_app
 from tenplex.ptc.dtypes import storage_dtype
 from tenplex.ptc.region import Region
 from tenplex.serving import bind_socket
@@ -23,7 +24,6 @@ from tenplex.store.base import RegionRead
 from tenplex.store.client import StoreClient
 from tenplex.store.local import LocalStore
 from tenplex.store.model import format_checksum
-from tenplex.store.server import StoreServer, create_app
 from tenplex.store.wire import MAX_BATCH_REGIONS
 
 from .test_local import random_array

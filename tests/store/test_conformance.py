@@ -43,7 +43,7 @@ from tenplex.errors import (
     RegionOutOfBounds,
     StateLost,
 )
-from tenplex.node import NodeDaemon
+from tenplex.node.daemon import NodeDaemon
 from tenplex.ptc.dtypes import DTYPES
 from tenplex.ptc.region import Region
 from tenplex.store import Manifest, RegionRead, StoreClient, TensorStore, open_store

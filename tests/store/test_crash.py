@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from tenplex.errors import NotFound
+from tenplex.node.store_routes import StoreServer
 from tenplex.ptc.region import Region
 from tenplex.store.local import LocalStore
-from tenplex.store.server import StoreServer
 
 WRITER = textwrap.dedent(
     """

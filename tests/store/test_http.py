@@ -23,11 +23,11 @@ from tenplex.errors import (
     StoreUnavailable,
     Unauthorized,
 )
+from tenplex.node.store_routes import StoreServer
 from tenplex.ptc.dtypes import DTYPES, storage_dtype
 from tenplex.ptc.region import Region
 from tenplex.store.client import ReadRequest, StoreClient
 from tenplex.store.local import LocalStore
-from tenplex.store.server import StoreServer
 
 from .conftest import TOKEN
 from .test_local import random_array

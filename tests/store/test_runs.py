@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 
 from tenplex.core.version import Version
 from tenplex.errors import ChecksumMismatch, InvalidInput, NotFound, StateLost
+from tenplex.node.store_routes import StoreServer
 from tenplex.ptc.region import Region
 from tenplex.store import client as client_module
 from tenplex.store import local as local_module
@@ -38,7 +39,6 @@ from tenplex.store.rawchunks import (
     map_runs,
     mapped_batches,
 )
-from tenplex.store.server import StoreServer
 
 from .conftest import square_chunks
 from .test_local import random_array
@@ -496,8 +496,8 @@ def test_without_the_sendfile_extension_bodies_are_sent_from_maps(tmp_path: Path
 
     import uvicorn
 
+    from tenplex.node.store_routes import create_app
     from tenplex.serving import bind_socket
-    from tenplex.store.server import create_app
 
     store = LocalStore(tmp_path, chunk_bytes=64 << 10)
     data = random_array((512, 1024), "float32", seed=22)

@@ -1,6 +1,6 @@
 """Emulated hosts for transformer tests: one real node daemon per host on 127.0.0.2..5.
 
-Each host is a :class:`~tenplex.node.NodeDaemon` (store and transforms,
+Each host is a :class:`~tenplex.node.daemon.NodeDaemon` (store and transforms,
 uvicorn in a thread) bound to its own loopback address on an ephemeral port,
 over a LocalStore in a temporary directory. Old states are cut from random
 full tensors and written into each host's store per the old PTC, then
@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tenplex.node import NodeDaemon
+from tenplex.node.daemon import NodeDaemon
 from tenplex.ptc import PTC
 from tenplex.ptc.dtypes import storage_dtype
 from tenplex.store.client import StoreClient

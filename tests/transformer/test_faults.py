@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from tenplex.errors import NotFound, StateLost, TransformFailed
+from tenplex.node.store_routes import StoreServer
 from tenplex.ptc import ParallelConfig
 from tenplex.store.client import StoreClient
 from tenplex.store.local import LocalStore
 from tenplex.store.names import region_key, tensor_dirname
-from tenplex.store.server import StoreServer
 from tenplex.transformer.execute import TransformMetrics, execute_host_plan
 from tenplex.transformer.plan import CHECKPOINT, make_plan
 

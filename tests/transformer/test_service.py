@@ -23,14 +23,14 @@ from pathlib import Path
 import pytest
 
 from tenplex.errors import Conflict, InvalidInput, NotFound, TransformCancelled, Unauthorized
-from tenplex.node import NodeDaemon
+from tenplex.node.daemon import NodeDaemon
+from tenplex.node.transforms import TransformSettings
 from tenplex.ptc import ParallelConfig
 from tenplex.store.client import StoreClient
 from tenplex.store.local import LocalStore
 from tenplex.transformer import part
 from tenplex.transformer.plan import make_plan
 from tenplex.transformer.remote import PlanRun, TransformRequest, TransformStatus, transforms_path
-from tenplex.transformer.service import TransformSettings
 
 from .conftest import check_new_state, populate, random_state
 from .test_transform_e2e import layout

@@ -23,12 +23,12 @@ import pytest
 
 from tenplex.core.version import Version
 from tenplex.errors import Conflict, InvalidInput, NotFound
-from tenplex.node import NodeDaemon
+from tenplex.node.daemon import NodeDaemon
+from tenplex.node.uploads import UploadSettings
 from tenplex.ptc.region import Region
 from tenplex.store.client import StoreClient
 from tenplex.store.local import LocalStore
 from tenplex.store.persistent import PersistentStore
-from tenplex.transformer.uploads import UploadSettings
 from tests.moto_s3 import MotoS3
 
 JOB = "up"

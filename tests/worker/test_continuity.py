@@ -25,10 +25,10 @@ import pytest
 from examples.gpt.layout import gpt_ptc
 from examples.gpt.model import GPTConfig
 from tenplex.core.version import Version
+from tenplex.node.store_routes import StoreServer
 from tenplex.ptc import PTC, DatasetState, ParallelConfig, Placement
 from tenplex.sockets import free_port
 from tenplex.store.client import StoreClient
-from tenplex.store.server import StoreServer
 from tenplex.transformer import make_plan
 from tenplex.transformer.execute import execute_host_plan
 from tests.ranks import rank_env, run_rank_processes

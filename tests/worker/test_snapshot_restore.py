@@ -18,11 +18,11 @@ from torch import nn
 
 from tenplex.core.version import Version
 from tenplex.errors import Conflict, InvalidConfig, NotFound, TenplexError
+from tenplex.node.store_routes import StoreServer
 from tenplex.ptc import PTC, Device, Region, TensorKind, build_tensor
 from tenplex.store import TensorStore
 from tenplex.store.client import StoreClient
 from tenplex.store.local import LocalStore
-from tenplex.store.server import StoreServer
 from tenplex.worker import trainer_state
 from tenplex.worker.restore import restore
 from tenplex.worker.snapshot import Snapshotter

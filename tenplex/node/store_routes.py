@@ -205,7 +205,7 @@ _WRITE_ROUTES = frozenset({
     ("POST", _VERSIONS + "/{version}/commit"), ("POST", RELAY_HEARTBEAT_PATH),
 })
 """Routes a job's ``worker`` credential may call for its own job (a snapshot: write, link, commit; a heartbeat the
-node daemon relays, :mod:`tenplex.store.relay`)."""
+node daemon relays, :mod:`tenplex.node.relay`)."""
 _ANY_ROUTES = frozenset({("GET", "/v1/jobs"), ("GET", RELAY_PATH)})
 """Routes any valid credential may call (the handler narrows the answer to the caller's job)."""
 
@@ -232,9 +232,9 @@ def create_app(
     Who reaches what (:mod:`tenplex.core.auth`, checked by one dependency before any handler runs): a job's
     ``worker`` credential reads and writes that job's versions, a ``reader`` grant reads them, ``/v1/jobs``
     lists only the caller's job, and everything else (``/metrics``, deletes, and every route in ``routers``)
-    is ``admin`` only. ``routers`` are more routes of the same daemon (the node daemon adds its transforms and
-    uploads, :mod:`tenplex.node`); ``registry`` is the Prometheus registry ``/metrics`` shows, shared with them
-    (a new one by default).
+    is ``admin`` only. ``routers`` are more routes of the same daemon (the node daemon adds its transforms,
+    uploads and relay, :mod:`tenplex.node.daemon`); ``registry`` is the Prometheus registry ``/metrics`` shows,
+    shared with them (a new one by default).
 
     ``single_pass_bytes`` and ``piece_bytes`` bound the server memory per request (see the module doc);
     bodies whose chunk-file runs average at least ``min_run_bytes`` are sent from the page cache, those

@@ -1,9 +1,9 @@
-"""The node daemon: one process per node that serves its tensor store and runs its transforms.
+"""The node daemon's process: its app assembled from the package's routes and services, and how it is served.
 
 It is what ``tenplex store serve`` starts (the chart's DaemonSet, the local
-backend's emulated hosts): the store's routes (:mod:`tenplex.store.server`),
-the transform routes (:mod:`tenplex.transformer.service`) and the routes of
-uploads to the persistent tier (:mod:`tenplex.transformer.uploads`) on one port,
+backend's emulated hosts): the store's routes (:mod:`tenplex.node.store_routes`),
+the transform routes (:mod:`tenplex.node.transforms`) and the routes of
+uploads to the persistent tier (:mod:`tenplex.node.uploads`) on one port,
 behind one credential check (the admin token and, with a key set, the
 scheduler's job-scoped credentials: :mod:`tenplex.core.auth`), optionally over
 TLS (:mod:`tenplex.core.tls`), with one Prometheus registry. During a
@@ -14,7 +14,7 @@ owns the tier: it records it in the store root (workers writing there
 directly use it too) and runs its one spiller (:mod:`tenplex.store.tiers`).
 Started for a scheduler (``--scheduler-url``), it relays its workers'
 heartbeats to it as one report per node and interval
-(:mod:`tenplex.store.relay`): liveness scales with nodes, not workers.
+(:mod:`tenplex.node.relay`): liveness scales with nodes, not workers.
 
 Serving: uvicorn with uvloop and httptools on a socket bound before it
 starts (``port=0`` gives a real port at once, written to ``port_file`` for a
@@ -44,6 +44,10 @@ from prometheus_client.registry import Collector
 from tenplex.core.auth import ENV_AUTH_KEYS, Authenticator
 from tenplex.core.tls import ENV_TLS_CERT, ENV_TLS_KEY, ServerTLS
 from tenplex.errors import InvalidInput
+from tenplex.node.relay import DEFAULT_INTERVAL_S, HeartbeatRelay, relay_router
+from tenplex.node.store_routes import MULTIPROC_ENV, create_app
+from tenplex.node.transforms import TransformService, TransformSettings, transform_router
+from tenplex.node.uploads import UploadService, UploadSettings, upload_router
 from tenplex.serving import (
     BackgroundServer,
     bind_socket,
@@ -53,11 +57,7 @@ from tenplex.serving import (
     write_port_file,
 )
 from tenplex.store.local import LocalStore
-from tenplex.store.relay import DEFAULT_INTERVAL_S, HeartbeatRelay, relay_router
-from tenplex.store.server import MULTIPROC_ENV, create_app
 from tenplex.store.wire import TOKEN_ENV
-from tenplex.transformer.service import TransformService, TransformSettings, transform_router
-from tenplex.transformer.uploads import UploadService, UploadSettings, upload_router
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ def create_node_app(store: LocalStore, *, token: str | None, transforms: Transfo
     ``token`` is the admin token; ``auth_keys`` (default ``$TENPLEX_AUTH_KEYS``) the key set whose signed
     credentials it accepts too. ``relay``: this node's workers' heartbeats go through it to its scheduler
     (None: the daemon relays none; its workers heartbeat their scheduler themselves). ``store_options`` go to
-    :func:`tenplex.store.server.create_app` (request size bounds).
+    :func:`tenplex.node.store_routes.create_app` (request size bounds).
     """
     auth = Authenticator.from_env(token, auth_keys)
     registry = CollectorRegistry(auto_describe=True)
@@ -121,7 +121,7 @@ def serve(
     """Run the node daemon until interrupted (blocking). ``port=0`` picks a free port.
 
     ``scheduler_url``: relay this node's workers' heartbeats to that scheduler, one batch per job every
-    ``relay_interval_s`` (:mod:`tenplex.store.relay`); None: relay none.
+    ``relay_interval_s`` (:mod:`tenplex.node.relay`); None: relay none.
 
     ``memory_root`` and ``memory_bytes``: the store's memory tier (a tmpfs
     directory and its budget); this daemon owns it (records it in the root,
@@ -199,7 +199,7 @@ def _serve_workers(sock: socket.socket, store: LocalStore, token: str | None, wo
     with several cores one process cannot keep several parallel transfers
     busy. Workers share the root safely (the store's structural changes take
     a file lock; a transform is run by the process that took its submission,
-    the others read its record, see :mod:`tenplex.transformer.tasks`);
+    the others read its record, see :mod:`tenplex.node.tasks`);
     their Prometheus metrics are summed through a shared multiprocess
     directory. Each process may run ``transforms.max_running`` transforms.
     """
@@ -221,7 +221,7 @@ def _serve_workers(sock: socket.socket, store: LocalStore, token: str | None, wo
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the spawned workers read their configuration from the environment
     try:
-        config = uvicorn_config("tenplex.node:app_from_env", log_level, factory=True, workers=workers, tls=tls)
+        config = uvicorn_config("tenplex.node.daemon:app_from_env", log_level, factory=True, workers=workers, tls=tls)
         with contextlib.suppress(KeyboardInterrupt):
             Multiprocess(config, sockets=[sock]).run()
     finally:

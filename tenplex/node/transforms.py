@@ -27,7 +27,7 @@ of starting another; one with a different sub-plan for the same version is a
 409. Its record is a JSON file on the node's disk,
 ``<root>/.transforms/<job>/<version>.json``, next to a lock file that the
 process running it holds, as for every recorded task of the daemon
-(:mod:`tenplex.transformer.tasks`): a record that says "running" while
+(:mod:`tenplex.node.tasks`): a record that says "running" while
 nobody holds the lock belongs to a daemon that died; it reads
 ``interrupted``, and a new submission starts it again from nothing (the
 executor drops the uncommitted leftover first). A cancelled transform
@@ -62,6 +62,7 @@ from tenplex.errors import (
     TenplexError,
     TransformCancelled,
 )
+from tenplex.node.tasks import RECORD_EVERY_S, RecordedTasks, TaskRun, add_task_routes
 from tenplex.store import open_store
 from tenplex.store.base import TensorStore
 from tenplex.store.client import StoreClient
@@ -84,7 +85,6 @@ from tenplex.transformer.remote import (
     TransformRequest,
     TransformStatus,
 )
-from tenplex.transformer.tasks import RECORD_EVERY_S, RecordedTasks, TaskRun, add_task_routes
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ class TransformService(RecordedTasks[TransformRequest, TransformStatus, _Run]):
     """The transforms of one node's store: started, followed, cancelled and recorded here.
 
     Thread-safe; one per daemon process (processes sharing a root coordinate
-    through the record and lock files, see :mod:`tenplex.transformer.tasks`).
+    through the record and lock files, see :mod:`tenplex.node.tasks`).
     """
 
     KIND = "transform"

@@ -28,7 +28,7 @@ different request for an upload that failed, was cancelled or interrupted
 starts anew, one for a running or uploaded one is a 409. Records are JSON
 files under ``<root>/.uploads/<job>/`` with a lock file held by the process
 running the upload, as for every recorded task of the daemon
-(:mod:`tenplex.transformer.tasks`): a record that says running while
+(:mod:`tenplex.node.tasks`): a record that says running while
 nobody holds its lock belongs to a daemon that died and reads
 ``interrupted``. A cancelled upload leaves what it wrote uncommitted.
 States::
@@ -53,19 +53,22 @@ record nor logged.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from anyio import to_thread
 from fastapi import APIRouter, Request
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from tenplex.core.version import Version
 from tenplex.errors import (
     Conflict,
     InvalidInput,
@@ -73,26 +76,210 @@ from tenplex.errors import (
     StoreUnavailable,
     TenplexError,
 )
+from tenplex.node.tasks import RecordedTasks, TaskRun, add_task_routes, json_body
 from tenplex.ptc.dtypes import storage_dtype
+from tenplex.ptc.region import Region
 from tenplex.store.local import LocalStore
 from tenplex.store.locations import check_options, check_uri, public_options
-from tenplex.store.model import ShardInfo
-from tenplex.store.names import check_job, check_version
+from tenplex.store.model import ShardInfo, parse_checksum
+from tenplex.store.names import check_job, check_tensor, check_version
 from tenplex.store.persistent import DEFAULT_CHUNK_BYTES, PersistentStore, SmallShard
-from tenplex.transformer.remote import (
-    CANCELLED,
-    FAILED,
-    INTERRUPTED,
-    QUEUED,
-    RUNNING,
-    UPLOADED,
-    CommitRequest,
-    UploadRequest,
-    UploadStatus,
-)
-from tenplex.transformer.tasks import RecordedTasks, TaskRun, add_task_routes, json_body
+from tenplex.transformer.remote import CANCELLED, FAILED, INTERRUPTED, QUEUED, RUNNING, TaskProgress
 
 log = logging.getLogger(__name__)
+
+# -- the upload routes' bodies and records ---------------------------------------------------------------------
+
+UPLOADED = "uploaded"
+UPLOAD_FINAL_STATES = frozenset({UPLOADED, FAILED, CANCELLED, INTERRUPTED})
+
+
+def parse_region_text(text: str) -> Region:
+    """A region as ``a:b,c:d`` with every bound given (``''`` for a 0-d tensor): what upload requests carry."""
+    if not isinstance(text, str):
+        raise InvalidInput(f"a region is a string like '0:64,0:128', got {text!r}")
+    if text.strip() == "":
+        return Region(())
+    bounds = []
+    for part in text.split(","):
+        a, sep, b = part.partition(":")
+        try:
+            if not sep:
+                raise ValueError
+            bounds.append((int(a), int(b)))
+        except ValueError:
+            raise InvalidInput(f"region {text!r}: each dimension must be start:stop with both bounds given") from None
+    return Region(tuple(bounds))
+
+
+@dataclass(frozen=True)
+class UploadRequest:
+    """``POST /v1/jobs/{job}/uploads``: upload these shards of a committed version on the node to ``uri``.
+
+    The control plane sends each node the regions it uploads (each region once, spread over the nodes that
+    hold it); the daemon reads them from its own store and writes them to the persistent tier in the
+    background. ``options`` are the persistent location's connection options (never recorded in full:
+    credentials are dropped from records and answers).
+    """
+
+    version: Version
+    uri: str
+    shards: tuple[tuple[str, Region], ...]
+    options: Mapping[str, Any] | None = None
+
+    @property
+    def digest(self) -> str:
+        """Identifies the upload: a resubmission with the same digest attaches to it."""
+        text = json.dumps([str(self.version), self.uri, sorted([t, r.format()] for t, r in self.shards)],
+                          separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"version": str(self.version), "uri": self.uri,
+                               "shards": [[t, r.format()] for t, r in self.shards]}
+        if self.options is not None:
+            out["options"] = dict(self.options)
+        return out
+
+    @classmethod
+    def from_json(cls, obj: Any) -> UploadRequest:
+        if not isinstance(obj, dict):
+            raise InvalidInput(f"an upload request is a JSON object, got {type(obj).__name__}")
+        unknown = sorted(set(obj) - {"version", "uri", "shards", "options"})
+        if unknown:
+            raise InvalidInput(f"unknown fields in the upload request: {', '.join(unknown)}")
+        for key in ("version", "uri", "shards"):
+            if key not in obj:
+                raise InvalidInput(f"the upload request needs {key!r}")
+        shards = obj["shards"]
+        if not isinstance(shards, list) or not shards:
+            raise InvalidInput("'shards' must be a non-empty list of [tensor, region] pairs, e.g. [\"w\", \"0:64,0:128\"]")
+        pairs = []
+        for item in shards:
+            if not isinstance(item, list) or len(item) != 2 or not isinstance(item[0], str):
+                raise InvalidInput(f"shard {item!r} is not a [tensor, region] pair")
+            pairs.append((check_tensor(item[0]), parse_region_text(item[1])))
+        if len(set(pairs)) != len(pairs):
+            raise InvalidInput("'shards' names a shard twice")
+        options = obj.get("options")
+        return cls(version=check_version(str(obj["version"])), uri=check_uri(obj["uri"]), shards=tuple(pairs),
+                   options=check_options(options) if options is not None else None)
+
+
+@dataclass(frozen=True)
+class UploadStatus(TaskProgress):
+    """The record of one upload on one node, as stored and as answered (never with credentials)."""
+
+    job: str
+    version: str
+    uri: str
+    digest: str
+    state: str
+    shards_total: int
+    bytes_total: int
+    shards_done: int = 0
+    bytes_done: int = 0
+    attempts: int = 0
+    """Attempts started; more than 1 means errors were retried."""
+    submitted_at: float = 0.0
+    started_at: float | None = None
+    finished_at: float | None = None
+    last_error: str | None = None
+    """The latest error (of the last attempt that failed), also while a retry is pending."""
+    error_code: str | None = None
+    next_attempt_at: float | None = None
+    """When the next attempt starts, while one is pending after an error."""
+    options: Mapping[str, Any] | None = None
+    """The public connection options (no credentials)."""
+    stages: Mapping[str, float] | None = None
+    """Seconds spent per stage, summed over the upload's threads and attempts: ``check`` (what the destination
+    already holds), ``read`` (the node's copy), ``write`` (chunk objects and metadata to the destination)."""
+
+    final_states: ClassVar[frozenset[str]] = UPLOAD_FINAL_STATES
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "job": self.job, "version": self.version, "uri": self.uri, "digest": self.digest, "state": self.state,
+            "shards_total": self.shards_total, "shards_done": self.shards_done, "bytes_total": self.bytes_total,
+            "bytes_done": self.bytes_done, "attempts": self.attempts, "submitted_at": self.submitted_at,
+            "started_at": self.started_at, "finished_at": self.finished_at, "seconds": round(self.seconds, 6),
+            "rate_bytes_per_s": round(self.rate, 1), "last_error": self.last_error, "error_code": self.error_code,
+            "error": self.last_error if self.state in (FAILED, CANCELLED, INTERRUPTED) else None,
+            "next_attempt_at": self.next_attempt_at,
+            "options": dict(self.options) if self.options is not None else None,
+            "stages": {k: round(v, 6) for k, v in self.stages.items()} if self.stages is not None else None,
+        }
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> UploadStatus:
+        try:
+            return cls(
+                job=str(obj["job"]), version=str(obj["version"]), uri=str(obj["uri"]), digest=str(obj["digest"]),
+                state=str(obj["state"]), shards_total=int(obj["shards_total"]), bytes_total=int(obj["bytes_total"]),
+                shards_done=int(obj.get("shards_done", 0)), bytes_done=int(obj.get("bytes_done", 0)),
+                attempts=int(obj.get("attempts", 0)), submitted_at=float(obj.get("submitted_at", 0.0)),
+                started_at=obj.get("started_at"), finished_at=obj.get("finished_at"), last_error=obj.get("last_error"),
+                error_code=obj.get("error_code"), next_attempt_at=obj.get("next_attempt_at"), options=obj.get("options"),
+                stages={str(k): float(v) for k, v in obj["stages"].items()} if obj.get("stages") else None,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidInput(f"malformed upload record: {type(exc).__name__}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class CommitRequest:
+    """``POST /v1/jobs/{job}/uploads/{version}/commit``: ``{"uri": ..., "shards": [[tensor, region], ...]}``.
+
+    Check that the persistent version holds every expected shard intact (each one present, every chunk there,
+    its data matching the crc32c recorded with it when it was uploaded; a third element per shard, when given,
+    is the checksum the node stores recorded, which must match too) and write its commit marker, last.
+    """
+
+    uri: str
+    shards: tuple[tuple[str, Region, str | None], ...]
+    options: Mapping[str, Any] | None = None
+    ptc: Mapping[str, Any] | None = None
+    """The PTC JSON of the version (its dataset position at the version's step): kept with the version so that
+    a job resumed from it plans its layout from it."""
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"uri": self.uri, "shards": [[t, r.format(), c] if c is not None else [t, r.format()]
+                                                           for t, r, c in self.shards]}
+        if self.options is not None:
+            out["options"] = dict(self.options)
+        if self.ptc is not None:
+            out["ptc"] = dict(self.ptc)
+        return out
+
+    @classmethod
+    def from_json(cls, obj: Any) -> CommitRequest:
+        if not isinstance(obj, dict):
+            raise InvalidInput(f"a commit request is a JSON object, got {type(obj).__name__}")
+        unknown = sorted(set(obj) - {"uri", "shards", "options", "ptc"})
+        if unknown:
+            raise InvalidInput(f"unknown fields in the commit request: {', '.join(unknown)}")
+        ptc = obj.get("ptc")
+        if ptc is not None and not isinstance(ptc, dict):
+            raise InvalidInput(f"'ptc' must be the PTC's JSON object, got {type(ptc).__name__}")
+        if "uri" not in obj:
+            raise InvalidInput("the commit request needs 'uri'")
+        shards = obj.get("shards")
+        if not isinstance(shards, list) or not shards:
+            raise InvalidInput("'shards' must be a non-empty list of [tensor, region] or [tensor, region, checksum]")
+        items = []
+        for item in shards:
+            if (not isinstance(item, list) or len(item) not in (2, 3) or not isinstance(item[0], str)
+                    or (len(item) == 3 and not isinstance(item[2], str))):
+                raise InvalidInput(f"expected shard {item!r} is not [tensor, region] or [tensor, region, checksum]")
+            if len(item) == 3:
+                parse_checksum(item[2])
+            items.append((check_tensor(item[0]), parse_region_text(item[1]), item[2] if len(item) == 3 else None))
+        if len({(t, r) for t, r, _ in items}) != len(items):
+            raise InvalidInput("'shards' names a shard twice")
+        options = obj.get("options")
+        return cls(uri=check_uri(obj["uri"]), shards=tuple(items),
+                   options=check_options(options) if options is not None else None, ptc=ptc)
+
 
 RECORDS_DIR = ".uploads"
 """Under the store root; a dot name, which no job may have."""

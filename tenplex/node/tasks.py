@@ -1,8 +1,8 @@
 """A node daemon's background tasks, recorded on its disk: what transforms and uploads share.
 
 A store daemon runs two kinds of long task in the background: a host's part
-of a reconfiguration (:mod:`tenplex.transformer.service`) and uploads of a
-committed version to the persistent tier (:mod:`tenplex.transformer.uploads`).
+of a reconfiguration (:mod:`tenplex.node.transforms`) and uploads of a
+committed version to the persistent tier (:mod:`tenplex.node.uploads`).
 Each is identified by (job, version), and both are run, recorded, followed
 and cancelled in the same way, by :class:`RecordedTasks`; the services say
 what differs (what a task does, what makes two requests the same, which
@@ -77,7 +77,7 @@ RECORD_TTL_S = 7 * 86400.0
 
 class TaskStatus(Protocol):
     """What the service needs of a record (:class:`~tenplex.transformer.remote.TransformStatus`,
-    :class:`~tenplex.transformer.remote.UploadStatus`)."""
+    :class:`~tenplex.node.uploads.UploadStatus`)."""
 
     @property
     def job(self) -> str: ...
