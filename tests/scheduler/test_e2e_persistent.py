@@ -16,7 +16,6 @@ import os
 import re
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,6 @@ from tenplex.core.version import Version
 from tenplex.scheduler.cli import SchedulerClient
 from tenplex.scheduler.server import LocalScheduler
 from tenplex.store.persistent import PersistentStore
-from tests.moto_s3 import MotoS3
 
 from .test_e2e_local import job, wait_for
 
@@ -36,7 +34,6 @@ INTERVAL = 4
 SNAPSHOT_EVERY = 2
 KILL_AFTER = 14
 """The host is lost once the job's newest complete version is at least this step (the issue's scenario)."""
-BUCKET = "tenplex-e2e"
 STEPS = 150
 """Long enough that the kill lands while the job trains: the persisted version it waits for can come late
 (the daemons upload in the background, slowly on a loaded 2-core machine); with 60 steps the job once finished
@@ -49,18 +46,6 @@ def dp1_job(name: str, uri: str, steps: int) -> dict:
     spec["policy"] = {"table": {"2": {"dp": 1, "tp": 1, "pp": 2}}}  # one replica, a stage per host: a lost host's regions are gone
     spec["checkpoint"] = {"uri": uri, "interval_steps": INTERVAL, "keep_last": 2}
     return spec
-
-
-@pytest.fixture
-def moto(monkeypatch: pytest.MonkeyPatch) -> Iterator[MotoS3]:
-    server = MotoS3().start()
-    server.create_bucket(BUCKET)
-    for k, v in server.env.items():  # the daemons (children of this process) inherit it: the chart's Secret
-        monkeypatch.setenv(k, v)
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def _kill_host(sched: LocalScheduler, status: dict, host: str) -> None:
@@ -81,15 +66,11 @@ def _reached(status: dict) -> int:
     return max([status["step"]] + [w["step"] for w in status["workers"] if w.get("step") is not None])
 
 
-@pytest.mark.parametrize("backend", ["file", "s3"])
-def test_a_dp1_job_that_loses_a_host_continues_from_the_persistent_tier(tmp_path: Path, backend: str,
-                                                                       request: pytest.FixtureRequest) -> None:
-    options = None
-    if backend == "s3":
-        options = request.getfixturevalue("moto").options
-        uri = f"s3://{BUCKET}/jobs"
-    else:
-        uri = (tmp_path / "persistent").as_uri()
+# file:// here; the resume scenario (test_e2e_resume.py) runs on S3 (moto). The persistent store's conformance
+# suite (tests/store/test_persistent.py) runs every operation on both backends, so an end-to-end run per backend
+# would differ only in what the store already proved.
+def test_a_dp1_job_that_loses_a_host_continues_from_the_persistent_tier(tmp_path: Path) -> None:
+    uri = (tmp_path / "persistent").as_uri()
     with LocalScheduler(tmp_path / "sched", hosts=3, gpus_per_host=1, heartbeat_interval=0.3) as sched:
         client = SchedulerClient(sched.url, timeout=300)  # a loaded 2-core machine once took 30 s to create the job
         client.create(dp1_job("solo", uri, steps=STEPS))
@@ -159,7 +140,7 @@ def test_a_dp1_job_that_loses_a_host_continues_from_the_persistent_tier(tmp_path
     # host-2's part came from the persistent tier, over the network.
     assert failure["bytes_remote"] > 0, failure
     # The persistent location holds committed versions only, at most keep_last of them.
-    with PersistentStore(uri, options=options) as p:
+    with PersistentStore(uri) as p:
         committed = [v for v in p.versions("solo") if v.committed]
         assert 1 <= len(committed) <= 2, committed
 

@@ -2,7 +2,7 @@
 
 Real processes throughout, as in :mod:`tests.scheduler.test_e2e_persistent`: the scheduler's REST API, one
 store daemon per emulated host, the reference GPT job as gloo workers. Job ``orig`` (dp=2) persists versions
-to a ``file://`` location (or a moto S3 bucket) and is deleted; job ``copy`` (dp=1, another name) is created
+to an S3 bucket (moto) and is deleted; job ``copy`` (dp=1, another name) is created
 from one of those versions: it starts at that version's step and data position, its state comes from the
 persistent tier only (read under ``orig``'s prefix by the daemons; the workers verify every checksum), equal
 to what was saved, and it trains on to the end. Bad ``resume_from`` inputs fail the job (or are refused) with
@@ -100,15 +100,11 @@ def _assert_equal_to_saved(sched: LocalScheduler, job: str, version: str, uri: s
     return compared
 
 
-@pytest.mark.parametrize("backend", ["file", "s3"])
-def test_a_copy_of_a_job_resumes_from_its_persistent_version_in_another_layout(
-        tmp_path: Path, backend: str, request: pytest.FixtureRequest) -> None:
-    options = None
-    if backend == "s3":
-        options = request.getfixturevalue("moto").options
-        uri = f"s3://{BUCKET}/jobs"
-    else:
-        uri = (tmp_path / "persistent").as_uri()
+# On S3 (moto) here; losing a host (test_e2e_persistent.py) runs on file://. The persistent store's conformance
+# suite (tests/store/test_persistent.py) runs every operation on both backends.
+def test_a_copy_of_a_job_resumes_from_its_persistent_version_in_another_layout(tmp_path: Path, moto: MotoS3) -> None:
+    options = moto.options
+    uri = f"s3://{BUCKET}/jobs"
     with LocalScheduler(tmp_path / "sched", hosts=2, gpus_per_host=1, heartbeat_interval=0.3) as sched:
         client = SchedulerClient(sched.url)
         orig = job("orig", gpus=2, steps=200)
