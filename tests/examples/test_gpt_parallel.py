@@ -93,7 +93,9 @@ def reference() -> dict:
     return {"full": full, "losses": losses}
 
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+# One xdist worker runs the module: the gloo run behind ``gloo_results`` (every configuration, one launch of 4
+# ranks, 40-50 s on 2 cores) is a module fixture, which each worker that got some of its tests would run again.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420), pytest.mark.xdist_group("gpt-parallel")]
 
 
 @pytest.mark.parametrize("key", list(CONFIGS))
