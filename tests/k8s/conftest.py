@@ -1,6 +1,6 @@
 """Fixtures for the Kubernetes tests: a real control plane (etcd, kube-apiserver, kube-controller-manager,
-kube-scheduler v1.37.2 from ``make k8s-testbed``) on 127.0.0.1, one per pytest worker, reset after each test,
-and the official clients bound to it.
+kube-scheduler v1.37.2 from ``make k8s-testbed``) on 127.0.0.1, one per test session (the tests that use it
+run on one xdist worker), reset after each test, and the official clients bound to it.
 
 Without the binaries: where Go is missing (they cannot be built) the tests that need the cluster skip and say
 so; where Go is there they fail, naming ``make k8s-testbed``.
@@ -29,6 +29,15 @@ class Clients:
     custom: client.CustomObjectsApi
     coordination: client.CoordinationV1Api
     api_client: client.ApiClient
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test on the control plane runs on one xdist worker: one cluster for the session instead of one per
+    worker (its start-up, and its idle loops, which take a few percent of a core for the whole run)."""
+    for item in items:
+        if "control_plane" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.xdist_group("k8s-control-plane"))
 
 
 @pytest.fixture(scope="session")
