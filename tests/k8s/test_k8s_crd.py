@@ -17,7 +17,14 @@ from kubernetes.client import ApiException
 from tenplex.cli import main
 from tenplex.errors import InvalidInput
 from tenplex.k8s import crd
-from tenplex.scheduler.jobspec import IMMUTABLE, RULES, EnvVar, ResumeBody, TableEntry, immutable_changes
+from tenplex.scheduler.jobspec import (
+    IMMUTABLE,
+    RULES,
+    EnvVar,
+    ResumeBody,
+    TableEntry,
+    immutable_changes,
+)
 from tenplex.testing.k8s import cel
 from tenplex.testing.k8s.cluster import TestCluster
 
