@@ -194,20 +194,21 @@ class JobController:
         same layout (see :func:`~tenplex.scheduler.decide.decide_running`). The new spec is persisted with the
         record before this returns, so a restarted scheduler carries the change on. Returns the record's
         ``spec_update`` (None: nothing changed)."""
-        old = self.spec
-        if new.name != old.name:
-            raise InvalidConfig(f"the spec names job {new.name!r}, not {old.name!r}")
-        broken = immutable_changes(old, new)
-        if broken:
-            raise InvalidConfig("; ".join(i.message for i in broken))
-        redeploy, in_place = spec_changes(old, new)
-        if not redeploy and not in_place:
-            return None
-        if new.standby:
-            if not self.backend.supports_standby:
-                raise InvalidConfig(f"the {self.backend.name} backend keeps no standbys; the job cannot have standby")
-            PythonCommand.parse(new.command)  # one a standby cannot become is refused now, with the reason
-        with self.lock:
+        with self.lock:  # one change at a time: each is compared with the spec the one before left
+            old = self.spec
+            if new.name != old.name:
+                raise InvalidConfig(f"the spec names job {new.name!r}, not {old.name!r}")
+            broken = immutable_changes(old, new)
+            if broken:
+                raise InvalidConfig("; ".join(i.message for i in broken))
+            redeploy, in_place = spec_changes(old, new)
+            if not redeploy and not in_place:
+                return None
+            if new.standby:
+                if not self.backend.supports_standby:
+                    raise InvalidConfig(f"the {self.backend.name} backend keeps no standbys; the job cannot have "
+                                        "standby")
+                PythonCommand.parse(new.command)  # one a standby cannot become is refused now, with the reason
             st = self.status
             if st.phase in (Phase.FAILED, Phase.SUCCEEDED):
                 raise Conflict(f"job {old.name!r} is {st.phase.value}: its spec cannot change")
