@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import json
 import logging
 import math
@@ -96,6 +97,7 @@ from tenplex.k8s.informer import Informer
 from tenplex.k8s.settings import KubernetesSettings
 from tenplex.k8s.standbys import PodLink, StandbyLinks
 from tenplex.scheduler.backend import TRANSIENT_API_STATUS, Backend, HostInfo, WorkerLaunch
+from tenplex.scheduler.jobspec import ElasticJobSpec
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +119,9 @@ ANNOTATION_STANDBY_PORT = "tenplex.io/standby-port"
 LABEL_STANDBY = "tenplex.io/standby"
 """``"true"`` on a standby pod (a worker pod that outlives its generation, see the module docstring)."""
 STANDBY_PORT_NAME = "standby"
+ANNOTATION_TEMPLATE = "tenplex.io/template"
+"""On a worker pod: a digest of what its spec put into it (image, command, environment, resources, tolerations):
+a standby pod of another digest was made for an older spec and starts no workers of the current one."""
 LAUNCHER_COMMAND = ("tenplex", "worker", "launch", "--")
 """What a multi-rank pod runs before the job's command (the image's ``tenplex`` entry point)."""
 RANK_ENV = (ENV_RANK, ENV_LOCAL_RANK, ENV_WORKER_ID)
@@ -555,7 +560,7 @@ class KubernetesBackend(Backend):
         if spec.image_pull_policy:
             container["imagePullPolicy"] = spec.image_pull_policy
         generation = str(w.env.get(ENV_GENERATION, "0"))
-        annotations = {}
+        annotations = {ANNOTATION_TEMPLATE: template_digest(spec, command)}
         labels = {**crd.job_labels(job), LABEL_GENERATION: generation, LABEL_RANK: str(w.rank)}
         if len(workers) > 1 or standby_port is not None:  # a standby pod keeps its name while its workers change
             annotations[ANNOTATION_WORKERS] = ",".join(x.worker_id for x in workers)
@@ -644,7 +649,7 @@ class KubernetesBackend(Backend):
         informer = self._informer_for(namespace)
         spec = crd.parse_spec(job_obj)
         groups = pod_groups(workers, spec.gpus_per_pod)
-        reuse = self._standbys_for(job, groups) if spec.standby else {}
+        reuse = self._standbys_for(job, groups, template_digest(spec, command)) if spec.standby else {}
         fresh = [g for i, g in enumerate(groups) if i not in reuse]
         for w in workers:  # the rendezvous port is not a standby's too (master_port reserved it, unless given)
             if w.rank == 0 and str(w.env.get("MASTER_PORT", "")).isdigit():
@@ -655,14 +660,17 @@ class KubernetesBackend(Backend):
         with self._lock:
             self._job_namespace[job] = namespace
         self._remove_finished(job, {str(w.env.get(ENV_GENERATION, "0")) for w in workers})
-        if spec.standby:
-            kept = {p["metadata"]["uid"] for p in reuse.values()}
-            unused = [p for p in self._standby_pods(job) if p["metadata"]["uid"] not in kept]
+        # Standby pods not taken (also all of them when the job's spec no longer asks for standby, and those of
+        # an older spec) go.
+        kept = {p["metadata"]["uid"] for p in reuse.values()}
+        unused = [p for p in self._standby_pods(job) if p["metadata"]["uid"] not in kept]
+        if unused:
             # Their GPUs may be what the fresh pods on their node need: those are waited for; the others end
             # in the background (waiting for them would stand training still for nothing: ~1 s a pod).
             busy = {g[0].host for g in fresh}
             self._delete_pods(job, [p for p in unused if p["spec"]["nodeName"] not in busy], grace=LAUNCH_DELETE_GRACE)
             self._delete_and_wait(job, [p for p in unused if p["spec"]["nodeName"] in busy], grace=LAUNCH_DELETE_GRACE)
+        if spec.standby:
             for i, pod in reuse.items():
                 try:
                     self._give(job, pod, groups[i])
@@ -711,11 +719,15 @@ class KubernetesBackend(Backend):
         return [p for p in self.job_pods(job) if _labels(p).get(LABEL_STANDBY) == "true"
                 and not p["metadata"].get("deletionTimestamp") and _phase(p) not in ("Succeeded", "Failed")]
 
-    def _standbys_for(self, job: str, groups: Sequence[tuple[WorkerLaunch, ...]]) -> dict[int, dict[str, Any]]:
+    def _standbys_for(self, job: str, groups: Sequence[tuple[WorkerLaunch, ...]],
+                      template: str) -> dict[int, dict[str, Any]]:
         """Which group of workers each idle standby pod of the job takes: one on the group's node with as many
-        GPUs as it has ranks, whose standby answers and runs nothing."""
+        GPUs as it has ranks, made from the job's current spec (``template``, see :func:`template_digest`), whose
+        standby answers and runs nothing."""
         idle: dict[str, list[dict[str, Any]]] = {}
         for pod in self._standby_pods(job):
+            if (pod["metadata"].get("annotations") or {}).get(ANNOTATION_TEMPLATE) != template:
+                continue
             if _phase(pod) == "Running" and self.standbys.idle(pod["metadata"]["uid"]):
                 idle.setdefault(pod["spec"]["nodeName"], []).append(pod)
         chosen: dict[int, dict[str, Any]] = {}
@@ -935,6 +947,10 @@ class KubernetesBackend(Backend):
     def standby_ready(self, job: str) -> int:
         return sum(1 for p in self._standby_pods(job) if self.standbys.ready(p["metadata"]["uid"]))
 
+    def forget_standbys(self, job: str) -> None:
+        """Nothing now: the job's standby pods run its current workers; a launch takes only those made from the
+        current spec (their ``tenplex.io/template`` annotation) and deletes the others."""
+
     def release(self, job: str) -> None:
         """Delete the job's standby pods (it ended or was suspended: no next generation to keep them for)."""
         self._delete_pods(job, self._standby_pods(job), grace=LAUNCH_DELETE_GRACE)
@@ -948,6 +964,14 @@ class KubernetesBackend(Backend):
             if h.name == name:
                 return h
         raise NotFound(f"node {name!r} has no allocatable {self._gpu} or is not known to the Kubernetes backend")
+
+
+def template_digest(spec: ElasticJobSpec, command: Sequence[str]) -> str:
+    """A digest of what a job's spec puts into each of its worker pods (image, command, environment, resources,
+    tolerations): equal for pods of one spec, different after a change of any of them."""
+    parts = {"image": spec.image, "command": list(command), "env": [e.model_dump(by_alias=True) for e in spec.env],
+             "pod": spec.pod_settings()}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
 
 
 def _pod_token(pod: Mapping[str, Any]) -> str | None:

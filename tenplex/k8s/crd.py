@@ -122,7 +122,7 @@ def _status_schema() -> dict[str, Any]:
     reconfiguration = {
         "type": "object",
         "properties": {
-            "reason": _str("scale, suspend, resume, failure, node-drain or redeploy"),
+            "reason": _str("scale, suspend, resume, failure, node-drain, redeploy or spec"),
             "from": _SIDE,
             "to": _SIDE,
             "downtimeSeconds": {"type": "number", "minimum": 0},

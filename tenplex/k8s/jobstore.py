@@ -59,6 +59,7 @@ from tenplex.k8s import crd
 from tenplex.k8s.informer import Handler, Informer
 from tenplex.k8s.settings import KubernetesSettings
 from tenplex.ptc import PTC
+from tenplex.scheduler.jobspec import CRD_FIELD_NAMES
 from tenplex.scheduler.state import JobSpec, JobStatus, JobStore, Phase, check_job_name
 
 log = logging.getLogger(__name__)
@@ -226,6 +227,11 @@ class KubeJobStore(JobStore):
         with self._lock:
             self._extra_conditions.setdefault(name, {})[condition.type] = condition
 
+    def clear_condition(self, name: str, condition_type: str) -> None:
+        """Stop overriding ``condition_type`` (:meth:`set_condition`): the status shows it as derived again."""
+        with self._lock:
+            self._extra_conditions.get(name, {}).pop(condition_type, None)
+
     def has_job(self, name: str) -> bool:
         return self.jobs.find(name) is not None
 
@@ -346,6 +352,9 @@ class KubeJobStore(JobStore):
         with self._lock:
             extra = list(self._extra_conditions.get(name, {}).values())
             observed = self._observed.get(name)
+        update = status.spec_update
+        if update is not None:
+            conditions = crd.set_condition(conditions, spec_condition(update, observed))
         for cond in extra:
             conditions = crd.set_condition(conditions, cond)
         last = next((h for h in reversed(status.history) if h.finished_at is not None), None)
@@ -499,6 +508,25 @@ class KubeJobStore(JobStore):
             self._observed.pop(name, None)
             self._extra_conditions.pop(name, None)
             self._seen.pop(name, None)
+
+
+SPEC_CONDITION = "SpecUpdated"
+"""The ElasticJob condition about the last change of a live job's spec (see :func:`spec_condition`)."""
+
+
+def spec_condition(update: Mapping[str, Any], observed: int | None = None) -> Condition:
+    """What ``SpecUpdated`` says of a spec change (the record's ``spec_update``): False/RedeployPending until a
+    generation runs the new spec, then True/Redeployed, or True/Applied when nothing needed a redeploy (the
+    operator says False/Refused of a change it did not take)."""
+    fields = ", ".join(CRD_FIELD_NAMES.get(f, f) for f in update.get("fields", ()))
+    if update.get("pending"):
+        return Condition(SPEC_CONDITION, "False", reason="RedeployPending", observed_generation=observed,
+                         message=f"changed {fields}: the workers are redeployed with it at the next step boundary")
+    if update.get("redeploy"):
+        return Condition(SPEC_CONDITION, "True", reason="Redeployed", observed_generation=observed,
+                         message=f"changed {fields}: redeployed, generation {update.get('generation')} runs it")
+    return Condition(SPEC_CONDITION, "True", reason="Applied", observed_generation=observed,
+                     message=f"changed {fields}: applied without a redeploy")
 
 
 _PHASE_EVENTS = {

@@ -12,7 +12,12 @@ the API server (:mod:`tenplex.k8s.jobstore`). Its :class:`ElasticJobOperator`
 * once leading, resumes every job from the API server (status ConfigMaps),
   then watches ElasticJobs: a new one is created as a job, a change of
   ``spec.gpus`` (``kubectl scale elasticjob/NAME --replicas=N`` goes through the
-  scale subresource) becomes a scale request, a deleted one is deleted.
+  scale subresource) becomes a scale request, any other change of the spec
+  (``kubectl apply``) replaces the job's spec: what only the scheduler reads
+  at once, what the workers start with by a redeploy at the next step boundary
+  (with the scale, if one came along, as one reconfiguration); the API server
+  refuses a change of what the state is (the CRD's transition rules), and the
+  scheduler what they cannot see. A deleted one is deleted.
   ``metadata.generation`` against the ``status.observedGeneration`` it
   recorded makes the handling idempotent: replays, relists after 410 Gone and
   restarts do not repeat a scale request;
@@ -48,9 +53,10 @@ from tenplex.errors import InvalidConfig, NotFound, NotLeader, StoreUnavailable,
 from tenplex.k8s import crd
 from tenplex.k8s.apiclient import CONNECT_TIMEOUT_S, timeouts_of, with_timeouts
 from tenplex.k8s.backend import STOP_MARGIN_SECONDS, ClusterEvent, KubernetesBackend
-from tenplex.k8s.jobstore import ElasticJobIndex, KubeJobStore
+from tenplex.k8s.jobstore import SPEC_CONDITION, ElasticJobIndex, KubeJobStore
 from tenplex.k8s.settings import ENV_ADVERTISE_URL, KubernetesSettings
 from tenplex.scheduler.controller import JobController, SchedulerSettings
+from tenplex.scheduler.jobspec import MAX_GPUS
 from tenplex.scheduler.service import Scheduler, SchedulerOptions
 from tenplex.scheduler.state import JobSpec, Phase
 
@@ -141,6 +147,10 @@ class KubernetesScheduler(Scheduler):
             raise InvalidConfig(f"job {spec.name!r}: on Kubernetes a job is an ElasticJob; submit one with kubectl "
                                 "apply (the scheduler's REST API cannot create it)")
         return super().create(spec)
+
+    def update(self, name: str, spec: JobSpec) -> JobController:
+        raise InvalidConfig(f"job {name!r}: on Kubernetes a job's spec is its ElasticJob's; change it with kubectl "
+                            "apply (the scheduler's REST API cannot)")
 
     def close(self) -> None:
         self.operator.stop()
@@ -387,17 +397,24 @@ class ElasticJobOperator:
             self._follow_spec(ctl, obj, generation)
 
     def _follow_spec(self, ctl: JobController, obj: Mapping[str, Any], generation: int) -> None:
+        """A new generation of a live job's ElasticJob: its changed spec (:meth:`JobController.request_spec`:
+        applied in place, or redeployed at the next step boundary; a change of an immutable part is refused with
+        condition ``SpecUpdated`` False, reason Refused) and its GPU count (a scale) in one reconfiguration."""
         name = ctl.spec.name
         desired = int(obj["spec"]["gpus"])
-        with ctl.lock:
-            st = ctl.status
-            if st.requested_gpus is not None:
-                current = st.requested_gpus
-            elif st.phase == Phase.RECONFIGURING and st.target_gpus is not None:
-                current = st.target_gpus
-            else:
-                current = st.gpus  # 0 when suspended
         store = self.scheduler.jobstore
+        try:
+            update = ctl.request_spec(self._live_job_spec(ctl, obj))
+            store.clear_condition(name, SPEC_CONDITION)
+            if update is not None:
+                log.info("job %s: spec of ElasticJob generation %d taken (%s)", name, generation,
+                         ", ".join(update["fields"]))
+        except TenplexError as exc:
+            log.warning("job %s: spec change of generation %d refused: %s", name, generation, exc.detail)
+            store.set_condition(name, crd.Condition(SPEC_CONDITION, "False", reason="Refused",
+                                                    message=f"the spec of generation {generation} is not applied: "
+                                                            f"{exc.detail}"[:1000], observed_generation=generation))
+        current = ctl.desired_gpus()  # 0 when suspended
         try:
             if desired != current:
                 ctl.request_scale(desired)
@@ -412,6 +429,16 @@ class ElasticJobOperator:
         store.set_observed_generation(name, generation)
         with ctl.lock:
             store.save(ctl.spec, ctl.status)
+
+    @staticmethod
+    def _live_job_spec(ctl: JobController, obj: Mapping[str, Any]) -> JobSpec:
+        """The scheduler's JobSpec for a live job's ElasticJob (validated against the CRD schema first); a
+        suspended one (``gpus: 0``, which no JobSpec holds) keeps the GPU count of the record."""
+        spec = crd.parse_spec(obj)
+        if spec.gpus == 0:
+            low, high = spec.min_gpus or 1, spec.max_gpus or MAX_GPUS
+            spec = spec.model_copy(update={"gpus": ctl.spec.gpus if low <= ctl.spec.gpus <= high else low})
+        return spec.to_job_spec(obj["metadata"]["name"])
 
     def _ensure_budget(self, obj: Mapping[str, Any]) -> None:
         """A PodDisruptionBudget that lets no worker pod be evicted (``kubectl drain``, autoscaler scale-down).

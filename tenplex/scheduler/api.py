@@ -47,8 +47,10 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
-_ADMIN_JOB_ROUTES = frozenset({("DELETE", "/v1/jobs/{job}"), ("POST", "/v1/jobs/{job}/scale")})
-"""Routes of one job that its own credential does not reach: deleting it, changing its GPUs (the cluster's)."""
+_ADMIN_JOB_ROUTES = frozenset({("DELETE", "/v1/jobs/{job}"), ("POST", "/v1/jobs/{job}/scale"),
+                               ("PUT", "/v1/jobs/{job}")})
+"""Routes of one job that its own credential does not reach: deleting it, changing its GPUs (the cluster's) or
+its spec."""
 
 
 class _Body(BaseModel):
@@ -163,6 +165,18 @@ def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
         if view is None:
             view = _view.last(ctl) or await run_in_threadpool(_view, ctl)
         return Response(json.dumps(view, separators=(",", ":"), allow_nan=False), media_type="application/json")
+
+    @app.put("/v1/jobs/{job}", status_code=202, tags=["jobs"], summary="Change a live job's spec",
+             dependencies=[Auth], description=(
+                 "The job's whole spec, as created: what the workers start with (command, env, image, steps, "
+                 "snapshot_every, standby) is applied by a redeploy at the next step boundary (same layout, state "
+                 "kept); what only the scheduler reads (min/max GPUs, heartbeat timeout, max_restarts, the "
+                 "checkpoint's cadence) at once; a different gpus is a scale. A change of what the state is "
+                 "(layout, dataset, policy, gpus_per_pod, resume_from, checkpoint uri) is refused (400)."))
+    def replace_job(job: P.JobName, body: JobCreate) -> dict[str, Any]:
+        if body.name != job:
+            raise InvalidInput(f"the body names job {body.name!r}, the path {job!r}")
+        return _view(scheduler.update(job, body.to_job_spec()))
 
     @app.delete("/v1/jobs/{job}", tags=["jobs"], summary="Stop a job's workers and forget it", dependencies=[Auth])
     def delete_job(job: P.JobName) -> dict[str, Any]:

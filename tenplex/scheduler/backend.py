@@ -116,6 +116,12 @@ class Backend(ABC):
         """How many standbys of ``job`` have their imports done."""
         return 0
 
+    def forget_standbys(self, job: str) -> None:
+        """The job's spec changed: its standbys (made with the old command and environment) must start no more
+        workers; the running workers are left alone. By default the same as :meth:`release`; a backend whose
+        standbys run the current workers themselves tells stale ones apart at its next launch instead."""
+        self.release(job)
+
     def set_schedulable(self, host: str, schedulable: bool) -> None:
         """Cordon (False) or uncordon (True) ``host`` for the scheduler's own API.
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import urllib3
 
+from tenplex.core.commands import PythonCommand
 from tenplex.core.protocol import (
     Assignment,
     ErrorBody,
@@ -48,6 +49,7 @@ from tenplex.ptc import PTC, ParallelConfig, Placement
 from tenplex.scheduler.backend import TRANSIENT_API_STATUS, Backend
 from tenplex.scheduler.context import JobContext, SchedulerSettings
 from tenplex.scheduler.decide import Observations, decide_running, decide_stopping
+from tenplex.scheduler.jobspec import immutable_changes, spec_changes
 from tenplex.scheduler.launcher import WorkerLauncher
 from tenplex.scheduler.persist import Housekeeper
 from tenplex.scheduler.reconfigure import STOP_MARGIN_STEPS, Orchestrator
@@ -170,6 +172,62 @@ class JobController:
                 st.pending_reason = "scale"
             self.ctx.save()
         self._wake.set()
+
+    def desired_gpus(self) -> int:
+        """The GPU count the job is heading for: the newest request, else the change in progress's, else now's
+        (0 when suspended)."""
+        with self.lock:
+            st = self.status
+            if st.requested_gpus is not None:
+                return st.requested_gpus
+            if st.phase == Phase.RECONFIGURING and st.target_gpus is not None:
+                return st.target_gpus
+            return st.gpus
+
+    def request_spec(self, new: JobSpec) -> dict[str, Any] | None:
+        """Replace the live job's spec with ``new`` (its ``gpus`` aside: a scale is :meth:`request_scale`'s).
+
+        An immutable part changed (:data:`~tenplex.scheduler.jobspec.IMMUTABLE`) is refused with its message,
+        and nothing changes. Fields only the scheduler reads apply at once; fields the workers are started
+        with (command, image, env, pod settings, steps, snapshot cadence, standby) make the job redeploy: the
+        workers stop at a step boundary, snapshot, and the next generation starts with the new spec in the
+        same layout (see :func:`~tenplex.scheduler.decide.decide_running`). The new spec is persisted with the
+        record before this returns, so a restarted scheduler carries the change on. Returns the record's
+        ``spec_update`` (None: nothing changed)."""
+        with self.lock:  # one change at a time: each is compared with the spec the one before left
+            old = self.spec
+            if new.name != old.name:
+                raise InvalidConfig(f"the spec names job {new.name!r}, not {old.name!r}")
+            broken = immutable_changes(old, new)
+            if broken:
+                raise InvalidConfig("; ".join(i.message for i in broken))
+            redeploy, in_place = spec_changes(old, new)
+            if not redeploy and not in_place:
+                return None
+            if new.standby:
+                if not self.backend.supports_standby:
+                    raise InvalidConfig(f"the {self.backend.name} backend keeps no standbys; the job cannot have "
+                                        "standby")
+                PythonCommand.parse(new.command)  # one a standby cannot become is refused now, with the reason
+            st = self.status
+            if st.phase in (Phase.FAILED, Phase.SUCCEEDED):
+                raise Conflict(f"job {old.name!r} is {st.phase.value}: its spec cannot change")
+            prev = st.spec_update if st.redeploy_pending else None
+            fields = list(dict.fromkeys([*(prev["fields"] if prev else ()), *redeploy, *in_place]))
+            pending = bool(redeploy) or prev is not None
+            st.spec_update = {"fields": fields, "redeploy": pending, "pending": pending, "requested_at": time.time(),
+                              "generation": None}
+            self.ctx.spec = new
+            if redeploy:
+                # Standbys were made with the old command and environment: none may start a generation of the
+                # new spec (they are made again once the redeployed generation trains).
+                self.backend.forget_standbys(old.name)
+            self.ctx.save()
+            update = dict(st.spec_update)
+        log.info("job %s: spec changed (%s)%s", old.name, ", ".join(fields),
+                 "; the workers are redeployed with it at the next step boundary" if pending else "; applied in place")
+        self._wake.set()
+        return update
 
     def request_redeploy(self, reason: str) -> None:
         """Move the workers off unschedulable hosts (cordon/drain), same GPU count."""

@@ -121,19 +121,28 @@ def decide_running(spec: JobSpec, status: JobStatus, obs: Observations, *, start
     )
     unschedulable = obs.unschedulable()
     pending: str | None = status.pending_reason
+    respec = status.redeploy_pending
     changed, dropped = False, None
     if pending is None and unschedulable.intersection(status.hosts):
         pending, changed = "redeploy", True
-    elif pending not in (None, "scale") and not unschedulable.intersection(status.hosts):
-        # A cordon seen while the job was still on that host, applied after the move off it (or undone
-        # since): moving again would only cost a restart.
-        dropped = f"{pending} request dropped: none of {status.hosts} is unschedulable now"
+    elif pending is None and respec:
+        # The workers run an older spec than the job's (a kubectl apply, a PUT): redeploy them with it.
+        pending, changed = "spec", True
+    elif pending == "spec" and not respec:
+        # A generation was launched with the new spec since (a failure's recovery, a scale in between).
+        dropped = "spec request dropped: the workers already run the job's spec"
         pending, changed = None, True
+    elif pending not in (None, "scale", "spec") and not unschedulable.intersection(status.hosts):
+        # A cordon seen while the job was still on that host, applied after the move off it (or undone
+        # since): moving again would only cost a restart. Not a spec change: that one is about the workers.
+        dropped = f"{pending} request dropped: none of {status.hosts} is unschedulable now"
+        pending, changed = ("spec" if respec else None), True
     begin = clear = False
     if pending == "scale" and status.requested_gpus == status.gpus and (
             status.requested_parallel is None or _same_config(status.requested_parallel, status.parallel)):
-        pending, changed, clear = None, True, True  # already there
-    elif pending is not None and not any(w.step is None for w in status.workers):
+        # Already there; a spec change that came with it still needs its redeploy.
+        pending, changed, clear = ("spec" if respec else None), True, True
+    if pending is not None and not any(w.step is None for w in status.workers):
         begin = True
     return RunningOutcome(training_resumed=resumed, pending=pending if changed else _KEEP, dropped=dropped,
                           clear_request=clear, begin_planned=begin)

@@ -47,7 +47,14 @@ from tenplex.errors import InvalidConfig
 from tenplex.ptc import DatasetState, ParallelConfig
 from tenplex.scheduler.layouts import LayoutSpec
 from tenplex.scheduler.policy import Policy
-from tenplex.scheduler.state import LATEST, CheckpointSpec, JobSpec, ResumeSpec, policy_from_json
+from tenplex.scheduler.state import (
+    LATEST,
+    CheckpointSpec,
+    JobSpec,
+    ResumeSpec,
+    policy_from_json,
+    policy_to_json,
+)
 
 CRD: dict[str, bool] = {"crd": True}
 """The validation context that reads an object in the CRD's camelCase shape."""
@@ -271,8 +278,86 @@ RULES: dict[str, tuple[Rule, ...]] = {
 }
 
 
+
+@dataclass(frozen=True, slots=True)
+class Immutable:
+    """A part of a live job's spec that cannot change: the CRD's transition rule (CEL with ``oldSelf``, which the
+    API server evaluates on every update of an ElasticJob) and the same test on the scheduler's
+    :class:`~tenplex.scheduler.state.JobSpec` (``of`` of the old and of the new spec must be equal), which
+    refuses the change with the same message where no transition rule stands in between: the REST API's
+    ``PUT``, and a cluster whose CRD predates the rules (``helm upgrade`` never upgrades a chart's CRDs)."""
+
+    field: str
+    """The part, as the ElasticJob names it."""
+    cel: str
+    """The transition rule on ``spec``."""
+    message: str
+    of: Callable[[JobSpec], Any]
+
+
+IMMUTABLE: tuple[Immutable, ...] = (
+    Immutable("spec.layout", "self.layout == oldSelf.layout",
+              "spec.layout is immutable: the job's state is laid out for this model and precision (for another, "
+              "create a new ElasticJob with resumeFrom a persistent checkpoint of this one)",
+              lambda s: s.layout.to_json()),
+    Immutable("spec.training.dataset",
+              "!has(oldSelf.training) || (has(self.training) && self.training.dataset == oldSelf.training.dataset)",
+              "spec.training.dataset is immutable (and spec.training cannot be removed): the sample order and data "
+              "position of the job's state follow from it", lambda s: s.dataset.to_json()),
+    Immutable("spec.policy",
+              "has(self.policy) == has(oldSelf.policy) && (!has(self.policy) || self.policy == oldSelf.policy)",
+              "spec.policy is immutable: the job's stored layouts were chosen by it (ZeRO stage, parallel "
+              "configurations)", lambda s: policy_to_json(s.policy)),
+    Immutable("spec.gpusPerPod", "self.gpusPerPod == oldSelf.gpusPerPod",
+              "spec.gpusPerPod is immutable: the job's placement is in whole pods of this many GPUs",
+              lambda s: s.gpus_per_pod),
+    Immutable("spec.resumeFrom",
+              "has(self.resumeFrom) == has(oldSelf.resumeFrom) && (!has(self.resumeFrom) || "
+              "self.resumeFrom == oldSelf.resumeFrom)",
+              "spec.resumeFrom is immutable: it is where the job's state came from",
+              lambda s: s.resume_from.to_json() if s.resume_from is not None else None),
+    Immutable("spec.checkpoint.uri",
+              "has(self.checkpoint) == has(oldSelf.checkpoint) && (!has(self.checkpoint) || "
+              "self.checkpoint.uri == oldSelf.checkpoint.uri)",
+              "spec.checkpoint.uri is immutable, and a checkpoint cannot be added to or removed from a job: its "
+              "persistent versions are there (intervalSteps and keepLast may change)",
+              lambda s: s.checkpoint.uri if s.checkpoint is not None else None),
+)
+"""What a ``kubectl apply`` (or the REST API's ``PUT``) may not change on a live job: what its state is (model,
+data order, layouts, where it is persisted or came from). Everything else may change: see :func:`spec_changes`."""
+
+REDEPLOY_FIELDS = ("command", "image", "env", "pod", "steps", "snapshot_every", "standby")
+"""JobSpec fields the workers are started with: a change of one is applied by a planned redeploy (stop at a step
+boundary, snapshot, the next generation launched with the new spec in the same layout)."""
+IN_PLACE_FIELDS = ("min_gpus", "max_gpus", "heartbeat_timeout", "max_restarts", "checkpoint")
+"""JobSpec fields only the scheduler reads: a change of one takes effect at once, the workers keep running."""
+CRD_FIELD_NAMES = {
+    "command": "command/args", "image": "image", "env": "env",
+    "pod": "imagePullPolicy/resources/tolerations/env valueFrom", "steps": "training.steps",
+    "snapshot_every": "training.snapshotEvery", "standby": "standby", "min_gpus": "minGpus", "max_gpus": "maxGpus",
+    "heartbeat_timeout": "training.heartbeatTimeoutSeconds", "max_restarts": "training.maxRestarts",
+    "checkpoint": "checkpoint.intervalSteps/keepLast",
+}
+"""How the ElasticJob names the JobSpec fields above (what its ``SpecUpdated`` condition says changed)."""
+
+
+def immutable_changes(old: JobSpec, new: JobSpec) -> list[Immutable]:
+    """The immutable parts ``new`` changes (empty: the change may be applied)."""
+    return [i for i in IMMUTABLE if i.of(old) != i.of(new)]
+
+
+def spec_changes(old: JobSpec, new: JobSpec) -> tuple[list[str], list[str]]:
+    """The changed fields of a live job's spec besides ``gpus`` (a scale) and the immutable parts: (those that
+    need a redeploy, those applied in place), JobSpec names."""
+    a, b = old.to_json(), new.to_json()
+    return ([f for f in REDEPLOY_FIELDS if a[f] != b[f]], [f for f in IN_PLACE_FIELDS if a[f] != b[f]])
+
+
 def _rules(location: str) -> dict[str, Any]:
-    return {"x-kubernetes-validations": [{"rule": r.cel, "message": r.message} for r in RULES[location]]}
+    rules = [{"rule": r.cel, "message": r.message} for r in RULES[location]]
+    if location == "spec":
+        rules += [{"rule": i.cel, "message": i.message} for i in IMMUTABLE]
+    return {"x-kubernetes-validations": rules}
 
 
 _ZERO = "ZeRO stage: 0 replicated optimizer, 1/2 optimizer state sharded across dp, 3 parameters too."
@@ -404,7 +489,20 @@ class ElasticJobSpec(_Model):
             env={e.name: e.value or "" for e in self.env if e.value_from is None},
             checkpoint=self.checkpoint.to_spec(t.snapshot_every) if self.checkpoint is not None else None,
             resume_from=self.resume_from.to_spec() if self.resume_from is not None else None,
+            pod=self.pod_settings(),
         )
+
+    def pod_settings(self) -> dict[str, Any]:
+        """What else the worker pods get from this spec besides image, command and plain env values (the
+        JobSpec's ``pod``; only what is set)."""
+        out: dict[str, Any] = {
+            "imagePullPolicy": self.image_pull_policy,
+            "resources": self.resources.model_dump(by_alias=True, exclude_none=True) or None,
+            "tolerations": [dict(t) for t in self.tolerations] or None,
+            "envValueFrom": [e.model_dump(by_alias=True, exclude_none=True) for e in self.env if e.value_from is not None]
+            or None,
+        }
+        return {k: v for k, v in out.items() if v is not None}
 
 
 # --------------------------------------------------------------------------- the CRD's schema

@@ -95,6 +95,9 @@ class WorkerLauncher:
             launches.append(WorkerLaunch(wid, rank, host, local_rank, env))
         st.workers = workers
         st.generation = generation
+        if st.redeploy_pending:
+            assert st.spec_update is not None
+            st.spec_update = {**st.spec_update, "pending": False, "generation": generation}
         ctx.save()  # the workers exist in the record before any of them can register
         log_dir = ctx.state.root / "logs" / spec.name / f"g{generation}"
         pids = ctx.backend.launch(spec.name, spec.command, launches, log_dir)

@@ -1,6 +1,6 @@
 """The reconfiguration orchestration: from a decision to change to the new workers training.
 
-Planned (a scale request, a redeploy off cordoned hosts)::
+Planned (a scale request, a redeploy off cordoned hosts, a redeploy with a changed spec)::
 
     Running -> stopping (workers stop after step N) -> snapshot (step N committed everywhere)
             -> planning (new configuration, placement, PTC, plan) -> transferring (the target nodes'
@@ -289,7 +289,8 @@ class Orchestrator:
         st.stop_at_step = newest + STOP_MARGIN_STEPS
         st.target_gpus = st.requested_gpus if st.requested_gpus is not None else st.gpus
         st.target_parallel = st.requested_parallel
-        reason = "suspend" if st.target_gpus == 0 else st.pending_reason or "scale"
+        # A changed spec is what this change is for when it brings one (a scale in the same apply comes along).
+        reason = "suspend" if st.target_gpus == 0 else "spec" if st.redeploy_pending else st.pending_reason or "scale"
         st.pending_reason = st.requested_gpus = st.requested_parallel = None
         st.history.append(Reconfiguration(reason=reason, started_at=time.time(), from_config=ctx.config_text(),
                                           from_gpus=st.gpus, from_hosts=list(st.hosts)))

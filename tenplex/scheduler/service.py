@@ -165,6 +165,15 @@ class Scheduler:
         ctl.start()
         return ctl
 
+    def update(self, name: str, spec: JobSpec) -> JobController:
+        """Replace a live job's spec (:meth:`JobController.request_spec`); its ``gpus``, when it is not what the
+        job is heading for, is a scale request (with the redeploy, one reconfiguration)."""
+        ctl = self.get(name)
+        ctl.request_spec(spec)
+        if spec.gpus != ctl.desired_gpus():
+            ctl.request_scale(spec.gpus)
+        return ctl
+
     def get(self, name: str) -> JobController:
         with self._lock:
             ctl = self._jobs.get(name)

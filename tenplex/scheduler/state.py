@@ -171,7 +171,9 @@ class ResumeSpec:
 
 @dataclass(frozen=True)
 class JobSpec:
-    """What the user asked for; never changes after creation except ``gpus``."""
+    """What the user asked for. A live job's spec may be replaced by a changed one (``kubectl apply``, the REST
+    API's ``PUT``) within the bounds of :data:`~tenplex.scheduler.jobspec.IMMUTABLE`; it is kept in the job's
+    record, so a restarted scheduler goes on with the newest."""
 
     name: str
     layout: LayoutSpec
@@ -199,6 +201,10 @@ class JobSpec:
     """Keep a warm standby on every usable host (:mod:`tenplex.standby`): one process with the job's code
     imported that forks a reconfiguration's new workers, so they start without the interpreter's and the
     imports' seconds. It holds a few hundred MB of host memory with torch, no GPU."""
+    pod: Mapping[str, Any] = field(default_factory=dict)
+    """Kubernetes only: what else the ElasticJob puts into its worker pods (``imagePullPolicy``, ``resources``,
+    ``tolerations``, ``env`` entries ``valueFrom`` a source), as it gives them. The backend makes the pods from
+    the ElasticJob itself; the record keeps them so that a changed spec is seen and redeployed."""
 
     def __post_init__(self) -> None:
         check_job_name(self.name)
@@ -250,6 +256,7 @@ class JobSpec:
             "image": self.image,
             "env": dict(self.env),
             "standby": self.standby,
+            "pod": dict(self.pod),
             "checkpoint": self.checkpoint.to_json() if self.checkpoint is not None else None,
             "resume_from": self.resume_from.to_json() if self.resume_from is not None else None,
         }
@@ -273,6 +280,7 @@ class JobSpec:
             image=obj.get("image"),
             env=dict(obj.get("env", {})),
             standby=bool(obj.get("standby", False)),
+            pod=dict(obj.get("pod") or {}),
             checkpoint=CheckpointSpec.from_json(obj.get("checkpoint")),
             resume_from=ResumeSpec.from_json(obj.get("resume_from")),
         )
@@ -484,11 +492,21 @@ class JobStatus:
     attempts, error, bytes uploaded, times (``started_at``/``finished_at``) and the job's steps then
     (``started_step``/``finished_step``); ``queued``: the due version waiting for it; ``skipped``: due versions
     not persisted, each with the reason (:class:`~tenplex.scheduler.persist.Housekeeper`)."""
+    spec_update: dict[str, Any] | None = None
+    """The last change of the live job's spec: ``fields`` (JobSpec names: those that need a redeploy, then
+    those applied in place), ``redeploy`` (whether the workers must be started again for it), ``pending``
+    (True until a generation is launched with the new spec), ``requested_at`` and, once launched,
+    ``generation`` (the first generation that runs it). Changes made before the redeploy began add up."""
     standby_ready: int = 0
     """Warm standbys (the spec's ``standby``) whose imports are done, ready for the next change."""
     standby_wanted: int = 0
     last_plan: dict[str, Any] | None = None
     updated_at: float = field(default_factory=time.time)
+
+    @property
+    def redeploy_pending(self) -> bool:
+        """Whether the workers run an older spec than the job's (a changed spec awaits its redeploy)."""
+        return bool(self.spec_update and self.spec_update.get("pending"))
 
     @property
     def parallel_config(self) -> ParallelConfig | None:
@@ -544,6 +562,7 @@ class JobStatus:
             "persisted": list(self.persisted),
             "persist": dict(self.persist) if self.persist is not None else None,
             "resumed_from": dict(self.resumed_from) if self.resumed_from is not None else None,
+            "spec_update": _copy_update(self.spec_update),
             "standby_ready": self.standby_ready,
             "standby_wanted": self.standby_wanted,
             **({"last_plan": self.last_plan} if plan else {}),
@@ -566,6 +585,10 @@ class JobStatus:
         if isinstance(data.get("last_plan"), Mapping):
             data["last_plan"] = _map_plan_hosts(data["last_plan"], unpack_names)
         return cls(**data)
+
+
+def _copy_update(update: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    return None if update is None else {**update, "fields": list(update.get("fields", ()))}
 
 
 _NUMBERED = re.compile(r"^(.*?)(0|[1-9][0-9]*)$")

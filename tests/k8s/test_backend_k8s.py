@@ -16,12 +16,14 @@ from tenplex.k8s import crd
 from tenplex.k8s.backend import (
     ANNOTATION_MASTER_PORT,
     ANNOTATION_STANDBY_PORT,
+    ANNOTATION_TEMPLATE,
     ANNOTATION_WORKERS,
     LABEL_RANKS,
     LABEL_STANDBY,
     ClusterEvent,
     KubernetesBackend,
     pod_groups,
+    template_digest,
 )
 from tenplex.k8s.settings import KubernetesSettings
 from tenplex.launcher import ENV_POD_RANKS, parse_pod_ranks
@@ -150,8 +152,8 @@ def test_a_standby_pod_runs_the_standby_on_a_port_no_other_pod_of_its_node_takes
 
 def test_worker_pods_are_pinned_owned_and_get_the_worker_environment(api: TestCluster,
                                                                      backend: KubernetesBackend, tmp_path: Path) -> None:
-    ids = backend.launch("gpt", ["python", "-m", "examples.gpt.train", "--steps", "5"],
-                         launches("gpt", 0, ["gpu-a", "gpu-b"]), tmp_path)
+    ids_command = ["python", "-m", "examples.gpt.train", "--steps", "5"]
+    ids = backend.launch("gpt", ids_command, launches("gpt", 0, ["gpu-a", "gpu-b"]), tmp_path)
     assert ids == {"gpt-g0-r0": None, "gpt-g0-r1": None}
     pods = worker_pods(api, "gpt")
     assert [p["metadata"]["name"] for p in pods] == ["gpt-g0-r0", "gpt-g0-r1"]
@@ -161,8 +163,12 @@ def test_worker_pods_are_pinned_owned_and_get_the_worker_environment(api: TestCl
     assert r0["spec"]["hostNetwork"] is True and r0["spec"]["restartPolicy"] == "Never"
     assert r0["metadata"]["ownerReferences"] == [crd.owner_reference(job)]
     assert r0["metadata"]["labels"] == {**crd.job_labels("gpt"), "tenplex.io/generation": "0", "tenplex.io/rank": "0"}
-    assert r0["metadata"]["annotations"] == {ANNOTATION_MASTER_PORT: "29500"}
-    assert ANNOTATION_MASTER_PORT not in (r1["metadata"].get("annotations") or {})
+    # The pods of one spec carry one digest of it (a standby pod of another was made for an older spec).
+    digest = template_digest(crd.parse_spec(job), ids_command)
+    assert r0["metadata"]["annotations"] == {ANNOTATION_MASTER_PORT: "29500", ANNOTATION_TEMPLATE: digest}
+    assert r1["metadata"]["annotations"] == {ANNOTATION_TEMPLATE: digest}
+    changed = crd.parse_spec({**job, "spec": {**job["spec"], "env": [{"name": "X", "value": "1"}]}})
+    assert template_digest(changed, ids_command) != digest
     (container,) = r0["spec"]["containers"]
     assert container["image"] == "tenplex:test"
     assert container["command"] == ["python", "-m", "examples.gpt.train", "--steps", "5"]
@@ -299,8 +305,9 @@ def test_multi_gpu_pods_run_their_nodes_ranks_under_the_launcher(api: TestCluste
     assert first["metadata"]["labels"] == {**crd.job_labels("mp"), "tenplex.io/generation": "0", "tenplex.io/rank": "0",
                                            LABEL_RANKS: "0-1"}
     assert second["metadata"]["labels"][LABEL_RANKS] == "2-3"
+    digest = first["metadata"]["annotations"].pop(ANNOTATION_TEMPLATE)
     assert first["metadata"]["annotations"] == {ANNOTATION_MASTER_PORT: "29501", ANNOTATION_WORKERS: "mp-g0-r0,mp-g0-r1"}
-    assert second["metadata"]["annotations"] == {ANNOTATION_WORKERS: "mp-g0-r2,mp-g0-r3"}
+    assert second["metadata"]["annotations"] == {ANNOTATION_WORKERS: "mp-g0-r2,mp-g0-r3", ANNOTATION_TEMPLATE: digest}
     for pod in pods:
         (container,) = pod["spec"]["containers"]
         assert container["command"] == ["tenplex", "worker", "launch", "--", "python", "-m", "examples.gpt.train"]

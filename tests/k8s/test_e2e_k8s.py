@@ -32,6 +32,7 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -39,13 +40,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from kubernetes import client
 
+from tenplex.core.version import Version
 from tenplex.errors import NotFound
 from tenplex.k8s import crd
 from tenplex.k8s.backend import (
     ANNOTATION_MASTER_PORT,
     ANNOTATION_STANDBY_PORT,
+    ANNOTATION_TEMPLATE,
     ANNOTATION_WORKERS,
     LABEL_GENERATION,
     LABEL_RANKS,
@@ -71,6 +75,7 @@ from .cluster import (
     scheduler_client,
     store_daemonset,
     store_pod,
+    tool,
     worker_pods,
 )
 
@@ -281,7 +286,8 @@ def test_reference_job_scaled_through_the_scale_subresource_and_recovered_after_
     envs = [{e["name"]: e.get("value") for e in p["spec"]["containers"][0]["env"]} for p in pods]
     assert {e["MASTER_ADDR"] for e in envs} == {NODES["node-0"]} and envs[0]["MASTER_PORT"] == envs[1]["MASTER_PORT"]
     assert pods[0]["spec"]["hostNetwork"] and pods[0]["metadata"]["annotations"] == {
-        ANNOTATION_MASTER_PORT: envs[0]["MASTER_PORT"]}
+        ANNOTATION_MASTER_PORT: envs[0]["MASTER_PORT"], ANNOTATION_TEMPLATE: pods[1]["metadata"]["annotations"][
+            ANNOTATION_TEMPLATE]}
     # The custom resource's status is written after the controller's own record: wait for it to catch up.
     ej = eventually(lambda: (s := api.get("elasticjobs", "gpt", NS)["status"]).get("gpus") == 2
                     and s.get("lastReconfiguration") and s, "the ElasticJob status to show the scale", timeout=90)
@@ -473,20 +479,37 @@ def test_multi_gpu_pods_train_scale_suspend_resume_and_complete(api: TestCluster
     assert phases == ["Succeeded", "Succeeded"]
 
 
+def kubectl(api: TestCluster, tmp_path: Path, *args: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
+    """kubectl as the cluster admin."""
+    config = tmp_path / "kubeconfig"
+    if not config.exists():
+        config.write_text(yaml.safe_dump(api.kubeconfig(namespace=NS)))
+    result = subprocess.run([str(tool("kubectl")), *args], capture_output=True, text=True, timeout=60,
+                            env={"PATH": os.environ.get("PATH", ""), "KUBECONFIG": str(config), "HOME": str(tmp_path)})
+    if ok:
+        assert result.returncode == 0, f"kubectl {' '.join(args)}: {result.stderr}"
+    return result
+
+
 def test_standby_pods_run_the_next_generations_and_survive_a_scheduler_restart(
-        api: TestCluster, cluster: Cluster, deployment: Deployment) -> None:
+        api: TestCluster, cluster: Cluster, deployment: Deployment, tmp_path: Path) -> None:
     """A job with ``standby``: its worker pods outlive their generation. Scaled 1 -> 2, node-0's pod (the same
     pod, uid and all) runs generation 1's rank 0 while node-1 gets a new standby pod; scaled back to 1, node-1's
-    pod is deleted and node-0's runs generation 2. The scheduler restarts, hears from the pod what it missed,
-    and when that worker's process is killed inside its pod, recovers into the same pod, to the last step; then
-    the job's pods are deleted."""
+    pod is deleted and node-0's runs generation 2. ``kubectl apply`` of the job with a changed env var redeploys
+    it: the workers stop at a step boundary, and generation 3 runs with the new env from that snapshot, in a new
+    pod (the old spec's standby pod is not reused); an apply that changes the model is refused by the API server
+    and the job trains on. The scheduler restarts, hears from the pod what it missed, and when that worker's
+    process is killed inside its pod, recovers into the same pod, to the last step; then the job's pods are
+    deleted."""
     sched = deployment.sched
     assert sched is not None
-    steps = 30
+    steps = 36  # room for each of its five generations to train, also when kubectl is slow on a loaded machine
     job = elasticjob("gpt", 1, provider="example-gpt", model=MODEL, command=WORKER, steps=steps,
                      snapshot_every=SNAPSHOT_EVERY, max_gpus=2, standby=True,
                      env=[{"name": "OMP_NUM_THREADS", "value": "1"}, {"name": "GLOO_SOCKET_IFNAME", "value": "lo"}])
-    api.create("elasticjobs", job, NS)
+    manifest = tmp_path / "gpt.yaml"
+    manifest.write_text(yaml.safe_dump(job))
+    assert "elasticjob.tenplex.io/gpt created" in kubectl(api, tmp_path, "apply", "-f", str(manifest)).stdout
     wait_job(sched, "gpt", lambda s: s.phase == Phase.RUNNING and s.step >= 3, "training on 1 GPU", cluster=cluster)
     (first,) = worker_pods(api, "gpt")
     meta = first["metadata"]
@@ -524,21 +547,51 @@ def test_standby_pods_run_the_next_generations_and_survive_a_scheduler_restart(
     assert kept["metadata"]["uid"] == uid and kept["metadata"]["annotations"][ANNOTATION_WORKERS] == "gpt-g2-r0"
     assert ANNOTATION_MASTER_PORT in kept["metadata"]["annotations"]
 
+    # kubectl apply of a changed env var: a planned redeploy with the new spec, in the same layout.
+    respec = {**job, "spec": {**job["spec"], "env": [*job["spec"]["env"], {"name": "TENPLEX_E2E_RUN", "value": "2"}]}}
+    manifest.write_text(yaml.safe_dump(respec))
+    applied = sched.get("gpt").status.step
+    assert "elasticjob.tenplex.io/gpt configured" in kubectl(api, tmp_path, "apply", "-f", str(manifest)).stdout
+    # kubectl apply of a changed model: the API server's transition rule refuses it; nothing happens to the job.
+    changed_model = {**respec, "spec": {**respec["spec"], "layout": {**job["spec"]["layout"],
+                                                                     "model": {**MODEL, "dim": 64}}}}
+    manifest.write_text(yaml.safe_dump(changed_model))
+    refused = kubectl(api, tmp_path, "apply", "-f", str(manifest), ok=False)
+    assert refused.returncode != 0 and "spec.layout is immutable" in refused.stderr, refused.stderr
+    st = wait_job(sched, "gpt", lambda s: s.phase == Phase.RUNNING and s.generation == 3 and s.step >= 21,
+                  "training with the new spec", cluster=cluster)
+    redeploy = st.history[-1]
+    assert (redeploy.reason, redeploy.from_gpus, redeploy.to_gpus, redeploy.steps_lost) == ("spec", 1, 1, 0)
+    assert redeploy.to_hosts == redeploy.from_hosts == ["node-0"] and redeploy.to_config == redeploy.from_config
+    assert redeploy.bytes_remote == 0  # the state stayed where it was
+    assert Version.parse(redeploy.version_from or "").step >= applied  # trained on from the stop step, not before
+    assert st.spec_update is not None and st.spec_update["fields"] == ["env"] and st.spec_update["generation"] == 3
+    (fresh,) = pods_of(3, 1)
+    assert fresh["metadata"]["uid"] != uid and fresh["metadata"]["labels"][LABEL_STANDBY] == "true"
+    assert {"name": "TENPLEX_E2E_RUN", "value": "2"} in fresh["spec"]["containers"][0]["env"]
+    assert fresh["metadata"]["annotations"][ANNOTATION_TEMPLATE] != kept["metadata"]["annotations"][ANNOTATION_TEMPLATE]
+    cond = eventually(lambda: next((c for c in api.get("elasticjobs", "gpt", NS)["status"].get("conditions", [])
+                                    if c["type"] == "SpecUpdated" and c["status"] == "True"), None),
+                      "the SpecUpdated condition", timeout=30)
+    assert cond["reason"] == "Redeployed" and "changed env" in cond["message"], cond
+    uid = fresh["metadata"]["uid"]
+    pod_log = cluster.kubelets["node-0"].log_path("gpt-g3-r0")
+
     sched = deployment.restart()  # the pods go on; the new scheduler connects to them and hears everything again
     backend = sched.kube_backend
-    pid = eventually(lambda: (link := backend.standbys.link(uid)) and link.greeted and link.pids.get("gpt-g2-r0"),
+    pid = eventually(lambda: (link := backend.standbys.link(uid)) and link.greeted and link.pids.get("gpt-g3-r0"),
                      "the restarted scheduler to hear from the standby pod", timeout=180)  # a liveness deadline:
     # the new scheduler's start (informers, the Lease, the job resumed) and its reconnect back-off, on a loaded VM
     os.kill(pid, signal.SIGKILL)  # the worker dies in its pod; the pod and its standby live on
     st = wait_job(sched, "gpt", lambda s: s.phase == Phase.SUCCEEDED, "recovering and finishing", cluster=cluster)
     assert st.step == steps
     assert [(r.reason, r.from_gpus, r.to_gpus) for r in st.history] == [
-        ("scale", 1, 2), ("scale", 2, 1), ("failure", 1, 1)], _history(sched, "gpt")
+        ("scale", 1, 2), ("scale", 2, 1), ("spec", 1, 1), ("failure", 1, 1)], _history(sched, "gpt")
     failure = st.history[-1]
-    assert "gpt-g2-r0 exited with code 137" in (failure.error or ""), failure.error
+    assert "gpt-g3-r0 exited with code 137" in (failure.error or ""), failure.error
     assert 0 <= failure.steps_lost < 2 * SNAPSHOT_EVERY
     text = pod_log.read_text()
-    assert "started worker gpt-g3-r0" in text  # recovered into the same pod
+    assert "started worker gpt-g4-r0" in text  # recovered into the same pod
     # The job ended: no next generation to keep pods for.
     eventually(lambda: worker_pods(api, "gpt") == [], "the standby pods deleted", timeout=90)
 
@@ -590,8 +643,8 @@ def test_a_standby_pod_that_stops_answering_when_given_workers_is_replaced_by_a_
     choose = backend._standbys_for
     stalled: list[str] = []
 
-    def chosen_then_stalled(job_name: str, groups: Any) -> dict[int, dict[str, Any]]:
-        chosen = choose(job_name, groups)
+    def chosen_then_stalled(job_name: str, groups: Any, template: str) -> dict[int, dict[str, Any]]:
+        chosen = choose(job_name, groups, template)
         for pod in chosen.values():
             cluster.kubelets[pod["spec"]["nodeName"]].kill(pod["metadata"]["name"], sig=signal.SIGSTOP)
             stalled.append(pod["metadata"]["name"])

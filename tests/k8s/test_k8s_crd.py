@@ -17,7 +17,14 @@ from kubernetes.client import ApiException
 from tenplex.cli import main
 from tenplex.errors import InvalidInput
 from tenplex.k8s import crd
-from tenplex.scheduler.jobspec import RULES, EnvVar, ResumeBody, TableEntry
+from tenplex.scheduler.jobspec import (
+    IMMUTABLE,
+    RULES,
+    EnvVar,
+    ResumeBody,
+    TableEntry,
+    immutable_changes,
+)
 from tenplex.testing.k8s import cel
 from tenplex.testing.k8s.cluster import TestCluster
 
@@ -30,7 +37,8 @@ def job(**spec: Any) -> dict[str, Any]:
 
 SPEC_RULES = {
     "spec": ["minGpus must not exceed maxGpus", "gpus must be a multiple of gpusPerPod",
-             "gpus must be 0 (suspended) or at least minGpus", "gpus must not exceed maxGpus"],
+             "gpus must be 0 (suspended) or at least minGpus", "gpus must not exceed maxGpus",
+             *(i.message for i in IMMUTABLE)],
     "spec.policy": ["a policy of type table needs a non-empty table", "stateMemoryFraction must be greater than 0"],
     "spec.policy.table[]": ["dp * tp * pp must equal gpus in every table entry"],
 }
@@ -43,7 +51,78 @@ def test_the_crd_carries_the_models_rules() -> None:
     assert {loc: [r.message for r in found if r.location == loc] for loc in SPEC_RULES} == SPEC_RULES
     assert len(found) == sum(map(len, SPEC_RULES.values()))
     assert {(r.location, r.rule, r.message) for r in found} == {
-        (loc, r.cel, r.message) for loc, rules in RULES.items() for r in rules}
+        (loc, r.cel, r.message) for loc, rules in RULES.items() for r in rules} | {
+        ("spec", i.cel, i.message) for i in IMMUTABLE}
+
+
+_LIVE = {"image": "tenplex:test", "command": ["python", "-m", "examples.gpt.train"], "gpus": 4,
+         "layout": {"provider": "example-gpt", "model": {"n_layers": 2}},
+         "training": {"steps": 20, "dataset": {"numSamples": 512, "globalBatchSize": 8}}}
+_MESSAGE = {i.field: i.message for i in IMMUTABLE}
+
+TRANSITION_CASES = [
+    # What only shapes the workers (or only the scheduler reads) may change.
+    ({"env": [{"name": "LR", "value": "0.1"}], "args": ["--fast"], "image": "tenplex:new", "gpus": 8,
+      "resources": {"limits": {"memory": "2Gi"}}, "standby": True, "minGpus": 2,
+      "training": {**_LIVE["training"], "steps": 40, "snapshotEvery": 5, "maxRestarts": 9}}, []),
+    ({"checkpoint": {"uri": "file:///ckpt", "keepLast": 3}}, [_MESSAGE["spec.checkpoint.uri"]]),
+    # What the state is may not.
+    ({"layout": {**_LIVE["layout"], "precision": "bf16"}}, [_MESSAGE["spec.layout"]]),
+    ({"training": {"steps": 20, "dataset": {"numSamples": 512, "globalBatchSize": 8, "seed": 1}}},
+     [_MESSAGE["spec.training.dataset"]]),
+    ({"policy": {"zero": 1}}, [_MESSAGE["spec.policy"]]),
+    ({"gpusPerPod": 2}, [_MESSAGE["spec.gpusPerPod"]]),
+    ({"resumeFrom": {"uri": "file:///ckpt"}}, [_MESSAGE["spec.resumeFrom"]]),
+]
+
+
+@pytest.mark.parametrize(("change", "broken"), TRANSITION_CASES)
+def test_the_transition_rules_and_their_twins_refuse_the_same_changes(change: dict[str, Any],
+                                                                     broken: list[str]) -> None:
+    """The CRD's transition rules (``oldSelf``), evaluated from its strings on an update, refuse exactly what
+    :func:`immutable_changes` refuses of the scheduler's JobSpecs, with the same messages; neither runs on a
+    create."""
+    schema = crd.openapi_schema()
+    old, new = job(**_LIVE), job(**{**_LIVE, **change})
+    failures = cel.evaluate(schema, crd.apply_defaults(schema, new), old=crd.apply_defaults(schema, old))
+    assert [f.message for f in failures] == broken
+    assert not cel.evaluate(schema, crd.apply_defaults(schema, new))
+    specs = [crd.parse_spec(o).to_job_spec("j") for o in (old, new)]
+    assert [i.message for i in immutable_changes(*specs)] == broken
+
+
+def test_the_free_form_model_is_immutable_too(api: TestCluster) -> None:
+    """``spec.layout.model`` is free-form (x-kubernetes-preserve-unknown-fields): the API server refuses a
+    change of it as of the rest of the layout, and so does the scheduler's twin."""
+    old, new = job(**_LIVE), job(**{**_LIVE, "layout": {"provider": "example-gpt", "model": {"n_layers": 4}}})
+    specs = [crd.parse_spec(o).to_job_spec("j") for o in (old, new)]
+    assert [i.field for i in immutable_changes(*specs)] == ["spec.layout"]
+    created = api.create("elasticjobs", old)
+    with pytest.raises(ApiException) as refused:
+        api.request("PUT", crd_path(created), {**created, "spec": {**created["spec"], "layout": new["spec"]["layout"]}})
+    assert refused.value.status == 422 and _MESSAGE["spec.layout"] in refused.value.body
+
+
+@pytest.mark.parametrize(("change", "broken"), [TRANSITION_CASES[0], TRANSITION_CASES[2], TRANSITION_CASES[3],
+                                                TRANSITION_CASES[4]])
+def test_the_api_server_refuses_changes_of_what_the_state_is(api: TestCluster, change: dict[str, Any],
+                                                             broken: list[str]) -> None:
+    """kube-apiserver evaluates the transition rules on an update of a live ElasticJob: a change of what the
+    state is comes back 422 with the rule's message and leaves the object as it was."""
+    created = api.create("elasticjobs", job(**_LIVE))
+    body = {**created, "spec": {**created["spec"], **change}}
+    if not broken:
+        assert api.request("PUT", crd_path(created), body)["spec"]["image"] == change["image"]
+        return
+    with pytest.raises(ApiException) as refused:
+        api.request("PUT", crd_path(created), body)
+    assert refused.value.status == 422
+    assert broken[0] in refused.value.body
+    assert api.get("elasticjobs", "j")["spec"] == created["spec"]
+
+
+def crd_path(obj: dict[str, Any]) -> str:
+    return f"/apis/{crd.API_VERSION}/namespaces/{obj['metadata']['namespace']}/{crd.PLURAL}/{obj['metadata']['name']}"
 
 
 RULE_CASES = [

@@ -165,6 +165,39 @@ def test_scale_subresource_becomes_a_scale_request_once(cluster: TestCluster, sc
     assert [w.generation for w in ctl.status.workers] == [0, 0]
 
 
+def test_a_changed_spec_is_taken_persisted_and_waits_for_the_workers_to_step(cluster: TestCluster,
+                                                                            sched: KubernetesScheduler) -> None:
+    """An apply that changes env, maxRestarts and gpus: the job's spec is the new one (in its record in the API
+    server too), a scale request and a redeploy are pending as one change (begun once the workers step: they
+    never do here), and condition SpecUpdated says so. A change of the model that reaches the scheduler (a
+    cluster whose CRD lacks the transition rules) is refused in the condition and changes nothing."""
+    cluster.create("elasticjobs", elasticjob("gpt", 2), NS)
+    running_pods(cluster, "gpt", 2)
+    ctl = sched.get("gpt")
+    live = cluster.get("elasticjobs", "gpt", NS)
+    env = [*live["spec"]["env"], {"name": "LR", "value": "0.1"}]
+    cluster.patch("elasticjobs", "gpt", {"spec": {"gpus": 4, "env": env, "training": {"maxRestarts": 5}}}, NS)
+    eventually(lambda: ctl.status.redeploy_pending and ctl.status.requested_gpus == 4, "the spec change taken")
+    assert ctl.spec.env["LR"] == "0.1" and ctl.spec.max_restarts == 5 and ctl.status.pending_reason == "scale"
+    assert ctl.status.spec_update["fields"] == ["env", "max_restarts"]
+    stored, _ = sched.jobstore.load("gpt")  # what a restarted scheduler resumes with
+    assert stored.env["LR"] == "0.1" and stored.max_restarts == 5
+    cond = eventually(lambda: next((c for c in ej_status(cluster, "gpt").get("conditions", [])
+                                    if c["type"] == "SpecUpdated"), None), "condition SpecUpdated")
+    assert (cond["status"], cond["reason"]) == ("False", "RedeployPending")
+    assert cond["message"].startswith("changed env, training.maxRestarts:"), cond
+    assert [w.generation for w in ctl.status.workers] == [0, 0]
+
+    obj = cluster.get("elasticjobs", "gpt", NS)
+    old_crd = {**obj, "metadata": {**obj["metadata"], "generation": obj["metadata"]["generation"] + 1},
+               "spec": {**obj["spec"], "layout": {**obj["spec"]["layout"], "model": {
+                   **obj["spec"]["layout"]["model"], "num_layers": 4}}}}
+    sched.operator.reconcile(old_crd)
+    assert ctl.spec.layout.model["num_layers"] == 2
+    cond = condition(sched.jobstore.status_view("gpt", ctl.status, obj.get("status") or {}).to_dict(), "SpecUpdated")
+    assert (cond["status"], cond["reason"]) == ("False", "Refused") and "spec.layout is immutable" in cond["message"]
+
+
 def test_a_failed_worker_pod_before_any_snapshot_restarts_the_job_until_max_restarts(
         cluster: TestCluster, sched: KubernetesScheduler) -> None:
     cluster.create("elasticjobs", elasticjob("gpt", 2, max_restarts=1), NS)

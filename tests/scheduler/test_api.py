@@ -185,6 +185,34 @@ def test_job_lifecycle_errors(scheduler):
     assert call(url, "GET", "/v1/jobs/life")[0] == 404
 
 
+def test_a_live_jobs_spec_is_replaced_by_put(scheduler):
+    """``PUT /v1/jobs/{job}``: what the workers start with and what only the scheduler reads may change (the record
+    says which fields, and that the workers are to be redeployed); a change of what the state is, a body of another
+    job, or an unknown job are refused and change nothing; the new spec is in the job's record on disk."""
+    url = scheduler.url
+    assert call(url, "POST", "/v1/jobs", {**JOB, "name": "respec"})[0] == 201
+    changed = {**JOB, "name": "respec", "command": ["python", "-c", "pass", "--lr", "0.1"], "env": {"LR": "0.1"},
+               "snapshot_every": 5, "max_restarts": 7}
+    status, view = call(url, "PUT", "/v1/jobs/respec", changed)
+    assert status == 202, view
+    assert view["spec"]["env"] == {"LR": "0.1"} and view["spec"]["max_restarts"] == 7
+    update = view["status"]["spec_update"]
+    assert update["fields"] == ["command", "env", "snapshot_every", "max_restarts"] and update["pending"], update
+    for bad, field in ((
+            {"dataset": {**JOB["dataset"], "seed": 1}}, "spec.training.dataset"),
+            ({"layout": {**JOB["layout"], "precision": "bf16"}}, "spec.layout"),
+            ({"policy": {"zero": 1}}, "spec.policy"),
+            ({"checkpoint": {"uri": "file:///ckpt", "interval_steps": 5}}, "spec.checkpoint.uri")):
+        status, body = call(url, "PUT", "/v1/jobs/respec", {**changed, **bad})
+        assert status == 400 and body["detail"].startswith(f"{field} is immutable"), body
+    assert call(url, "PUT", "/v1/jobs/respec", {**changed, "name": "other"})[0] == 400
+    assert call(url, "PUT", "/v1/jobs/nope", {**changed, "name": "nope"})[0] == 404
+    (spec, record), = [(s, r) for s, r in scheduler.scheduler.state.load_all() if s.name == "respec"]
+    assert spec.env == {"LR": "0.1"} and spec.command[-2:] == ("--lr", "0.1") and spec.dataset.seed == 0
+    assert record.redeploy_pending and record.spec_update["fields"] == update["fields"]
+    assert call(url, "DELETE", "/v1/jobs/respec")[0] == 200
+
+
 def test_openapi_fuzz_never_500(scheduler):
     """Every operation of the published OpenAPI, fuzzed by schemathesis: 4xx for bad input, never 5xx."""
     schema = schemathesis.openapi.from_url(scheduler.url + "/openapi.json")

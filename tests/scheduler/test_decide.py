@@ -132,6 +132,29 @@ def test_a_scale_request_begins_at_once_unless_it_is_already_done_or_a_worker_ha
 # -- stopping and the stop snapshot ------------------------------------------------------------------------------
 
 
+def test_a_changed_spec_asks_for_a_redeploy_that_no_cordon_rule_drops() -> None:
+    """The workers run an older spec than the job's: a planned redeploy begins (with no host unschedulable, which
+    drops a stale cordon's request); a scale back to the current GPU count in the same change leaves the redeploy
+    to do; once a generation runs the new spec a leftover request is dropped."""
+    pending = {"fields": ["env"], "redeploy": True, "pending": True, "requested_at": NOW, "generation": None}
+    out = decide_running(spec(), status(spec_update=pending), obs(), start_timeout=60)
+    assert out.changes_pending and out.pending == "spec" and out.begin_planned and out.dropped is None
+    out = decide_running(spec(), status(spec_update=pending, pending_reason="spec"), obs(), start_timeout=60)
+    assert not out.changes_pending and out.begin_planned
+    out = decide_running(spec(), status(spec_update=pending, pending_reason="scale", requested_gpus=4), obs(),
+                         start_timeout=60)
+    assert out.clear_request and out.pending == "spec" and out.begin_planned
+    out = decide_running(spec(), status(spec_update=pending, pending_reason="node-drain"), obs(), start_timeout=60)
+    assert out.pending == "spec" and out.begin_planned
+    done = {**pending, "pending": False, "generation": 1}
+    out = decide_running(spec(), status(spec_update=done, pending_reason="spec"), obs(), start_timeout=60)
+    assert out.pending is None and not out.begin_planned and "already run" in out.dropped
+    assert not decide_running(spec(), status(spec_update=done), obs(), start_timeout=60).begin_planned
+    st = status(spec_update=pending)
+    st.workers[1].step = None  # a worker that has not stepped yet: the stop waits
+    assert not decide_running(spec(), st, obs(), start_timeout=60).begin_planned
+
+
 def test_stopping() -> None:
     st = status(phase=Phase.RECONFIGURING, stop_at_step=12)
     ids = [f"j-g0-r{r}" for r in range(4)]

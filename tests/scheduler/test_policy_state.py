@@ -224,6 +224,7 @@ def test_a_status_serializes_every_field_and_round_trips() -> None:
                                  marks={"requested": 1.0}, phases={"planning": 0.1})],
         message="m", persisted=["s4-g1"], persist={"version": "s8-g2", "state": "uploading"},
         resumed_from={"uri": "file:///ckpt", "job": "orig", "version": "s6-g0", "step": 6, "consumed_samples": 48},
+        spec_update={"fields": ["env"], "redeploy": True, "pending": True, "requested_at": 2.0, "generation": None},
         standby_ready=1,
         standby_wanted=2, last_plan={"plan": {}}, updated_at=3.0)
     defaults = JobStatus()

@@ -108,20 +108,27 @@ class Failure:
         return f"{self.path or '<root>'}: Invalid value: {kind}: {self.message}"
 
 
-def evaluate(schema: Mapping[str, Any], value: Any, path: str = "") -> list[Failure]:
-    """Every rule of ``schema`` that ``value`` breaks ([] when none), outermost first."""
+def evaluate(schema: Mapping[str, Any], value: Any, path: str = "", old: Any = None) -> list[Failure]:
+    """Every rule of ``schema`` that ``value`` breaks ([] when none), outermost first. Transition rules (those
+    that read ``oldSelf``) run, as on the API server, only on an update (``old``: the value before) and only
+    where the old value has the node too (an object's property; not an array's items)."""
     failures: list[Failure] = []
-    _check(schema, value, path, failures)
+    _check(schema, value, path, failures, old)
     return failures
 
 
-def _check(schema: Mapping[str, Any], value: Any, path: str, failures: list[Failure]) -> None:
+def _check(schema: Mapping[str, Any], value: Any, path: str, failures: list[Failure], old: Any = None) -> None:
     if value is None:
         return
     for entry in schema.get("x-kubernetes-validations") or ():
         rule, message = entry["rule"], entry.get("message") or f"failed rule: {entry['rule']}"
+        bound = {"self": to_cel(value, schema)}
+        if "oldSelf" in rule:
+            if old is None:
+                continue
+            bound["oldSelf"] = to_cel(old, schema)
         try:
-            result = _program(rule).evaluate({"self": to_cel(value, schema)})
+            result = _program(rule).evaluate(bound)
         except celpy.CELEvalError as exc:
             failures.append(Failure(path, rule, message, value, str(exc.args[0] if exc.args else exc)))
             continue
@@ -133,7 +140,8 @@ def _check(schema: Mapping[str, Any], value: Any, path: str, failures: list[Fail
         for key, sub in value.items():
             child = props.get(key, extra)
             if child is not None:
-                _check(child, sub, f"{path}.{key}" if path else key, failures)
+                _check(child, sub, f"{path}.{key}" if path else key, failures,
+                       old.get(key) if isinstance(old, Mapping) else None)
     elif isinstance(value, list) and isinstance(schema.get("items"), Mapping):
         for i, item in enumerate(value):
             _check(schema["items"], item, f"{path}[{i}]", failures)
