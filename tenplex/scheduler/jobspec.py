@@ -390,7 +390,6 @@ class PolicySpec(_Model):
     state_memory_fraction: float = Field(0.5, ge=0, le=1, description=(
         "Part of a GPU's memory that model and optimizer state may use."))
     zero: int = Field(0, ge=0, le=3, description=_ZERO)
-    gpus_per_node: int | None = Field(None, ge=1, description="GPUs per node; tensor parallelism stays inside a node.")
 
     def lookup(self, gpus: int) -> TableEntry | None:
         """The table entry for ``gpus`` GPUs, if the table has one."""
@@ -454,13 +453,10 @@ class ElasticJobSpec(_Model):
     policy: PolicySpec = Field(default_factory=PolicySpec)
     resources: Resources = Field(default_factory=Resources, description=(
         "Worker container resources besides the GPUs (which follow gpusPerPod)."))
-    node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[dict[str, Any]] = Field(default_factory=list)
     training: Training | None = Field(None, description=(
         "How long to train and the sample order: the scheduler needs them to lay out the state and to resume the "
         "data position after a reconfiguration."))
-    store_root: str = Field(DEFAULT_STORE_ROOT, description="Directory of the node-local store as seen by the store "
-                                                            "daemon.")
     checkpoint: CheckpointBody | None = Field(None, description=(
         "Optional persistent checkpoints, the fall-back when no replica survives."))
     resume_from: ResumeBody | None = Field(None, description=(

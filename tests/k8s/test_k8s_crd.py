@@ -240,16 +240,15 @@ def test_validation_reports_every_error_with_its_values() -> None:
 def test_spec_view_applies_defaults_and_reads_everything() -> None:
     obj = job(gpusPerPod=2, minGpus=2, maxGpus=8, env=[{"name": "A", "value": "1"}],
               policy={"type": "table", "table": [{"gpus": 4, "dp": 2, "tp": 2, "pp": 1, "zero": 1}]},
-              checkpoint={"uri": "/mnt/ckpt", "intervalSteps": 100}, nodeSelector={"pool": "a"})
+              checkpoint={"uri": "/mnt/ckpt", "intervalSteps": 100})
     before = copy.deepcopy(obj)
     spec = crd.parse_spec(obj)
     assert obj == before, "parsing must not modify the object"
     assert spec.pods == 2 and spec.gpus_per_pod == 2 and spec.layout.precision == "fp32"
-    assert spec.store_root == crd.DEFAULT_STORE_ROOT
     assert spec.policy.lookup(4) == TableEntry(gpus=4, dp=2, tp=2, pp=1, zero=1)
     assert spec.policy.lookup(6) is None and spec.policy.state_memory_fraction == 0.5
     assert (spec.checkpoint.uri, spec.checkpoint.interval_steps, spec.checkpoint.keep_last) == ("/mnt/ckpt", 100, 2)
-    assert spec.node_selector == {"pool": "a"} and spec.env == [EnvVar(name="A", value="1")]
+    assert spec.env == [EnvVar(name="A", value="1")]
 
 
 def test_resume_from_is_validated_and_reaches_the_job_spec() -> None:
