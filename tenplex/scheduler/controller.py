@@ -212,6 +212,10 @@ class JobController:
             st = self.status
             if st.phase in (Phase.FAILED, Phase.SUCCEEDED):
                 raise Conflict(f"job {old.name!r} is {st.phase.value}: its spec cannot change")
+            if new.steps < old.steps and new.steps <= st.step:
+                # The workers would be redeployed with nothing left to train, past the run's own end.
+                raise InvalidConfig(f"steps {new.steps} is not after the step job {old.name!r} has reached "
+                                    f"({st.step}): a shorter run must end after it")
             prev = st.spec_update if st.redeploy_pending else None
             fields = list(dict.fromkeys([*(prev["fields"] if prev else ()), *redeploy, *in_place]))
             pending = bool(redeploy) or prev is not None

@@ -206,6 +206,13 @@ def test_a_live_jobs_spec_is_replaced_by_put(scheduler):
         status, body = call(url, "PUT", "/v1/jobs/respec", {**changed, **bad})
         assert status == 400 and body["detail"].startswith(f"{field} is immutable"), body
     assert call(url, "PUT", "/v1/jobs/respec", {**changed, "name": "other"})[0] == 400
+    ctl = scheduler.scheduler.get("respec")
+    with ctl.lock:  # as if it had trained to step 3 (this job never starts: no host has its GPUs)
+        ctl.status.step = 3
+    status, body = call(url, "PUT", "/v1/jobs/respec", {**changed, "steps": 3})
+    assert status == 400 and "steps 3 is not after the step job 'respec' has reached (3)" in body["detail"], body
+    with ctl.lock:
+        ctl.status.step = 0
     assert call(url, "PUT", "/v1/jobs/nope", {**changed, "name": "nope"})[0] == 404
     (spec, record), = [(s, r) for s, r in scheduler.scheduler.state.load_all() if s.name == "respec"]
     assert spec.env == {"LR": "0.1"} and spec.command[-2:] == ("--lr", "0.1") and spec.dataset.seed == 0
