@@ -25,8 +25,8 @@ moves bytes, so the sizes cost nothing but are those the planner and the records
    dp120 on the 2,047 hosts left and restarts.
 
 How the overhead is computed, per change, from the job record's milestones and the driver's clock:
-``total`` = from the request (the scale POST; the kill) to the driver seeing the first step of the new
-generation; ``planning`` = the scheduler's planning stage (``committed`` -> ``planned`` for the scale-down,
+``total`` = from the request (the scale POST; the kill) to the scheduler seeing the first step of the new
+generation (the change's ``finished_at``); ``planning`` = the scheduler's planning stage (``committed`` -> ``planned`` for the scale-down,
 ``requested`` -> ``planned`` for the failure: the stores' versions, policy and placement, the new PTC, the plan;
 the planner's own CPU inside it is reported from the profile); ``data`` = the workers writing their stop
 snapshot (the agent's ``stop_step`` -> ``snapshot_written``) + the daemons moving state, which is 0 here (the
@@ -215,7 +215,9 @@ def main() -> None:
             t_req = time.time()
             act()
             st = wait(done, name)
-            t_done = time.time()
+            # the end: when the scheduler saw the new generation's first step (the record's, not the driver's
+            # clock: a 16,384-worker job's view is made again at most every second or two, see GET /v1/jobs/{job})
+            t_done = st["history"][-1]["finished_at"]
             time.sleep(0.5)
             probe.halt.set()
             probe.join()
@@ -235,7 +237,7 @@ def main() -> None:
                   f"reason {rec['reason']}, load {os.getloadavg()[0]:.1f}", flush=True)
             for k, v in sorted(marks.items(), key=lambda kv: kv[1]):
                 print(f"    {v - t_req:+8.2f} s  {k}")
-            print(f"    {t_done - t_req:+8.2f} s  training again (the driver sees the new generation's first step)")
+            print(f"    {t_done - t_req:+8.2f} s  training again (the scheduler sees the new generation's first step)")
             parts = {k: nodes["counts"].get(k, 0) - nodes_a.get(k, 0) for k in
                      ("parts received", "parts decoded", "parts refused")}
             print(f"  sub-plans: {parts} (refused: {nodes['refused'][:3]}); workers: "

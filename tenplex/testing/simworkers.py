@@ -494,18 +494,24 @@ class Agent:
         ptc = g.ptc
         rank_of = {r.rank: r for r in g.ranks.values()}
         host_of = {d.id: d.host for d in ptc.devices}
-        per_host: dict[str, list[tuple[str, Region, str, tuple[int, ...]]]] = {}
-        writer_of_host: dict[str, int] = {}
-        for t in ptc.tensors:
-            for s in t.shards:
-                seen: dict[str, int] = {}
-                for d in s.devices:
-                    h = host_of[d]
-                    seen[h] = min(d, seen.get(h, d))
-                for h, d in seen.items():
-                    if d in rank_of:
-                        per_host.setdefault(h, []).append((t.name, s.region, t.dtype, t.shape))
-                        writer_of_host[h] = max(writer_of_host.get(h, -1), d)
+
+        def shards_of_hosts() -> tuple[dict[str, list[tuple[str, Region, str, tuple[int, ...]]]], dict[str, int]]:
+            per_host: dict[str, list[tuple[str, Region, str, tuple[int, ...]]]] = {}
+            writer_of_host: dict[str, int] = {}
+            for t in ptc.tensors:
+                for s in t.shards:
+                    seen: dict[str, int] = {}
+                    for d in s.devices:
+                        h = host_of[d]
+                        seen[h] = min(d, seen.get(h, d))
+                    for h, d in seen.items():
+                        if d in rank_of:
+                            per_host.setdefault(h, []).append((t.name, s.region, t.dtype, t.shape))
+                            writer_of_host[h] = max(writer_of_host.get(h, -1), d)
+            return per_host, writer_of_host
+
+        # a pass over every shard's devices (millions at 16,384 GPUs): off the event loop, which serves the nodes
+        per_host, writer_of_host = await asyncio.get_running_loop().run_in_executor(self._io, shards_of_hosts)
         loop = asyncio.get_running_loop()
         if self.nodes is not None:  # simulated nodes: the host's shards are counted, not written
             for h, items in per_host.items():

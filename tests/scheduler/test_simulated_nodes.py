@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from tenplex.errors import InvalidInput
+from tenplex.scheduler import api
 from tenplex.scheduler.api import create_app
 from tenplex.scheduler.server import build_scheduler
 from tenplex.serving import BackgroundServer, bind_socket, url_for
@@ -40,6 +41,9 @@ def call(url: str, method: str = "GET", body: Any = None) -> Any:
 
 
 def test_scale_down_then_host_loss_on_simulated_nodes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # every view counts as a large job's: GET /v1/jobs/{job} answers the last one, made again in the background
+    monkeypatch.setattr(api, "VIEW_INLINE_S", 0.0)
+    monkeypatch.setattr(api, "VIEW_REFRESH_S", 0.05)
     nodes = SimNodes(8, 2, token=TOKEN)
     agent = run_agent(step_seconds=0.05, nodes=nodes)
     scheduler = server = None
