@@ -276,6 +276,7 @@ class JobController:
 
         A node's batch arrives every second from every node: the loop below is the whole per-worker cost."""
         now = time.time()
+        self.ctx.backend.heard_from(node)  # its daemon relayed this: a health probe of it can wait
         errors: dict[str, ErrorBody] = {}
         losses, steps, ages, generations = batch.losses, batch.steps, batch.ages, batch.generations
         top, top_loss = -1, None
