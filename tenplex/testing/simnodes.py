@@ -33,8 +33,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import multiprocessing
 import time
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -80,7 +82,9 @@ class SimNodes:
     ``counts`` say what the scheduler asked: requests per route, parts decoded and refused."""
 
     def __init__(self, count: int, gpus: int, *, address: str = "127.0.0.1", prefix: str = "node-",
-                 token: str | None = None) -> None:
+                 token: str | None = None, decoders: int = 0) -> None:
+        """``decoders``: processes that decode the sub-plans (0: on the event loop; at 2,048 nodes the decoding
+        would hold the loop, and with it every node's answers, for minutes)."""
         if count < 1 or gpus < 1:
             raise InvalidInput(f"simulated nodes: count {count} and gpus {gpus} must be >= 1")
         self.address = address
@@ -88,6 +92,9 @@ class SimNodes:
         self.nodes = {f"{prefix}{i}": SimNode(f"{prefix}{i}", gpus) for i in range(count)}
         self.counts: Counter[str] = Counter()
         self.refused: list[str] = []
+        self._committed: dict[tuple[str, str, str], asyncio.Event] = {}
+        self._decoders = ProcessPoolExecutor(decoders, mp_context=multiprocessing.get_context("spawn")) \
+            if decoders > 0 else None
         """The errors of the requests refused with a 4xx (the first 100)."""
 
     async def start(self) -> SimNodes:
@@ -105,6 +112,8 @@ class SimNodes:
     async def stop(self) -> None:
         for node in self.nodes.values():
             self._close(node)
+        if self._decoders is not None:
+            self._decoders.shutdown(wait=False, cancel_futures=True)
 
     def _close(self, node: SimNode) -> None:
         if node.server is not None:
@@ -134,10 +143,28 @@ class SimNodes:
         node = self.node(host)
         if node.alive:
             node.versions[(job, version)] = shards
+            self._committed_now(host, job, version)
 
     def is_committed(self, host: str, job: str, version: str) -> bool:
         node = self.node(host)
         return node.alive and (job, version) in node.versions
+
+    async def wait_committed(self, host: str, job: str, version: str, timeout: float) -> bool:
+        """Whether ``version`` of ``job`` is committed on ``host`` within ``timeout`` seconds (woken by the
+        commit: 2,048 hosts' workers polling would cost this process more than the nodes do)."""
+        key = (host, job, version)
+        while not self.is_committed(host, job, version):
+            event = self._committed.setdefault(key, asyncio.Event())
+            try:
+                await asyncio.wait_for(event.wait(), timeout)
+            except TimeoutError:
+                return self.is_committed(host, job, version)
+        return True
+
+    def _committed_now(self, host: str, job: str, version: str) -> None:
+        event = self._committed.pop((host, job, version), None)
+        if event is not None:
+            event.set()
 
     # -- the daemon's side ------------------------------------------------------------------------------
 
@@ -213,7 +240,7 @@ class SimNodes:
     async def _transforms(self, node: SimNode, method: str, job: str, rest: list[str], query: dict[str, str],
                           body: bytes) -> Any:
         if not rest and method == "POST":
-            return self._submit(node, job, body).to_json()
+            return (await self._submit(node, job, body)).to_json()
         if not rest and method == "GET":
             return {"transforms": [s.to_json() for (j, _), s in node.transforms.items() if j == job]}
         version = str(check_version(rest[0]))
@@ -230,49 +257,63 @@ class SimNodes:
             return record.to_json()
         raise NotFound(f"no route {method} transforms/{version} on a simulated node")
 
-    def _submit(self, node: SimNode, job: str, body: bytes) -> TransformStatus:
+    async def _submit(self, node: SimNode, job: str, body: bytes) -> TransformStatus:
         """Decode the sub-plan as a daemon does, check it is this node's, and report it done: nothing moves."""
         self.counts["parts received"] += 1
-        try:
-            req = TransformRequest.from_body(body)
-        except InvalidInput:
+        if self._decoders is not None:
+            read = await asyncio.get_running_loop().run_in_executor(self._decoders, read_request, body, node.name, job)
+        else:
+            read = read_request(body, node.name, job)
+        if "refused" in read:
             self.counts["parts refused"] += 1
-            raise
+            raise InvalidInput(read["refused"])
         self.counts["parts decoded"] += 1
-        plan = req.plan
-        if req.host != node.name:
-            raise InvalidInput(f"the transform request is for host {req.host!r}; this is {node.name!r}")
-        if plan.job != job:
-            raise InvalidInput(f"the transform request is of job {plan.job!r}, sent to job {job!r}'s route")
-        version = str(plan.new_version)
+        version, digest = read["version"], read["digest"]
         known = node.transforms.get((job, version))
-        digest = req.digest
         if known is not None:
             if known.digest != digest:
                 raise Conflict(f"{node.name} already runs another sub-plan for {job} {version}")
             return known
-        hp = plan.host(node.name)
+        now = time.time()
+        record = TransformStatus(
+            job=job, version=version, host=node.name, old_version=read["old_version"], digest=digest,
+            state=COMMITTED, bytes_total=read["total"], bytes_done=read["total"], submitted_at=now, started_at=now,
+            finished_at=now, report={"host": node.name, "bytes_local": read["local"], "bytes_remote": read["remote"],
+                                     "bytes_zero": read["zero"], "seconds": 0.0, "requests": 0, "replanned_pieces": 0,
+                                     "shards": read["shards"], "transfers": read["transfers"]})
+        node.transforms[(job, version)] = record
+        node.versions[(job, version)] = read["shards"]
+        self._committed_now(node.name, job, version)
+        return record
+
+
+def read_request(body: bytes, node: str, job: str) -> dict[str, Any]:
+    """What a node agent reads from a transform request: its sub-plan decoded for real
+    (:meth:`TransformRequest.from_body`, the daemon's own decoder) and checked to be ``node``'s, of ``job``, with
+    a URL for every source it names; summarized (version, digest, bytes local/remote/zero, shards, transfers), or
+    ``{"refused": why}``. A plain function of bytes, so that a pool of processes can run it."""
+    try:
+        req = TransformRequest.from_body(body)
+        plan = req.plan
+        if req.host != node:
+            raise InvalidInput(f"the transform request is for host {req.host!r}; this is {node!r}")
+        if plan.job != job:
+            raise InvalidInput(f"the transform request is of job {plan.job!r}, sent to job {job!r}'s route")
+        hp = plan.host(node)
         local = remote = zero = 0
         for t in hp.transfers:
             if t.source is None:
                 zero += t.nbytes
-            elif t.source == node.name:
+            elif t.source == node:
                 local += t.nbytes
             else:
                 if t.source != CHECKPOINT and t.source not in req.sources:
                     raise InvalidInput(f"transfer of {t.tensor} {t.region} names source {t.source!r}, which the "
-                                       f"request gives no URL for")
+                                       "request gives no URL for")
                 remote += t.nbytes
-        shards = len(hp.shards)
         total = sum(s.region.volume * dtypes.itemsize(s.dtype) for s in hp.shards)
-        now = time.time()
-        record = TransformStatus(
-            job=job, version=version, host=node.name, old_version=str(plan.old_version), digest=digest,
-            state=COMMITTED, bytes_total=total, bytes_done=total, submitted_at=now, started_at=now, finished_at=now,
-            report={"host": node.name, "bytes_local": local, "bytes_remote": remote, "bytes_zero": zero,
-                    "seconds": 0.0, "requests": 0, "replanned_pieces": 0, "shards": shards,
-                    "transfers": len(hp.transfers)})
-        node.transforms[(job, version)] = record
-        node.versions[(job, version)] = shards
-        return record
-
+        return {"version": str(plan.new_version), "old_version": str(plan.old_version), "digest": req.digest,
+                "local": local, "remote": remote, "zero": zero, "total": total, "shards": len(hp.shards),
+                "transfers": len(hp.transfers)}
+    except InvalidInput as exc:
+        return {"refused": exc.detail}
