@@ -244,8 +244,15 @@ def main() -> None:
                   + ", ".join(f"{k} {counts_b[k] - counts_a[k]}" for k in ("register", "ptc", "snapshot", "exit")))
             print("  phases (job record): " + ", ".join(f"{k} {v:.2f} s" for k, v in rec["phases"].items()))
             beyond = total - planning - data
+            dec = nodes.get("decoding", {}).get(rec.get("version_to") or "", {})
+            decoding = dec.get("last_decoded", 0.0) - dec.get("first_received", 0.0) if dec else 0.0
             print(f"  total {total:.2f} s = planning {planning:.2f} s (planner CPU {planner_cpu(prof):.2f} s) + data "
                   f"{data:.2f} s + orchestration {beyond:.2f} s (target <= 10 s)")
+            if dec:
+                print(f"  the agents decoding the {dec['parts']:.0f} sub-plans: {decoding:.2f} s from the first received to "
+                      f"the last decoded ({dec['cpu_s']:.1f} CPU s in all on this machine, at most {dec['max_cpu_s']:.3f} s "
+                      f"for one: on a cluster each node decodes its own); orchestration without that span "
+                      f"{beyond - decoding:.2f} s")
             print(f"  GET /v1/jobs/{JOB} during it: n={len(window)}, p50 {1e3 * pct(window, 0.5):.1f} ms, "
                   f"p99 {1e3 * pct(window, 0.99):.1f} ms, max {1e3 * max(window):.1f} ms (target p99 < 100 ms)")
             by_stage: dict[str, list[float]] = defaultdict(list)
@@ -260,6 +267,7 @@ def main() -> None:
                 print(line)
             sys.stdout.flush()
             result = {"name": name, "total": total, "planning": planning, "data": data, "orchestration": beyond,
+                      "decoding": decoding, "decoding_stats": dec,
                       "p99_ms": 1e3 * pct(window, 0.99), "rss_mib": now_rss, "peak_rss_mib": peak_rss,
                       "cpu_s": cpu_b - cpu_a, "parts": parts, "record": rec, "status": st}
             results.append(result)

@@ -93,6 +93,9 @@ class SimNodes:
         self.counts: Counter[str] = Counter()
         self.refused: list[str] = []
         self._committed: dict[tuple[str, str, str], asyncio.Event] = {}
+        self.decoding: dict[str, dict[str, float]] = {}
+        """Per target version: when the first sub-plan came in and the last was decoded (wall clock), how many,
+        and the decoders' CPU seconds (all together, and the largest one part took)."""
         self._decoders = ProcessPoolExecutor(decoders, mp_context=multiprocessing.get_context("spawn")) \
             if decoders > 0 else None
         """The errors of the requests refused with a 4xx (the first 100)."""
@@ -260,6 +263,7 @@ class SimNodes:
     async def _submit(self, node: SimNode, job: str, body: bytes) -> TransformStatus:
         """Decode the sub-plan as a daemon does, check it is this node's, and report it done: nothing moves."""
         self.counts["parts received"] += 1
+        received = time.time()
         if self._decoders is not None:
             read = await asyncio.get_running_loop().run_in_executor(self._decoders, read_request, body, node.name, job)
         else:
@@ -269,6 +273,12 @@ class SimNodes:
             raise InvalidInput(read["refused"])
         self.counts["parts decoded"] += 1
         version, digest = read["version"], read["digest"]
+        span = self.decoding.setdefault(version, {"first_received": received, "last_decoded": 0.0, "parts": 0,
+                                                  "cpu_s": 0.0, "max_cpu_s": 0.0})
+        span["last_decoded"] = time.time()
+        span["parts"] += 1
+        span["cpu_s"] += read["cpu_s"]
+        span["max_cpu_s"] = max(span["max_cpu_s"], read["cpu_s"])
         known = node.transforms.get((job, version))
         if known is not None:
             if known.digest != digest:
@@ -292,6 +302,7 @@ def read_request(body: bytes, node: str, job: str) -> dict[str, Any]:
     (:meth:`TransformRequest.from_body`, the daemon's own decoder) and checked to be ``node``'s, of ``job``, with
     a URL for every source it names; summarized (version, digest, bytes local/remote/zero, shards, transfers), or
     ``{"refused": why}``. A plain function of bytes, so that a pool of processes can run it."""
+    cpu = time.process_time()
     try:
         req = TransformRequest.from_body(body)
         plan = req.plan
@@ -314,6 +325,6 @@ def read_request(body: bytes, node: str, job: str) -> dict[str, Any]:
         total = sum(s.region.volume * dtypes.itemsize(s.dtype) for s in hp.shards)
         return {"version": str(plan.new_version), "old_version": str(plan.old_version), "digest": req.digest,
                 "local": local, "remote": remote, "zero": zero, "total": total, "shards": len(hp.shards),
-                "transfers": len(hp.transfers)}
+                "transfers": len(hp.transfers), "cpu_s": time.process_time() - cpu}
     except InvalidInput as exc:
         return {"refused": exc.detail}

@@ -653,7 +653,7 @@ def agent_app(agent: Agent) -> FastAPI:
     async def nodes_counts() -> dict[str, Any]:
         if agent.nodes is None:
             raise InvalidConfig("this agent runs no simulated nodes")
-        return {"counts": dict(agent.nodes.counts), "refused": agent.nodes.refused}
+        return {"counts": dict(agent.nodes.counts), "refused": agent.nodes.refused, "decoding": agent.nodes.decoding}
 
     @app.get("/timeline")
     async def timeline() -> dict[str, dict[str, float]]:
