@@ -65,7 +65,7 @@ def role_cluster(args: argparse.Namespace) -> None:
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    server = run_agent(step_seconds=args.step_seconds, nodes=SimNodes(args.hosts, args.gpus_per_host, token=TOKEN, decoders=2))
+    server = run_agent(step_seconds=args.step_seconds, nodes=SimNodes(args.hosts, args.gpus_per_host, token=TOKEN, decoders=3))
     hosts = request(f"http://127.0.0.1:{server.port}/nodes/start", "POST", {})
     tmp = Path(args.hosts_file).with_suffix(".tmp")
     tmp.write_text(json.dumps(hosts))
