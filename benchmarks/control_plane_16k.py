@@ -298,7 +298,10 @@ def main() -> None:
                         lambda s: training(1)(s) and s["history"] and s["history"][-1]["finished_at"] is not None,
                         snapshot_time)
         st = scaled["status"]
-        assert scaled["parts"]["parts decoded"] == len(st["hosts"]), scaled["parts"]
+        # every target host's sub-plan decoded (a POST that timed out under load is sent again: decoded again, and
+        # attached to the first by its digest), none refused
+        assert scaled["parts"]["parts decoded"] >= len(st["hosts"]) and not scaled["parts"]["parts refused"], \
+            scaled["parts"]
         lost = sorted(st["hosts"])[len(st["hosts"]) // 3]
         gen = st["generation"]
         loss = change(f"loss of {lost}", lambda: request(f"{agent_url}/nodes/kill", "POST", {"host": lost}),
