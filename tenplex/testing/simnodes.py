@@ -13,8 +13,10 @@ failure recovery:
 - ``POST /v1/jobs/{job}/transforms``: the sub-plan, decoded for real (:meth:`TransformRequest.from_body`, which
   reads the binary part with :func:`tenplex.transformer.part.decode`): a request or part the agent cannot read
   is refused with a 400 and the decoder's error, as a daemon refuses it, and counted; one it can read is checked
-  against the agent (its host, its job, the sources it names besides itself) and then reported committed at
-  once with the byte counts the part implies, as local or remote by its sources: no byte moves. A resubmission
+  against the agent (its host, its job, a URL for every source it names besides itself) and then reported
+  committed at once with the byte counts the part implies, as local or remote by its sources: no byte moves.
+  With ``decoders`` the decoding runs in that many processes (:func:`read_request`), timed per version
+  (:attr:`SimNodes.decoding`): on a cluster each node decodes its own part, here they share the machine. A resubmission
   with the same digest attaches, another sub-plan for the same version is a 409, as on a daemon;
 - ``GET``/``DELETE /v1/jobs/{job}/transforms/{version}``: the record, and cancelling.
 
