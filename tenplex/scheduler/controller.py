@@ -276,6 +276,7 @@ class JobController:
 
         A node's batch arrives every second from every node: the loop below is the whole per-worker cost."""
         now = time.time()
+        self.ctx.backend.heard_from(node)  # its daemon relayed this: a health probe of it can wait
         errors: dict[str, ErrorBody] = {}
         losses, steps, ages, generations = batch.losses, batch.steps, batch.ages, batch.generations
         top, top_loss = -1, None
@@ -377,7 +378,12 @@ class JobController:
                 self.ctx.worker_marks(req.generation, req.marks)
             w.step = max(w.step or 0, req.step)  # the last step may come after the last (timed) heartbeat
             self.status.step = max(self.status.step, req.step)
-        self._wake.set()
+            # A worker that stopped as asked moves the job on only as the last one to: the loop is woken then (its
+            # poll sees the others). A tick per report (each over every worker, under this lock) let 16,384
+            # workers' reports through at about 70 a second.
+            wake = req.status != "stopped" or len(self.ctx.exit_reports) >= len(self.status.workers)
+        if wake:
+            self._wake.set()
 
     def _workers_index(self) -> dict[str, WorkerRecord]:
         """Worker id -> record of the current generation (under the lock)."""

@@ -196,6 +196,19 @@ def keep_state_placement(decision: Decision, old: PTC, holders: Collection[str] 
             continue
         assigned[b] = name
         taken.add(name)
+    # A block whose best few hosts were all taken (replicated state: under ZeRO-0 every dp rank of a stage holds
+    # the same bytes, so a block has dozens of equally good hosts and its top few are every other block's too)
+    # takes the free host that keeps most of its state, if any keeps some.
+    free = np.array([h in hosts and h not in taken for h in ov.old_hosts], dtype=bool)
+    for b in order:
+        if b in assigned or not free.any():
+            continue
+        kept = np.where(free, ov.keep[b], -1.0)
+        h = int(kept.argmax())
+        if kept[h] > 0:
+            assigned[b] = ov.old_hosts[h]
+            taken.add(ov.old_hosts[h])
+            free[h] = False
     rest = iter(h for h in hosts if h not in taken)
     for b in order:
         if b not in assigned:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
 import http.client
 import json
 import logging
@@ -57,6 +58,7 @@ from tenplex.scheduler.service import Scheduler, SchedulerOptions
 from tenplex.scheduler.state import StateDir
 from tenplex.serving import BackgroundServer
 from tenplex.store.local import LocalStore
+from tenplex.testing.simnodes import SimNodes
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +69,8 @@ COMMIT_POLL_S = 0.05
 """The agent's URL, for :func:`simulated_scheduler`."""
 EXIT_CANCELLED = -15
 """The exit code of a rank the backend stopped (as a process killed by SIGTERM reads)."""
+EXIT_KILLED = -9
+"""The exit code of a rank whose host was lost (:meth:`Agent.kill_host`; as a process killed by SIGKILL reads)."""
 
 
 # -- the scheduler's side -------------------------------------------------------------------
@@ -194,6 +198,8 @@ class _Rank:
     store_root: str
     assignment: P.Assignment | None = None
     task: asyncio.Task[int] | None = None
+    killed: bool = False
+    """Its host was lost: it ends as a process killed with its node does."""
 
 
 @dataclass
@@ -223,8 +229,12 @@ class _Generation:
 class Agent:
     """Runs simulated ranks; see the module docstring. Counts what it sends, for the benchmark's report."""
 
-    def __init__(self, *, step_seconds: float = 0.2, store_threads: int = 8, durable_writes: bool = False) -> None:
+    def __init__(self, *, step_seconds: float = 0.2, store_threads: int = 8, durable_writes: bool = False,
+                 nodes: SimNodes | None = None) -> None:
         self.step_seconds = step_seconds
+        self.nodes = nodes
+        """Simulated node agents (:mod:`tenplex.testing.simnodes`) in this process: the ranks commit their
+        snapshots there and check their restore there, instead of in a real store (None: real stores)."""
         self.durable_writes = durable_writes
         self.generations: dict[tuple[str, int], _Generation] = {}
         self.exits: list[tuple[str, str, int]] = []
@@ -232,6 +242,7 @@ class Agent:
         self._stores: dict[str, LocalStore] = {}
         self._io = ThreadPoolExecutor(max_workers=store_threads, thread_name_prefix="sim-store")
         self._client: _Http | None = None
+        self._replies: dict[bytes, P.NodeHeartbeatsReply] = {}
         self.counts: dict[str, int] = {"register": 0, "ptc": 0, "heartbeat": 0, "node_report": 0, "snapshot": 0,
                                        "exit": 0, "shards_written": 0}
 
@@ -271,6 +282,20 @@ class Agent:
                 if wid in wanted and r.task is not None and not r.task.done():
                     r.task.cancel()
 
+    def kill_host(self, host: str) -> int:
+        """Lose ``host``: its node agent stops answering and every rank on it ends as killed; how many ended."""
+        if self.nodes is None:
+            raise InvalidConfig("this agent runs no simulated nodes: there is no host to kill")
+        self.nodes.kill(host)
+        killed = 0
+        for g in self.generations.values():
+            for r in g.ranks.values():
+                if r.host == host and r.task is not None and not r.task.done():
+                    r.killed = True
+                    r.task.cancel()
+                    killed += 1
+        return killed
+
     async def exits_after(self, after: int, wait: float) -> dict[str, Any]:
         async with self._exit_cond:
             if len(self.exits) <= after:
@@ -291,7 +316,7 @@ class Agent:
         client = self.client(env[P.ENV_SCHEDULER_URL])
         for attempt in range(20):
             try:
-                status, raw = await client.request("POST", path, body, env.get(P.ENV_TOKEN))
+                status, raw, _ = await client.request("POST", path, body, env.get(P.ENV_TOKEN))
             except OSError as exc:
                 log.warning("%s: %s (retrying)", what, exc)
                 await asyncio.sleep(min(2.0, 0.1 * 2 ** attempt))
@@ -315,7 +340,7 @@ class Agent:
         try:
             code = await self._rank(g, r)
         except asyncio.CancelledError:
-            code = EXIT_CANCELLED
+            code = EXIT_KILLED if r.killed else EXIT_CANCELLED
         except Exception:
             log.exception("simulated rank %s failed", r.worker_id)
             code = P.EXIT_FAILED
@@ -362,40 +387,49 @@ class Agent:
         return 0
 
     async def _fetch_ptc(self, g: _Generation, r: _Rank, a: P.Assignment) -> None:
-        """Every rank fetches (the scheduler serves each, as for real workers); the agent parses once."""
+        """Every rank fetches (the scheduler serves each, as for real workers: gzipped, as they accept it); the
+        agent decompresses and parses once."""
         raw: bytes | None = None
+        encoding = ""
         if a.ptc is None:
             assert a.ptc_url is not None
             path = a.ptc_url
             if path.startswith("http"):
                 path = "/" + path.split("://", 1)[1].split("/", 1)[1]
-            status, raw = await self.client(r.env[P.ENV_SCHEDULER_URL]).request("GET", path, None,
-                                                                                 r.env.get(P.ENV_TOKEN))
+            status, raw, encoding = await self.client(r.env[P.ENV_SCHEDULER_URL]).request(
+                "GET", path, None, r.env.get(P.ENV_TOKEN), accept_gzip=True)
             if status != 200:
                 raise TenplexError(f"{r.worker_id}: GET {path}: HTTP {status}: {raw[:300]!r}")
             self.counts["ptc"] += 1
         async with g.parsing:
             if g.ptc is None:
-                g.ptc = await asyncio.get_running_loop().run_in_executor(
-                    self._io, lambda: PTC.loads(raw) if raw is not None else PTC.from_json(a.ptc))
+                def parse() -> PTC:
+                    if raw is None:
+                        return PTC.from_json(a.ptc)
+                    return PTC.loads(gzip.decompress(raw) if encoding == "gzip" else raw)
+
+                g.ptc = await asyncio.get_running_loop().run_in_executor(self._io, parse)
 
     async def _check_restorable(self, g: _Generation, r: _Rank, version: str) -> None:
         """Wait until the version to restore is committed in the rank's host store, as real workers do (they
         start while the daemons still build it); looked at by one poller per host."""
-        check = g.restore_checks.get(r.store_root)
+        key = r.host if self.nodes is not None else r.store_root
+        check = g.restore_checks.get(key)
         if check is None:
-            check = g.restore_checks[r.store_root] = asyncio.ensure_future(
-                self._wait_committed(g.job, r.store_root, version))
+            check = g.restore_checks[key] = asyncio.ensure_future(self._wait_committed(g.job, r, version))
         if not await check:
-            raise TenplexError(f"{r.worker_id}: version {version} was not committed in {r.store_root} within "
+            raise TenplexError(f"{r.worker_id}: version {version} was not committed in {key} within "
                                f"{COMMIT_WAIT_S:.0f} s")
 
-    async def _wait_committed(self, job: str, store_root: Any, version: str) -> bool:
-        store = self.store(store_root)
+    async def _wait_committed(self, job: str, r: _Rank, version: str) -> bool:
+        nodes = self.nodes
+        store = self.store(r.store_root) if nodes is None else None
         loop = asyncio.get_running_loop()
         deadline = time.monotonic() + COMMIT_WAIT_S
+        if nodes is not None:
+            return await nodes.wait_committed(r.host, job, version, COMMIT_WAIT_S)
         while time.monotonic() < deadline:
-            if await loop.run_in_executor(self._io, store.is_committed, job, version):
+            if await loop.run_in_executor(self._io, store.is_committed, job, version):  # type: ignore[union-attr]
                 return True
             await asyncio.sleep(COMMIT_POLL_S)
         return False
@@ -403,15 +437,23 @@ class Agent:
     async def _heartbeats(self, g: _Generation, host: str, ranks: list[_Rank], a: P.Assignment) -> None:
         """The host's registered ranks' heartbeats as its node daemon relays them: one batch per interval."""
         interval = a.heartbeat_interval_s
+        cached: tuple[int, str, str] | None = None
         # spread over the interval, as independent nodes are
         await asyncio.sleep(interval * (zlib.crc32(host.encode()) % 97) / 97)
         while not g.done.is_set():
+            if self.nodes is not None and not self.nodes.node(host).alive:
+                return  # the node is lost, and its relay with it
             if ranks:
                 env = ranks[0].env
                 n = len(ranks)
-                batch = P.NodeHeartbeats(workers=[r.worker_id for r in ranks], generations=[g.generation] * n,
-                                         steps=[g.step] * n, ages=[0.0] * n, losses=[1.0] * n)
-                reply = await self._node_report(env, host, batch)
+                if cached is None or cached[0] != n:
+                    # the batch as NodeHeartbeats serializes it, the steps left to fill in: a pydantic model
+                    # per node and second is most of this process's CPU at 2,048 nodes
+                    ids = json.dumps([r.worker_id for r in ranks], separators=(",", ":"))
+                    cached = (n, f'{{"workers":{ids},"generations":{json.dumps([g.generation] * n)},"steps":[',
+                              f'],"ages":{json.dumps([0.0] * n)},"losses":{json.dumps([1.0] * n)}}}')
+                body = f"{cached[1]}{','.join([str(g.step)] * n)}{cached[2]}".encode()
+                reply = await self._node_report(env, host, body)
                 self.counts["heartbeat"] += n
                 if reply.errors:
                     raise TenplexError(f"{host}: heartbeats refused: {reply.errors}")
@@ -424,11 +466,18 @@ class Agent:
                     g.stop_at = reply.reply.stop_at_step if g.stop_at is None else min(g.stop_at, reply.reply.stop_at_step)
             await asyncio.sleep(interval)
 
-    async def _node_report(self, env: Mapping[str, str], host: str, batch: P.NodeHeartbeats) -> P.NodeHeartbeatsReply:
+    async def _node_report(self, env: Mapping[str, str], host: str, body: bytes) -> P.NodeHeartbeatsReply:
+        """Post a node's batch (a :class:`~tenplex.core.protocol.NodeHeartbeats`); the scheduler's answer, parsed
+        once per distinct answer (every node gets the job's same reply)."""
         path = P.NODE_HEARTBEATS_PATH.format(job=env[P.ENV_JOB], node=host)
-        raw = await self._scheduler_post(env, path, batch.model_dump_json(exclude_none=True).encode(),
-                                         f"{host} heartbeats", "node_report")
-        return P.NodeHeartbeatsReply.model_validate_json(raw)
+        raw = await self._scheduler_post(env, path, body, f"{host} heartbeats", "node_report")
+        reply = self._replies.get(raw)
+        if reply is None:
+            reply = P.NodeHeartbeatsReply.model_validate_json(raw)
+            if len(self._replies) > 64:
+                self._replies.clear()
+            self._replies[raw] = reply
+        return reply
 
     # -- lockstep training and the stop snapshot ---------------------------------------------------------
 
@@ -457,19 +506,35 @@ class Agent:
         version = Version(g.step, g.generation)
         ptc = g.ptc
         rank_of = {r.rank: r for r in g.ranks.values()}
+        if self.nodes is not None:
+            # Simulated nodes hold no bytes: every host of the generation commits the version, its highest rank
+            # reporting the commit, as the last writer of a real host does. (Counting each host's shards is a
+            # pass over every shard's devices: 2.7 million at 16,384 GPUs, over a minute of this process's CPU.)
+            writer: dict[str, int] = {}
+            for r in g.ranks.values():
+                writer[r.host] = max(writer.get(r.host, -1), r.rank)
+            for h in writer:
+                self.nodes.commit(h, g.job, str(version), 0)
+            return {rank_of[d].worker_id: True for d in writer.values()}
         host_of = {d.id: d.host for d in ptc.devices}
-        per_host: dict[str, list[tuple[str, Region, str, tuple[int, ...]]]] = {}
-        writer_of_host: dict[str, int] = {}
-        for t in ptc.tensors:
-            for s in t.shards:
-                seen: dict[str, int] = {}
-                for d in s.devices:
-                    h = host_of[d]
-                    seen[h] = min(d, seen.get(h, d))
-                for h, d in seen.items():
-                    if d in rank_of:
-                        per_host.setdefault(h, []).append((t.name, s.region, t.dtype, t.shape))
-                        writer_of_host[h] = max(writer_of_host.get(h, -1), d)
+
+        def shards_of_hosts() -> tuple[dict[str, list[tuple[str, Region, str, tuple[int, ...]]]], dict[str, int]]:
+            per_host: dict[str, list[tuple[str, Region, str, tuple[int, ...]]]] = {}
+            writer_of_host: dict[str, int] = {}
+            for t in ptc.tensors:
+                for s in t.shards:
+                    seen: dict[str, int] = {}
+                    for d in s.devices:
+                        h = host_of[d]
+                        seen[h] = min(d, seen.get(h, d))
+                    for h, d in seen.items():
+                        if d in rank_of:
+                            per_host.setdefault(h, []).append((t.name, s.region, t.dtype, t.shape))
+                            writer_of_host[h] = max(writer_of_host.get(h, -1), d)
+            return per_host, writer_of_host
+
+        # a pass over every shard's devices (millions at 16,384 GPUs): off the event loop, which serves the nodes
+        per_host, writer_of_host = await asyncio.get_running_loop().run_in_executor(self._io, shards_of_hosts)
         loop = asyncio.get_running_loop()
 
         def write_host(host: str) -> None:
@@ -504,7 +569,9 @@ class _Http:
         for _ in range(connections):
             self._idle.put_nowait(None)
 
-    async def request(self, method: str, path: str, body: bytes | None, token: str | None) -> tuple[int, bytes]:
+    async def request(self, method: str, path: str, body: bytes | None, token: str | None, *,
+                      accept_gzip: bool = False) -> tuple[int, bytes, str]:
+        """(status, body, its Content-Encoding): a gzipped body is returned as it came."""
         conn = await self._idle.get()
         try:
             if conn is None:
@@ -513,6 +580,8 @@ class _Http:
             head = [f"{method} {path} HTTP/1.1", f"Host: {self.host}:{self.port}"]
             if token:
                 head.append(f"Authorization: Bearer {token}")
+            if accept_gzip:
+                head.append("Accept-Encoding: gzip")
             if body is not None:
                 head += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
             writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + (body or b""))
@@ -520,7 +589,7 @@ class _Http:
             if not status_line:
                 raise ConnectionResetError("the server closed the connection")
             status = int(status_line.split()[1])
-            length, close = 0, False
+            length, close, encoding = 0, False, ""
             while True:
                 line = await reader.readline()
                 if line in (b"\r\n", b"\n", b""):
@@ -531,11 +600,13 @@ class _Http:
                     length = int(value)
                 elif name == "connection" and value.strip().lower() == "close":
                     close = True
+                elif name == "content-encoding":
+                    encoding = value.strip().lower()
             data = await reader.readexactly(length) if length else b""
             if close:
                 writer.close()
                 conn = None
-            return status, data
+            return status, data, encoding
         except BaseException:
             if conn is not None:
                 conn[1].close()
@@ -566,6 +637,24 @@ def agent_app(agent: Agent) -> FastAPI:
     async def counts() -> dict[str, int]:
         return dict(agent.counts)
 
+    @app.post("/nodes/start")
+    async def nodes_start() -> list[dict[str, Any]]:
+        """Start the simulated node agents on this loop; the hosts file that describes them."""
+        if agent.nodes is None:
+            raise InvalidConfig("this agent runs no simulated nodes")
+        await agent.nodes.start()
+        return agent.nodes.hosts_file()
+
+    @app.post("/nodes/kill")
+    async def nodes_kill(body: dict[str, Any]) -> dict[str, Any]:
+        return {"host": body["host"], "ranks_killed": agent.kill_host(str(body["host"]))}
+
+    @app.get("/nodes/counts")
+    async def nodes_counts() -> dict[str, Any]:
+        if agent.nodes is None:
+            raise InvalidConfig("this agent runs no simulated nodes")
+        return {"counts": dict(agent.nodes.counts), "refused": agent.nodes.refused, "decoding": agent.nodes.decoding}
+
     @app.get("/timeline")
     async def timeline() -> dict[str, dict[str, float]]:
         return {f"{job}/g{gen}": dict(g.timeline) for (job, gen), g in agent.generations.items()}
@@ -573,6 +662,8 @@ def agent_app(agent: Agent) -> FastAPI:
     return app
 
 
-def run_agent(host: str = "127.0.0.1", port: int = 0, *, step_seconds: float = 0.2) -> BackgroundServer:
-    """Start an agent serving on ``host:port`` in a background thread (its event loop runs the ranks)."""
-    return BackgroundServer(agent_app(Agent(step_seconds=step_seconds)), host, port).start()
+def run_agent(host: str = "127.0.0.1", port: int = 0, *, step_seconds: float = 0.2,
+              nodes: SimNodes | None = None) -> BackgroundServer:
+    """Start an agent serving on ``host:port`` in a background thread (its event loop runs the ranks); with
+    ``nodes``, simulated node agents too (started by ``POST /nodes/start``, on the same loop)."""
+    return BackgroundServer(agent_app(Agent(step_seconds=step_seconds, nodes=nodes)), host, port).start()

@@ -20,6 +20,7 @@ with one tiny all-reduce per step; all ranks then stop after the same step.
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import math
@@ -157,7 +158,7 @@ class ControlClient:
             return PTC.from_json(assignment.ptc)
         assert assignment.ptc_url is not None  # the model guarantees one of them
         url = urllib.parse.urljoin(self.base_url + "/", assignment.ptc_url)
-        raw = self._request("GET", url, None, self.retries)
+        raw = self._request("GET", url, None, self.retries, accept_gzip=True)
         return PTC.loads(raw)
 
     # -- transport -----------------------------------------------------------------------
@@ -184,8 +185,12 @@ class ControlClient:
                 f"{method} {path}: the scheduler's reply is not a valid {reply.__name__}: {_first_error(exc)}"
             ) from None
 
-    def _request(self, method: str, url: str, data: bytes | None, retries: int) -> bytes:
+    def _request(self, method: str, url: str, data: bytes | None, retries: int, *, accept_gzip: bool = False) -> bytes:
+        """The body of a 2xx answer, retried on 502-504 and connection errors; ``accept_gzip``: the answer may be
+        gzipped (the PTC is: it is large and every worker fetches it), and is returned decompressed."""
         headers = {"Accept": "application/json"}
+        if accept_gzip:
+            headers["Accept-Encoding"] = "gzip"
         if data is not None:
             headers["Content-Type"] = "application/json"
         if self.token:
@@ -196,7 +201,8 @@ class ControlClient:
             req = urllib.request.Request(url, data=data, method=method, headers=headers)
             try:
                 with urllib.request.urlopen(req, timeout=self.timeout_s, context=client_context()) as resp:
-                    return resp.read()
+                    body = resp.read()
+                    return gzip.decompress(body) if resp.headers.get("Content-Encoding") == "gzip" else body
             except urllib.error.HTTPError as exc:
                 payload = exc.read()
                 if exc.code not in (502, 503, 504):

@@ -159,3 +159,27 @@ def test_the_health_watch_loses_a_host_whose_daemon_is_gone_or_silent(tmp_path: 
         silent.close()
     finally:
         cluster.stop()
+
+
+def test_a_host_whose_daemon_relayed_just_now_is_not_probed(tmp_path: Path) -> None:
+    """The health watch skips a ready host heard from (its daemon relayed its workers' heartbeats) within
+    ``heard_within``: 2,048 probes a second cost the scheduler a fifth of a core. Once that is older, the host is
+    probed again, and a daemon that does not answer is lost."""
+    import socket
+
+    silent = socket.create_server(("127.0.0.1", 0))
+    port = silent.getsockname()[1]
+    silent.close()  # nothing listens there: a probe is refused
+    cluster = LocalCluster.attach(tmp_path, [{"name": "node-0", "address": "127.0.0.1", "gpus": 8,
+                                              "store_url": f"http://127.0.0.1:{port}"}])
+    cluster.heard_from("node-0")
+    assert cluster.check_health(lost_after=0.01, heard_within=60.0) == []  # not probed: still ready
+    assert cluster.hosts()[0].ready
+    time.sleep(0.05)
+    cluster.check_health(lost_after=0.01, heard_within=0.01)  # probed: unanswered since now
+    time.sleep(0.05)
+    assert cluster.check_health(lost_after=0.01, heard_within=0.01) == ["node-0"]
+    assert not cluster.hosts()[0].ready
+    cluster.heard_from("node-0")  # a lost host is probed whatever it relayed: it is ready when it answers
+    assert cluster.check_health(lost_after=0.01, heard_within=60.0) == []
+    assert not cluster.hosts()[0].ready

@@ -49,6 +49,19 @@ def test_a_dp_scale_up_keeps_every_stage_where_it_is() -> None:
         assert ov.keep[b, ov.old_hosts.index(h)] == ov.need[b]
 
 
+def test_a_replicated_dp_scale_down_keeps_every_stage_on_its_hosts() -> None:
+    """ZeRO-0, dp12 -> dp10 on pp2 (hosts s*dp + d): every dp rank of a stage holds the same bytes, so each block
+    has 12 equally good hosts and the best few of every block are the same few. Each block still gets a host of
+    its own stage: nothing moves over the network (before: every block past the first few took a host of the
+    other stage, and most of the state moved)."""
+    hosts = [f"host-{i}" for i in range(24)]
+    old = build(ParallelConfig(dp=12, tp=2, pp=2), Placement(GPUS_PER_NODE, tuple(hosts)))
+    policy = Policy(table={40: ParallelConfig(dp=10, tp=2, pp=2)})
+    placed = choose(40, policy, build, hosts, GPUS_PER_NODE, old=old, holders=hosts)
+    assert bound(old, placed.ptc, set(hosts))[2] == 0
+    assert "placed where the state is" in placed.reason
+
+
 @st.composite
 def changes(draw: st.DrawFn) -> tuple[ParallelConfig, list[str], ParallelConfig, list[str], set[str]]:
     old_cfg = draw(st.sampled_from([ParallelConfig(dp=d, tp=t, pp=p) for d in (1, 2) for t in (1, 2) for p in (1, 2, 4)]))
