@@ -5,9 +5,9 @@ its node daemon and its workers run inside it; the scheduler (local backend,
 hosts file) runs in a namespace of its own. Nothing is mocked: real daemons,
 real workers of ``examples/gpt/train.py`` training with gloo across the
 links, the scheduler's REST API. For each reconfiguration (a tp/pp change with
-a scale up, a dp scale up, the loss of a host, a redeploy off a cordoned host,
-a scale down) the counters of every link are read before the request and
-after training resumed, and:
+a scale up, a dp scale up, the loss of a host, a redeploy off a cordoned host)
+the counters of every link are read before the request and after training
+resumed, and:
 
 - the scheduler's link carried under 1% of the bytes the reconfiguration
   moved (it sends plans and reads progress; the daemons move the state);
@@ -128,11 +128,6 @@ def test_every_reconfiguration_moves_its_bytes_peer_to_peer(emulated: EmulatedTe
     for host in kept:
         records = t.store(host, "request_json", "GET", f"/v1/jobs/emu/transforms/{rec['version_to']}")
         assert records["report"]["bytes_linked"] == records["report"]["bytes_local"] > 0, records
-
-    # Scale down to 2 GPUs (dp2 on one host that holds a whole replica): nothing crosses the network.
-    rec, plan, delta = _event(t, "emu", lambda: t.api("scale", "emu", 2), 5, "scaling down to 2 GPUs")
-    assert rec["to_gpus"] == 2 and rec["bytes_remote"] == 0, rec
-    _check_links(t, delta, rec, plan)
 
 
 def test_the_scheduler_answers_during_a_slow_transfer_and_a_cancelled_transform_is_retried(
