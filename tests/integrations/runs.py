@@ -12,6 +12,28 @@ Samples = dict[int, list[int]]
 Losses = dict[int, float]
 
 
+def per_step(ranks: Sequence[Mapping[str, list[int]]], order: list[int], global_batch: int) -> Samples:
+    """Each step's samples over a generation's dp ranks (``ranks``: each dp rank's recorded ``{step: samples}``), in
+    dp order. A SIGKILLed rank can die after its last step and before it recorded it: the other ranks finished that
+    step with it (their collectives need every rank) and recorded it. That step, the generation's last, is taken with
+    the killed rank's share from the job's ``order``, once every share the other ranks recorded equals its own part
+    of the order; any other step missing on a rank is an error."""
+    recorded = [set(r) for r in ranks]
+    complete = set.intersection(*recorded)
+    out = {int(s): sum((r[s] for r in ranks), []) for s in complete}
+    partial = set.union(*recorded) - complete
+    if partial:
+        last = str(max(int(s) for s in set.union(*recorded)))
+        assert partial == {last}, f"steps {sorted(partial, key=int)} are missing on some dp rank, not just the last"
+        share = global_batch // len(ranks)
+        first = (int(last) - 1) * global_batch
+        parts = [order[first + r * share:first + (r + 1) * share] for r in range(len(ranks))]
+        for r, rank in enumerate(ranks):
+            assert rank.get(last, parts[r]) == parts[r], (last, r, rank[last], parts[r])
+        out[int(last)] = sum(parts, [])
+    return out
+
+
 def check_like_an_uninterrupted_run(generations: Sequence[tuple[int, str, Samples, Losses]],
                                     base: tuple[Samples, Losses], order: list[int], steps: int, rtol: float,
                                     history: Sequence[Mapping[str, Any]], report: Path) -> None:

@@ -26,7 +26,7 @@ from tenplex.ptc import DatasetState, ParallelConfig  # noqa: E402
 from tenplex.scheduler.cli import SchedulerClient  # noqa: E402
 from tenplex.scheduler.server import LocalScheduler  # noqa: E402
 from tenplex.testing.faults import kill_worker  # noqa: E402
-from tests.integrations.runs import check_like_an_uninterrupted_run  # noqa: E402
+from tests.integrations.runs import check_like_an_uninterrupted_run, per_step  # noqa: E402
 from tests.scheduler.test_e2e_local import wait_for  # noqa: E402
 
 # six launches of torchtitan (4-5 s of imports each, a Trainer set up on 2 or 4 ranks): measured 252 s at a
@@ -38,6 +38,8 @@ DATASET = DatasetState(num_samples=64, seed=0, global_batch_size=8)
 STEPS = 32
 """Room for every generation to train: at 20 a clean-clone run on a quiet machine trained through to the last step
 while the last change (to pp2) was being agreed, and that generation had nothing left to train."""
+ORDER = DATASET.samples(0, STEPS * DATASET.global_batch_size).tolist()
+"""The job's sample order over the whole run."""
 LOSS_RTOL = 1e-5
 """fp32 on CPU. The layouts sum the same gradients in another order (FSDP2's reduce-scatter over 2 or 4
 ranks, the loss's all-reduce over dp, tp's partial sums), which moves a loss by a few float32 ulps
@@ -75,8 +77,8 @@ def read(results: Path, generation: int, parallel: ParallelConfig) -> tuple[dict
             res = ranks[parallel.rank(dp, tp, last)]
             assert all(losses[int(s)] == v for s, v in res["losses"].items() if int(s) in losses), res["losses"]
     firsts = [ranks[parallel.rank(dp, 0, 0)]["samples"] for dp in range(parallel.dp)]
-    steps = set.intersection(*(set(f) for f in firsts))
-    samples = {int(s): sum((f[s] for f in firsts), []) for s in steps}
+    samples = per_step(firsts, ORDER, DATASET.global_batch_size)
+    steps = {str(s) for s in samples}
     for dp in range(parallel.dp):  # every tp and pp rank of a dp rank takes the same samples
         for tp in range(parallel.tp):
             for pp in range(parallel.pp):
@@ -125,7 +127,7 @@ def test_scaled_failed_and_relaid_out_like_an_uninterrupted_run(tmp_path: Path) 
     check_like_an_uninterrupted_run(
         [(g, parallel.describe(), *read(tmp_path / "titan", g, parallel)) for g, parallel in layouts.items()],
         read(tmp_path / "base", 0, ParallelConfig(dp=2, zero=3)),
-        DATASET.samples(0, STEPS * DATASET.global_batch_size).tolist(), STEPS, LOSS_RTOL, st["history"],
+        ORDER, STEPS, LOSS_RTOL, st["history"],
         tmp_path / "measured.json")
 
 

@@ -28,7 +28,7 @@ from tenplex.scheduler.cli import SchedulerClient  # noqa: E402
 from tenplex.scheduler.server import LocalScheduler  # noqa: E402
 from tenplex.testing.faults import kill_worker  # noqa: E402
 from tests.integrations.hf_job import MODEL  # noqa: E402
-from tests.integrations.runs import check_like_an_uninterrupted_run  # noqa: E402
+from tests.integrations.runs import check_like_an_uninterrupted_run, per_step  # noqa: E402
 from tests.scheduler.test_e2e_local import wait_for  # noqa: E402
 
 # Not in torchtitan's xdist group: the two trainers' end-to-end tests (the suite's longest) run side by side.
@@ -39,6 +39,8 @@ STEPS = 40
 """Five epochs of the 64 samples: room for the steps a fast machine trains between the test's polls, so that every
 generation (the last one after the recovery's first step and a scale) still has steps of its own (at 24, one CI run
 saw the last generation start at the final step)."""
+ORDER = DATASET.samples(0, STEPS * DATASET.global_batch_size).tolist()
+"""The job's sample order over the whole run."""
 LOSS_RTOL = 1e-5
 """fp32 on CPU. dp2 and dp4 sum the same gradients in another order (DDP's all-reduce over 2 or 4 ranks, the
 loss's token count and mean over the ranks), which moves a loss by a few float32 ulps; AdamW carries that on.
@@ -73,8 +75,7 @@ def read(results: Path, generation: int, dp: int) -> tuple[dict[int, list[int]],
     losses = {int(s): v for s, v in ranks[0]["losses"].items()}
     for res in ranks[1:]:  # a SIGKILLed rank may lag behind the others by a step
         assert all(losses[int(s)] == v for s, v in res["losses"].items() if int(s) in losses), res["losses"]
-    steps = set.intersection(*(set(r["samples"]) for r in ranks))
-    samples = {int(s): sum((r["samples"][s] for r in ranks), []) for s in steps}
+    samples = per_step([r["samples"] for r in ranks], ORDER, DATASET.global_batch_size)
     return samples, {s: losses[s] for s in samples if s in losses}
 
 
@@ -142,5 +143,5 @@ def test_scaled_failed_and_refused_like_an_uninterrupted_run(tmp_path: Path) -> 
     layouts = {0: 2, 1: 4, 2: 4, 3: 2}  # generation -> dp
     check_like_an_uninterrupted_run(
         [(g, f"dp{dp}", *read(tmp_path / "hf", g, dp)) for g, dp in layouts.items()], read(tmp_path / "base", 0, 2),
-        DATASET.samples(0, STEPS * DATASET.global_batch_size).tolist(), STEPS, LOSS_RTOL, st["history"],
+        ORDER, STEPS, LOSS_RTOL, st["history"],
         tmp_path / "measured.json")
