@@ -101,6 +101,9 @@ LOG = logging.getLogger(__name__)
 STATUS_RETRY_SECONDS = 60.0
 HEARTBEAT_SECONDS = 2.0
 """How often a test kubelet renews its node's Lease (every fifth beat it also posts the node's status)."""
+NODE_GRAPH_WAIT_S = 20.0
+"""How long a pod's Secret or ConfigMap read is retried while the Node authorizer does not yet relate it to this
+node (see ``LocalKubelet._read``)."""
 
 _VAR_RE = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)|\$\$")
 
@@ -673,6 +676,20 @@ class LocalKubelet(_Kubelet):
             raise KeyError(f"no running process for pod {namespace}/{name} on node {self.node}")
         os.kill(pid, sig)
 
+    def _read(self, read: Any, name: str, namespace: str) -> Any:
+        """A Secret or ConfigMap a pod uses, read as the node. The Node authorizer allows it only once its graph has
+        seen the pod bound here, which can come a moment after the pod reached this kubelet: "no relationship found
+        between node ... and this object" is a 403 a real kubelet retries (its volume mounts back off and try
+        again), so this one does too, for up to NODE_GRAPH_WAIT_S."""
+        deadline = time.monotonic() + NODE_GRAPH_WAIT_S
+        while True:
+            try:
+                return read(name, namespace)
+            except client.ApiException as exc:
+                if exc.status != 403 or "no relationship found" not in str(exc.body) or time.monotonic() > deadline:
+                    raise
+            time.sleep(0.2)
+
     def log_path(self, name: str, namespace: str = "default") -> Path:
         return self.workdir / f"{namespace}_{name}.log"
 
@@ -822,11 +839,11 @@ class LocalKubelet(_Kubelet):
             if volume is None or (volume.secret is None and volume.config_map is None):
                 continue
             if volume.secret is not None:
-                secret = self._core.read_namespaced_secret(volume.secret.secret_name, pod.metadata.namespace)
+                secret = self._read(self._core.read_namespaced_secret, volume.secret.secret_name, pod.metadata.namespace)
                 data = {k: base64.b64decode(v) for k, v in (secret.data or {}).items()}
                 items = volume.secret.items
             else:
-                config_map = self._core.read_namespaced_config_map(volume.config_map.name, pod.metadata.namespace)
+                config_map = self._read(self._core.read_namespaced_config_map, volume.config_map.name, pod.metadata.namespace)
                 data = {k: v.encode() for k, v in (config_map.data or {}).items()}
                 items = volume.config_map.items
             files = {item.path: data[item.key] for item in items} if items else data
@@ -870,7 +887,7 @@ class LocalKubelet(_Kubelet):
             raise ValueError(f"env {name}: fieldRef {path!r} is not supported by the test kubelet")
         if source.secret_key_ref is not None:
             ref = source.secret_key_ref
-            secret = self._core.read_namespaced_secret(ref.name, pod.metadata.namespace)
+            secret = self._read(self._core.read_namespaced_secret, ref.name, pod.metadata.namespace)
             if ref.key in (secret.data or {}):
                 return base64.b64decode(secret.data[ref.key]).decode()
             if ref.key in (secret.string_data or {}):
@@ -878,7 +895,7 @@ class LocalKubelet(_Kubelet):
             raise KeyError(f"env {name}: secret {ref.name} has no key {ref.key!r}")
         if source.config_map_key_ref is not None:
             ref = source.config_map_key_ref
-            data = self._core.read_namespaced_config_map(ref.name, pod.metadata.namespace).data or {}
+            data = self._read(self._core.read_namespaced_config_map, ref.name, pod.metadata.namespace).data or {}
             if ref.key not in data:
                 raise KeyError(f"env {name}: configmap {ref.name} has no key {ref.key!r}")
             return str(data[ref.key])
