@@ -285,6 +285,22 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
+def print_latencies(probe: Probe, t_req: float, t_done: float, target: str = "") -> list[float]:
+    """``GET /v1/jobs/{job}``'s latencies between ``t_req`` and ``t_done``: overall and per phase/stage; the
+    window's latencies."""
+    window = [lat for ts, lat, _ in probe.samples if t_req <= ts <= t_done]
+    print(f"  GET /v1/jobs/{JOB} during it: n={len(window)}, p50 {1e3 * pct(window, 0.5):.1f} ms, "
+          f"p99 {1e3 * pct(window, 0.99):.1f} ms, max {1e3 * max(window):.1f} ms{target}")
+    by_stage: dict[str, list[float]] = defaultdict(list)
+    for ts, lat, view in probe.samples:
+        if t_req <= ts <= t_done and "status" in view:
+            s = view["status"]
+            by_stage[f"{s['phase']}/{s['stage']}" if s["stage"] else s["phase"]].append(lat)
+    for k, v in by_stage.items():
+        print(f"    {k:<28} n={len(v):4d}  p99 {1e3 * pct(v, 0.99):6.1f} ms  max {1e3 * max(v):6.1f} ms")
+    return window
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--role", choices=["driver", "daemons", "agent", "scheduler"], default="driver")
@@ -452,16 +468,7 @@ def main() -> None:
               f"{rec['bytes_local']} B local; workers: "
               + ", ".join(f"{k} {counts3[k] - counts2[k]}" for k in ("register", "ptc", "snapshot", "exit", "heartbeat"))
               + f", {counts3['shards_written'] - counts2['shards_written']} shards written")
-        window = [lat for ts, lat, _ in probe.samples if t_req <= ts <= t_done]
-        print(f"  GET /v1/jobs/{JOB} during it: n={len(window)}, p50 {1e3 * pct(window, 0.5):.1f} ms, "
-              f"p99 {1e3 * pct(window, 0.99):.1f} ms, max {1e3 * max(window):.1f} ms")
-        by_stage: dict[str, list[float]] = defaultdict(list)
-        for ts, lat, view in probe.samples:
-            if t_req <= ts <= t_done and "status" in view:
-                s = view["status"]
-                by_stage[f"{s['phase']}/{s['stage']}" if s["stage"] else s["phase"]].append(lat)
-        for k, v in by_stage.items():
-            print(f"    {k:<28} n={len(v):4d}  p99 {1e3 * pct(v, 0.99):6.1f} ms  max {1e3 * max(v):6.1f} ms")
+        print_latencies(probe, t_req, t_done)
         span = t_done - t_req
         print(f"  scheduler process CPU during it: {cpu3 - cpu2:.1f} s in {span:.1f} s")
         record = (out / "state" / "jobs" / f"{JOB}.json").read_bytes()

@@ -47,11 +47,22 @@ import sys
 import tempfile
 import threading
 import time
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from control_plane import JOB, TOKEN, Probe, diff, pct, proc_cpu, read_json, request, top, wait_file
+from control_plane import (
+    JOB,
+    TOKEN,
+    Probe,
+    diff,
+    pct,
+    print_latencies,
+    proc_cpu,
+    read_json,
+    request,
+    top,
+    wait_file,
+)
 
 from tenplex.testing.processes import stop_processes
 
@@ -247,7 +258,6 @@ def main() -> None:
             data = data_of()
             span = t_done - t_req
             prof = diff(prof_a, prof_b)
-            window = [lat for ts, lat, _ in probe.samples if t_req <= ts <= t_done]
             now_rss, peak_rss = rss(sched.pid)
             print(f"\n{name}: {rec['from_config']} -> {rec['to_config']} ({rec['from_gpus']} -> {rec['to_gpus']} GPUs), "
                   f"reason {rec['reason']}, load {os.getloadavg()[0]:.1f}", flush=True)
@@ -269,15 +279,7 @@ def main() -> None:
                       f"the last decoded ({dec['cpu_s']:.1f} CPU s in all on this machine, at most {dec['max_cpu_s']:.3f} s "
                       f"for one: on a cluster each node decodes its own); orchestration without that span "
                       f"{beyond - decoding:.2f} s")
-            print(f"  GET /v1/jobs/{JOB} during it: n={len(window)}, p50 {1e3 * pct(window, 0.5):.1f} ms, "
-                  f"p99 {1e3 * pct(window, 0.99):.1f} ms, max {1e3 * max(window):.1f} ms (target p99 < 100 ms)")
-            by_stage: dict[str, list[float]] = defaultdict(list)
-            for ts, lat, view in probe.samples:
-                if t_req <= ts <= t_done and "status" in view:
-                    s = view["status"]
-                    by_stage[f"{s['phase']}/{s['stage']}" if s["stage"] else s["phase"]].append(lat)
-            for k, v in by_stage.items():
-                print(f"    {k:<28} n={len(v):4d}  p99 {1e3 * pct(v, 0.99):6.1f} ms  max {1e3 * max(v):6.1f} ms")
+            window = print_latencies(probe, t_req, t_done, " (target p99 < 100 ms)")
             print(f"  scheduler: CPU {cpu_b - cpu_a:.1f} s in {span:.1f} s; RSS {now_rss:.0f} MiB, peak {peak_rss:.0f} MiB")
             for line in top(prof, 14, span):
                 print(line)

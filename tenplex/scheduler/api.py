@@ -311,12 +311,13 @@ def _json_body(model: type[BaseModel]) -> dict[str, Any]:
 VIEW_WAIT_S = 0.05
 """How long a read of a job waits for its controller's lock before it answers with the job's last view."""
 VIEW_POLL_S = 0.004
+"""How often a read or a worker report on the event loop looks at a busy lock again."""
 VIEW_INLINE_S = 0.02
 """A job whose view (copy and JSON) takes longer than this to make is served its last view, made again in the
 background (see ``GET /v1/jobs/{job}``)."""
 VIEW_REFRESH_S = 1.0
 VIEW_REFRESH_FACTOR = 5.0
-"""How often a read or a worker report on the event loop looks at a busy lock again."""
+"""Such a view is made again at most every max(VIEW_REFRESH_S, VIEW_REFRESH_FACTOR x what it cost)."""
 REPORT_WAIT_S = 0.05
 """How long a worker report waits on the event loop for its job's busy lock before a worker thread waits."""
 
