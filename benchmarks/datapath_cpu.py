@@ -292,7 +292,7 @@ def run_tier(args: argparse.Namespace, tier: str, work: Path) -> dict[str, Any]:
                 return clients[url]
 
             spilled()
-            spy = prof if prof is not None and i == 1 else None
+            spy = prof if prof is not None and i == (0 if args.profile_cold else 1) else None
             with profiled(src.pid, spy / f"{tier}-src.txt" if spy else None, args.rate, args.perf, args.gil), \
                     profiled(dst.pid, spy / f"{tier}-dst.txt" if spy else None, args.rate, args.perf, args.gil):
                 c0 = (cpu_seconds(src.pid), cpu_seconds(dst.pid), self_cpu())
@@ -320,11 +320,12 @@ def run_tier(args: argparse.Namespace, tier: str, work: Path) -> dict[str, Any]:
             "end_to_end_core_s_per_gib": round((send + recv + ctl) / gib, 3),
         }
     if prof:
-        _wall, send, recv, _ctl = runs[1]
+        label = "cold" if args.profile_cold else "warm"
+        _wall, send, recv, _ctl = runs[0 if args.profile_cold else 1]
         for role, cpu in (("src", send), ("dst", recv)):
             perf = prof / f"{tier}-{role}.stages.json"
             shares = json.loads(perf.read_text()) if perf.exists() else stages_of(prof / f"{tier}-{role}.txt")
-            out["warm"][f"{role}_stages_core_s_per_gib"] = {s: round(cpu * f / gib, 3) for s, f in shares.items()}
+            out[label][f"{role}_stages_core_s_per_gib"] = {s: round(cpu * f / gib, 3) for s, f in shares.items()}
     return out
 
 
@@ -413,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
                     "summarised into <tier>-<role>.perf.txt")
     ap.add_argument("--gil", action="store_true", help="with --profile: py-spy samples only the thread holding "
                     "the GIL (where the Python CPU goes)")
+    ap.add_argument("--profile-cold", action="store_true", help="with --profile: profile the cold transform (the "
+                    "daemons' first, as in cluster_reshard) instead of the warm one")
     ap.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     ap.add_argument("--code", default=None, metavar="DIR",
                     help="run the daemons from this checkout (default: this one), e.g. the main branch for a baseline")
