@@ -12,9 +12,10 @@ version), remote ones from their planned source, padding is zero-filled.
 A piece that is contiguous in the destination (whole trailing rows) is read
 straight into the buffer; any other piece lands in a piece-sized temporary and
 is copied in: never whole-tensor staging. Contiguous remote pieces of one
-source are pulled in batch reads (one request for up to 16 MiB of them): a
+source are pulled in batch reads (one request for up to 64 MiB of them): a
 transform's hundreds of small shards would otherwise cost a request each.
-The client verifies each payload's checksum. A finished shard is uploaded
+The client verifies each payload's checksum, and each piece goes on as soon
+as its part of the batch is in (:attr:`RegionRead.done`). A finished shard is uploaded
 into the target store's *new* version and its buffer goes back to a pool for
 the next shards; buffers in flight are bounded by what the fetchers and
 writers can use at once (and by ``max_buffer_bytes``), so a transform
