@@ -525,7 +525,7 @@ class StoreClient(TensorStore):
                     raise InvalidInput(
                         f"output buffer for {r.tensor!r} has shape {list(host.shape)}, region {r.region.format()!r} has {list(r.region.shape)}"
                     )
-                # a GPU tensor's bytes reach it from its staging buffer when the call ends: done then, not before
+                # no early done for a GPU tensor: its bytes reach it from the staging buffer as the call ends
                 hosts.append((r.tensor, r.region, host, r.received, r.done if host is r.out else None))
             batch: list[tuple[str, Region, np.ndarray, ReceivedCrcs | None, Callable[[], None] | None]] = []
             size = 0
