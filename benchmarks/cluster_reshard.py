@@ -53,7 +53,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import random
+import shlex
+import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -239,6 +243,58 @@ def cpu_busy() -> tuple[int, int]:
     return sum(fields) - idle, sum(fields)
 
 
+PERF_DIR: Path | None = None
+"""``--perf DIR``: where the machine-wide profile of each Tenplex transform's stages goes."""
+
+
+def machine_stages(script: str, pids: set[int]) -> dict[str, float]:
+    """Share of the daemons' (``pids``) CPU samples per stage (datapath_cpu's stages, with the emulated links'
+    forwarding split out), from ``perf script -F pid,period,ip,sym`` with call chains of the whole machine."""
+    from datapath_cpu import PERF_STAGES  # same directory
+
+    stages = [("idle", ("cpuidle", "default_idle", "do_idle", "pv_native_safe_halt")),
+              ("network emulation (bridge, veth, qdisc)", ("br_", "veth_", "htb_", "__dev_queue_xmit",
+                                                          "netif_receive_skb", "__netif_receive_skb")),
+              *PERF_STAGES]
+    counts: dict[str, int] = {}
+    frames: list[str] = []
+    keep = [False]
+
+    def flush() -> None:
+        if frames and keep[0]:
+            stage = next((name for f in frames for name, keys in stages if any(k in f for k in keys)), "other")
+            counts[stage] = counts.get(stage, 0) + 1
+        frames.clear()
+
+    for line in script.splitlines():
+        if not line.strip():
+            flush()
+        elif line.startswith("\t"):
+            frames.append(line.strip())
+        else:
+            flush()
+            head = line.split()
+            keep[0] = bool(head) and head[0].isdigit() and int(head[0]) in pids
+    flush()
+    total = sum(counts.values()) or 1
+    return {k: round(v / total, 4) for k, v in sorted(counts.items(), key=lambda kv: -kv[1])}
+
+
+def daemons_cpu(t: EmulatedTenplex) -> float:
+    """CPU seconds (utime + stime, all threads) the running node daemons have used so far, from /proc: what the
+    data path costs, which other work on a shared machine does not inflate the way it does wall-clock time."""
+    total = 0.0
+    for proc in t.daemons.values():  # `ip netns exec` execs the daemon: the same pid
+        if proc.poll() is not None:
+            continue
+        try:
+            fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
 def bound_seconds(plan: Plan, rate_bps: int) -> tuple[float, int]:
     sends, receives = plan.send_bytes(), plan.receive_bytes()
     worst = max([*sends.values(), *receives.values(), 0])
@@ -276,9 +332,23 @@ def run_scenario(t: EmulatedTenplex, sc: Scenario, rate_bps: int, central_host: 
     given_plan = plan if given is None else make_plan(given.old, given.new, job=job, old_version=OLD_V,
                                                       new_version="s100-g1", alive=set(given.alive))
     given_bound, given_worst = bound_seconds(given_plan, rate_bps)
-    before, cpu0 = t.net.snapshot(), cpu_busy()
+    perf = None
+    if PERF_DIR is not None:  # the whole machine (every namespace's daemons and their softirqs), with call chains
+        PERF_DIR.mkdir(parents=True, exist_ok=True)
+        out = PERF_DIR / f"{workers}-{sc.name}.perf"
+        perf = subprocess.Popen(["perf", "record", "-a", "-g", "-F", "499", "-o", str(out)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(1.0)
+    before, cpu0, daemons0 = t.net.snapshot(), cpu_busy(), daemons_cpu(t)
     seconds, written = run_plan(t, plan, sc.alive)
-    delta, cpu1 = t.net.snapshot() - before, cpu_busy()
+    delta, cpu1, daemons1 = t.net.snapshot() - before, cpu_busy(), daemons_cpu(t)
+    if perf is not None:
+        perf.send_signal(signal.SIGINT)
+        perf.wait()
+        script = subprocess.run(["perf", "script", "-i", str(out), "-F", "pid,period,ip,sym"], capture_output=True,
+                                text=True, check=False).stdout
+        pids = {p.pid for p in t.daemons.values() if p.poll() is None}
+        out.with_suffix(".stages.json").write_text(json.dumps(machine_stages(script, pids), indent=1))
     busy = (cpu1[0] - cpu0[0]) / max(1, cpu1[1] - cpu0[1])
     checked = check_sample(t, sc.old, sc.new, job, "s100-g1")
     links = {h: {"plan_bytes": plan.host(h).bytes_remote, "link_bytes": delta[h].ports[STORE_PORT].rx_from_port}
@@ -307,6 +377,8 @@ def run_scenario(t: EmulatedTenplex, sc: Scenario, rate_bps: int, central_host: 
         "given_bound_s": round(given_bound, 3),
         "tenplex_s": round(seconds, 3), "bound_s": round(bound, 3), "ratio": round(seconds / bound, 3) if bound else None,
         "written_bytes": written, "disk_floor_s": round(written / disk_bps, 3), "cpu_busy": round(busy, 3),
+        "daemons_core_s": round(daemons1 - daemons0, 3),
+        "daemons_core_s_per_gib": round((daemons1 - daemons0) / (plan.network_bytes / (1 << 30)), 3) if plan.network_bytes else None,
         "central_upload_s": round(upload, 3), "central_download_s": round(download, 3), "central_s": round(central_s, 3),
         "central_bytes": up.network_bytes + down.network_bytes,
         "speedup": round(central_s / seconds, 2) if seconds else None,
@@ -327,8 +399,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="policy: the scheduler's placement of the new layout (default); given: the preference order's")
     ap.add_argument("--dry-run", action="store_true",
                     help="only the plans: bytes and bounds of each scenario's given and placed layouts (no cluster)")
+    ap.add_argument("--daemon-args", default="", metavar="ARGS",
+                    help="extra 'tenplex store serve' options for every daemon, e.g. '--transform-memory 256Mi'")
+    ap.add_argument("--perf", type=Path, default=None, metavar="DIR",
+                    help="perf record -a -g during each Tenplex transform; its stage split into DIR")
     ap.add_argument("--json", type=Path, help="write the results here too")
     args = ap.parse_args(argv)
+    global PERF_DIR
+    PERF_DIR = args.perf
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     spec = GPTSpec(num_layers=args.layers, hidden=args.hidden, heads=args.heads, vocab=args.vocab, seq_len=2048)
     if args.dry_run:
@@ -362,7 +440,8 @@ def main(argv: list[str] | None = None) -> int:
         # host-n is the spare, host-(n+1) the central store
         with tempfile.TemporaryDirectory(prefix="cluster-reshard-") as tmp, \
                 NetCluster(n + 2, rate=args.rate, count_ports=(STORE_PORT,), root_dir=tmp) as net, \
-                EmulatedTenplex(net, scheduler=False, gpus_per_host=2) as t:
+                EmulatedTenplex(net, scheduler=False, gpus_per_host=2,
+                                daemon_args=tuple(shlex.split(args.daemon_args))) as t:
             for name in args.scenarios:
                 given = table[name]
                 sc = placed(spec, given) if args.placement == "policy" else given
@@ -374,7 +453,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['speedup']}x; network {human_bytes(r['network_bytes'])} vs central "
                       f"{human_bytes(r['central_bytes'])} (given placement: {human_bytes(r['given_network_bytes'])}, "
                       f"bound {r['given_bound_s']:.2f} s); scheduler link {r['scheduler_link_bytes']} B; written "
-                      f"{human_bytes(r['written_bytes'])} (disk floor {r['disk_floor_s']:.2f} s), cpu {r['cpu_busy']:.0%}",
+                      f"{human_bytes(r['written_bytes'])} (disk floor {r['disk_floor_s']:.2f} s), cpu {r['cpu_busy']:.0%}, "
+                      f"daemons {r['daemons_core_s']:.2f} core-s ({r['daemons_core_s_per_gib']} per GiB moved)",
                       flush=True)
     if args.json:
         args.json.write_text(json.dumps({"disk_write_bytes_per_s": disk_bps, "results": results}, indent=1))

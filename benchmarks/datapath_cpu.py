@@ -292,7 +292,7 @@ def run_tier(args: argparse.Namespace, tier: str, work: Path) -> dict[str, Any]:
                 return clients[url]
 
             spilled()
-            spy = prof if prof is not None and i == 1 else None
+            spy = prof if prof is not None and i == (0 if args.profile_cold else 1) else None
             with profiled(src.pid, spy / f"{tier}-src.txt" if spy else None, args.rate, args.perf, args.gil), \
                     profiled(dst.pid, spy / f"{tier}-dst.txt" if spy else None, args.rate, args.perf, args.gil):
                 c0 = (cpu_seconds(src.pid), cpu_seconds(dst.pid), self_cpu())
@@ -320,11 +320,12 @@ def run_tier(args: argparse.Namespace, tier: str, work: Path) -> dict[str, Any]:
             "end_to_end_core_s_per_gib": round((send + recv + ctl) / gib, 3),
         }
     if prof:
-        _wall, send, recv, _ctl = runs[1]
+        label = "cold" if args.profile_cold else "warm"
+        _wall, send, recv, _ctl = runs[0 if args.profile_cold else 1]
         for role, cpu in (("src", send), ("dst", recv)):
             perf = prof / f"{tier}-{role}.stages.json"
             shares = json.loads(perf.read_text()) if perf.exists() else stages_of(prof / f"{tier}-{role}.txt")
-            out["warm"][f"{role}_stages_core_s_per_gib"] = {s: round(cpu * f / gib, 3) for s, f in shares.items()}
+            out[label][f"{role}_stages_core_s_per_gib"] = {s: round(cpu * f / gib, 3) for s, f in shares.items()}
     return out
 
 
@@ -401,6 +402,44 @@ def memcpy_crc_floor(total: int) -> dict[str, float]:
     return {"memcpy_core_s_per_gib": round((t1 - t0) / gib, 3), "crc32c_core_s_per_gib": round((t2 - t1) / gib, 3)}
 
 
+def fresh_memory_cost(nbytes: int = 256 << 20) -> dict[str, Any]:
+    """What memory the process has not touched before costs here, next to the same work on memory it has.
+
+    Not part of the floor's sum: it is the platform's price of a page's first touch. A transform whose
+    destination buffers are fresh (a daemon's first, ``cold``), and a memory-tier write into new tmpfs
+    pages, pay it per byte. On a VM whose balloon device reports freed guest pages to the host
+    (``virtio_balloon`` feature bit 5, ``VIRTIO_BALLOON_F_REPORTING``; ``page_reporting_order`` sets the
+    block size), a freed and reused guest page is backed anew by the host at its first touch, which the
+    guest sees as time in whatever instruction touched it (``_copy_to_iter`` of a socket receive,
+    ``clear_page_erms``). Measured on the 2-core VM (which reports free pages): huge-page buffers as the
+    executor's took 0.12-0.18 s/GiB to fault in and 0.3-2.2 s/GiB to copy into (varying from run to run
+    with what the host has to back anew), against 0.10-0.11 s/GiB to copy into memory touched before;
+    4 KiB pages took 0.4-1 s/GiB to fault in.
+    """
+    src = np.frombuffer(np.random.default_rng(2).bytes(nbytes), np.uint8)
+    gib = nbytes / GIB
+    t0 = time.thread_time()
+    a = aligned_empty((nbytes,), np.uint8)
+    a[::4096] = 1  # one write per page: the fault (and the kernel's zeroing) of each
+    t1 = time.thread_time()
+    b = aligned_empty((nbytes,), np.uint8)
+    np.copyto(b, src)  # the copy faults the pages in as it goes, as a socket receive into a fresh buffer does
+    t2 = time.thread_time()
+    np.copyto(b, src)  # the same copy into the same, now touched, memory
+    t3 = time.thread_time()
+    del a, b
+    reporting = None
+    for dev in Path("/sys/bus/virtio/devices").glob("*"):
+        try:
+            if (dev / "device").read_text().strip() == "0x0005":  # a balloon device
+                features = (dev / "features").read_text().strip()
+                reporting = len(features) > 5 and features[5] == "1"
+        except OSError:
+            continue
+    return {"fault_in_core_s_per_gib": round((t1 - t0) / gib, 3), "copy_into_fresh_core_s_per_gib": round((t2 - t1) / gib, 3),
+            "copy_into_touched_core_s_per_gib": round((t3 - t2) / gib, 3), "vm_free_page_reporting": reporting}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiers", nargs="+", default=["disk", "memory"], choices=["disk", "memory"])
@@ -413,6 +452,8 @@ def main(argv: list[str] | None = None) -> int:
                     "summarised into <tier>-<role>.perf.txt")
     ap.add_argument("--gil", action="store_true", help="with --profile: py-spy samples only the thread holding "
                     "the GIL (where the Python CPU goes)")
+    ap.add_argument("--profile-cold", action="store_true", help="with --profile: profile the cold transform (the "
+                    "daemons' first, as in cluster_reshard) instead of the warm one")
     ap.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
     ap.add_argument("--code", default=None, metavar="DIR",
                     help="run the daemons from this checkout (default: this one), e.g. the main branch for a baseline")
@@ -434,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
         moved = tiers[0]["moved_bytes"]
         floor = {**socket_floor(moved, work), **memcpy_crc_floor(moved)}
     floor["end_to_end_core_s_per_gib"] = round(sum(floor.values()), 3)
-    results.update(tiers=tiers, floor=floor, load_after=os.getloadavg())
+    results.update(tiers=tiers, floor=floor, fresh_memory=fresh_memory_cost(), load_after=os.getloadavg())
     print(json.dumps(results, indent=1))
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))

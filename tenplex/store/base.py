@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -64,6 +64,13 @@ class RegionRead:
     received: ReceivedCrcs | None = None
     """Of ``out``: a reader that checksums the bytes as they arrive (a daemon's client) records its running
     crc32c there, so that the store writing ``out`` next need not checksum it again; others leave it empty."""
+    done: Callable[[], None] | None = None
+    """Called (once, in the calling thread) as soon as ``out`` holds the region's verified bytes, where a store
+    can tell before the whole batch has arrived (a daemon's client: the region's part of the body is in and
+    checked); the store neither writes ``out`` nor records into ``received`` after that, even when it retries
+    the rest of the batch. Why: the caller can store a shard while the next ones of a large batch are still
+    on the wire. Stores that cannot tell do not call it: their caller counts every read done when the
+    call returns."""
 
 
 class SnapshotBuffers(ABC):

@@ -406,12 +406,19 @@ class StoreClient(TensorStore):
             )
 
     def _fetch_batch(
-        self, job: str, version: Version, batch: Sequence[tuple[str, Region, np.ndarray, ReceivedCrcs | None]], verify: bool
+        self, job: str, version: Version,
+        batch: Sequence[tuple[str, Region, np.ndarray, ReceivedCrcs | None, Callable[[], None] | None]], verify: bool,
     ) -> None:
         """One ``POST .../regions`` filling every buffer of ``batch`` (and recording the receive pass's crc32c
-        prefixes where a :class:`~tenplex.store.buffers.ReceivedCrcs` is given)."""
-        body = RegionsRequest.of((t, r) for t, r, _out, _rc in batch).model_dump_json().encode()
-        total = sum(out.nbytes for _t, _r, out, _rc in batch)
+        prefixes where a :class:`~tenplex.store.buffers.ReceivedCrcs` is given).
+
+        Each region's ``done`` is called once its part of the body is in and verified. A retried request
+        reads the parts already done into a scratch buffer and checks them again, never into their buffers
+        (which the caller may be storing meanwhile).
+        """
+        body = RegionsRequest.of((t, r) for t, r, _out, _rc, _done in batch).model_dump_json().encode()
+        total = sum(out.nbytes for _t, _r, out, _rc, _done in batch)
+        delivered = 0  # parts in and verified (and their done called), kept across attempts
 
         def handle(resp: http.client.HTTPResponse) -> None:
             try:
@@ -419,19 +426,45 @@ class StoreClient(TensorStore):
             except InvalidInput as exc:
                 resp.read()
                 raise InvalidInput(f"store {self.url} answered a batch read of {len(batch)} regions: {exc.detail}") from None
-            for (tensor, region, out, _rc), (dtype, shape, _checksum) in zip(batch, parts, strict=True):
+            nonlocal delivered
+            for (tensor, region, out, _rc, _done), (dtype, shape, _checksum) in zip(batch, parts, strict=True):
                 self._check_part(resp, f"{tensor!r} {region.format()!r}", dtype, shape, region, out.dtype.itemsize)
             length = resp.getheader("Content-Length")
             if length is None or int(length) != total:
                 resp.read()
                 raise InvalidInput(f"store {self.url} sent {length} bytes for a batch read of {total} bytes")
-            for (tensor, region, out, received), (_dtype, _shape, checksum) in zip(batch, parts, strict=True):
+            scratch: memoryview | None = None
+            for k, ((tensor, region, out, received, done), (_dtype, _shape, checksum)) in enumerate(zip(batch, parts, strict=True)):
+                what = f"{tensor!r} {region.format()!r}"
+                if k < delivered:  # a retry: this part is the caller's already; read past it (checked, not kept)
+                    scratch = self._drain(resp, out.nbytes, checksum if verify else None, what, version, scratch)
+                    continue
                 if received is not None:
                     received.prefix.clear()  # a retried request records them anew
-                self._receive(resp, byte_view(out), checksum if verify else None, f"{tensor!r} {region.format()!r}", version,
-                              received)
+                self._receive(resp, byte_view(out), checksum if verify else None, what, version, received)
+                delivered = k + 1
+                if done is not None:
+                    done()
 
         self._call("POST", f"{versions_path(job, version)}/regions", handle, body=body, headers={"Content-Type": "application/json"})
+
+    def _drain(self, resp: http.client.HTTPResponse, nbytes: int, checksum: str | None, what: str, version: Version,
+               scratch: memoryview | None) -> memoryview:
+        """Read (and verify) ``nbytes`` of the body into a reused scratch buffer; the scratch buffer."""
+        if scratch is None:
+            scratch = memoryview(bytearray(min(nbytes, VERIFY_BLOCK_BYTES) or 1))
+        crc, left = 0, nbytes
+        while left:
+            n = resp.readinto(scratch[: min(left, len(scratch))])
+            if not n:
+                raise http.client.IncompleteRead(bytes(0), left)
+            if checksum is not None:
+                crc = crc32c.crc32c(scratch[:n], crc)
+            left -= n
+        if checksum is not None and format_checksum(crc) != checksum:
+            raise ChecksumMismatch(f"{what} of version {version} from {self.url}: payload crc32c {format_checksum(crc)}, "
+                                   f"the store says {checksum}")
+        return scratch
 
     @contextmanager
     def _host(self, out: np.ndarray | torch.Tensor) -> Iterator[np.ndarray]:
@@ -492,17 +525,18 @@ class StoreClient(TensorStore):
                     raise InvalidInput(
                         f"output buffer for {r.tensor!r} has shape {list(host.shape)}, region {r.region.format()!r} has {list(r.region.shape)}"
                     )
-                hosts.append((r.tensor, r.region, host, r.received))
-            batch: list[tuple[str, Region, np.ndarray, ReceivedCrcs | None]] = []
+                # no early done for a GPU tensor: its bytes reach it from the staging buffer as the call ends
+                hosts.append((r.tensor, r.region, host, r.received, r.done if host is r.out else None))
+            batch: list[tuple[str, Region, np.ndarray, ReceivedCrcs | None, Callable[[], None] | None]] = []
             size = 0
-            for tensor, region, host, received in hosts:
+            for tensor, region, host, received, done in hosts:
                 if host.nbytes > self.max_request_bytes:
                     self.read_into(job, v, tensor, region, host, verify=verify)
                     continue
                 if batch and (len(batch) >= MAX_BATCH_REGIONS or size + host.nbytes > self.max_request_bytes):
                     self._fetch_batch(job, v, batch, verify)
                     batch, size = [], 0
-                batch.append((tensor, region, host, received))
+                batch.append((tensor, region, host, received, done))
                 size += host.nbytes
             if batch:
                 self._fetch_batch(job, v, batch, verify)

@@ -12,9 +12,10 @@ version), remote ones from their planned source, padding is zero-filled.
 A piece that is contiguous in the destination (whole trailing rows) is read
 straight into the buffer; any other piece lands in a piece-sized temporary and
 is copied in: never whole-tensor staging. Contiguous remote pieces of one
-source are pulled in batch reads (one request for up to 16 MiB of them): a
+source are pulled in batch reads (one request for up to 64 MiB of them): a
 transform's hundreds of small shards would otherwise cost a request each.
-The client verifies each payload's checksum. A finished shard is uploaded
+The client verifies each payload's checksum, and each piece goes on as soon
+as its part of the batch is in (:attr:`RegionRead.done`). A finished shard is uploaded
 into the target store's *new* version and its buffer goes back to a pool for
 the next shards; buffers in flight are bounded by what the fetchers and
 writers can use at once (and by ``max_buffer_bytes``), so a transform
@@ -38,6 +39,7 @@ and :class:`TransformFailed` says what failed.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import threading
@@ -72,8 +74,11 @@ DEFAULT_MAX_BUFFER_BYTES = 2 << 30
 """The most destination-buffer memory a host's transform holds at once (a larger shard still runs, alone)."""
 _MIN_WORKING_BYTES = 64 << 20
 _WRITERS = 4  # threads storing finished shards: several overlap the per-shard file creation and fsync waits
-DEFAULT_BATCH_BYTES = 16 << 20
-"""Remote pieces of one source go in batch reads of up to this many bytes (see :func:`_fetch_batch`)."""
+DEFAULT_BATCH_BYTES = 64 << 20
+"""Remote pieces of one source go in batch reads of up to this many bytes (see :func:`_fetch_batch`): each
+request costs the source daemon about a millisecond of CPU (benchmarks/datapath_cpu.py: 16 MiB batches took
+0.20 core-s/GiB on the sending daemon, 64 MiB ones 0.13), and each piece goes to the writers as soon as its
+bytes are in, not when its whole batch is (:attr:`~tenplex.store.base.RegionRead.done`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -488,6 +493,7 @@ def _run(
     writes: list[Future[None]] = []
     batches: dict[str, list[tuple[_Shard, Transfer]]] = {}  # per source, pieces not yet submitted
     pending_bytes: dict[str, int] = {}
+    held: dict[int, int] = {}  # shards with a piece in a batch not yet submitted: index -> how many such pieces
     with (
         ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix=f"tenplex-transform-{hp.host}") as pool,
         ThreadPoolExecutor(max_workers=_WRITERS, thread_name_prefix=f"tenplex-transform-{hp.host}-write") as writer,
@@ -507,6 +513,10 @@ def _run(
         def flush(source: str) -> None:
             items = batches.pop(source, [])
             pending_bytes.pop(source, None)
+            for shard, _tr in items:
+                held[shard.index] -= 1
+                if not held[shard.index]:
+                    del held[shard.index]
             if items:
                 submit(_fetch_batch, plan, hp, source, items, clients, state, finish)
 
@@ -516,9 +526,13 @@ def _run(
             if state.cancelled():
                 break
             nbytes = dest.nbytes
-            if in_flight[0] + nbytes > max_buffer_bytes:
-                # About to wait for budget: the pieces held back for batches must be on their way first. (Only
-                # this thread adds to in_flight, so a shard that fits here still fits under the lock below.)
+            if in_flight[0] + nbytes > max_buffer_bytes and sum(hp.shards[i].nbytes for i in held) + nbytes > max_buffer_bytes:
+                # About to wait for budget that only the shards held back for batches could free: they must be
+                # on their way first. Otherwise the wait ends when submitted work is stored, and the batches
+                # keep filling up to batch_bytes: a flush per wait cut a transform's batches to a few MiB on
+                # average (150 requests instead of 86 for 1.3 GiB; each costs the source daemon about a
+                # millisecond of CPU, benchmarks/datapath_cpu.py). (Only this thread adds to in_flight and
+                # held, so a shard that fits here still fits under the lock below.)
                 for source in list(batches):
                     flush(source)
             with budget:
@@ -544,6 +558,7 @@ def _run(
                     flush(source)
                 batches.setdefault(source, []).append((shard, tr))
                 pending_bytes[source] = pending_bytes.get(source, 0) + tr.nbytes
+                held[idx] = held.get(idx, 0) + 1
         for source in list(batches):
             if state.failed.is_set():
                 break
@@ -653,13 +668,22 @@ def _fetch_batch(
     if state.failed.is_set():
         return
     client = clients.get(source)
+    delivered = [False] * len(items)
     if client is not None and source not in state.dead:
+        kind = "checkpoint" if source == CHECKPOINT else "remote"
+
+        def done(i: int) -> None:
+            """Piece ``i`` is in and verified: its shard goes to the writers while the batch's next pieces arrive."""
+            delivered[i] = True
+            state.add(kind, items[i][1].nbytes, request=i == 0)
+            _piece_done(items[i][0], state, finish)
+
         reads = []
-        for shard, tr in items:
+        for i, (shard, tr) in enumerate(items):
             # a read of the whole region fills the buffer alone (a shard's transfers are disjoint)
             shard.received = ReceivedCrcs(shard.buf) if tr.region == shard.dest.region else None
             reads.append(RegionRead(tr.tensor, tr.region, shard.buf[tr.region.relative_to(shard.dest.region).slices()],
-                                    shard.received))
+                                    shard.received, functools.partial(done, i)))
         try:
             client.read_regions(plan.source_job, plan.old_version, reads)
         except StoreUnavailable as exc:
@@ -667,12 +691,13 @@ def _fetch_batch(
         except TenplexError as exc:
             log.info("batch read of %d pieces from %s failed (%s: %s); fetching them one by one", len(items), source, exc.code, exc.detail)
         else:
-            kind = "checkpoint" if source == CHECKPOINT else "remote"
-            for i, (shard, tr) in enumerate(items):
-                state.add(kind, tr.nbytes, request=i == 0)
-                _piece_done(shard, state, finish)
+            for i in range(len(items)):  # those the store did not report one by one
+                if not delivered[i]:
+                    done(i)
             return
-    for shard, tr in items:
+    for (shard, tr), ok in zip(items, delivered, strict=True):
+        if ok:
+            continue  # stored or being stored: the store reported it complete
         shard.received = None  # what the failed batch recorded need not be what the retry receives
         _piece(plan, hp, shard, tr, clients, state, finish)
 

@@ -145,6 +145,41 @@ def test_the_client_splits_batches_at_its_limits(served: tuple[StoreServer, dict
         assert r.out.tobytes() == data["bias"][i % 90 : i % 90 + 6].tobytes()
 
 
+def test_each_part_is_reported_done_as_it_arrives_and_a_retry_never_rewrites_it(
+    served: tuple[StoreServer, dict[str, np.ndarray]],
+) -> None:
+    """What lets the executor store a shard while the rest of a large batch is on the wire (execute._fetch_batch)."""
+    srv, data = served
+    events: list[str] = []
+    with StoreClient(srv.url, backoff=0.01) as c:
+        real = c._receive
+        cut = [True]
+
+        def receive(resp, target, checksum, what, version, received=None):  # type: ignore[no-untyped-def]
+            if "'bias'" in what and cut[0]:  # the connection drops in the second part, once: the request is retried
+                cut[0] = False
+                raise ConnectionResetError("cut mid-body by the test")
+            events.append(f"receive {what}")
+            real(resp, target, checksum, what, version, received)
+
+        c._receive = receive  # type: ignore[method-assign]
+        w, bias, emb = np.empty((512, 256), np.float32), np.empty(96, np.float32), np.empty((100, 24), np.float16)
+
+        def done(name: str, out: np.ndarray) -> None:
+            events.append(f"done {name}")
+            assert out.tobytes() == data[name].tobytes()  # in and verified when reported
+            out[...] = 0  # the caller owns it now: a retry must not write it again
+
+        c.read_regions("j", "s1-g0", [
+            RegionRead("w", Region.full(w.shape), w, done=lambda: done("w", w)),
+            RegionRead("bias", Region.full((96,)), bias, done=lambda: done("bias", bias)),
+            RegionRead("emb", Region.full((100, 24)), emb, done=lambda: done("emb", emb)),
+        ])
+    assert events == ["receive 'w' '0:512,0:256'", "done w",  # then the cut, and the retry reads past w
+                      "receive 'bias' '0:96'", "done bias", "receive 'emb' '0:100,0:24'", "done emb"]
+    assert not w.any() and not bias.any() and not emb.any()
+
+
 def test_bad_batches_get_clear_errors(served: tuple[StoreServer, dict[str, np.ndarray]]) -> None:
     srv, _data = served
     path = "/v1/jobs/j/versions/s1-g0/regions"
