@@ -17,6 +17,11 @@ Issue 27, item 5(a), Kubernetes backend. What is real and what is simulated:
   HTTP, no torch, no bytes), and the node stores (:mod:`tenplex.testing.simnodes`: every daemon request the
   scheduler makes is answered, every sub-plan is decoded with the daemon's decoder, nothing moves).
 
+Processes besides this driver (which holds the control plane, creates the ElasticJob, scales it with the scale
+subresource, probes ``GET /v1/jobs/{job}`` and watches the API server's objects): the scheduler (``--role
+scheduler``, with the per-thread CPU sampler of ``control_plane.py``); the simulated nodes and ranks (``--role
+cluster`` of ``control_plane_16k.py``); the 128 kubelets (``--role kubelets``).
+
 The node loss: the node's simulated store stops answering, its ranks end as SIGKILLed, its kubelet stops; the
 real node lifecycle controller marks the node Unknown once its Lease is ``--node-grace`` seconds old (kubelets
 renew every ``--kubelet-heartbeat`` s), and the scheduler, watching nodes, recovers from the survivors' replicas.
@@ -42,6 +47,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +104,56 @@ def role_scheduler(args: argparse.Namespace) -> None:
     finally:
         sampler.stop()
         scheduler.close()
+
+
+# -- the kubelets' process -------------------------------------------------------------------------------
+
+
+def role_kubelets(args: argparse.Namespace) -> None:
+    """One simulated kubelet per node (each with its node's own credentials, from ``--kubeconfigs``), their ranks run
+    by the agent at ``--agent``; ``POST /kill?node=N`` stops node N's kubelet (the node's loss). Apart from the
+    driver, so that the driver's probe of the scheduler does not wait among 256 kubelet threads for the GIL."""
+    import http.server
+
+    from kubernetes import config as kube_config
+
+    from tenplex.serving import write_port_file
+    from tenplex.testing.k8s.simkubelet import AgentLink, SimulatedRanksKubelet
+
+    logging.basicConfig(level=logging.WARNING, format="%(created).3f %(name)s [%(threadName)s] %(message)s")
+    link = AgentLink(args.agent)
+    kubelets: dict[str, SimulatedRanksKubelet] = {}
+    for h in json.loads(Path(args.hosts_file).read_text()):
+        api_client = kube_config.new_client_from_config(str(Path(args.kubeconfigs) / f"{h['name']}.kubeconfig"))
+        kubelets[h["name"]] = SimulatedRanksKubelet(api_client, h["name"], h["address"], link,
+                                                    heartbeat_seconds=args.kubelet_heartbeat)
+        kubelets[h["name"]].start()
+
+    class Kill(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
+            node = self.path.rsplit("=", 1)[-1]
+            kubelet = kubelets.get(node)
+            if kubelet is not None:
+                kubelet.stop()
+            self.send_response(200 if kubelet is not None else 404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *a: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Kill)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    write_port_file(args.port_file, server.server_address[1])
+    stop.wait()
+    server.shutdown()
+    link.close()
+    for k in kubelets.values():
+        k._stop.set()  # all at once: each stop() below then only joins
+    for k in kubelets.values():
+        k.stop()
 
 
 # -- what the API server holds ------------------------------------------------------------------------------
@@ -177,7 +233,7 @@ class ObjectSizes(threading.Thread):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--role", choices=["driver", "scheduler"], default="driver")
+    parser.add_argument("--role", choices=["driver", "scheduler", "kubelets"], default="driver")
     parser.add_argument("--nodes", type=int, default=128)
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--dp", type=int, default=8)
@@ -191,16 +247,18 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--kubeconfig"), parser.add_argument("--state-dir"), parser.add_argument("--port-file")
     parser.add_argument("--log"), parser.add_argument("--profile")
+    parser.add_argument("--agent"), parser.add_argument("--hosts-file"), parser.add_argument("--kubeconfigs")
     args = parser.parse_args()
     if args.role == "scheduler":
         return role_scheduler(args)
+    if args.role == "kubelets":
+        return role_kubelets(args)
 
     from kubernetes import client as kclient
 
     from tenplex.k8s import crd
     from tenplex.testing.k8s.cluster import TestCluster
     from tenplex.testing.k8s.controlplane import ControlPlane, User, binaries_dir, missing_binaries
-    from tenplex.testing.k8s.simkubelet import AgentLink, SimulatedRanksKubelet
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     tp, dp = args.gpus_per_node, args.dp
@@ -224,7 +282,6 @@ def main() -> None:
     here = Path(__file__).resolve()
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     children: list[subprocess.Popen] = []
-    kubelets: list[SimulatedRanksKubelet] = []
     clients: list[Any] = []
 
     def spawn(argv: list[str], log: str) -> subprocess.Popen:
@@ -238,7 +295,6 @@ def main() -> None:
     plane = ControlPlane(out / "k8s", binaries_dir(REPO), crds=(crd.crd_manifest(),),
                          node_monitor_grace_period=args.node_grace).start()
     api = TestCluster(plane)
-    link: AgentLink | None = None
     sizes: ObjectSizes | None = None
     try:
         api.install_crd()
@@ -249,8 +305,7 @@ def main() -> None:
                          "--port-file", str(out / "agent.port"), "--step-seconds", str(args.step_seconds)], "cluster.log")
         agent_url = f"http://127.0.0.1:{wait_file(out / 'agent.port', cluster, 'the cluster', 300)}"
         hosts = json.loads((out / "hosts.json").read_text())
-        link = AgentLink(agent_url)
-        store_owner = None
+        (out / "kubeconfigs").mkdir(exist_ok=True)
         for h in hosts:
             api.add_node(h["name"], gpus=tp, address=h["address"])
             port = int(h["store_url"].rsplit(":", 1)[1])
@@ -259,12 +314,12 @@ def main() -> None:
                 "spec": {"nodeName": h["name"], "automountServiceAccountToken": False, "containers": [
                     {"name": "store", "image": "tenplex:bench",
                      "ports": [{"name": "store", "containerPort": port, "hostPort": port}]}]}}, NS)
-            node_client = api.api_client(User.node(h["name"]))
-            clients.append(node_client)
-            k = SimulatedRanksKubelet(node_client, h["name"], h["address"], link, heartbeat_seconds=args.kubelet_heartbeat)
-            kubelets.append(k)
-            k.start()
-        del store_owner
+            (out / "kubeconfigs" / f"{h['name']}.kubeconfig").write_text(
+                yaml.safe_dump(plane.kubeconfig(User.node(h["name"]))))
+        kubelet_proc = spawn([str(here), "--role", "kubelets", "--agent", agent_url, "--hosts-file", str(out / "hosts.json"),
+                              "--kubeconfigs", str(out / "kubeconfigs"), "--port-file", str(out / "kubelets.port"),
+                              "--kubelet-heartbeat", str(args.kubelet_heartbeat)], "kubelets.log")
+        kubelets_url = f"http://127.0.0.1:{wait_file(out / 'kubelets.port', kubelet_proc, 'the kubelets', 300)}"
         print(f"{args.nodes} nodes (simulated stores, kubelets, store pods) up in {time.perf_counter() - t:.1f} s",
               flush=True)
         kubeconfig = out / "scheduler.kubeconfig"
@@ -399,7 +454,8 @@ def main() -> None:
 
         def kill() -> None:
             request(f"{agent_url}/nodes/kill", "POST", {"host": lost})
-            next(k for k in kubelets if k.node == lost).stop()
+            urllib.request.urlopen(urllib.request.Request(f"{kubelets_url}/kill?node={lost}", data=b"", method="POST"),
+                                   timeout=60).read()
 
         loss = change(f"loss of node {lost}", kill,
                       lambda s: (training(gen + 1)(s) and s["history"][-1]["reason"] == "failure"
@@ -420,12 +476,7 @@ def main() -> None:
     finally:
         if sizes is not None:
             sizes.halt.set()
-        if link is not None:
-            link.close()
         stop_processes(reversed(children), signal.SIGTERM, grace=30)
-        for k in kubelets:
-            with contextlib.suppress(Exception):
-                k.stop()
         for c in clients:
             with contextlib.suppress(Exception):
                 c.close()
