@@ -822,7 +822,9 @@ class KubernetesBackend(Backend):
         docstring); any other pod is deleted (the kubelet sends SIGTERM, then SIGKILL after ``grace``), and the
         call waits until they are gone.
 
-        A pod is gone once its kubelet has confirmed that its containers ended. The wait covers the pods on
+        A pod is gone once its kubelet has confirmed that its containers ended; one its kubelet had already
+        reported Succeeded or Failed has ended and is not waited for (its deletion completes meanwhile). The wait
+        covers the pods on
         Ready nodes; a NotReady node's kubelet cannot confirm, so its pods stay Terminating (and keep their GPUs
         in :meth:`hosts`) without holding the caller up. A pod still there after the grace period and a margin
         is left Terminating with a warning: its GPUs stay counted as held until it is gone. A standby pod whose
@@ -882,9 +884,14 @@ class KubernetesBackend(Backend):
                 pass
 
     def _delete_and_wait(self, job: str, pods: Sequence[Mapping[str, Any]], *, grace: float) -> None:
-        """Delete these pods and wait until they are gone (see :meth:`stop`)."""
+        """Delete these pods and wait until they are gone, those that had ended aside (see :meth:`stop`)."""
         if not pods:
             return
+        # A pod its kubelet had reported Succeeded or Failed before this call has no container left (its GPUs are
+        # free, see held_gpus): it is deleted without holding the caller (a scale-down's launch waited 10 s for
+        # the confirmations of 128 pods that had all ended).
+        ended = {p["metadata"]["uid"] for p in pods
+                 if (now := self._live_pod(p)) is not None and _phase(now) in ("Succeeded", "Failed")}
         self._delete_pods(job, pods, grace=grace)
         seconds = max(1, math.ceil(grace))
         deadline = time.monotonic() + seconds + self._stop_margin
@@ -892,7 +899,7 @@ class KubernetesBackend(Backend):
         while time.monotonic() < deadline:
             # Node readiness, not the host's: the kubelet of a Ready node whose store hangs still confirms.
             ready = {n["metadata"]["name"] for n in self.nodes.items() if node_ready(n)}
-            live = [p for p in pods if self._live_pod(p) is not None]
+            live = [p for p in pods if p["metadata"]["uid"] not in ended and self._live_pod(p) is not None]
             left = [p["metadata"]["name"] for p in live if (p.get("spec") or {}).get("nodeName") in ready]
             if not left:
                 lost = [p["metadata"]["name"] for p in live]
