@@ -74,6 +74,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -107,6 +108,9 @@ TLS_CA_DIR = "/etc/tenplex/tls-ca"
 STORE_PORT_NAME = "store"
 STORE_VOLUME = "tenplex-store"
 MEMORY_VOLUME = "tenplex-store-memory"
+LAUNCH_CONCURRENCY = 8
+"""Pod creations (deletions) a launch (stop) has in flight at once (the API client's connection pool holds 10
+connections)."""
 LABEL_GENERATION = "tenplex.io/generation"
 LABEL_RANK = "tenplex.io/rank"
 LABEL_RANKS = "tenplex.io/ranks"
@@ -689,7 +693,7 @@ class KubernetesBackend(Backend):
                     self._assigned.pop((job, x.worker_id), None)
                 for x in group[1:]:
                     self._pod_of[(job, x.worker_id)] = group[0].worker_id
-        for group, manifest in zip(fresh, manifests, strict=True):
+        def create(group: tuple[WorkerLaunch, ...], manifest: dict[str, Any]) -> None:
             w = group[0]
             try:
                 resp = self.core.create_namespaced_pod(namespace, manifest, _preload_content=False)
@@ -705,13 +709,25 @@ class KubernetesBackend(Backend):
                 if existing is not None and (existing.get("metadata") or {}).get("deletionTimestamp"):
                     # An earlier pod of that name, still terminating: the new one can only be created once it is gone.
                     self._create_after(existing, manifest, informer)
-                    continue
+                    return
                 if existing is None or _labels(existing).get(LABEL_GENERATION) != want:
                     raise Conflict(f"job {job}: pod {namespace}/{w.worker_id} already exists and is not "
                                    f"generation {want}'s worker") from None
                 log.info("job %s: pod %s already exists (launched before a scheduler restart)", job, w.worker_id)
             log.info("job %s: created pod %s/%s (ranks %s on node %s)", job, namespace, w.worker_id,
                      ", ".join(str(x.rank) for x in group), w.host)
+
+        # Several creations in flight: one at a time, a 128-pod launch took 20 s of round trips to a loaded API
+        # server (benchmarks/control_plane_k8s.py), all of it downtime. Each creation is idempotent, so a failure
+        # (raised once the others have been tried) makes the controller repeat the launch as before.
+        if len(fresh) <= 1:
+            for group, manifest in zip(fresh, manifests, strict=True):
+                create(group, manifest)
+        else:
+            with ThreadPoolExecutor(max_workers=min(LAUNCH_CONCURRENCY, len(fresh)),
+                                    thread_name_prefix="tenplex-pod-create") as pool:
+                for _ in pool.map(create, fresh, manifests):
+                    pass
         return {w.worker_id: None for w in workers}
 
     def _standby_pods(self, job: str) -> list[dict[str, Any]]:
@@ -806,7 +822,9 @@ class KubernetesBackend(Backend):
         docstring); any other pod is deleted (the kubelet sends SIGTERM, then SIGKILL after ``grace``), and the
         call waits until they are gone.
 
-        A pod is gone once its kubelet has confirmed that its containers ended. The wait covers the pods on
+        A pod is gone once its kubelet has confirmed that its containers ended; one its kubelet had already
+        reported Succeeded or Failed has ended and is not waited for (its deletion completes meanwhile). The wait
+        covers the pods on
         Ready nodes; a NotReady node's kubelet cannot confirm, so its pods stay Terminating (and keep their GPUs
         in :meth:`hosts`) without holding the caller up. A pod still there after the grace period and a margin
         is left Terminating with a warning: its GPUs stay counted as held until it is gone. A standby pod whose
@@ -845,7 +863,8 @@ class KubernetesBackend(Backend):
         successor created at once is rejected by the node's kubelet for lack of GPUs, as the e2e test of a
         standby pod that stops answering found)."""
         seconds = max(1, math.ceil(grace))
-        for pod in pods:
+
+        def delete(pod: Mapping[str, Any]) -> None:
             meta = pod["metadata"]
             try:
                 self.core.delete_namespaced_pod(meta["name"], meta["namespace"], grace_period_seconds=seconds,
@@ -854,10 +873,25 @@ class KubernetesBackend(Backend):
                 if exc.status != 404:
                     log.warning("job %s: deleting pod %s failed: %s %s", job, meta["name"], exc.status, _api_message(exc))
 
+        # in flight together, as in launch: a generation's 128 pods one at a time took 12 s of downtime
+        if len(pods) <= 1:
+            for pod in pods:
+                delete(pod)
+            return
+        with ThreadPoolExecutor(max_workers=min(LAUNCH_CONCURRENCY, len(pods)),
+                                thread_name_prefix="tenplex-pod-delete") as pool:
+            for _ in pool.map(delete, pods):
+                pass
+
     def _delete_and_wait(self, job: str, pods: Sequence[Mapping[str, Any]], *, grace: float) -> None:
-        """Delete these pods and wait until they are gone (see :meth:`stop`)."""
+        """Delete these pods and wait until they are gone, those that had ended aside (see :meth:`stop`)."""
         if not pods:
             return
+        # A pod its kubelet had reported Succeeded or Failed before this call has no container left (its GPUs are
+        # free, see held_gpus): it is deleted without holding the caller (a scale-down's launch waited 10 s for
+        # the confirmations of 128 pods that had all ended).
+        ended = {p["metadata"]["uid"] for p in pods
+                 if (now := self._live_pod(p)) is not None and _phase(now) in ("Succeeded", "Failed")}
         self._delete_pods(job, pods, grace=grace)
         seconds = max(1, math.ceil(grace))
         deadline = time.monotonic() + seconds + self._stop_margin
@@ -865,7 +899,7 @@ class KubernetesBackend(Backend):
         while time.monotonic() < deadline:
             # Node readiness, not the host's: the kubelet of a Ready node whose store hangs still confirms.
             ready = {n["metadata"]["name"] for n in self.nodes.items() if node_ready(n)}
-            live = [p for p in pods if self._live_pod(p) is not None]
+            live = [p for p in pods if p["metadata"]["uid"] not in ended and self._live_pod(p) is not None]
             left = [p["metadata"]["name"] for p in live if (p.get("spec") or {}).get("nodeName") in ready]
             if not left:
                 lost = [p["metadata"]["name"] for p in live]

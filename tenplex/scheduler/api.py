@@ -366,8 +366,12 @@ class _Views:
 
         def refresh() -> None:
             try:
+                # The cost is the view's making, not the wait for the lock: a controller that held it for 20 s
+                # (a large launch) would otherwise stretch the next refresh to 5 x 20 s, and every GET until then
+                # would read a view that old (it did: 100 s behind a scale-down that had finished).
+                ctl.lock.acquire()
                 start = time.perf_counter()
-                view = self(ctl)
+                view = self._build(ctl)
                 self.encoded(ctl, json.dumps(view, separators=(",", ":"), allow_nan=False).encode(),
                              time.perf_counter() - start)
             finally:

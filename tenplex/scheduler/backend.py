@@ -95,8 +95,9 @@ class Backend(ABC):
         """Take over workers started by a previous scheduler process (after a restart)."""
 
     def heard_from(self, host: str) -> None:  # noqa: B027 - optional hook
-        """``host``'s node daemon reported just now (it relayed its workers' heartbeats): a backend that probes
-        its hosts' daemons may skip the next probe of this one."""
+        """``host``'s node daemon reported just now (it relayed its workers' heartbeats, or answered one of the
+        scheduler's requests during a change): a backend that probes its hosts' daemons may skip the next probe
+        of this one."""
 
     def gpus_held_by(self, job: str, worker_ids: Sequence[str]) -> dict[str, int]:
         """Host -> GPUs that :meth:`hosts` counts as taken by these workers of ``job`` (empty for a backend

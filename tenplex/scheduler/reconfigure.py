@@ -24,7 +24,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 from tenplex.core.units import human_bytes
@@ -153,6 +153,7 @@ class Orchestrator:
             except TenplexError as exc:
                 log.warning("job %s: store of %s unreachable: %s", ctx.name, h.name, exc.detail)
                 return h.name, None
+            ctx.backend.heard_from(h.name)  # its daemon answered: the health watch need not probe it this round
             return h.name, [str(v.version) for v in infos if v.committed]
 
         if not hosts:
@@ -434,6 +435,10 @@ class Orchestrator:
         try:
             run = PlanRun(plan, stores, token=ctx.settings.transform_grant(plan.job), client_for=ctx.client_for)
             statuses = run.submit()
+            # Every target's daemon answers its submission and then each poll until its transform ends (a poll
+            # that one of them does not answer raises): between two generations no worker relays heartbeats,
+            # and these answers are what keeps the health watch from probing a thousand daemons every second.
+            self._heard(statuses)
             while not all(s.finished for s in statuses.values()) and run.failure(statuses) is None:
                 lost = [h.name for h in ctx.backend.hosts() if h.name in plan.hosts and not h.ready]
                 if lost:
@@ -446,7 +451,9 @@ class Orchestrator:
                 if closing(0):
                     return
                 # Each daemon answers as soon as its transform ends: the commit is learnt of at once.
+                asked = [h for h, s in statuses.items() if not s.finished]
                 statuses = run.poll(wait=TRANSFER_POLL_S)
+                self._heard(asked)
         except TenplexError as exc:  # a daemon unreachable (after retries): as for a lost host
             if run is not None:
                 with contextlib.suppress(TenplexError):
@@ -489,6 +496,10 @@ class Orchestrator:
                                                "started during the transfer)")
             else:
                 ctx.enter(Phase.RECONFIGURING, Stage.RESTARTING, f"state {new_version} in place on {len(plan.hosts)} hosts")
+
+    def _heard(self, hosts: Iterable[str]) -> None:
+        for host in hosts:
+            self.ctx.backend.heard_from(host)
 
     def restart(self) -> None:
         ctx, st = self.ctx, self.ctx.status

@@ -209,6 +209,8 @@ class _Generation:
     job: str
     generation: int
     ranks: dict[str, _Rank]
+    world: int | None = None
+    """Ranks of the generation (``WORLD_SIZE``; None: those of its one launch)."""
     step: int = 0
     stop_at: int | None = None
     abort: bool = False
@@ -266,12 +268,17 @@ class Agent:
             by_generation.setdefault(gen, []).append(
                 _Rank(w["worker_id"], int(w["rank"]), w["host"], dict(w["env"]), w["store_root"]))
         for gen, ranks in by_generation.items():
-            g = _Generation(job, gen, {r.worker_id: r for r in ranks})
-            g.timeline["launched"] = time.time()
-            self.generations[(job, gen)] = g
+            # A generation comes in one launch (the local backends) or pod by pod (a kubelet per node, see
+            # tenplex.testing.k8s.simkubelet): its ranks train in lockstep once all of its world has registered.
+            g = self.generations.get((job, gen))
+            if g is None or g.done.is_set():
+                g = _Generation(job, gen, {}, world=int(ranks[0].env.get(P.ENV_WORLD_SIZE, 0)) or None)
+                g.timeline["launched"] = time.time()
+                self.generations[(job, gen)] = g
+                asyncio.get_running_loop().create_task(self._train(g))
             for r in ranks:
+                g.ranks[r.worker_id] = r
                 r.task = asyncio.get_running_loop().create_task(self._run_rank(g, r))
-            asyncio.get_running_loop().create_task(self._train(g))
 
     def stop(self, job: str, worker_ids: Sequence[str]) -> None:
         wanted = set(worker_ids)
@@ -358,7 +365,7 @@ class Agent:
         if a.stop_at_step is not None:
             g.stop_at = a.stop_at_step if g.stop_at is None else min(g.stop_at, a.stop_at_step)
         g.registered += 1
-        if g.registered == len(g.ranks):
+        if g.registered == (g.world or len(g.ranks)):
             g.timeline["registered"] = time.time()
             g.ready.set()
         relay = g.relays.get(r.host)
@@ -366,6 +373,7 @@ class Agent:
         if relay is None:
             relay = g.relays[r.host] = []
             beat = asyncio.get_running_loop().create_task(self._heartbeats(g, r.host, relay, a))
+            beat.add_done_callback(_log_failure)
         relay.append(r)
         try:
             await g.done.wait()
@@ -382,7 +390,7 @@ class Agent:
         await self._post(r, P.EXIT_PATH, P.ExitReport(generation=g.generation, step=g.step, status=status,
                                                       exit_code=0), "exit")
         g.finished += 1
-        if g.finished == len(g.ranks):
+        if g.finished == (g.world or len(g.ranks)):
             g.timeline["reported"] = time.time()
         return 0
 
@@ -549,6 +557,12 @@ class Agent:
         self.counts["shards_written"] += sum(len(v) for v in per_host.values())
         committed = {rank_of[d].worker_id: True for d in writer_of_host.values()}
         return committed
+
+
+def _log_failure(task: asyncio.Task[Any]) -> None:
+    """A background task's failure is logged when it ends (not when the task is collected, if ever)."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("simulated task %s failed: %r", task.get_name(), task.exception())
 
 
 class _Http:
