@@ -31,17 +31,10 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
-import zarr
-import zarr.storage
-from zarr.core.buffer.cpu import NDBuffer
-
 from tenplex.core.files import fsync_path
 from tenplex.core.units import human_bytes
 from tenplex.core.version import Version
 from tenplex.errors import ChecksumMismatch, Conflict, InvalidInput, StateLost
-from tenplex.ptc.dtypes import storage_dtype
-from tenplex.store.buffers import crc_of, slabs
 from tenplex.store.layout import (
     BUDGET_LOCK,
     BUFFERS,
@@ -55,9 +48,10 @@ from tenplex.store.layout import (
     write_group,
     write_json_atomic,
 )
-from tenplex.store.model import Manifest, ShardInfo, format_checksum
+from tenplex.store.model import Manifest, ShardInfo
 from tenplex.store.names import check_job, check_version
-from tenplex.store.rawchunks import ChunkLayout, RawChunkReader, direct_writes_work
+from tenplex.store.rawchunks import ChunkLayout, direct_writes_work
+from tenplex.store.reader import StoredShard, TensorReader, damage
 from tenplex.store.tiers import (
     DEFAULT_EVICT_GRACE_S,
     DEFAULT_SPILL_POLL_S,
@@ -75,8 +69,6 @@ from tenplex.store.tiers import (
 )
 
 log = logging.getLogger(__name__)
-
-_PIECE_BYTES = 32 << 20  # bounded buffer for checking a spilled shard written through zarr
 
 
 class MemoryTier:
@@ -526,10 +518,11 @@ class MemoryTier:
                     copy_verified(here / name, out / name, expected.get(key), direct=self.direct_writes)
                     copied += os.stat(out / name).st_size
         if not expected:  # written through zarr (no chunk checksums): check the copy whole
-            crc = format_checksum(_shard_crc(dst, info, layout))
-            if crc != info.checksum:
+            stored = StoredShard(info, dst, layout, None)
+            problem = damage(TensorReader(job, version, info.tensor, False, [stored]), stored, info.region)
+            if problem is not None:
                 raise ChecksumMismatch(f"spilling {info.tensor!r} {info.region.format()} of {version} of job {job!r}: "
-                                       f"crc32c {crc}, recorded {info.checksum}: the memory copy is damaged")
+                                       f"{problem}: the memory copy is damaged")
         return copied
 
     def reap_evicted(self) -> int:
@@ -600,28 +593,6 @@ def _link_kept(src: Path, rel: str, spilled: Sequence[tuple[Path, Path]], dst: P
         except OSError:  # no hard links there: copy
             return False
     return False
-
-
-def _shard_crc(path: Path, info: ShardInfo, layout: ChunkLayout | None) -> int:
-    """crc32c of a stored shard's C-order payload, read through one bounded buffer (a shard whose writer
-    recorded no chunk checksums: written through zarr)."""
-    if info.region.empty:
-        return 0
-    st = storage_dtype(info.dtype)
-    raw = RawChunkReader(path, layout) if layout is not None else None
-    arr = None if raw is not None else zarr.open_array(store=zarr.storage.LocalStore(path, read_only=True), mode="r")
-    pieces = list(slabs(info.region.shape, st.itemsize, _PIECE_BYTES))
-    flat = np.empty(max(p.volume for p in pieces), st)
-    crc = 0
-    for piece in pieces:
-        buf = flat[: piece.volume].reshape(piece.shape)
-        if raw is not None:
-            raw.read(piece, buf)
-        else:
-            assert arr is not None
-            arr.get_basic_selection(piece.slices(), out=NDBuffer.from_numpy_array(buf))
-        crc = crc_of(buf, crc)
-    return crc
 
 
 class Spiller:
