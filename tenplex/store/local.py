@@ -112,7 +112,7 @@ from tenplex.store.reader import (
     damage,
     scan_tensor,
 )
-from tenplex.store.tiers import DEFAULT_SPILL_POLL_S, MemorySlots
+from tenplex.store.tiers import MemorySlots
 
 if TYPE_CHECKING:
     import torch
@@ -233,10 +233,10 @@ class LocalStore(TensorStore):
     committed there (a marker, no fsync: not durable yet) and read from there, peers included, until the
     tier's owner (the node daemon) has spilled them to disk and evicted them; :meth:`versions` and
     :meth:`manifest` say which versions are durable. Within a tier, kept shards are hard links; across
-    tiers they are copied. ``memory``: the tier (the daemon makes its own, :meth:`MemoryTier.open` with
-    ``owner=True``); else ``memory_root``, ``memory_bytes``, ``spill`` (be the owner: record the tier and run
-    its spiller), ``evict_grace_s``, ``spill_poll_s`` and ``spill_interval_s`` make one as
-    :meth:`MemoryTier.open` describes (none of them: the tier the root records, if any).
+    tiers they are copied. ``memory``: the tier (its owner, the node daemon, makes it with
+    :meth:`MemoryTier.open` ``owner=True``); else the root's recorded tier, as :meth:`MemoryTier.open`
+    finds it from ``memory_root`` and ``memory_bytes`` (none: the tier the root records, if any).
+    :meth:`close` closes the tier too.
     """
 
     def __init__(
@@ -252,10 +252,6 @@ class LocalStore(TensorStore):
         memory: MemoryTier | None = None,
         memory_root: str | Path | None = None,
         memory_bytes: int | None = None,
-        spill: bool = False,
-        evict_grace_s: float | None = None,
-        spill_poll_s: float = DEFAULT_SPILL_POLL_S,
-        spill_interval_s: float = 0.0,
     ) -> None:
         if chunk_bytes < 64:
             raise InvalidInput(f"chunk_bytes must be at least 64, got {chunk_bytes}")
@@ -276,10 +272,9 @@ class LocalStore(TensorStore):
         self.direct_writes = direct_writes and direct_writes_work(self.root)
 
         if memory is None:
-            memory = MemoryTier.open(self.root, memory_root, memory_bytes, evict_grace_s, owner=spill, durable=durable,
-                                     direct_writes=self.direct_writes)
-            if memory is not None and spill:
-                memory.start_spilling(poll_s=spill_poll_s, interval_s=spill_interval_s)
+            memory = MemoryTier.open(self.root, memory_root, memory_bytes, durable=durable, direct_writes=self.direct_writes)
+        elif memory_root is not None or memory_bytes is not None:
+            raise InvalidInput("give a store either its memory tier or the tier's memory_root/memory_bytes, not both")
         self.memory = memory
         """The memory tier, if any (what the daemon's spiller, metrics and the tests ask about the tier)."""
         self._disk = Root(self.root)

@@ -116,7 +116,7 @@ class MemoryTier:
                 take_ownership(disk, None)
                 return None
             if memory_bytes is None:
-                raise InvalidInput("the owner of a memory tier (spill=True) needs memory_bytes, its budget")
+                raise InvalidInput("the owner of a memory tier needs memory_bytes, its budget")
             mroot = Path(memory_root)
             mroot.mkdir(parents=True, exist_ok=True)
             check_memory_fs(mroot)

@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -25,7 +26,7 @@ from tenplex.core.version import Version
 from tenplex.errors import ChecksumMismatch, InvalidInput
 from tenplex.ptc import PTC, Device, Region, build_tensor
 from tenplex.store.local import LocalStore
-from tenplex.store.memory import Spiller
+from tenplex.store.memory import MemoryTier, Spiller
 from tenplex.store.tiers import RECORD, TIER_ID, recorded_tier
 from tenplex.worker.snapshot import Snapshotter
 from tenplex.worker.state import live_pieces
@@ -38,6 +39,14 @@ WHOLE = Region.full(SHAPE)
 
 def data(seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal(SHAPE).astype(np.float32)
+
+
+def owned(disk: Path, memory_root: Path, budget: int, *, poll_s: float = 0.02, **options: Any) -> LocalStore:
+    """The tier's owner, as the node daemon: it makes the tier, records it in the root and runs its spiller."""
+    tier = MemoryTier.open(disk, memory_root, budget, owner=True)
+    assert tier is not None
+    tier.start_spilling(poll_s=poll_s)
+    return LocalStore(disk, memory=tier, **options)
 
 
 def put(store: LocalStore, version: str, seed: int, *, commit: bool = True) -> None:
@@ -68,8 +77,7 @@ def disk(tmp_path: Path) -> Path:
 @pytest.fixture
 def owner(disk: Path, memory_root: Path) -> Iterator[LocalStore]:
     """The tier's owner (as the daemon), its spiller not running: the tests spill when they choose."""
-    with LocalStore(disk, chunk_bytes=16 << 10, memory_root=memory_root, memory_bytes=3 * NBYTES + 4096,
-                    spill=True, spill_poll_s=3600) as s:
+    with owned(disk, memory_root, 3 * NBYTES + 4096, poll_s=3600, chunk_bytes=16 << 10) as s:
         assert s.memory.spiller is not None
         s.memory.spiller.stop()
         yield s  # type: ignore[misc]
@@ -148,7 +156,7 @@ def test_a_version_larger_than_the_budget_is_written_to_disk(owner: LocalStore) 
 
 
 def test_a_restarted_daemon_finds_its_memory_versions_and_spills_the_unspilled(disk: Path, memory_root: Path) -> None:
-    first = LocalStore(disk, memory_root=memory_root, memory_bytes=8 * NBYTES, spill=True, spill_poll_s=3600)
+    first = owned(disk, memory_root, 8 * NBYTES, poll_s=3600)
     assert first.memory.spiller is not None
     first.memory.spiller.stop()  # killed before it spilled anything
     put(first, "s1-g0", 1)
@@ -156,7 +164,7 @@ def test_a_restarted_daemon_finds_its_memory_versions_and_spills_the_unspilled(d
     first.close()
     tier_id = (memory_root / TIER_ID).read_text()
 
-    with LocalStore(disk, memory_root=memory_root, memory_bytes=8 * NBYTES, spill=True, spill_poll_s=0.02) as again:
+    with owned(disk, memory_root, 8 * NBYTES) as again:
         assert again.memory is not None and again.memory.tier_id == tier_id  # the same tier, kept across the restart
         assert [str(v.version) for v in again.versions(JOB)] == ["s1-g0", "s2-g0"]
         deadline = time.monotonic() + 30
@@ -172,7 +180,7 @@ def test_a_restarted_daemon_finds_its_memory_versions_and_spills_the_unspilled(d
 
 
 def test_a_memory_root_that_is_not_the_tiers_is_not_used(disk: Path, memory_root: Path, tmp_path: Path) -> None:
-    with LocalStore(disk, memory_root=memory_root, memory_bytes=8 * NBYTES, spill=True):
+    with owned(disk, memory_root, 8 * NBYTES):
         recorded = recorded_tier(disk)
         assert recorded is not None and recorded.root == memory_root.resolve()
         # a worker that sees the tier where it was recorded, or mounted elsewhere with the same id: used
@@ -193,7 +201,7 @@ def test_a_memory_root_that_is_not_the_tiers_is_not_used(disk: Path, memory_root
             p.unlink()
     assert LocalStore(disk).memory is None
     # a root whose daemon runs without a tier: a worker's memory root is not used either
-    LocalStore(disk, spill=True)
+    MemoryTier.open(disk, owner=True)
     assert recorded_tier(disk) is None and LocalStore(disk, memory_root=memory_root).memory is None
 
 
@@ -201,10 +209,10 @@ def test_bad_memory_tier_settings_are_clear_errors(disk: Path, memory_root: Path
     with pytest.raises(InvalidInput, match="needs memory_root"):
         LocalStore(disk, memory_bytes=1 << 20)
     with pytest.raises(InvalidInput, match="needs memory_bytes"):
-        LocalStore(disk, memory_root=memory_root, spill=True)
+        MemoryTier.open(disk, memory_root, owner=True)
     for bad in (0, -5):
         with pytest.raises(InvalidInput, match="budget must be a positive number of bytes"):
-            LocalStore(disk, memory_root=memory_root, memory_bytes=bad, spill=True)
+            MemoryTier.open(disk, memory_root, bad, owner=True)
 
 
 def test_snapshots_land_in_the_memory_tier_and_unchanged_shards_are_linked(disk: Path, memory_root: Path) -> None:
@@ -224,7 +232,7 @@ def test_snapshots_land_in_the_memory_tier_and_unchanged_shards_are_linked(disk:
     ptc = PTC(config={"dp": 1}, devices=(Device(0, "node-0"),),
               tensors=tuple(build_tensor(p.name, p.global_shape, p.dtype, p.kind, [(Region.full(p.global_shape), (0,))])
                             for p in pieces))
-    with LocalStore(disk, memory_root=memory_root, memory_bytes=64 << 20, spill=True, spill_poll_s=0.02) as daemon:
+    with owned(disk, memory_root, 64 << 20) as daemon:
         worker = LocalStore(disk)  # as a worker with the store root mounted: it finds the tier in the root
         assert worker.memory is not None
         snap = Snapshotter(worker, JOB, ptc, rank=0)
