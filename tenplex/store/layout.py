@@ -29,7 +29,7 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,14 +99,14 @@ class Root:
         return out
 
     @contextlib.contextmanager
-    def locked(self, job: str, *, create: bool) -> Iterator[None]:
+    def locked(self, job: str, *, create: bool | Callable[[], bool]) -> Iterator[None]:
         """The job's lock file in this root, held (exclusive ``flock``) for the block; :class:`NotFound` when
-        the job's directory is not there and ``create`` is false."""
+        the job's directory is not there and ``create`` is false (a callable: asked only then)."""
         job_dir = self.job(job)
         try:  # the common case first: the job's directory is there (one system call, not three)
             fd = os.open(job_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
         except FileNotFoundError:
-            if not create:
+            if not (create() if callable(create) else create):
                 raise NotFound(f"job {job!r} is not in this store") from None
             job_dir.mkdir(parents=True, exist_ok=True)
             fd = os.open(job_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)

@@ -312,7 +312,8 @@ class LocalStore(TensorStore):
 
     def _locked(self, job: str, *, create: bool = False) -> contextlib.AbstractContextManager[None]:
         """The job's lock (in the disk root, for both tiers). Lock order: the tier's budget lock before any job's."""
-        return self._disk.locked(job, create=create or (self.memory is not None and self.memory.holds_job(job)))
+        memory = self.memory
+        return self._disk.locked(job, create=create or (lambda: memory is not None and memory.holds_job(job)))
 
     def _is_committed(self, job: str, version: Version) -> bool:
         return self._disk.marker(job, version).is_file() or (self.memory is not None and self.memory.committed(job, version))
