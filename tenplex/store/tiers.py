@@ -326,7 +326,8 @@ class MemorySlots(SnapshotBuffers):
     """A writer's snapshot buffers as memory-tier files: the copy-out lands where the version's shards will be.
 
     What :meth:`LocalStore.snapshot_buffers` hands a snapshotting worker when the
-    store has a memory tier (made by :meth:`MemoryTier.slots`; ``adopt`` is the store's ``adopt_slot``). :meth:`acquire` gives, per shard, a page-aligned
+    store has a memory tier (made by :meth:`MemoryTier.slots`; ``adopt`` is the
+    store's ``adopt_slot``). :meth:`acquire` gives, per shard, a page-aligned
     buffer that is a file in the memory root mapped into this process for good
     (no page faults once it has been used, like the reused host buffers it
     replaces); :meth:`store` then puts that file into the version as the
