@@ -71,13 +71,13 @@ TICK = os.sysconf("SC_CLK_TCK")
 
 STAGES: list[tuple[str, tuple[str, ...]]] = [
     # (stage, substrings of a frame "function (file)"), first match from the innermost frame outwards
-    ("checksum", ("crc32c", "crc_of", "_damage", "checksum_runs", "recorded_checksum")),
+    ("checksum", ("crc32c", "crc_of", "damage (", "checksum_runs", "recorded_checksum")),
     ("socket receive", ("readinto", "recv_into", "_readinto", "_receive")),
     ("socket send", ("sendfile", "_send_runs", "sendall", "SendfileProtocol", "_sendfile")),
-    ("write or link", ("_write_direct", "_write_file", "os.write", "writev", "link_shard", "_link_tree",
+    ("write or link", ("_write_direct", "_write_file", "os.write", "writev", "link_shard", "link_tree",
                        "write_piece", "pwrite")),
-    ("copy", ("copyto", "_copy", "memmove", "tobytes", "read (tenplex/store/local.py)", "map_runs")),
-    ("commit", ("commit", "_fsync", "syncfs", "_sync_tree", "_install")),
+    ("copy", ("copyto", "_copy", "memmove", "tobytes", "read (tenplex/store/reader.py)", "map_runs")),
+    ("commit", ("commit", "_fsync", "syncfs", "sync_tree", "_install")),
 ]
 
 

@@ -69,11 +69,7 @@ SIBLINGS: dict[tuple[str, str], str] = {
     "in the worker command group",
 }
 KNOWN: dict[tuple[str, str], str] = {}
-KNOWN_CIRCLES: dict[frozenset[str], str] = {
-    frozenset({"tenplex.store.local", "tenplex.store.tiers"}): "the memory tier is folded into LocalStore and the "
-    "spiller, the memory slots and the shard writer call back into it; issue 25 item 1 makes the tier one object "
-    "of its own, with shard I/O one floor below both",
-}
+KNOWN_CIRCLES: dict[frozenset[str], str] = {}
 WEB_FREE = ("tenplex.core", "tenplex.errors", "tenplex.ptc", "tenplex.store", "tenplex.transformer", "tenplex.worker")
 """Parts that import no web framework: the daemon's routes are tenplex.node's, the scheduler's its own."""
 WEB = ("fastapi", "starlette", "uvicorn")

@@ -10,8 +10,9 @@ TLS (:mod:`tenplex.core.tls`), with one Prometheus registry. During a
 reconfiguration this process pulls its host's new shards from the other
 nodes' daemons and writes them into its own store; the scheduler only sends
 it the plan. With a memory tier (``--memory-root``, ``--memory-bytes``) it
-owns the tier: it records it in the store root (workers writing there
-directly use it too) and runs its one spiller (:mod:`tenplex.store.tiers`).
+owns the tier (:class:`~tenplex.store.memory.MemoryTier`): it makes it,
+records it in the store root (workers writing there directly use it too),
+runs its one spiller and closes it.
 Started for a scheduler (``--scheduler-url``), it relays its workers'
 heartbeats to it as one report per node and interval
 (:mod:`tenplex.node.relay`): liveness scales with nodes, not workers.
@@ -57,6 +58,7 @@ from tenplex.serving import (
     write_port_file,
 )
 from tenplex.store.local import LocalStore
+from tenplex.store.memory import MemoryTier
 from tenplex.store.wire import TOKEN_ENV
 
 log = logging.getLogger(__name__)
@@ -81,7 +83,7 @@ def create_node_app(store: LocalStore, *, token: str | None, transforms: Transfo
     auth = Authenticator.from_env(token, auth_keys)
     registry = CollectorRegistry(auto_describe=True)
     if store.memory is not None:
-        registry.register(_MemoryTierCollector(store))
+        registry.register(_MemoryTierCollector(store.memory))
     if relay is not None:
         registry.register(_RelayCollector(relay))
     service = TransformService(store, token=token, settings=transforms, registry=registry)
@@ -148,8 +150,11 @@ def serve(
     options: dict[str, Any] = {"map_chunks": map_chunks}
     if chunk_bytes is not None:
         options["chunk_bytes"] = chunk_bytes
-    store = LocalStore(root, memory_root=memory_root, memory_bytes=memory_bytes, evict_grace_s=evict_grace_s,
-                       spill=True, spill_interval_s=spill_interval_s, **options)
+    # this process owns the tier: records it in the root (or that there is none) and runs its spiller
+    tier = MemoryTier.open(root, memory_root, memory_bytes, evict_grace_s, owner=True)
+    store = LocalStore(root, memory=tier, **options)
+    if tier is not None:
+        tier.start_spilling(interval_s=spill_interval_s)
     sock = bind_socket(host, port)
     bound = sock.getsockname()[1]
     if port_file is not None:
@@ -276,11 +281,11 @@ def _keep_freed_memory() -> None:
 class _MemoryTierCollector(Collector):
     """The memory tier's state on every scrape: budget, bytes used, versions there and not yet durable, spills."""
 
-    def __init__(self, store: LocalStore) -> None:
-        self._store = store
+    def __init__(self, tier: MemoryTier) -> None:
+        self._tier = tier
 
     def collect(self) -> Any:
-        stats = self._store.memory_stats()
+        stats = self._tier.stats()
         for name, key, text in (
             ("tenplex_store_memory_budget_bytes", "budget", "Bytes of versions the memory tier may hold"),
             ("tenplex_store_memory_used_bytes", "used", "Bytes of versions in the memory tier"),
@@ -290,7 +295,7 @@ class _MemoryTierCollector(Collector):
              "Seconds since the oldest version not yet durable on disk was committed in memory (0: all are)"),
         ):
             yield GaugeMetricFamily(name, text, value=stats.get(key, 0))
-        spiller = self._store.spiller
+        spiller = self._tier.spiller
         if spiller is not None:
             yield CounterMetricFamily("tenplex_store_spilled_versions", "Versions spilled to disk", value=spiller.spilled)
             yield CounterMetricFamily("tenplex_store_spilled_bytes", "Bytes of versions spilled to disk",

@@ -106,7 +106,7 @@ from tenplex.serving import (
     BackgroundServer,
 )
 from tenplex.store.buffers import crc_of, slabs
-from tenplex.store.local import MIN_RUN_BYTES, LocalStore, ShardWriter, TensorReader
+from tenplex.store.local import LocalStore, ShardWriter
 from tenplex.store.model import ShardInfo, format_checksum
 from tenplex.store.names import check_job, check_tensor, check_version
 from tenplex.store.rawchunks import (
@@ -120,6 +120,7 @@ from tenplex.store.rawchunks import (
     open_runs,
     run_batches,
 )
+from tenplex.store.reader import MIN_RUN_BYTES, TensorReader
 from tenplex.store.wire import (
     CHECKSUM_HEADER,
     DTYPE_HEADER,

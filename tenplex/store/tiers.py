@@ -3,14 +3,14 @@
 A :class:`~tenplex.store.local.LocalStore` may have a *memory root* beside its
 disk root: a directory on a memory file system (tmpfs: ``/dev/shm/...`` or a
 node tmpfs mount shared by the daemon's and the workers' containers) with the
-same layout as the disk root, and a *budget* in bytes. This module holds what
-the tier is made of apart from the store's own bookkeeping: its settings
-(:class:`MemoryTier`) and how a disk root records them, the verified copy of
-a shard's files to disk, the spiller thread, and the snapshot buffers that let
-a worker's copy-out land in memory files that become a version's shards
-without another copy (:class:`MemorySlots`).
+same layout as the disk root, and a *budget* in bytes. The tier itself (budget,
+placement, eviction, spill) is :class:`~tenplex.store.memory.MemoryTier`; this
+module holds the parts it is made of: its settings (:class:`TierSettings`) and
+how a disk root records them, the verified copy of a shard's files to disk,
+and the snapshot buffers that let a worker's copy-out land in memory files that
+become a version's shards without another copy (:class:`MemorySlots`).
 
-Where a version lives and when (see :class:`~tenplex.store.local.LocalStore`)::
+Where a version lives and when::
 
     written    -> memory when it fits the budget (else disk, as without a tier)
     committed  -> its marker in the memory root: readable by peers at once, not durable
@@ -37,26 +37,21 @@ import errno
 import fcntl
 import json
 import logging
-import math
 import mmap
 import os
 import threading
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import crc32c
 import numpy as np
 
 from tenplex.core.buffers import PAGE_BYTES
 from tenplex.core.files import atomic_write
-from tenplex.errors import ChecksumMismatch, InvalidInput, StateLost
+from tenplex.errors import ChecksumMismatch, InvalidInput
 from tenplex.store.base import SnapshotBuffers
-
-if TYPE_CHECKING:
-    from tenplex.store.local import LocalStore
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +67,7 @@ _COPY_PIECE = 8 << 20  # bytes of one chunk file checksummed and written at a ti
 
 
 @dataclass(frozen=True, slots=True)
-class MemoryTier:
+class TierSettings:
     """The settings of a store's memory tier.
 
     ``root``: the memory root as this process sees it. ``budget``: bytes of
@@ -97,7 +92,7 @@ class MemoryTier:
         return {"root": str(self.root), "budget": self.budget, "evict_grace_s": self.evict_grace_s, "id": self.tier_id}
 
     @classmethod
-    def from_json(cls, obj: dict[str, Any]) -> MemoryTier:
+    def from_json(cls, obj: dict[str, Any]) -> TierSettings:
         try:
             return cls(Path(str(obj["root"])), int(obj["budget"]), float(obj.get("evict_grace_s", DEFAULT_EVICT_GRACE_S)),
                        str(obj.get("id", "")))
@@ -105,11 +100,11 @@ class MemoryTier:
             raise InvalidInput(f"memory tier record {obj!r} is malformed: {exc}") from None
 
 
-def recorded_tier(disk_root: Path) -> MemoryTier | None:
+def recorded_tier(disk_root: Path) -> TierSettings | None:
     """The memory tier a disk root's daemon recorded, or None (no tier, or an unreadable record: logged)."""
     try:
         with open(disk_root / RECORD, encoding="utf-8") as f:
-            return MemoryTier.from_json(json.load(f))
+            return TierSettings.from_json(json.load(f))
     except FileNotFoundError:
         return None
     except (OSError, ValueError, InvalidInput) as exc:
@@ -117,7 +112,7 @@ def recorded_tier(disk_root: Path) -> MemoryTier | None:
         return None
 
 
-def take_ownership(disk_root: Path, tier: MemoryTier | None) -> MemoryTier | None:
+def take_ownership(disk_root: Path, tier: TierSettings | None) -> TierSettings | None:
     """Record ``tier`` as the disk root's memory tier (None: the root has none), as its daemon does at start.
 
     The memory root gets an id file (kept when it has one, so a restart keeps the
@@ -137,12 +132,12 @@ def take_ownership(disk_root: Path, tier: MemoryTier | None) -> MemoryTier | Non
     if not tier_id:
         tier_id = uuid.uuid4().hex
         atomic_write(id_file, tier_id)
-    owned = MemoryTier(tier.root, tier.budget, tier.evict_grace_s, tier_id)
+    owned = TierSettings(tier.root, tier.budget, tier.evict_grace_s, tier_id)
     atomic_write(record, json.dumps(owned.to_json()))
     return owned
 
 
-def matches(tier: MemoryTier) -> bool:
+def matches(tier: TierSettings) -> bool:
     """Whether the memory root this process sees is the one the record describes (same id)."""
     try:
         return (tier.root / TIER_ID).read_text().strip() == tier.tier_id != ""
@@ -175,20 +170,6 @@ def check_memory_fs(path: Path) -> None:
     if kind is not None and kind not in _MEMORY_FS:
         log.warning("memory root %s is on %s, not on tmpfs: versions there cost disk writes and are still "
                     "not durable until spilled", path, kind)
-
-
-# -- budget lock --------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def flocked(path: Path) -> Any:
-    """An exclusive ``flock`` on ``path`` (created), held for the block."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
 
 
 # -- verified copies to disk ---------------------------------------------------------------
@@ -276,112 +257,7 @@ def copy_plain(src: Path, dst: Path) -> None:
         f.write(data)
 
 
-# -- the spiller ---------------------------------------------------------------------------
-
-
-class Spiller:
-    """The daemon's one background thread that makes memory versions durable and keeps the tier tidy.
-
-    Every ``poll_s`` (and at once when this process commits a memory version)
-    it spills the committed memory versions that have no disk copy yet, newest
-    first (the newest is what a recovery needs; an older one superseded while
-    waiting is usually deleted by retention before its turn), removes evicted
-    versions whose grace period has passed and snapshot buffers of writers that
-    are gone. It runs ``nice`` steps nicer than the daemon's request threads. A
-    version whose spill fails (a full disk) is retried with a growing delay.
-
-    ``interval_s`` (default 0: every version as soon as it is committed) spills
-    at most one version of a job per that many seconds, the newest: where a job
-    snapshots more often than that, the versions in between are spilled only
-    once no newer one waits (usually retention has deleted them by then; until
-    then they hold their memory, and a version that finds no room goes to disk
-    directly). That bounds
-    the disk work (and the CPU it takes from training) whatever the snapshot
-    rate; a version is durable at most about ``interval_s`` plus one spill after
-    its commit, while peers read it from memory at once.
-    """
-
-    def __init__(self, store: LocalStore, *, poll_s: float = DEFAULT_SPILL_POLL_S, nice: int = 10,
-                 interval_s: float = 0.0) -> None:
-        if not interval_s >= 0:
-            raise InvalidInput(f"the spill interval must be >= 0 seconds, got {interval_s!r}")
-        self._store = store
-        self._poll_s = poll_s
-        self._interval_s = interval_s
-        self._last_spill: dict[str, float] = {}  # job -> when its last spill started (monotonic)
-        self._nice = nice
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._retry_at: dict[tuple[str, str], tuple[float, float]] = {}  # (job, version) -> (when, delay)
-        self.spilled = 0
-        self.spilled_bytes = 0
-        self.spill_seconds = 0.0
-        self.failures = 0
-        self.busy = False
-        """Whether a spill is running now."""
-        self._thread = threading.Thread(target=self._run, name="tenplex-spiller", daemon=True)
-
-    def start(self) -> Spiller:
-        self._thread.start()
-        return self
-
-    def wake(self) -> None:
-        self._wake.set()
-
-    def stop(self, timeout: float = 60.0) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
-
-    def _run(self) -> None:
-        lower_priority(self._nice)
-        while not self._stop.is_set():
-            self._wake.wait(self._poll_s)
-            self._wake.clear()
-            if self._stop.is_set():
-                break
-            try:
-                self.run_once()
-            except Exception:  # a bug must not end the thread: log it and keep spilling
-                log.exception("the memory tier's spiller failed a round")
-
-    def run_once(self) -> int:
-        """One round: reap, then spill every unspilled committed version (newest first); how many were spilled."""
-        store = self._store
-        store.reap_evicted()
-        store.reap_dead_slots()
-        done = 0
-        now = time.monotonic()
-        for job, version in store.unspilled():
-            if self._stop.is_set():
-                break
-            if self._interval_s and now - self._last_spill.get(job, -math.inf) < self._interval_s:
-                continue  # this job's newest version was spilled recently: the next one waits its turn
-            key = (job, str(version))
-            when, delay = self._retry_at.get(key, (0.0, 0.0))
-            if now < when:
-                continue
-            t0 = time.perf_counter()
-            try:
-                self.busy = True
-                nbytes = store.spill(job, version)
-            except (OSError, StateLost, ChecksumMismatch, InvalidInput) as exc:
-                delay = min(60.0, max(1.0, delay * 2))
-                self._retry_at[key] = (time.monotonic() + delay, delay)
-                self.failures += 1
-                log.warning("spilling version %s of job %s to disk failed (retrying in %.0f s): %s", version, job, delay, exc)
-                continue
-            finally:
-                self.busy = False
-            self._retry_at.pop(key, None)
-            if nbytes is not None:
-                self._last_spill[job] = now
-                done += 1
-                self.spilled += 1
-                self.spilled_bytes += nbytes
-                self.spill_seconds += time.perf_counter() - t0
-        return done
+# -- the spiller's priority ---------------------------------------------------------------------
 
 
 def lower_priority(nice: int) -> None:
@@ -438,11 +314,20 @@ class _Slot:
             self.path.unlink(missing_ok=True)
 
 
+class AdoptSlot(Protocol):
+    """What stores a filled snapshot buffer as a shard (:meth:`LocalStore.adopt_slot
+    <tenplex.store.local.LocalStore.adopt_slot>`): the memory file ``path``, mapped as ``data``."""
+
+    def __call__(self, job: str, version: Any, tensor: str, region: Any, dtype: str, global_shape: Any, path: Path,
+                 data: np.ndarray, *, crc: int | None = None) -> Any: ...
+
+
 class MemorySlots(SnapshotBuffers):
     """A writer's snapshot buffers as memory-tier files: the copy-out lands where the version's shards will be.
 
     What :meth:`LocalStore.snapshot_buffers` hands a snapshotting worker when the
-    store has a memory tier. :meth:`acquire` gives, per shard, a page-aligned
+    store has a memory tier (made by :meth:`MemoryTier.slots`; ``adopt`` is the
+    store's ``adopt_slot``). :meth:`acquire` gives, per shard, a page-aligned
     buffer that is a file in the memory root mapped into this process for good
     (no page faults once it has been used, like the reused host buffers it
     replaces); :meth:`store` then puts that file into the version as the
@@ -464,8 +349,8 @@ class MemorySlots(SnapshotBuffers):
     it) removes the writer's names; versions keep their links.
     """
 
-    def __init__(self, store: LocalStore, job: str, directory: Path, *, max_idle: int = 8) -> None:
-        self._store = store
+    def __init__(self, adopt: AdoptSlot, job: str, directory: Path, *, max_idle: int = 8) -> None:
+        self._adopt = adopt
         self.job = job
         self.directory = directory
         self._max_idle = max_idle
@@ -474,7 +359,7 @@ class MemorySlots(SnapshotBuffers):
         self._lock = threading.Lock()
         directory.mkdir(parents=True, exist_ok=True)
         self._lock_fd = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)  # held while this writer lives (see LocalStore.reap_dead_slots)
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)  # held while this writer lives (see MemoryTier.reap_dead_slots)
         self._closed = False
 
     @staticmethod
@@ -522,7 +407,7 @@ class MemorySlots(SnapshotBuffers):
             slot = self._lent.pop(key, None)
         if slot is None:
             raise InvalidInput(f"no buffer was acquired for {tensor!r} {region.format()}")
-        return self._store.adopt_slot(self.job, version, tensor, region, dtype, global_shape, slot.path, slot.array, crc=crc)
+        return self._adopt(self.job, version, tensor, region, dtype, global_shape, slot.path, slot.array, crc=crc)
 
     def prepare(self) -> int:
         """Make sure every shard has a free buffer for the next snapshot, making and faulting in new ones

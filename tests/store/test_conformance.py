@@ -48,6 +48,7 @@ from tenplex.ptc.dtypes import DTYPES
 from tenplex.ptc.region import Region
 from tenplex.store import Manifest, RegionRead, StoreClient, TensorStore, open_store
 from tenplex.store.local import LocalStore
+from tenplex.store.memory import MemoryTier
 from tenplex.store.names import region_key, tensor_dirname
 from tenplex.store.persistent import PersistentStore
 from tenplex.store.wire import MAX_BATCH_REGIONS
@@ -390,6 +391,14 @@ class TestLocalStore(StoreTests):
 MEMORY_BUDGET = 64 << 20  # every test version fits: they are written, linked and damaged in memory
 
 
+def tier_owner(disk: Path, memory_root: Path) -> LocalStore:
+    """A store whose memory tier it owns, as the node daemon's: the tier's spiller runs while the tests do."""
+    tier = MemoryTier.open(disk, memory_root, MEMORY_BUDGET, owner=True)
+    assert tier is not None
+    tier.start_spilling(poll_s=0.02)
+    return LocalStore(disk, chunk_bytes=CHUNK_BYTES, memory=tier)
+
+
 class TestLocalStoreWithMemoryTier(StoreTests):
     @pytest.fixture
     def root(self, memory_root: Path) -> Path:
@@ -397,8 +406,7 @@ class TestLocalStoreWithMemoryTier(StoreTests):
 
     @pytest.fixture
     def store(self, root: Path, tmp_path: Path) -> Iterator[LocalStore]:
-        with LocalStore(tmp_path / "disk", chunk_bytes=CHUNK_BYTES, memory_root=root, memory_bytes=MEMORY_BUDGET,
-                        spill=True, spill_poll_s=0.02) as s:
+        with tier_owner(tmp_path / "disk", root) as s:
             yield s  # type: ignore[misc]
 
 
@@ -450,9 +458,7 @@ class TestClientOnDaemon(StoreTests):
 @pytest.fixture(scope="module")
 def memory_daemon(tmp_path_factory: pytest.TempPathFactory, module_memory_root: Path) -> Iterator[NodeDaemon]:
     root = tmp_path_factory.mktemp("memory-daemon")
-    store = LocalStore(root, chunk_bytes=CHUNK_BYTES, memory_root=module_memory_root, memory_bytes=MEMORY_BUDGET,
-                       spill=True, spill_poll_s=0.02)
-    with NodeDaemon(root, token=TOKEN, store=store) as d:
+    with NodeDaemon(root, token=TOKEN, store=tier_owner(root, module_memory_root)) as d:
         yield d
 
 

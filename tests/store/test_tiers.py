@@ -14,7 +14,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -24,7 +26,8 @@ from tenplex.core.version import Version
 from tenplex.errors import ChecksumMismatch, InvalidInput
 from tenplex.ptc import PTC, Device, Region, build_tensor
 from tenplex.store.local import LocalStore
-from tenplex.store.tiers import RECORD, TIER_ID, MemoryTier, Spiller, recorded_tier
+from tenplex.store.memory import MemoryTier, Spiller
+from tenplex.store.tiers import RECORD, TIER_ID, recorded_tier
 from tenplex.worker.snapshot import Snapshotter
 from tenplex.worker.state import live_pieces
 
@@ -36,6 +39,14 @@ WHOLE = Region.full(SHAPE)
 
 def data(seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal(SHAPE).astype(np.float32)
+
+
+def owned(disk: Path, memory_root: Path, budget: int, *, poll_s: float = 0.02, **options: Any) -> LocalStore:
+    """The tier's owner, as the node daemon: it makes the tier, records it in the root and runs its spiller."""
+    tier = MemoryTier.open(disk, memory_root, budget, owner=True)
+    assert tier is not None
+    tier.start_spilling(poll_s=poll_s)
+    return LocalStore(disk, memory=tier, **options)
 
 
 def put(store: LocalStore, version: str, seed: int, *, commit: bool = True) -> None:
@@ -66,10 +77,9 @@ def disk(tmp_path: Path) -> Path:
 @pytest.fixture
 def owner(disk: Path, memory_root: Path) -> Iterator[LocalStore]:
     """The tier's owner (as the daemon), its spiller not running: the tests spill when they choose."""
-    with LocalStore(disk, chunk_bytes=16 << 10, memory_root=memory_root, memory_bytes=3 * NBYTES + 4096,
-                    spill=True, spill_poll_s=3600) as s:
-        assert s.spiller is not None
-        s.spiller.stop()
+    with owned(disk, memory_root, 3 * NBYTES + 4096, poll_s=3600, chunk_bytes=16 << 10) as s:
+        assert s.memory.spiller is not None
+        s.memory.spiller.stop()
         yield s  # type: ignore[misc]
 
 
@@ -81,20 +91,20 @@ def test_a_committed_version_is_read_from_memory_and_not_durable_until_spilled(o
     assert not owner.manifest(JOB, "s1-g0").durable
     assert np.array_equal(read(owner, "s1-g0"), data(1))
     assert chunk_files(memory_root / JOB / "s1-g0") and not (disk / JOB / "s1-g0").exists()
-    stats = owner.memory_stats()
+    stats = owner.memory.stats()
     assert stats.pop("spill_lag") >= 0
     assert stats == {"budget": 3 * NBYTES + 4096, "used": NBYTES, "versions": 1, "unspilled": 1}
-    assert owner.unspilled() == [(JOB, Version.parse("s1-g0"))]
+    assert owner.memory.unspilled() == [(JOB, Version.parse("s1-g0"))]
 
-    assert owner.spill(JOB, "s1-g0") == NBYTES
-    assert owner.spill(JOB, "s1-g0") is None  # nothing left to do
+    assert owner.memory.spill(JOB, "s1-g0") == NBYTES
+    assert owner.memory.spill(JOB, "s1-g0") is None  # nothing left to do
     vi = info(owner, "s1-g0")
     assert vi.committed and vi.in_memory and vi.durable
     mem, dsk = chunk_files(memory_root / JOB / "s1-g0"), chunk_files(disk / JOB / "s1-g0")
     assert [p.relative_to(memory_root) for p in mem] == [p.relative_to(disk) for p in dsk]
     assert all(a.read_bytes() == b.read_bytes() for a, b in zip(mem, dsk, strict=True))
     assert owner.verify(JOB, "s1-g0") == []
-    assert owner.memory_stats()["unspilled"] == 0 and owner.memory_stats()["spill_lag"] == 0
+    assert owner.memory.stats()["unspilled"] == 0 and owner.memory.stats()["spill_lag"] == 0
 
 
 def test_a_damaged_memory_copy_is_not_made_durable(owner: LocalStore, memory_root: Path, disk: Path) -> None:
@@ -104,10 +114,10 @@ def test_a_damaged_memory_copy_is_not_made_durable(owner: LocalStore, memory_roo
     raw[7] ^= 0xFF
     victim.write_bytes(raw)
     with pytest.raises(ChecksumMismatch, match="memory copy is damaged"):
-        owner.spill(JOB, "s1-g0")
+        owner.memory.spill(JOB, "s1-g0")
     assert not owner.manifest(JOB, "s1-g0").durable and not (disk / JOB / "s1-g0").exists()
     # a spiller round counts the failure and retries the version later, with a growing delay
-    spiller = Spiller(owner)
+    spiller = Spiller(owner.memory)
     assert spiller.run_once() == 0 and spiller.failures == 1
     assert spiller.run_once() == 0 and spiller.failures == 1  # not retried at once
 
@@ -116,23 +126,23 @@ def test_eviction_keeps_the_tier_within_its_budget_and_only_evicts_durable_versi
     budget = owner.memory.budget  # type: ignore[union-attr]
     for i in range(1, 4):
         put(owner, f"s{i}-g0", i)
-    assert owner.memory_used() == 3 * NBYTES <= budget
+    assert owner.memory.used() == 3 * NBYTES <= budget
     # nothing is durable yet: a fourth version does not fit and nothing may be evicted -> it goes to disk
     put(owner, "s4-g0", 4)
     vi = info(owner, "s4-g0")
     assert vi.committed and vi.durable and not vi.in_memory
-    assert owner.memory_used() == 3 * NBYTES
+    assert owner.memory.used() == 3 * NBYTES
 
-    owner.spill(JOB, "s1-g0")
-    owner.spill(JOB, "s2-g0")
+    owner.memory.spill(JOB, "s1-g0")
+    owner.memory.spill(JOB, "s2-g0")
     put(owner, "s5-g0", 5)  # the oldest durable one (s1) makes room
     assert info(owner, "s5-g0").in_memory and not info(owner, "s1-g0").in_memory
-    assert owner.memory_used() <= budget
+    assert owner.memory.used() <= budget
     for i in range(1, 6):  # every version still reads right, from wherever it is
         assert np.array_equal(read(owner, f"s{i}-g0"), data(i))
     # the evicted version's memory files go after the grace period
-    owner.memory = MemoryTier(owner.memory.root, budget, 0.0, owner.memory.tier_id)  # type: ignore[union-attr]
-    assert owner.reap_evicted() == 1
+    owner.memory.settings = replace(owner.memory.settings, evict_grace_s=0.0)  # type: ignore[union-attr]
+    assert owner.memory.reap_evicted() == 1
     assert not (owner.memory.root / JOB / "s1-g0").exists()
     assert np.array_equal(read(owner, "s1-g0"), data(1))
 
@@ -142,25 +152,25 @@ def test_a_version_larger_than_the_budget_is_written_to_disk(owner: LocalStore) 
     owner.write_shard(JOB, "s1-g0", "big", Region.full(big), np.zeros(big, np.float32), dtype="float32", global_shape=big)
     owner.commit(JOB, "s1-g0")
     vi = info(owner, "s1-g0")
-    assert vi.durable and not vi.in_memory and owner.memory_used() == 0
+    assert vi.durable and not vi.in_memory and owner.memory.used() == 0
 
 
 def test_a_restarted_daemon_finds_its_memory_versions_and_spills_the_unspilled(disk: Path, memory_root: Path) -> None:
-    first = LocalStore(disk, memory_root=memory_root, memory_bytes=8 * NBYTES, spill=True, spill_poll_s=3600)
-    assert first.spiller is not None
-    first.spiller.stop()  # killed before it spilled anything
+    first = owned(disk, memory_root, 8 * NBYTES, poll_s=3600)
+    assert first.memory.spiller is not None
+    first.memory.spiller.stop()  # killed before it spilled anything
     put(first, "s1-g0", 1)
     put(first, "s2-g0", 2)
     first.close()
     tier_id = (memory_root / TIER_ID).read_text()
 
-    with LocalStore(disk, memory_root=memory_root, memory_bytes=8 * NBYTES, spill=True, spill_poll_s=0.02) as again:
+    with owned(disk, memory_root, 8 * NBYTES) as again:
         assert again.memory is not None and again.memory.tier_id == tier_id  # the same tier, kept across the restart
         assert [str(v.version) for v in again.versions(JOB)] == ["s1-g0", "s2-g0"]
         deadline = time.monotonic() + 30
-        while again.unspilled() and time.monotonic() < deadline:
+        while again.memory.unspilled() and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert again.unspilled() == []
+        assert again.memory.unspilled() == []
         assert all(v.durable and v.in_memory for v in again.versions(JOB))
     # what is on disk alone is the same state: a store without the tier reads both versions
     (disk / RECORD).unlink()
@@ -170,7 +180,7 @@ def test_a_restarted_daemon_finds_its_memory_versions_and_spills_the_unspilled(d
 
 
 def test_a_memory_root_that_is_not_the_tiers_is_not_used(disk: Path, memory_root: Path, tmp_path: Path) -> None:
-    with LocalStore(disk, memory_root=memory_root, memory_bytes=8 * NBYTES, spill=True):
+    with owned(disk, memory_root, 8 * NBYTES):
         recorded = recorded_tier(disk)
         assert recorded is not None and recorded.root == memory_root.resolve()
         # a worker that sees the tier where it was recorded, or mounted elsewhere with the same id: used
@@ -191,7 +201,7 @@ def test_a_memory_root_that_is_not_the_tiers_is_not_used(disk: Path, memory_root
             p.unlink()
     assert LocalStore(disk).memory is None
     # a root whose daemon runs without a tier: a worker's memory root is not used either
-    LocalStore(disk, spill=True)
+    MemoryTier.open(disk, owner=True)
     assert recorded_tier(disk) is None and LocalStore(disk, memory_root=memory_root).memory is None
 
 
@@ -199,10 +209,10 @@ def test_bad_memory_tier_settings_are_clear_errors(disk: Path, memory_root: Path
     with pytest.raises(InvalidInput, match="needs memory_root"):
         LocalStore(disk, memory_bytes=1 << 20)
     with pytest.raises(InvalidInput, match="needs memory_bytes"):
-        LocalStore(disk, memory_root=memory_root, spill=True)
+        MemoryTier.open(disk, memory_root, owner=True)
     for bad in (0, -5):
         with pytest.raises(InvalidInput, match="budget must be a positive number of bytes"):
-            LocalStore(disk, memory_root=memory_root, memory_bytes=bad, spill=True)
+            MemoryTier.open(disk, memory_root, bad, owner=True)
 
 
 def test_snapshots_land_in_the_memory_tier_and_unchanged_shards_are_linked(disk: Path, memory_root: Path) -> None:
@@ -222,7 +232,7 @@ def test_snapshots_land_in_the_memory_tier_and_unchanged_shards_are_linked(disk:
     ptc = PTC(config={"dp": 1}, devices=(Device(0, "node-0"),),
               tensors=tuple(build_tensor(p.name, p.global_shape, p.dtype, p.kind, [(Region.full(p.global_shape), (0,))])
                             for p in pieces))
-    with LocalStore(disk, memory_root=memory_root, memory_bytes=64 << 20, spill=True, spill_poll_s=0.02) as daemon:
+    with owned(disk, memory_root, 64 << 20) as daemon:
         worker = LocalStore(disk)  # as a worker with the store root mounted: it finds the tier in the root
         assert worker.memory is not None
         snap = Snapshotter(worker, JOB, ptc, rank=0)
@@ -246,7 +256,7 @@ def test_snapshots_land_in_the_memory_tier_and_unchanged_shards_are_linked(disk:
         daemon.read_into(JOB, second.version, "0.weight", Region.full(w.shape), out)
         assert np.array_equal(out, w)
         deadline = time.monotonic() + 30
-        while daemon.unspilled() and time.monotonic() < deadline:
+        while daemon.memory.unspilled() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert all(v.durable for v in daemon.versions(JOB))
 
@@ -291,8 +301,8 @@ def test_the_daemon_takes_the_tier_from_its_flags_and_reports_it_in_metrics(tmp_
 
 def test_a_spill_interval_spills_the_newest_version_and_skips_the_ones_in_between(owner: LocalStore) -> None:
     with pytest.raises(InvalidInput, match="spill interval"):
-        Spiller(owner, interval_s=-1)
-    spiller = Spiller(owner, interval_s=3600)
+        Spiller(owner.memory, interval_s=-1)
+    spiller = Spiller(owner.memory, interval_s=3600)
     put(owner, "s1-g0", 1)
     assert spiller.run_once() == 1  # the first one at once
     put(owner, "s2-g0", 2)
@@ -303,5 +313,5 @@ def test_a_spill_interval_spills_the_newest_version_and_skips_the_ones_in_betwee
     spiller._last_spill.clear()  # the interval has passed
     assert spiller.run_once() == 1
     assert [v.durable for v in owner.versions(JOB)] == [True, False, True]  # the newest; s2 was superseded
-    every = Spiller(owner)  # interval 0: everything left, at once
+    every = Spiller(owner.memory)  # interval 0: everything left, at once
     assert every.run_once() == 1 and all(v.durable for v in owner.versions(JOB))
