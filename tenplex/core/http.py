@@ -1,7 +1,7 @@
 """The HTTP client policy every tenplex client shares: which failures are retried, the wait between tries, and
 how an error answer becomes the :mod:`tenplex.errors` exception the server raised.
 
-The retry policy is a urllib3 :class:`~urllib3.util.Retry`. Clients that speak through urllib3 (the worker's
+XX
 control client, the command line's scheduler client) hand it to urllib3, which applies it; the store client keeps
 its own ``http.client`` connections (a bulk body is received with ``readinto`` straight into the caller's buffer,
 which urllib3's responses cannot do without a copy) and steps the same policy with :func:`next_try`.
@@ -79,5 +79,6 @@ def error_from(status: int, payload: bytes, where: str, unavailable: type[Tenple
 
 @functools.cache
 def pool(context: ssl.SSLContext) -> urllib3.PoolManager:
-    """The kept-alive connections of this process's urllib3 clients verifying servers with ``context``."""
-    return urllib3.PoolManager(ssl_context=context)
+    """The kept-alive connections of this process's urllib3 clients verifying servers with ``context`` (up to 8
+    per server: a worker's heartbeat thread and its training loop may call the scheduler at once)."""
+    return urllib3.PoolManager(ssl_context=context, maxsize=8)

@@ -163,8 +163,7 @@ class StandbyLinks:
             link.task.cancel()
 
     def link(self, uid: str) -> PodLink | None:
-        """The pod's link: what its standby said, and requests to it (StoreUnavailable when it is not watched:
-        :meth:`get`)."""
+        """The pod's link (what its standby said, and requests to it); None for a pod not watched."""
         with self._lock:
             return self._links.get(uid)
 
