@@ -1,10 +1,11 @@
 """The HTTP client policy every tenplex client shares: which failures are retried, the wait between tries, and
 how an error answer becomes the :mod:`tenplex.errors` exception the server raised.
 
-XX
-control client, the command line's scheduler client) hand it to urllib3, which applies it; the store client keeps
-its own ``http.client`` connections (a bulk body is received with ``readinto`` straight into the caller's buffer,
-which urllib3's responses cannot do without a copy) and steps the same policy with :func:`next_try`.
+The retry policy is a urllib3 :class:`~urllib3.util.Retry`. Clients that speak through urllib3 (the worker's
+control client, the node daemon's heartbeat relay, the command line's scheduler client) hand it to urllib3, which
+applies it; the store client keeps its own ``http.client`` connections (a bulk body is received with ``readinto``
+straight into the caller's buffer; urllib3's ``readinto`` reads into a new bytes object and copies it) and steps
+the same policy with :func:`next_try`.
 """
 
 from __future__ import annotations
