@@ -777,7 +777,7 @@ class KubernetesBackend(Backend):
                 self._assigned[(job, x.worker_id)] = meta["uid"]
         shared, per_rank = self._pod_env(job, group)
         requests = [{"env": {**shared, **own}, "inherit": True} for own in (per_rank or [{}])]
-        pids = self.standbys.launch(meta["uid"], requests)
+        pids = self.standbys.get(meta["uid"]).launch(requests)
         log.info("job %s: standby pod %s runs %s (ranks %s on node %s) as pids %s", job, meta["name"],
                  ", ".join(pids), ", ".join(str(x.rank) for x in group), group[0].host, ", ".join(map(str, pids.values())))
 
@@ -843,13 +843,14 @@ class KubernetesBackend(Backend):
                 delete.append(pod)
                 continue
             try:
-                asked.append((pod, self.standbys.request_stop(uid, wids, seconds)))
+                asked.append((pod, self.standbys.get(uid).request_stop(wids, seconds)))
             except StoreUnavailable as exc:
                 log.warning("job %s: %s; deleting pod %s instead", job, exc.detail, pod["metadata"]["name"])
                 delete.append(pod)
         self._delete_and_wait(job, delete, grace=grace)
         for pod, pids in asked:
-            left = self.standbys.wait_ended(pod["metadata"]["uid"], pids, deadline)
+            link = self.standbys.link(pod["metadata"]["uid"])
+            left = link.wait_ended(pids, deadline) if link is not None else list(pids)
             if left:
                 log.warning("job %s: workers %s in standby pod %s did not end %.0fs after their stop: deleting the pod",
                             job, left, pod["metadata"]["name"], seconds + self._stop_margin)
@@ -929,7 +930,8 @@ class KubernetesBackend(Backend):
                 continue
             phase = _phase(pod)
             if _labels(pod).get(LABEL_STANDBY) == "true" and phase not in ("Succeeded", "Failed"):
-                code = self.standbys.exit_code(pod["metadata"]["uid"], wid)  # its pod lives on: its standby says
+                link = self.standbys.link(pod["metadata"]["uid"])
+                code = link.exit_code(wid) if link is not None else None  # its pod lives on: its standby says
                 if code is not None:
                     out[wid] = code
             elif phase == "Succeeded":

@@ -32,9 +32,12 @@ import enum
 import functools
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
+
+from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic.alias_generators import to_camel
+from pydantic.dataclasses import dataclass
 
 from tenplex.core.protocol import ENV_NODE_IP
 from tenplex.errors import InvalidInput
@@ -76,83 +79,6 @@ class Phase(enum.StrEnum):
 # --------------------------------------------------------------------------- schema
 
 
-def _int(minimum: int | None = None, description: str = "", **extra: Any) -> dict[str, Any]:
-    schema: dict[str, Any] = {"type": "integer", **extra}
-    if minimum is not None:
-        schema["minimum"] = minimum
-    if description:
-        schema["description"] = description
-    return schema
-
-
-def _str(description: str = "", **extra: Any) -> dict[str, Any]:
-    schema: dict[str, Any] = {"type": "string", **extra}
-    if description:
-        schema["description"] = description
-    return schema
-
-
-_PARALLEL = {
-    "type": "object",
-    "description": "Data-, tensor- and pipeline-parallel degrees; their product is the GPU count.",
-    "required": ["dp", "tp", "pp"],
-    "properties": {"dp": _int(1), "tp": _int(1), "pp": _int(1)},
-}
-
-_SIDE = {
-    "type": "object",
-    "description": "A configuration before or after a reconfiguration; dp/tp/pp absent when nothing ran.",
-    "required": ["gpus"],
-    "properties": {"gpus": _int(0), "dp": _int(1), "tp": _int(1), "pp": _int(1)},
-}
-
-def _status_schema() -> dict[str, Any]:
-    condition = {
-        "type": "object",
-        "required": ["type", "status"],
-        "properties": {
-            "type": _str(),
-            "status": _str(enum=["True", "False", "Unknown"]),
-            "observedGeneration": _int(0),
-            "lastTransitionTime": _str(format="date-time"),
-            "reason": _str(),
-            "message": _str(),
-        },
-    }
-    reconfiguration = {
-        "type": "object",
-        "properties": {
-            "reason": _str("scale, suspend, resume, failure, node-drain, redeploy or spec"),
-            "from": _SIDE,
-            "to": _SIDE,
-            "downtimeSeconds": {"type": "number", "minimum": 0},
-            "bytesLocal": _int(0),
-            "bytesRemote": _int(0),
-            "stepsLost": _int(0),
-            "finishedAt": _str(format="date-time"),
-        },
-    }
-    return {
-        "type": "object",
-        "properties": {
-            "phase": _str(enum=[p.value for p in Phase]),
-            "gpus": _int(0, "GPUs the job runs on now."),
-            "parallel": _PARALLEL,
-            "step": _int(0, "Last completed training step."),
-            "version": _str("Newest committed state version, s<step>-g<generation>."),
-            "selector": _str("Label selector of the worker pods (for the scale subresource)."),
-            "conditions": {
-                "type": "array",
-                "items": condition,
-                "x-kubernetes-list-type": "map",
-                "x-kubernetes-list-map-keys": ["type"],
-            },
-            "lastReconfiguration": reconfiguration,
-            "observedGeneration": _int(0),
-        },
-    }
-
-
 def openapi_schema() -> dict[str, Any]:
     """The ``openAPIV3Schema`` of ElasticJob (a fresh copy each call)."""
     return copy.deepcopy(_openapi_schema())
@@ -170,7 +96,7 @@ def _openapi_schema() -> dict[str, Any]:
             "kind": {"type": "string"},
             "metadata": {"type": "object"},
             "spec": structural_schema(ElasticJobSpec),
-            "status": _status_schema(),
+            "status": structural_schema(ElasticJobStatus),
         },
     }
 
@@ -351,45 +277,66 @@ def parse_spec(obj: Mapping[str, Any]) -> ElasticJobSpec:
     return ElasticJobSpec.model_validate(validate_elasticjob(obj)["spec"], context=CRD)
 
 
-@dataclass(frozen=True, slots=True)
+_STATUS_CONFIG = ConfigDict(alias_generator=to_camel, validate_by_name=True, validate_by_alias=True)
+"""The status's camelCase names are its fields' aliases; Python code names the fields."""
+
+
+def _no_default(schema: dict[str, Any]) -> None:
+    """A default of the Python class that the CRD does not declare (the API server would write it into objects)."""
+    schema.pop("default", None)
+
+
+def _map_by_type(schema: dict[str, Any]) -> None:
+    """A list of conditions is a map by their type (a patch merges conditions of the same type)."""
+    _no_default(schema)
+    schema.update({"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]})
+
+
+@dataclass(frozen=True, config=_STATUS_CONFIG)
 class Parallel:
-    dp: int
-    tp: int
-    pp: int
+    """Data-, tensor- and pipeline-parallel degrees; their product is the GPU count."""
+
+    dp: int = Field(ge=1)
+    tp: int = Field(ge=1)
+    pp: int = Field(ge=1)
 
     @property
     def gpus(self) -> int:
         return self.dp * self.tp * self.pp
 
-    def to_dict(self) -> dict[str, int]:
-        return {"dp": self.dp, "tp": self.tp, "pp": self.pp}
+
+@dataclass(frozen=True, config=_STATUS_CONFIG)
+class Side:
+    """A configuration before or after a reconfiguration; dp/tp/pp absent when nothing ran."""
+
+    gpus: int = Field(ge=0)
+    dp: int | None = Field(None, ge=1)
+    tp: int | None = Field(None, ge=1)
+    pp: int | None = Field(None, ge=1)
+
+    @classmethod
+    def of(cls, gpus: int, parallel: Parallel | None) -> Side:
+        return cls(gpus, parallel.dp, parallel.tp, parallel.pp) if parallel else cls(gpus)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, config=_STATUS_CONFIG)
 class Condition:
     """A standard Kubernetes condition (metav1.Condition)."""
 
     type: str
-    status: str
-    reason: str = ""
-    message: str = ""
-    observed_generation: int | None = None
-    last_transition_time: str = ""
+    status: str = Field(json_schema_extra={"enum": ["True", "False", "Unknown"]})
+    reason: str | None = None
+    message: str | None = None
+    observed_generation: int | None = Field(None, ge=0)
+    last_transition_time: str = Field(default_factory=lambda: now_rfc3339(),  # a new condition's: now
+                                      json_schema_extra={"format": "date-time"})
 
     def __post_init__(self) -> None:
         if self.status not in ("True", "False", "Unknown"):
             raise InvalidInput(f"condition {self.type}: status must be True, False or Unknown, got {self.status!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"type": self.type, "status": self.status}
-        if self.observed_generation is not None:
-            out["observedGeneration"] = self.observed_generation
-        out["lastTransitionTime"] = self.last_transition_time or now_rfc3339()
-        if self.reason:
-            out["reason"] = self.reason
-        if self.message:
-            out["message"] = self.message
-        return out
+        return _dump(self)
 
 
 def now_rfc3339() -> str:
@@ -418,104 +365,50 @@ def set_condition(conditions: Sequence[Mapping[str, Any]], new: Condition) -> li
     return out
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, config=_STATUS_CONFIG)
 class Reconfiguration:
-    reason: str
-    from_gpus: int
-    to_gpus: int
-    from_parallel: Parallel | None
-    to_parallel: Parallel | None
-    downtime_seconds: float
-    bytes_local: int
-    bytes_remote: int
-    steps_lost: int
-    finished_at: str
+    """The latest reconfiguration that finished."""
 
-    def to_dict(self) -> dict[str, Any]:
-        def side(p: Parallel | None, gpus: int) -> dict[str, int]:
-            # A job that starts from nothing has no "from" configuration, only 0 GPUs.
-            return {"gpus": gpus, **(p.to_dict() if p else {})}
-
-        return {
-            "reason": self.reason,
-            "from": side(self.from_parallel, self.from_gpus),
-            "to": side(self.to_parallel, self.to_gpus),
-            "downtimeSeconds": self.downtime_seconds,
-            "bytesLocal": self.bytes_local,
-            "bytesRemote": self.bytes_remote,
-            "stepsLost": self.steps_lost,
-            "finishedAt": self.finished_at,
-        }
+    reason: str = Field(description="scale, suspend, resume, failure, node-drain, redeploy or spec")
+    from_: Side = Field(alias="from")
+    to: Side = Field()
+    downtime_seconds: float = Field(ge=0)
+    bytes_local: int = Field(ge=0)
+    bytes_remote: int = Field(ge=0)
+    steps_lost: int = Field(ge=0)
+    finished_at: str = Field(json_schema_extra={"format": "date-time"})
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, config=_STATUS_CONFIG)
 class ElasticJobStatus:
-    """The status the scheduler writes through the ``status`` subresource."""
+    """The status the scheduler writes through the status subresource."""
 
-    phase: Phase
-    gpus: int = 0
+    phase: Phase = Field(Phase.PENDING, json_schema_extra=_no_default)
+    gpus: int = Field(0, ge=0, description="GPUs the job runs on now.", json_schema_extra=_no_default)
     parallel: Parallel | None = None
-    step: int | None = None
-    version: str | None = None
-    selector: str = ""
-    conditions: tuple[Mapping[str, Any], ...] = ()
+    step: int | None = Field(None, ge=0, description="Last completed training step.")
+    version: str | None = Field(None, description="Newest committed state version, s<step>-g<generation>.")
+    selector: str | None = Field(None, description="Label selector of the worker pods (for the scale subresource).")
+    conditions: tuple[Condition, ...] = Field((), json_schema_extra=_map_by_type)
     last_reconfiguration: Reconfiguration | None = None
-    observed_generation: int | None = None
+    observed_generation: int | None = Field(None, ge=0)
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"phase": self.phase.value, "gpus": self.gpus}
-        if self.parallel is not None:
-            out["parallel"] = self.parallel.to_dict()
-        if self.step is not None:
-            out["step"] = self.step
-        if self.version is not None:
-            out["version"] = self.version
-        if self.selector:
-            out["selector"] = self.selector
-        if self.conditions:
-            out["conditions"] = [dict(c) for c in self.conditions]
-        if self.last_reconfiguration is not None:
-            out["lastReconfiguration"] = self.last_reconfiguration.to_dict()
-        if self.observed_generation is not None:
-            out["observedGeneration"] = self.observed_generation
-        return out
+        return _dump(self)
 
     @classmethod
     def from_dict(cls, status: Mapping[str, Any] | None) -> ElasticJobStatus:
         """Read a stored status back (e.g. after a scheduler restart); an empty one is Pending."""
-        status = status or {}
         try:
-            phase = Phase(status.get("phase", Phase.PENDING.value))
-        except ValueError as exc:
-            raise InvalidInput(f"status.phase {status.get('phase')!r} is not one of {[p.value for p in Phase]}") from exc
-        par = status.get("parallel")
-        last = status.get("lastReconfiguration")
-        reconf = None
-        if last:
-            src, dst = last.get("from", {}), last.get("to", {})
-            reconf = Reconfiguration(
-                reason=last.get("reason", ""),
-                from_gpus=src.get("gpus", 0),
-                to_gpus=dst.get("gpus", 0),
-                from_parallel=Parallel(src["dp"], src["tp"], src["pp"]) if "dp" in src else None,
-                to_parallel=Parallel(dst["dp"], dst["tp"], dst["pp"]) if "dp" in dst else None,
-                downtime_seconds=float(last.get("downtimeSeconds", 0.0)),
-                bytes_local=last.get("bytesLocal", 0),
-                bytes_remote=last.get("bytesRemote", 0),
-                steps_lost=last.get("stepsLost", 0),
-                finished_at=last.get("finishedAt", ""),
-            )
-        return cls(
-            phase=phase,
-            gpus=status.get("gpus", 0),
-            parallel=Parallel(par["dp"], par["tp"], par["pp"]) if par else None,
-            step=status.get("step"),
-            version=status.get("version"),
-            selector=status.get("selector", ""),
-            conditions=tuple(status.get("conditions", ())),
-            last_reconfiguration=reconf,
-            observed_generation=status.get("observedGeneration"),
-        )
+            return TypeAdapter(cls).validate_python(status or {})
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join(str(x) for x in err["loc"])
+            raise InvalidInput(f"status.{where} {err['input']!r}: {err['msg']}") from None
+
+
+def _dump(value: Any) -> dict[str, Any]:
+    return TypeAdapter(type(value)).dump_python(value, mode="json", by_alias=True, exclude_none=True)
 
 
 # --------------------------------------------------------------------------- pod contracts

@@ -361,8 +361,8 @@ class KubeJobStore(JobStore):
         reconf = None
         if last is not None:
             reconf = crd.Reconfiguration(
-                reason=last.reason, from_gpus=last.from_gpus, to_gpus=last.to_gpus,
-                from_parallel=_parse_config(last.from_config), to_parallel=_parse_config(last.to_config),
+                reason=last.reason, from_=crd.Side.of(last.from_gpus, _parse_config(last.from_config)),
+                to=crd.Side.of(last.to_gpus, _parse_config(last.to_config)),
                 downtime_seconds=max(0.0, float(last.downtime_seconds or 0.0)),
                 bytes_local=last.bytes_local, bytes_remote=last.bytes_remote, steps_lost=last.steps_lost,
                 finished_at=datetime.fromtimestamp(last.finished_at, UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),

@@ -188,8 +188,6 @@ def serve(
     finally:
         service.close()
         app.state.uploads.close()
-        if relay is not None:
-            relay.close()
         store.close()
     log.info("tenplex node daemon at %s stopped", url_for(host, bound, tls=tls is not None))
 
@@ -345,6 +343,4 @@ class NodeDaemon(BackgroundServer):
         super().stop(timeout)
         self.transforms.close()
         self.uploads.close()
-        if self.relay is not None:
-            self.relay.close()
         self.store.close()

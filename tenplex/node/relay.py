@@ -39,20 +39,20 @@ the worker protocol only (no control-plane code).
 from __future__ import annotations
 
 import asyncio
-import http.client
 import logging
-import threading
 import time
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import urllib3
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import ValidationError
 
 from tenplex import errors
 from tenplex.core import protocol as P
+from tenplex.core.http import pool, retry_policy
 from tenplex.core.tls import client_context
 from tenplex.errors import Conflict, InvalidConfig, InvalidInput, SchedulerUnavailable, TenplexError
 
@@ -97,11 +97,8 @@ class HeartbeatRelay:
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self._clock = clock
-        self._parts = parts
         self._groups: dict[tuple[str, str, str | None], _Group] = {}
         self._task: asyncio.Task[None] | None = None
-        self._conn: http.client.HTTPConnection | None = None
-        self._conn_lock = threading.Lock()
         self.batches = 0
         """Batches sent (the daemon's ``tenplex_relay_batches``)."""
         self.heartbeats = 0
@@ -177,37 +174,18 @@ class HeartbeatRelay:
                                     else (status, raw))
 
     def _post(self, path: str, body: bytes, authorization: str | None) -> tuple[int, bytes]:
-        """POST one batch on the daemon's kept-alive connection to the scheduler (opened again once when it broke)."""
+        """POST one batch on a kept-alive connection to the scheduler (tried once more on a connection error: one
+        that the scheduler closed while it sat idle)."""
         headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if authorization:
             headers["Authorization"] = authorization
-        base = self._parts.path.rstrip("/")
-        with self._conn_lock:
-            last = ""
-            for _attempt in range(2):
-                if self._conn is None:
-                    self._conn = self._connect()
-                try:
-                    self._conn.request("POST", base + path, body=body, headers=headers)
-                    resp = self._conn.getresponse()
-                    return resp.status, resp.read()
-                except (OSError, http.client.HTTPException) as exc:
-                    last = str(exc) or type(exc).__name__
-                    self._conn.close()
-                    self._conn = None
-            raise SchedulerUnavailable(f"POST {self.scheduler_url}{path} failed: {last}")
-
-    def _connect(self) -> http.client.HTTPConnection:
-        host, port = self._parts.hostname or "", self._parts.port
-        if self._parts.scheme == "https":
-            return http.client.HTTPSConnection(host, port, timeout=self.timeout_s, context=client_context())
-        return http.client.HTTPConnection(host, port, timeout=self.timeout_s)
-
-    def close(self) -> None:
-        with self._conn_lock:
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
+        try:
+            resp = pool(client_context()).request("POST", self.scheduler_url + path, body=body, headers=headers,
+                                                  timeout=self.timeout_s, retries=retry_policy(1, 0.0, ()))
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            reason = getattr(exc, "reason", None) or exc
+            raise SchedulerUnavailable(f"POST {self.scheduler_url}{path} failed: {reason}") from None
+        return resp.status, resp.data
 
 
 def _error_json(exc: TenplexError) -> bytes:

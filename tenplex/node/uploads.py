@@ -64,6 +64,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import numpy as np
+import tenacity
 from anyio import to_thread
 from fastapi import APIRouter, Request
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -530,38 +531,53 @@ class UploadService(RecordedTasks[UploadRequest, UploadStatus, _Run]):
                         final.attempts, final.last_error)
 
     def _attempts(self, run: _Run) -> None:
-        """Attempt after attempt, with exponential backoff, until every shard is uploaded or the retry time is up."""
+        """Attempt after attempt, with tenacity's exponential backoff, until every shard is uploaded or the next
+        attempt would start ``retry_for_s`` after the first error; a cancel ends the wait between them."""
         settings = self.settings
-        first_error: float | None = None
-        backoff = settings.backoff_s
-        while True:
+        first_error: list[float] = []
+
+        def attempt() -> None:
             self._check_cancel(run)
             if run.status.attempts:
                 self.metrics.retries.inc()
             self._update(run, attempts=run.status.attempts + 1, next_attempt_at=None)
             try:
                 self._attempt(run)
-                return
             except (_Permanent, _Cancelled):
                 raise
-            except TenplexError as exc:
-                error = exc
-            except Exception as exc:  # a backend error the store did not classify: retried like the others
-                error = StoreUnavailable(f"{type(exc).__name__}: {exc}")
-            self.metrics.failures.inc()
-            now = time.time()
-            first_error = first_error if first_error is not None else now
-            if now - first_error + backoff > settings.retry_for_s:
-                raise _Permanent(type(error)(f"{error.detail} (gave up after {run.status.attempts} attempts in "
-                                             f"{now - first_error:.0f} s)"))
-            self._update(run, last_error=error.detail, error_code=error.code, next_attempt_at=now + backoff)
+            except Exception as exc:
+                self.metrics.failures.inc()
+                first_error[:] = first_error or [time.time()]
+                if not isinstance(exc, TenplexError):  # a backend error the store did not classify: retried too
+                    raise StoreUnavailable(f"{type(exc).__name__}: {exc}") from exc
+                raise
+
+        def out_of_time(state: tenacity.RetryCallState) -> bool:
+            return time.time() - first_error[0] + (state.upcoming_sleep or 0.0) > settings.retry_for_s
+
+        def give_up(state: tenacity.RetryCallState) -> None:
+            error = state.outcome.exception() if state.outcome is not None else None
+            assert isinstance(error, TenplexError)
+            raise _Permanent(type(error)(f"{error.detail} (gave up after {run.status.attempts} attempts in "
+                                         f"{time.time() - first_error[0]:.0f} s)"))
+
+        def waiting(state: tenacity.RetryCallState) -> None:
+            error = state.outcome.exception() if state.outcome is not None else None
+            assert isinstance(error, TenplexError)
+            backoff = state.upcoming_sleep
+            self._update(run, last_error=error.detail, error_code=error.code, next_attempt_at=time.time() + backoff)
             log.warning("upload of %s of job %s, attempt %d: %s; retrying in %.1f s", run.status.version,
                         run.status.job, run.status.attempts, error.detail, backoff)
-            deadline = time.monotonic() + backoff
+
+        def pause(seconds: float) -> None:
+            deadline = time.monotonic() + seconds
             while time.monotonic() < deadline:
                 self._check_cancel(run)
                 run.cancel.wait(min(0.2, max(0.0, deadline - time.monotonic())))
-            backoff = min(backoff * 2, settings.backoff_max_s)
+
+        tenacity.Retrying(retry=tenacity.retry_if_exception_type(TenplexError), stop=out_of_time,
+                          wait=tenacity.wait_exponential(multiplier=settings.backoff_s, max=settings.backoff_max_s),
+                          before_sleep=waiting, sleep=pause, retry_error_callback=give_up)(attempt)
 
     def _attempt(self, run: _Run) -> None:
         req = run.request

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import http.client
-import json
 import logging
 import os
 import shutil
@@ -27,8 +26,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from tenplex.core.auth import ENV_AUTH_KEYS
-from tenplex.core.commands import STANDBY_READY, PythonCommand, signal_group
+from tenplex.core.commands import PythonCommand, signal_group
 from tenplex.core.protocol import ENV_STORE_ROOT
+from tenplex.core.standby import StandbyClient
 from tenplex.core.tls import client_context
 from tenplex.errors import InvalidConfig, InvalidInput, NotFound, StoreUnavailable, TenplexError
 from tenplex.sockets import free_port
@@ -608,7 +608,7 @@ class LocalBackend(Backend):
 
     def standby_ready(self, job: str) -> int:
         with self._lock:
-            return sum(1 for (j, _h), srv in self._standby.items() if j == job and srv.alive() and srv.ready.is_set())
+            return sum(1 for (j, _h), srv in self._standby.items() if j == job and srv.alive() and srv.greeted)
 
     def release(self, job: str) -> None:
         """The job's standbys end (their input closes; workers they started keep running)."""
@@ -634,9 +634,9 @@ class LocalBackend(Backend):
             log_path = log_dir / f"{w.worker_id}.log"
             with self._lock:
                 server = self._standby.get((job, w.host))
-            if server is not None and server.alive() and server.ready.is_set():
+            if server is not None and server.alive() and server.greeted:
                 try:  # forked from the warm standby: no interpreter start, no imports
-                    pid = server.fork(env, log_path)
+                    [pid] = server.launch([{"env": env, "log": str(log_path)}], timeout=30.0).values()
                 except TenplexError as exc:
                     log.warning("job %s: the standby on %s could not start %s (%s); starting it afresh", job,
                                 w.host, w.worker_id, exc.detail)
@@ -699,7 +699,7 @@ class LocalBackend(Backend):
                         out[wid] = code
                 elif (job, wid) in self._forked:
                     server, pid = self._forked[(job, wid)]
-                    code = server.exit_code(pid)  # its standby reaped it and said how it ended
+                    code = server.exit_code_of(pid)  # its standby reaped it and said how it ended
                     if code is not None:
                         out[wid] = code
                     elif not _running(pid, None):
@@ -719,20 +719,13 @@ class LocalBackend(Backend):
 _EXIT_REPORT_WAIT_S = 2.0
 
 
-class _ForkServer:
-    """A job's warm standby on one host (:mod:`tenplex.standby`), as the local backend talks to it.
-
-    A thread reads its replies: ``ready`` once its imports are done, ``started PID`` for each worker it
-    forks (answering :meth:`fork`, one at a time), ``exited PID CODE`` when one ends.
-    """
+class _ForkServer(StandbyClient):
+    """A job's warm standby on one host (:mod:`tenplex.standby`): the standby protocol's client over the
+    standby process's standard input and output (a thread reads its replies)."""
 
     def __init__(self, proc: subprocess.Popen) -> None:
+        super().__init__(f"pid {proc.pid}")
         self.proc = proc
-        self.ready = threading.Event()
-        self._started: list[str] = []
-        self._reply = threading.Condition()
-        self._exits: dict[int, int] = {}
-        self._fork_lock = threading.Lock()
         self._reader = threading.Thread(target=self._read, name=f"tenplex-standby-{proc.pid}", daemon=True)
         self._reader.start()
 
@@ -749,45 +742,19 @@ class _ForkServer:
     def _read(self) -> None:
         assert self.proc.stdout is not None
         for raw in self.proc.stdout:
-            line = raw.decode(errors="replace").strip()
-            with self._reply:
-                if line == STANDBY_READY:
-                    self.ready.set()
-                elif line.startswith(("started ", "refused ")):
-                    self._started.append(line)
-                elif line.startswith("exited "):
-                    _word, pid, code = line.split()
-                    self._exits[int(pid)] = int(code)
-                self._reply.notify_all()
-        with self._reply:
-            self._reply.notify_all()
+            self.heard(raw.decode(errors="replace").strip())
+        self.lost(gone=True)
+
+    def send(self, lines: Sequence[str], timeout: float) -> None:
+        try:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write("".join(line + "\n" for line in lines).encode())
+            self.proc.stdin.flush()
+        except (OSError, ValueError) as exc:
+            raise StoreUnavailable(f"the standby (pid {self.proc.pid}) is gone: {exc}") from None
 
     def alive(self) -> bool:
         return self.proc.poll() is None
-
-    def fork(self, env: Mapping[str, str], log_path: Path, timeout: float = 30.0) -> int:
-        """Ask for a worker with ``env`` writing to ``log_path``; its pid."""
-        with self._fork_lock:
-            try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.write((json.dumps({"env": dict(env), "log": str(log_path)}) + "\n").encode())
-                self.proc.stdin.flush()
-            except (OSError, ValueError) as exc:
-                raise StoreUnavailable(f"the standby (pid {self.proc.pid}) is gone: {exc}") from None
-            deadline = time.monotonic() + timeout
-            with self._reply:
-                while not self._started:
-                    if not self.alive() or time.monotonic() > deadline:
-                        raise StoreUnavailable(f"the standby (pid {self.proc.pid}) did not start the worker")
-                    self._reply.wait(0.1)
-                answer = self._started.pop(0)
-        if answer.startswith("refused "):
-            raise InvalidConfig(f"the standby refused the launch: {answer[len('refused '):]}")
-        return int(answer.split()[1])
-
-    def exit_code(self, pid: int) -> int | None:
-        with self._reply:
-            return self._exits.get(pid)
 
     def close(self) -> None:
         """No more workers: the standby exits (the ones it started go on)."""

@@ -6,19 +6,20 @@ import argparse
 import json
 import os
 import sys
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
+import urllib3
 import yaml
 from rich.console import Console
 from rich.table import Table
+from urllib3.exceptions import MaxRetryError
 
 from tenplex import registry
+from tenplex.core.http import error_from, pool, retry_policy
 from tenplex.core.tls import client_context
 from tenplex.core.units import human_bytes, parse_bytes
-from tenplex.errors import InvalidInput, StoreUnavailable, TenplexError, error_class
+from tenplex.errors import InvalidInput, StoreUnavailable, TenplexError
 from tenplex.scheduler.state import DATA_PHASES
 
 DEFAULT_URL = "http://127.0.0.1:8470"
@@ -115,27 +116,21 @@ class SchedulerClient:
 
     def request(self, method: str, path: str, body: Any = None) -> Any:
         data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(self.url + path, data=data, method=method)
-        req.add_header("Accept", "application/json")
+        headers = {"Accept": "application/json"}
         if data is not None:
-            req.add_header("Content-Type", "application/json")
+            headers["Content-Type"] = "application/json"
         if self.token:
-            req.add_header("Authorization", f"Bearer {self.token}")
+            headers["Authorization"] = f"Bearer {self.token}"
         try:
-            with urllib.request.urlopen(req, timeout=self.timeout, context=client_context()) as resp:
-                return json.loads(resp.read() or b"null")
-        except urllib.error.HTTPError as exc:
-            code = None
-            try:
-                err = json.loads(exc.read())
-                code, detail = err.get("error"), err.get("detail", str(err))
-            except (ValueError, AttributeError):
-                detail = exc.reason
-            cls = (error_class(code) if isinstance(code, str) else None) or (
-                InvalidInput if exc.code < 500 else TenplexError)
-            raise cls(f"{method} {path}: {detail}") from None
-        except (urllib.error.URLError, OSError) as exc:
+            resp = pool(client_context()).request(method, self.url + path, body=data, headers=headers,
+                                                  timeout=self.timeout, retries=retry_policy(0, 0.0))
+        except MaxRetryError as exc:
+            raise StoreUnavailable(f"scheduler at {self.url} is unreachable: {exc.reason}") from None
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
             raise StoreUnavailable(f"scheduler at {self.url} is unreachable: {exc}") from None
+        if resp.status >= 400:
+            raise error_from(resp.status, resp.data, f"{method} {path}", TenplexError)
+        return json.loads(resp.data or b"null")
 
     def create(self, spec: dict[str, Any]) -> Any:
         return self.request("POST", "/v1/jobs", spec)

@@ -33,6 +33,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ModelWrapValidatorHandler,
+    TypeAdapter,
     ValidationError,
     ValidationInfo,
     WithJsonSchema,
@@ -506,8 +507,8 @@ class ElasticJobSpec(_Model):
 _ORDER = ("type", "description", "required", "properties", "items")
 
 
-def structural_schema(model: type[BaseModel]) -> dict[str, Any]:
-    """``model``'s JSON schema in the CRD's shape, a Kubernetes structural schema (OpenAPI v3.0).
+def structural_schema(model: type[Any]) -> dict[str, Any]:
+    """``model``'s (a pydantic model or dataclass) JSON schema in the CRD's shape, a Kubernetes structural schema (OpenAPI v3.0).
 
     camelCase names, every ``$ref`` inlined, no titles, ``X | None`` as ``X``
     (an absent field), ``additionalProperties: true`` (a free-form object) as
@@ -517,7 +518,7 @@ def structural_schema(model: type[BaseModel]) -> dict[str, Any]:
     ``exclusiveMinimum`` as ``minimum`` (OpenAPI v3.0's is a boolean: a
     strict bound is a CEL rule).
     """
-    raw = model.model_json_schema(by_alias=True, mode="serialization")
+    raw = TypeAdapter(model).json_schema(by_alias=True, mode="serialization")
     defs = raw.pop("$defs", {})
 
     def walk(node: dict[str, Any]) -> dict[str, Any]:

@@ -42,8 +42,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import crc32c
 import numpy as np
 
-from tenplex import errors
 from tenplex.core.buffers import byte_view
+from tenplex.core.http import SERVER_ERRORS, error_from, next_try, retry_policy
 from tenplex.core.tls import ENV_TLS_CA, client_context, handshake_failure
 from tenplex.core.version import Version
 from tenplex.errors import (
@@ -51,7 +51,6 @@ from tenplex.errors import (
     InvalidInput,
     StoreUnavailable,
     TenplexError,
-    error_class,
 )
 from tenplex.ptc.dtypes import itemsize, name_of_torch
 from tenplex.ptc.region import Region
@@ -102,20 +101,6 @@ class ReadRequest:
     tensor: str
     region: Region
     out: Any  # np.ndarray | torch.Tensor
-
-
-_BY_STATUS: dict[int, type[TenplexError]] = {
-    400: errors.InvalidInput,
-    401: errors.Unauthorized,
-    403: errors.Forbidden,
-    404: errors.NotFound,
-    409: errors.Conflict,
-    416: errors.RegionOutOfBounds,
-}
-
-
-class _Retry(Exception):
-    """A 5xx answer worth another attempt."""
 
 
 @dataclass(slots=True)
@@ -171,6 +156,7 @@ class StoreClient(TensorStore):
         self.timeout = timeout
         self.retries = retries
         self.backoff = backoff
+        self._retry = retry_policy(retries, backoff, SERVER_ERRORS)
         self.max_request_bytes = max_request_bytes
         self.read_concurrency = read_concurrency
         self._slots = threading.BoundedSemaphore(max_connections)
@@ -237,64 +223,49 @@ class StoreClient(TensorStore):
         body: memoryview | bytes | None = None,
         headers: dict[str, str] | None = None,
     ) -> T:
-        """One request with retries; ``handle`` reads a 2xx response completely and returns the result."""
+        """One request, tried again on a connection error or a 5xx answer (:mod:`tenplex.core.http`'s policy);
+        ``handle`` reads a 2xx response completely and returns the result."""
         hdrs = {**self._auth, **(headers or {})}
-        last: BaseException | None = None
-        attempt = 0
+        retry = self._retry
         stale_retry = True
-        while attempt <= self.retries:
-            if attempt:
-                time.sleep(self.backoff * 2 ** (attempt - 1))
+        while True:
             reused = False
             try:
                 with self._connection() as (conn, reused):
                     conn.request(method, self._prefix + path, body=body, headers=hdrs)
                     resp = conn.getresponse()
-                    if resp.status >= 400:
-                        payload = resp.read()
+                    if resp.status < 400:
+                        result = handle(resp)
                         if resp.will_close:
                             conn.close()
-                        if resp.status >= 500 and attempt < self.retries and not self._is_final(payload):
-                            last = _Retry(f"HTTP {resp.status}: {payload[:200]!r}")
-                            log.warning("store %s answered %s %s with %d; retrying", self.url, method, path, resp.status)
-                            attempt += 1
-                            continue
-                        raise self._error(resp.status, payload)
-                    result = handle(resp)
+                        return result
+                    payload = resp.read()
                     if resp.will_close:
                         conn.close()
-                    return result
+                error = error_from(resp.status, payload, f"store {self.url}", StoreUnavailable)
+                if not retry.is_retry(method, resp.status) or isinstance(error, ChecksumMismatch):
+                    raise error  # a 5xx of corrupted data: another read meets the same bytes
+                log.warning("store %s answered %s %s with %d", self.url, method, path, resp.status)
+                if (after := next_try(retry, method, path)) is None:
+                    raise error
+                retry = after
             except (OSError, http.client.HTTPException) as exc:
-                last = exc
                 if handshake_failure(exc):  # another try meets the same certificate
                     raise StoreUnavailable(f"TLS handshake with store {self.url} failed: {exc} (is its certificate "
                                            f"signed by the CA in ${ENV_TLS_CA}?)") from None
                 if reused and stale_retry and isinstance(exc, _PEER_CLOSED):
                     # A kept-alive connection the server closed while it sat idle: not a failure of the
-                    # server. Retry at once on a new connection, once, without using up an attempt.
+                    # server. Retry at once on a new connection, once, without using up a try.
                     stale_retry = False
                     log.debug("store %s: reused connection was closed by the server; reconnecting", self.url)
                     continue
-                log.warning("store %s: %s %s failed (attempt %d of %d): %s", self.url, method, path, attempt + 1, self.retries + 1, exc)
-                attempt += 1
-        raise StoreUnavailable(f"store {self.url} failed {method} {path} after {self.retries + 1} attempts: {last}")
-
-    @staticmethod
-    def _is_final(payload: bytes) -> bool:
-        """5xx errors that repeating cannot fix (corrupted data)."""
-        try:
-            return json.loads(payload).get("error") == ChecksumMismatch.code
-        except (ValueError, AttributeError):
-            return False
-
-    def _error(self, status: int, payload: bytes) -> TenplexError:
-        try:
-            obj = json.loads(payload)
-            code, detail = str(obj["error"]), str(obj["detail"])
-        except (ValueError, KeyError, TypeError):
-            code, detail = "", payload[:500].decode("utf-8", "replace") or f"HTTP {status}"
-        cls = error_class(code) or _BY_STATUS.get(status) or (StoreUnavailable if status >= 500 else TenplexError)
-        return cls(f"{detail} (store {self.url})")
+                tries = len(retry.history) + 1
+                log.warning("store %s: %s %s failed (attempt %d of %d): %s", self.url, method, path, tries,
+                            self.retries + 1, exc)
+                if (after := next_try(retry, method, path, exc)) is None:
+                    raise StoreUnavailable(f"store {self.url} failed {method} {path} after {tries} attempts: "
+                                           f"{exc}") from None
+                retry = after
 
     def _json(self, method: str, path: str) -> Any:
         return self._call(method, path, lambda resp: json.loads(resp.read()))

@@ -1,9 +1,8 @@
 """The worker's side of the scheduler protocol: register, heartbeat, reports, stop requests.
 
 The bodies are the pydantic models of :mod:`tenplex.core.protocol`, so the
-client and the scheduler cannot disagree about them. Transport is the standard
-library (``urllib``): the messages are a few hundred bytes, and a training
-process should not need another HTTP stack for them.
+client and the scheduler cannot disagree about them. Transport is urllib3 with
+the retry policy and error decoding of :mod:`tenplex.core.http`.
 
 Heartbeats go through the worker's node daemon when it relays for this
 worker's scheduler (:mod:`tenplex.node.relay`: one report per node and
@@ -20,25 +19,23 @@ with one tiny all-reduce per step; all ranks then stop after the same step.
 
 from __future__ import annotations
 
-import gzip
-import json
 import logging
 import math
 import os
 import re
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import urllib3
 from pydantic import BaseModel, ValidationError
+from urllib3.exceptions import MaxRetryError
 
-from tenplex import errors
 from tenplex.core import protocol as p
+from tenplex.core.http import GATEWAY_STATUSES, error_from, pool, retry_policy
 from tenplex.core.tls import client_context
 from tenplex.errors import InvalidInput, SchedulerUnavailable, TenplexError
 from tenplex.ptc import PTC
@@ -186,8 +183,9 @@ class ControlClient:
             ) from None
 
     def _request(self, method: str, url: str, data: bytes | None, retries: int, *, accept_gzip: bool = False) -> bytes:
-        """The body of a 2xx answer, retried on 502-504 and connection errors; ``accept_gzip``: the answer may be
-        gzipped (the PTC is: it is large and every worker fetches it), and is returned decompressed."""
+        """The body of a 2xx answer, tried again on 502-504 and connection errors (:mod:`tenplex.core.http`'s
+        policy); ``accept_gzip``: the answer may be gzipped (the PTC is: it is large and every worker fetches
+        it), and is returned decompressed."""
         headers = {"Accept": "application/json"}
         if accept_gzip:
             headers["Accept-Encoding"] = "gzip"
@@ -195,42 +193,18 @@ class ControlClient:
             headers["Content-Type"] = "application/json"
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
-        delay = self.backoff_s
-        last = ""
-        for attempt in range(retries + 1):
-            req = urllib.request.Request(url, data=data, method=method, headers=headers)
-            try:
-                with urllib.request.urlopen(req, timeout=self.timeout_s, context=client_context()) as resp:
-                    body = resp.read()
-                    return gzip.decompress(body) if resp.headers.get("Content-Encoding") == "gzip" else body
-            except urllib.error.HTTPError as exc:
-                payload = exc.read()
-                if exc.code not in (502, 503, 504):
-                    raise _error_from(method, url, exc.code, payload) from None
-                last = f"HTTP {exc.code}"
-            except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as exc:
-                last = str(getattr(exc, "reason", exc))
-            if attempt < retries:
-                log.warning("%s %s failed (%s); retry %d/%d in %.1fs", method, url, last, attempt + 1, retries, delay)
-                time.sleep(delay)
-                delay = min(delay * 2, 5.0)
-        raise SchedulerUnavailable(f"{method} {url} failed after {retries + 1} attempts: {last}")
-
-
-def _error_from(method: str, url: str, status: int, payload: bytes) -> TenplexError:
-    code, detail = None, payload[:500].decode("utf-8", "replace")
-    try:
-        obj = json.loads(payload)
-        if isinstance(obj, dict):
-            code = obj.get("error")
-            raw_detail = obj.get("detail", detail)
-            detail = raw_detail if isinstance(raw_detail, str) else json.dumps(raw_detail)[:500]
-    except ValueError:
-        pass
-    cls = errors.error_class(code) if isinstance(code, str) else None
-    if cls is None:
-        cls = errors.InvalidInput if 400 <= status < 500 else SchedulerUnavailable
-    return cls(f"{method} {url}: HTTP {status}: {detail}")
+        try:
+            resp = pool(client_context()).request(method, url, body=data, headers=headers, timeout=self.timeout_s,
+                                                   retries=retry_policy(retries, self.backoff_s))
+        except MaxRetryError as exc:
+            raise SchedulerUnavailable(f"{method} {url} failed after {retries + 1} attempts: {exc.reason}") from None
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            raise SchedulerUnavailable(f"{method} {url} failed: {exc}") from None
+        if resp.status in GATEWAY_STATUSES:  # still, after the last try
+            raise SchedulerUnavailable(f"{method} {url} failed after {retries + 1} attempts: HTTP {resp.status}")
+        if resp.status >= 400:
+            raise error_from(resp.status, resp.data, f"{method} {url}: HTTP {resp.status}", SchedulerUnavailable)
+        return resp.data
 
 
 def _first_error(exc: ValidationError) -> str:

@@ -273,8 +273,8 @@ def test_resume_from_is_validated_and_reaches_the_job_spec() -> None:
 
 
 def test_status_round_trip_and_conditions() -> None:
-    reconf = crd.Reconfiguration(reason="scale", from_gpus=0, to_gpus=4, from_parallel=None,
-                                 to_parallel=crd.Parallel(2, 2, 1), downtime_seconds=3.5, bytes_local=10,
+    reconf = crd.Reconfiguration(reason="scale", from_=crd.Side.of(0, None), to=crd.Side.of(4, crd.Parallel(2, 2, 1)),
+                                 downtime_seconds=3.5, bytes_local=10,
                                  bytes_remote=20, steps_lost=0, finished_at="2026-11-21T07:00:00Z")
     status = crd.ElasticJobStatus(phase=crd.Phase.RUNNING, gpus=4, parallel=crd.Parallel(2, 2, 1), step=10,
                                   version="s10-g1", selector=crd.worker_selector("j"),

@@ -164,7 +164,6 @@ def test_a_dead_worker_is_noticed_within_the_timeout_of_its_last_beat(sched: Loc
         return before, after, relay.batches
 
     before, after, batches = asyncio.run(beats())
-    relay.close()
     assert batches == 2
     dead, alive = record(sched, wid(1)), record(sched, wid(0))
     assert dead.step == 20 and alive.step == 21

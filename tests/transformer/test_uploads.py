@@ -409,3 +409,17 @@ def test_the_daemons_persist_a_version_and_a_reconfiguration_reads_the_lost_regi
     reports = transform_on_daemons(cluster, copy, hosts=["h2", "h3"])
     assert sum(r.bytes_checkpoint for r in reports.values()) == copy.network_bytes > 0
     check_new_state(cluster, new, state, "copy", new_v)
+
+
+def test_an_upload_gives_up_once_its_retry_time_is_spent(tmp_path: Path) -> None:
+    """A location that cannot be written (below a file): attempts until the next would start after
+    ``retry_for_s``, then ``failed`` with the last error and how long it tried."""
+    (tmp_path / "a-file").write_text("not a directory")
+    uri = (tmp_path / "a-file" / "ckpt").as_uri()
+    with _node(tmp_path, retry_for_s=0.5) as node, StoreClient(node.url, "tok") as c:
+        c.request_json("POST", _uploads(), {"version": V, "uri": uri, "shards": _fill(node.store)})
+        rec = _wait(c)
+        text = _metrics_text(node.url)
+    assert rec["state"] == "failed" and rec["attempts"] == 2 and rec["error_code"], rec
+    assert "gave up after 2 attempts" in rec["error"], rec
+    assert 'tenplex_uploads_total{outcome="failed"} 1.0' in text
