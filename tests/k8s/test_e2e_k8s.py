@@ -86,6 +86,9 @@ TOKEN = "e2e-token"
 NODES = {"node-0": "127.0.7.2", "node-1": "127.0.7.3", "node-2": "127.0.7.4"}
 MODEL = {"vocab": 64, "dim": 32, "n_layers": 4, "n_heads": 4, "seq_len": 16}
 SNAPSHOT_EVERY = 3
+"""A worker snapshots every 3 steps and the next snapshot joins the previous one's write: a worker killed at step
+s + 2 x SNAPSHOT_EVERY while it waits for the write of s + SNAPSHOT_EVERY goes back to s, losing at most 2 x SNAPSHOT_EVERY
+steps (exactly that was seen under load)."""
 STORE_READINESS = {"httpGet": {"path": "/healthz", "port": "store"}, "periodSeconds": 5, "failureThreshold": 2}
 """The chart's readiness probe of the store container."""
 PROBE_PERIOD_SCALE = 0.2
@@ -325,7 +328,7 @@ def test_reference_job_scaled_through_the_scale_subresource_and_recovered_after_
     assert f"worker {victim} exited with code 137" in first_cause or "peer failure" in first_cause, failure.error
     # Recovery restarts from the newest snapshot every node store holds: the steps since then are lost, at most
     # two snapshot intervals (the killed rank may die while its newest snapshot is still being written).
-    assert failure.to_gpus == 2 and 0 <= failure.steps_lost < 2 * SNAPSHOT_EVERY
+    assert failure.to_gpus == 2 and 0 <= failure.steps_lost <= 2 * SNAPSHOT_EVERY
     assert failure.bytes_remote == failure.lower_bound_bytes  # same placement: every node restores its own shards
     assert failure.version_from is not None and failure.downtime_seconds is not None
 
@@ -416,7 +419,7 @@ def test_a_store_daemon_that_stops_answering_loses_its_host(api: TestCluster, cl
                                                                                ["node-0", "node-2"], 2)
     # From node-0's replica: the steps since its newest snapshot are lost (at most two intervals), and node-2,
     # which had nothing, pulled exactly the lower bound from node-0's store.
-    assert failure.version_from is not None and 0 <= failure.steps_lost < 2 * SNAPSHOT_EVERY
+    assert failure.version_from is not None and 0 <= failure.steps_lost <= 2 * SNAPSHOT_EVERY
     assert failure.bytes_remote == failure.lower_bound_bytes > 0
     errors = [r.error or "" for r in st.history] + [st.message or ""]
     errors.append(json.dumps(api.get("elasticjobs", "gpt", NS).get("status") or {}))
@@ -589,7 +592,7 @@ def test_standby_pods_run_the_next_generations_and_survive_a_scheduler_restart(
         ("scale", 1, 2), ("scale", 2, 1), ("spec", 1, 1), ("failure", 1, 1)], _history(sched, "gpt")
     failure = st.history[-1]
     assert "gpt-g3-r0 exited with code 137" in (failure.error or ""), failure.error
-    assert 0 <= failure.steps_lost < 2 * SNAPSHOT_EVERY
+    assert 0 <= failure.steps_lost <= 2 * SNAPSHOT_EVERY
     text = pod_log.read_text()
     assert "started worker gpt-g4-r0" in text  # recovered into the same pod
     # The job ended: no next generation to keep pods for.
@@ -731,7 +734,7 @@ def test_failures_while_pods_terminate(api: TestCluster, cluster: Cluster, deplo
     scale, failure = st.history
     assert (scale.reason, scale.from_gpus, scale.to_gpus, scale.steps_lost) == ("scale", 1, 2, 0)
     assert failure.reason == "failure" and failure.to_gpus == 2 and sorted(failure.to_hosts) == ["node-0", "node-2"]
-    assert failure.version_from is not None and 0 <= failure.steps_lost < 2 * SNAPSHOT_EVERY
+    assert failure.version_from is not None and 0 <= failure.steps_lost <= 2 * SNAPSHOT_EVERY
     # node-2 had nothing: it pulled its replica from node-0's store, exactly the lower bound.
     assert failure.bytes_remote == failure.lower_bound_bytes > 0
     _assert_the_daemons_moved_the_state(api, st.history, RecordingStoreClient.calls)
