@@ -59,10 +59,12 @@ def next_try(retry: Retry, method: str, url: str, error: Exception | None = None
     return retry
 
 
-def error_from(status: int, payload: bytes, where: str, unavailable: type[TenplexError]) -> TenplexError:
+def error_from(status: int, payload: bytes, where: str, unavailable: type[TenplexError], *,
+               where_last: bool = False) -> TenplexError:
     """The exception an error answer stands for: the class of its body's ``error`` code (the servers answer
     :meth:`TenplexError.to_json`), else one by HTTP status, else :class:`InvalidInput` for 4xx and
-    ``unavailable`` for 5xx; the message is ``where: detail``."""
+    ``unavailable`` for 5xx; the message is ``where: detail``, or ``detail (where)`` with ``where_last``: a
+    store's answer is passed on as the daemon said it (the scheduler's messages quote it), its server after it."""
     code: object = None
     detail = payload[:500].decode("utf-8", "replace") or f"HTTP {status}"
     try:
@@ -75,7 +77,7 @@ def error_from(status: int, payload: bytes, where: str, unavailable: type[Tenple
         detail = raw if isinstance(raw, str) else json.dumps(raw)[:500]
     cls = (errors.error_class(code) if isinstance(code, str) else None) or _BY_STATUS.get(status) or (
         InvalidInput if status < 500 else unavailable)
-    return cls(f"{where}: {detail}")
+    return cls(f"{detail} ({where})" if where_last else f"{where}: {detail}")
 
 
 @functools.cache

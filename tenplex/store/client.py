@@ -242,7 +242,7 @@ class StoreClient(TensorStore):
                     payload = resp.read()
                     if resp.will_close:
                         conn.close()
-                error = error_from(resp.status, payload, f"store {self.url}", StoreUnavailable)
+                error = error_from(resp.status, payload, f"store {self.url}", StoreUnavailable, where_last=True)
                 if not retry.is_retry(method, resp.status) or isinstance(error, ChecksumMismatch):
                     raise error  # a 5xx of corrupted data: another read meets the same bytes
                 log.warning("store %s answered %s %s with %d", self.url, method, path, resp.status)
