@@ -106,7 +106,7 @@ from tenplex.serving import (
     BackgroundServer,
 )
 from tenplex.store.buffers import crc_of, slabs
-from tenplex.store.local import LocalStore, ShardWriter
+from tenplex.store.local import LocalStore
 from tenplex.store.model import ShardInfo, format_checksum
 from tenplex.store.names import check_job, check_tensor, check_version
 from tenplex.store.rawchunks import (
@@ -134,6 +134,7 @@ from tenplex.store.wire import (
     format_shape,
     parse_shape,
 )
+from tenplex.store.writer import ShardWriter
 
 log = logging.getLogger(__name__)
 

@@ -48,13 +48,10 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
-import zarr
-import zarr.storage
 
 from tenplex.core.version import Version
 from tenplex.errors import (
@@ -64,14 +61,13 @@ from tenplex.errors import (
     NotFound,
     TenplexError,
 )
-from tenplex.ptc.dtypes import check_dtype, itemsize, storage_dtype
+from tenplex.ptc.dtypes import check_dtype, storage_dtype
 from tenplex.ptc.region import Region
 from tenplex.store.base import COMMIT_RECHECK_S, RegionRead, TensorStore
 from tenplex.store.buffers import (
     DEFAULT_CHUNK_BYTES,
     ReceivedCrcs,
     chunk_shape,
-    crc32c_combine,
     crc_of,
     host_buffer,
     host_data,
@@ -88,7 +84,6 @@ from tenplex.store.layout import (
     sync_tree,
     write_group,
     write_json_atomic,
-    write_small,
 )
 from tenplex.store.memory import MemoryTier
 from tenplex.store.model import Manifest, ShardInfo, VersionInfo, format_checksum
@@ -113,6 +108,7 @@ from tenplex.store.reader import (
     scan_tensor,
 )
 from tenplex.store.tiers import MemorySlots
+from tenplex.store.writer import ShardWriter
 
 if TYPE_CHECKING:
     import torch
@@ -120,97 +116,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _MAX_PIECE_BYTES = 256 << 20  # ... grown up to this to hold whole bands of chunks
-_ZARR_CONFIG = {"write_empty_chunks": True}
-@dataclass
-class ShardWriter:
-    """A shard being written, piece by piece, in payload order; invisible until :meth:`finish`.
-
-    The server feeds it from the request body stream (so a 2 GiB upload needs
-    only two pieces of memory); :meth:`LocalStore.write_shard` feeds it one
-    array. Pieces must come in the order of :attr:`pieces`.
-    """
-
-    store: LocalStore
-    job: str
-    version: Version
-    tensor: str
-    region: Region
-    dtype: str
-    global_shape: tuple[int, ...]
-    staging: Path
-    layout: ChunkLayout
-    pieces: list[Region]
-    raw: RawChunkWriter | None = None
-    in_memory: bool = False
-    """Whether ``staging`` is in the memory tier (where the version was placed when the writer opened)."""
-    _zarr: zarr.Array | None = None
-    _next: int = 0
-    _crc: int = 0
-    _done: bool = False
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    @property
-    def nbytes(self) -> int:
-        return self.region.volume * itemsize(self.dtype)
-
-    def write_piece(self, index: int, data: np.ndarray) -> None:
-        """Store piece ``index`` (a contiguous array of the piece's shape in the storage dtype)."""
-        with self._lock:
-            if self._done:
-                raise Conflict(f"shard {self.tensor!r} {self.region.format()!r} is already finished or aborted")
-            if index != self._next:
-                raise InvalidInput(f"shard pieces must be written in order: expected piece {self._next}, got {index}")
-            piece = self.pieces[index]
-            if data.shape != piece.shape:
-                raise InvalidInput(f"piece {index} has shape {list(data.shape)}, expected {list(piece.shape)}")
-            crc = None
-            if piece.volume:
-                if self.raw is not None and self.raw.covers_whole_chunks(piece):
-                    crc = self.raw.write(piece, data)  # from the chunk files' own checksums, when they give it
-                else:
-                    self._zarr_array().set_basic_selection(piece.slices(), data)
-            if crc is None:
-                self._crc = crc_of(data, self._crc)
-            else:
-                self._crc = crc32c_combine(self._crc, crc, data.nbytes)
-            self._next += 1
-
-    def _zarr_array(self) -> zarr.Array:
-        """zarr's view of the staged array, for pieces the direct writer does not handle (made on first use)."""
-        if self._zarr is None:
-            write_json_atomic(self.staging / "zarr.json", self.layout.metadata({}), durable=False)
-            self._zarr = zarr.open_array(store=zarr.storage.LocalStore(self.staging), mode="r+", config=_ZARR_CONFIG)
-        return self._zarr
-
-    def finish(self) -> ShardInfo:
-        """Record the checksum and move the shard into its version (replacing an earlier copy)."""
-        with self._lock:
-            if self._done:
-                raise Conflict(f"shard {self.tensor!r} {self.region.format()!r} is already finished or aborted")
-            if self._next != len(self.pieces):
-                raise InvalidInput(
-                    f"shard {self.tensor!r} {self.region.format()!r}: only {self._next} of {len(self.pieces)} pieces were written"
-                )
-            self._done = True
-        info = ShardInfo(self.tensor, self.region, self.dtype, self.global_shape, format_checksum(self._crc), self.nbytes)
-        try:
-            # a plain write: the staging directory is this writer's alone and is renamed into place after
-            attributes: dict[str, Any] = {ATTR: info.to_json()}
-            chunk_crcs = self.raw.chunk_checksums() if self.raw is not None and self._zarr is None else None
-            if chunk_crcs is not None:
-                attributes[CHUNK_CRCS] = chunk_crcs
-            write_small(self.staging / "zarr.json", json.dumps(self.layout.metadata(attributes), separators=(",", ":")).encode())
-            self.store._install(self.job, self.version, info, self.staging, self.in_memory)
-        except BaseException:
-            shutil.rmtree(self.staging, ignore_errors=True)
-            raise
-        return info
-
-    def abort(self) -> None:
-        """Throw the partial shard away (nothing of it was ever visible)."""
-        with self._lock:
-            self._done = True
-        shutil.rmtree(self.staging, ignore_errors=True)
 
 
 class LocalStore(TensorStore):
@@ -441,7 +346,7 @@ class LocalStore(TensorStore):
         # chunk files are the raw little-endian elements (what ChunkLayout.metadata declares) on a little-endian
         # host; memory files are written through the page cache (they are page cache: O_DIRECT is only a detour)
         raw = RawChunkWriter(staging, layout, direct=self.direct_writes and not in_memory) if sys.byteorder == "little" else None
-        return ShardWriter(self, job, v, tensor, region, dtype, gshape, staging, layout, pieces, raw, in_memory)
+        return ShardWriter(self._install, job, v, tensor, region, dtype, gshape, staging, layout, pieces, raw, in_memory)
 
     def write_shard(
         self,
