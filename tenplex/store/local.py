@@ -59,6 +59,7 @@ from tenplex.errors import (
     Conflict,
     InvalidInput,
     NotFound,
+    StoreUnavailable,
     TenplexError,
 )
 from tenplex.ptc.dtypes import check_dtype, storage_dtype
@@ -85,7 +86,7 @@ from tenplex.store.layout import (
     write_group,
     write_json_atomic,
 )
-from tenplex.store.memory import MemoryTier
+from tenplex.store.memory import MemoryTier, Placement
 from tenplex.store.model import Manifest, ShardInfo, VersionInfo, format_checksum
 from tenplex.store.names import (
     check_job,
@@ -141,7 +142,10 @@ class LocalStore(TensorStore):
     tiers they are copied. ``memory``: the tier (its owner, the node daemon, makes it with
     :meth:`MemoryTier.open` ``owner=True``); else the root's recorded tier, as :meth:`MemoryTier.open`
     finds it from ``memory_root`` and ``memory_bytes`` (none: the tier the root records, if any).
-    :meth:`close` closes the tier too.
+    :meth:`close` closes the tier too. ``placement``: who places versions in the tier (default: the tier,
+    in this process); a worker sharing the daemon's root gives the daemon's
+    :class:`~tenplex.store.client.StoreClient`, so that only the daemon takes the tier's budget lock, evicts
+    and moves versions (:meth:`reserve`).
     """
 
     def __init__(
@@ -157,6 +161,7 @@ class LocalStore(TensorStore):
         memory: MemoryTier | None = None,
         memory_root: str | Path | None = None,
         memory_bytes: int | None = None,
+        placement: Placement | None = None,
     ) -> None:
         if chunk_bytes < 64:
             raise InvalidInput(f"chunk_bytes must be at least 64, got {chunk_bytes}")
@@ -184,6 +189,9 @@ class LocalStore(TensorStore):
         """The memory tier, if any (what the daemon's spiller, metrics and the tests ask about the tier)."""
         self._disk = Root(self.root)
         self._mem: Root | None = memory.mem if memory is not None else None
+        self._placement: Placement | None = placement if placement is not None else memory
+        self._reserved: dict[tuple[str, Version], tuple[bool, int]] = {}
+        """(job, version) -> (in memory, bytes reserved and not yet written) of this store's writers."""
         self._commits = threading.Condition()
         """Notified at every commit by this object: what :meth:`wait_committed` waits on."""
 
@@ -240,9 +248,53 @@ class LocalStore(TensorStore):
         """The disk root, then the memory root where there is a tier."""
         return [self._disk] if self._mem is None else [self._disk, self._mem]
 
+    def reserve(self, job: str, version: Version | str, nbytes: int) -> None:
+        """Place an uncommitted version and claim ``nbytes`` for this store's writers, in one call to the
+        placement (the daemon's API for a worker): its shards then take from that room without asking again,
+        and only what outgrows it is asked for shard by shard."""
+        v = check_version(version)
+        check_job(job)
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise InvalidInput(f"nbytes must be an integer >= 0, got {nbytes!r}")
+        if self.memory is None:
+            return
+        in_memory = self._ask_placement(job, v, nbytes)
+        with self._cache_lock:
+            for key in [k for k in self._reserved if k[0] == job and k != (job, v)]:
+                del self._reserved[key]  # one version of a job is written at a time: the older ones are done
+            held = self._reserved.get((job, v), (in_memory, 0))[1] if in_memory else 0
+            self._reserved[(job, v)] = (in_memory, held + nbytes)
+
     def _place(self, job: str, version: Version, nbytes: int) -> bool:
-        """Whether ``nbytes`` more of an uncommitted version go to memory (the tier's decision) or to disk."""
-        return self.memory is not None and self.memory.place(job, version, nbytes)
+        """Whether ``nbytes`` more of an uncommitted version go to memory (the placement's decision) or to
+        disk: from this store's reservation while it lasts (a version placed on disk stays there)."""
+        if self.memory is None:
+            return False
+        with self._cache_lock:
+            held = self._reserved.get((job, version))
+            if held is not None and (not held[0] or held[1] >= nbytes):
+                self._reserved[(job, version)] = (held[0], held[1] - nbytes if held[0] else 0)
+                return held[0]
+        return self._ask_placement(job, version, nbytes)
+
+    def _ask_placement(self, job: str, version: Version, nbytes: int) -> bool:
+        """The placement's answer; where the daemon cannot be reached, the version goes to disk (pinned
+        there by its directory: it cannot take memory the daemon does not know of), unless the daemon placed
+        it in memory already: then :class:`StoreUnavailable` (writing there unclaimed would overrun the budget)."""
+        assert self._placement is not None
+        try:
+            return self._placement.place(job, version, nbytes)
+        except StoreUnavailable as exc:
+            with self._locked(job, create=True):
+                if self._is_committed(job, version) or self._working_dir(job, version)[1]:
+                    raise StoreUnavailable(f"version {version} of job {job!r} is in the memory tier and its daemon, "
+                                           f"which places it, cannot be reached: {exc.detail}") from exc
+                vdir = self._disk.version(job, version)
+                if not group_written(vdir):
+                    write_group(vdir, {"job": job, "version": str(version)})
+            log.warning("the store daemon cannot be reached to place version %s of job %s in memory (%s): "
+                        "writing it to disk", version, job, exc.detail)
+            return False
 
     def _staging_root(self, job: str, in_memory: bool) -> Path:
         return self._mem.staging(job) if in_memory and self._mem is not None else self._disk.staging(job)
@@ -781,6 +833,8 @@ class LocalStore(TensorStore):
                     os.rename(vdir, t)
                     trash.append(t)
         self._drop_cached(job, v)
+        with self._cache_lock:
+            self._reserved.pop((job, v), None)
         for t in trash:
             shutil.rmtree(t, ignore_errors=True)
         log.info("deleted version %s of job %s", v, job)

@@ -30,6 +30,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Protocol
 
 from tenplex.core.files import fsync_path
 from tenplex.core.units import human_bytes
@@ -69,6 +70,16 @@ from tenplex.store.tiers import (
 )
 
 log = logging.getLogger(__name__)
+
+
+class Placement(Protocol):
+    """Who places a store's versions in the memory tier: the :class:`MemoryTier` itself (its owner, the node
+    daemon, and stores of one process), or the daemon over its API
+    (:meth:`StoreClient.place <tenplex.store.client.StoreClient.place>`) for a worker sharing its root."""
+
+    def place(self, job: str, version: Version, nbytes: int) -> bool:
+        """Room for ``nbytes`` more of an uncommitted version: True in memory (claimed), False on disk."""
+        ...
 
 
 class MemoryTier:
