@@ -26,9 +26,11 @@ import contextlib
 import ctypes
 import fcntl
 import json
+import logging
 import os
 import shutil
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +40,8 @@ from tenplex.core.files import atomic_write, fsync_path
 from tenplex.core.version import Version
 from tenplex.errors import InvalidInput, NotFound
 from tenplex.store.names import check_job
+
+log = logging.getLogger(__name__)
 
 ATTR = "tenplex"  # key of our record in each zarr node's attributes
 CHUNK_CRCS = "tenplex_chunk_crc32c"  # attribute: each chunk file's crc32c, chunk-grid order (cheap whole-file checks)
@@ -211,6 +215,20 @@ def newest_mtime(path: Path) -> float:
             with contextlib.suppress(FileNotFoundError):
                 newest = max(newest, os.stat(name).st_mtime)
     return newest
+
+
+def clean_staging(staging: Path, stale_s: float) -> None:
+    """Remove deleted versions, replaced shards and abandoned partial shards, spills and moves left by crashes."""
+    if not staging.is_dir():
+        return
+    now = time.time()
+    for entry in os.listdir(staging):
+        path = staging / entry
+        if entry.startswith(("deleted-", "replaced-")):
+            shutil.rmtree(path, ignore_errors=True)
+        elif entry.startswith(("shard-", "spill-", "demote-")) and now - newest_mtime(path) > stale_s:
+            log.info("removing %s: a partial write nothing has written to for %.0f s", path, now - newest_mtime(path))
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def copy_tree(src: Path, dst: Path) -> None:

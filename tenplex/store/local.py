@@ -78,10 +78,10 @@ from tenplex.store.layout import (
     ATTR,
     CHUNK_CRCS,
     Root,
+    clean_staging,
     copy_tree,
     group_written,
     link_tree,
-    newest_mtime,
     sync_tree,
     write_group,
     write_json_atomic,
@@ -863,25 +863,12 @@ class LocalStore(TensorStore):
             with contextlib.suppress(NotFound):
                 self.delete(job, v)
         for root in self._roots():
-            self._clean_staging(root.staging(job), stale_staging_s)
+            clean_staging(root.staging(job), stale_staging_s)
         if self.memory is not None:
             self.memory.reap_evicted()
         if doomed:
             log.info("gc of job %s deleted %s", job, ", ".join(map(str, doomed)))
         return doomed
-
-    def _clean_staging(self, staging: Path, stale_s: float) -> None:
-        """Remove deleted versions, replaced shards and abandoned partial shards, spills and moves left by crashes."""
-        if not staging.is_dir():
-            return
-        now = time.time()
-        for entry in os.listdir(staging):
-            path = staging / entry
-            if entry.startswith(("deleted-", "replaced-")):
-                shutil.rmtree(path, ignore_errors=True)
-            elif entry.startswith(("shard-", "spill-", "demote-")) and now - newest_mtime(path) > stale_s:
-                log.info("removing %s: a partial write nothing has written to for %.0f s", path, now - newest_mtime(path))
-                shutil.rmtree(path, ignore_errors=True)
 
     def verify(self, job: str, version: Version | str) -> list[str]:
         """Re-read every shard and compare its crc32c with the recorded one; the problems found (empty = intact)."""
