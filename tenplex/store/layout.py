@@ -102,6 +102,23 @@ class Root:
                 continue
         return out
 
+    def versions(self, job: str) -> set[Version]:
+        """The version directories of a job under the root, committed or not (other entries are skipped)."""
+        jdir = self.job(job)
+        try:
+            entries = os.listdir(jdir)
+        except FileNotFoundError:
+            return set()
+        found = set()
+        for entry in entries:
+            if entry.startswith(".") or not (jdir / entry).is_dir():
+                continue
+            try:
+                found.add(Version.parse(entry))
+            except InvalidInput:
+                log.warning("ignoring %s: not a version directory", jdir / entry)
+        return found
+
     @contextlib.contextmanager
     def locked(self, job: str, *, create: bool | Callable[[], bool]) -> Iterator[None]:
         """The job's lock file in this root, held (exclusive ``flock``) for the block; :class:`NotFound` when

@@ -11,7 +11,9 @@ store asks where a version goes. Why this shape:
   fsyncing it and renaming it to ``.commits/<version>.json``; the rename is
   atomic, so a crash at any point leaves the version either committed with
   all its data (made durable first) or visibly uncommitted. Committed versions
-  are immutable, which is what makes caching their metadata safe.
+  are immutable, which is what makes caching their metadata safe (a cached
+  reader is checked against its commit marker: a version another process
+  deleted, or wrote again under its name, is opened anew).
 - Durability is established once, at commit: one ``syncfs`` of the store's
   file system before the marker (per-shard fsyncs cost thousands of calls per
   version for nothing, since an uncommitted version is never served as
@@ -170,7 +172,8 @@ class LocalStore(TensorStore):
         self.url = str(self.root)  # a path: open_store() gives a LocalStore back (file:// URLs are persistent tiers)
         self.chunk_bytes = chunk_bytes
         self.durable = durable
-        self._cache: OrderedDict[tuple[str, Version, str], TensorReader] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, Version, str], tuple[TensorReader, tuple[int, int]]] = OrderedDict()
+        """Readers of committed tensors, each with the identity of the commit marker it was opened under."""
         self._cache_size = cache_size
         self._cache_lock = threading.Lock()
 
@@ -267,14 +270,18 @@ class LocalStore(TensorStore):
 
     def _place(self, job: str, version: Version, nbytes: int) -> bool:
         """Whether ``nbytes`` more of an uncommitted version go to memory (the placement's decision) or to
-        disk: from this store's reservation while it lasts (a version placed on disk stays there)."""
+        disk: from this store's reservation while it lasts and the version is still where it was placed (a
+        version placed on disk stays there; one in memory may have been deleted or moved to disk since)."""
         if self.memory is None:
             return False
         with self._cache_lock:
             held = self._reserved.get((job, version))
             if held is not None and (not held[0] or held[1] >= nbytes):
                 self._reserved[(job, version)] = (held[0], held[1] - nbytes if held[0] else 0)
-                return held[0]
+            else:
+                held = None
+        if held is not None and (not held[0] or self.memory.working_dir(job, version) is not None):
+            return held[0]
         return self._ask_placement(job, version, nbytes)
 
     def _ask_placement(self, job: str, version: Version, nbytes: int) -> bool:
@@ -550,8 +557,9 @@ class LocalStore(TensorStore):
     # -- reading ------------------------------------------------------------
 
     def cached_tensor(self, job: str, version: Version, tensor: str) -> TensorReader | None:
-        """The cached reader of a committed version's tensor, or None; no file system access for a version on
-        disk, one ``stat`` for one in memory (still there, not evicted: else None).
+        """The cached reader of a committed version's tensor, or None; one ``stat``: its commit marker must be
+        the one it was opened under (else the version was evicted, or deleted, perhaps written anew under its
+        name, by this or another process sharing the root: None, and it is opened again).
 
         What :meth:`open_tensor` would return from its cache: the server looks
         here first so that a read of a committed version needs no thread hop
@@ -562,10 +570,21 @@ class LocalStore(TensorStore):
             cached = self._cache.get(key)
             if cached is not None:
                 self._cache.move_to_end(key)
-        if cached is not None and cached.in_memory and not (self._mem and self._mem.marker(job, version).is_file()):
-            self._drop_cached(job, version)  # evicted (by this or another process): read from disk from now on
+        if cached is None:
             return None
-        return cached
+        if self._marker_id(job, version, cached[0].in_memory) != cached[1]:
+            self._drop_cached(job, version)  # evicted (then read from disk) or deleted
+            return None
+        return cached[0]
+
+    def _marker_id(self, job: str, version: Version, in_memory: bool) -> tuple[int, int] | None:
+        """(inode, mtime) of the version's commit marker in one tier (markers are renamed into place: a new
+        file each time), or None when it has none there."""
+        try:
+            st = os.stat((self._mem if in_memory and self._mem is not None else self._disk).marker(job, version))
+        except FileNotFoundError:
+            return None
+        return st.st_ino, st.st_mtime_ns
 
     def _drop_cached(self, job: str, version: Version) -> None:
         with self._cache_lock:
@@ -581,9 +600,11 @@ class LocalStore(TensorStore):
         if cached is not None:
             return cached
         found = self._committed_dir(job, v)
+        marker = None
         if found is not None:
             vdir, in_memory = found
             committed = True
+            marker = self._marker_id(job, v, in_memory)  # before the scan: a change after it is seen next time
         else:
             vdir, in_memory = self._working_dir(job, v)
             committed = self._is_committed(job, v)  # committed (or spilled) meanwhile
@@ -600,9 +621,9 @@ class LocalStore(TensorStore):
             raise NotFound(f"tensor {tensor!r} is not in version {v} of job {job!r}")
         reader = TensorReader(job, v, tensor, committed, shards, self._read_pool(), map_chunks=self.map_chunks,
                               in_memory=in_memory)
-        if committed:
+        if marker is not None:
             with self._cache_lock:
-                self._cache[(job, v, tensor)] = reader
+                self._cache[(job, v, tensor)] = (reader, marker)
                 while len(self._cache) > self._cache_size:
                     self._cache.popitem(last=False)
         return reader
@@ -724,23 +745,9 @@ class LocalStore(TensorStore):
         return sorted(out)
 
     def _version_names(self, job: str) -> list[Version]:
-        dirs = [root.job(job) for root in self._roots()]
-        if not any(d.is_dir() for d in dirs):
+        if not any(root.job(job).is_dir() for root in self._roots()):
             raise NotFound(f"job {job!r} is not in this store")
-        found = set()
-        for jdir in dirs:
-            try:
-                entries = os.listdir(jdir)
-            except FileNotFoundError:
-                continue
-            for entry in entries:
-                if entry.startswith(".") or not (jdir / entry).is_dir():
-                    continue
-                try:
-                    found.add(Version.parse(entry))
-                except InvalidInput:
-                    log.warning("ignoring %s: not a version directory", jdir / entry)
-        return sorted(found)
+        return sorted(set().union(*(root.versions(job) for root in self._roots())))
 
     def versions(self, job: str) -> list[VersionInfo]:
         """All versions of a job here, committed or not, ordered by (step, generation); which are durable

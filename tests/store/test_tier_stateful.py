@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, assume, event, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -68,9 +68,6 @@ class TierMachine(RuleBasedStateMachine):
         self.written: dict[Version, dict[Shard, np.ndarray]] = {}
         """Uncommitted versions: what their writers stored."""
         self.committed: dict[Version, dict[Shard, np.ndarray]] = {}
-        self.deleted: set[Version] = set()
-        """Deleted versions: never written again (a job's versions only grow; a store's cached readers of a
-        committed version, this process's or another's, rely on a version name never being reused)."""
         self._open()
 
     def _open(self) -> None:
@@ -101,7 +98,6 @@ class TierMachine(RuleBasedStateMachine):
     def write(self, version: Version, shard: Shard, seed: int, by_worker: bool, by_slot: bool) -> None:
         """Reserve room (the version's first write places it) and write one shard, directly or through a
         snapshot buffer linked into the version."""
-        assume(version not in self.deleted)
         store = self._store(by_worker)
         data = payload(shard, seed)
         tensor = shard[0]
@@ -162,7 +158,6 @@ class TierMachine(RuleBasedStateMachine):
         self.daemon.delete(JOB, version)
         self.committed.pop(version, None)
         self.written.pop(version, None)
-        self.deleted.add(version)
 
     @rule()
     def restart(self) -> None:
