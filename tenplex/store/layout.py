@@ -14,7 +14,7 @@ entry starts with a dot, which no job name may::
     <root>/<job>/.lock                               flock for structural changes (disk root only, for both)
     <root>/.staging/<job>/                           shards being written, versions being deleted
     memory root only:
-    <root>/<job>/.claims/<version>.json              bytes reserved and claimed by a version's writers
+    <root>/<job>/.claims/<version>.json              bytes reserved and claimed by a version's writers (the daemon's)
     <root>/<job>/.evicting/<version>.json            an evicted version's marker, until its files go
     <root>/.budget.lock                              flock for placements, claims and evictions
     <root>/.buffers/<job>/<writer>/                  snapshot buffers of a writer (its .lock held while it lives)

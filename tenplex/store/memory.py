@@ -13,7 +13,10 @@ its files: claims, the budget lock, eviction records, the tier record and the
 snapshot buffers' lock files. The node daemon is the tier's owner: it records
 the tier in the disk root and runs its one :class:`Spiller`
 (:meth:`MemoryTier.start_spilling`); a worker's store finds the tier through
-that record (:meth:`MemoryTier.open`).
+that record (:meth:`MemoryTier.open`) and has the daemon place its versions
+(a :class:`Placement` over the daemon's API, once per snapshot), so that only
+the daemon takes the budget lock, writes claims, evicts and demotes; the claims
+stay files, so a restarted daemon counts the room it reserved before.
 """
 
 from __future__ import annotations
