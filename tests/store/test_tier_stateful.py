@@ -119,6 +119,19 @@ class TierMachine(RuleBasedStateMachine):
         self.written.setdefault(version, {})[shard] = data
         event("written into memory" if self.tier.working_dir(JOB, version) is not None else "written to disk")
 
+    @rule(version=st.sampled_from(VERSIONS), kib=st.integers(0, 12), by_worker=st.booleans())
+    def reserve(self, version: Version, kib: int, by_worker: bool) -> None:
+        """A snapshot's room reserved up front (one placement): that store's writes take from it, and ask
+        again only for what outgrows it or once the version was moved to disk or deleted."""
+        store = self._store(by_worker)
+        if version in self.committed:
+            with pytest.raises(Conflict):
+                store.reserve(JOB, version, kib << 10)
+            return
+        store.reserve(JOB, version, kib << 10)
+        self.written.setdefault(version, {})
+        event("reserved in memory" if self.tier.working_dir(JOB, version) is not None else "reserved on disk")
+
     @precondition(lambda self: bool(self.written))
     @rule(data=st.data(), by_worker=st.booleans())
     def commit(self, data: st.DataObject, by_worker: bool) -> None:

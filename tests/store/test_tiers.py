@@ -299,10 +299,15 @@ def test_a_worker_writes_into_room_the_daemon_reserved_and_never_takes_the_budge
         daemon.memory.spill(JOB, "s1-g0")
         worker.reserve(JOB, "s2-g0", NBYTES)  # in memory: s1-g0, spilled, is evicted to make room
         assert info(daemon, "s2-g0").in_memory and not info(daemon, "s1-g0").in_memory
+        daemon.delete(JOB, "s2-g0")  # by another process meanwhile: the room goes with the version
+        write("s2-g0", ["a"])  # placed anew by the daemon, not written unclaimed into the room of before
+        claim = json.loads((memory_root / JOB / ".claims" / "s2-g0.json").read_text())
+        assert claim == {"reserved": 2 * NBYTES, "used": NBYTES}
+        worker.reserve(JOB, "s2-g0", NBYTES)
         srv.stop()
-        write("s2-g0", ["a"])  # within the reservation: no call
+        write("s2-g0", ["b"])  # within the reservation: no call
         with pytest.raises(StoreUnavailable, match="in the memory tier and its daemon"):
-            write("s2-g0", ["b"])  # more than reserved, the daemon is gone: not written unclaimed
+            write("s2-g0", ["c"])  # more than reserved, the daemon is gone: not written unclaimed
         worker.reserve(JOB, "s3-g0", NBYTES)  # a new version while the daemon is down: on disk, pinned there
         write("s3-g0", ["a"])
         worker.commit(JOB, "s3-g0")
