@@ -172,8 +172,8 @@ class LocalStore(TensorStore):
         self.url = str(self.root)  # a path: open_store() gives a LocalStore back (file:// URLs are persistent tiers)
         self.chunk_bytes = chunk_bytes
         self.durable = durable
-        self._cache: OrderedDict[tuple[str, Version, str], tuple[TensorReader, tuple[int, int]]] = OrderedDict()
-        """Readers of committed tensors, each with the identity of the commit marker it was opened under."""
+        self._cache: OrderedDict[tuple[str, Version, str], tuple[TensorReader, str, tuple[int, int]]] = OrderedDict()
+        """Readers of committed tensors, each with the commit marker it was opened under: its path and identity."""
         self._cache_size = cache_size
         self._cache_lock = threading.Lock()
 
@@ -572,19 +572,10 @@ class LocalStore(TensorStore):
                 self._cache.move_to_end(key)
         if cached is None:
             return None
-        if self._marker_id(job, version, cached[0].in_memory) != cached[1]:
+        if _file_id(cached[1]) != cached[2]:
             self._drop_cached(job, version)  # evicted (then read from disk) or deleted
             return None
         return cached[0]
-
-    def _marker_id(self, job: str, version: Version, in_memory: bool) -> tuple[int, int] | None:
-        """(inode, mtime) of the version's commit marker in one tier (markers are renamed into place: a new
-        file each time), or None when it has none there."""
-        try:
-            st = os.stat((self._mem if in_memory and self._mem is not None else self._disk).marker(job, version))
-        except FileNotFoundError:
-            return None
-        return st.st_ino, st.st_mtime_ns
 
     def _drop_cached(self, job: str, version: Version) -> None:
         with self._cache_lock:
@@ -600,11 +591,12 @@ class LocalStore(TensorStore):
         if cached is not None:
             return cached
         found = self._committed_dir(job, v)
-        marker = None
+        marker: tuple[str, tuple[int, int] | None] | None = None
         if found is not None:
             vdir, in_memory = found
             committed = True
-            marker = self._marker_id(job, v, in_memory)  # before the scan: a change after it is seen next time
+            path = str((self._mem if in_memory and self._mem is not None else self._disk).marker(job, v))
+            marker = (path, _file_id(path))  # before the scan: a change after it is seen next time
         else:
             vdir, in_memory = self._working_dir(job, v)
             committed = self._is_committed(job, v)  # committed (or spilled) meanwhile
@@ -621,9 +613,9 @@ class LocalStore(TensorStore):
             raise NotFound(f"tensor {tensor!r} is not in version {v} of job {job!r}")
         reader = TensorReader(job, v, tensor, committed, shards, self._read_pool(), map_chunks=self.map_chunks,
                               in_memory=in_memory)
-        if marker is not None:
+        if marker is not None and marker[1] is not None:
             with self._cache_lock:
-                self._cache[(job, v, tensor)] = (reader, marker)
+                self._cache[(job, v, tensor)] = (reader, marker[0], marker[1])
                 while len(self._cache) > self._cache_size:
                     self._cache.popitem(last=False)
         return reader
@@ -895,3 +887,12 @@ class LocalStore(TensorStore):
 
     def nbytes(self, job: str, version: Version | str) -> int:
         return self.manifest(job, version).nbytes
+
+
+def _file_id(path: str) -> tuple[int, int] | None:
+    """(inode, mtime) of a commit marker (markers are renamed into place: a new file each time), None if absent."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_mtime_ns
