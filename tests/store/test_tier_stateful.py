@@ -219,6 +219,6 @@ class TierMachine(RuleBasedStateMachine):
             assert vi.in_memory or vi.durable  # held by a tier
 
 
-TierMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=40, deadline=None,
+TierMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=40, deadline=None,
                                          suppress_health_check=[HealthCheck.too_slow])
 test_the_memory_tier_under_interleaved_operations = TierMachine.TestCase
