@@ -113,7 +113,7 @@ def test_a_worker_of_job_a_gets_403_on_job_b_on_its_own_and_a_peers_daemon(daemo
                      lambda: c.write_shard("b", "s2-g0", "w", Region.full(SHAPE), np.zeros(SHAPE, np.float32),
                                            dtype="float32", global_shape=SHAPE),
                      lambda: c.commit("b", V1), lambda: c.delete("b", V1), lambda: c.delete("a", V1),
-                     lambda: c.link_shard("b", V1, "w", FULL, "s2-g0"), lambda: c.metrics(),
+                     lambda: c.link_shard("b", V1, "w", FULL, "s2-g0"), lambda: c.place("b", "s2-g0", 8), lambda: c.metrics(),
                      lambda: c.request_json("GET", transforms_path("a", "s2-g1")),
                      lambda: c.request_json("GET", "/v1/jobs/b/uploads"),
                      lambda: c.request_json("GET", "/v1/jobs/a/uploads")):
@@ -133,9 +133,13 @@ def test_a_worker_writes_and_commits_its_own_jobs_versions(daemons, issuer) -> N
                       global_shape=SHAPE)
         c.commit("a", "s5-g0")
         assert (c.read("a", "s5-g0", "w", FULL, "float32") == 5).all()
-    with StoreClient(daemons["h0"].url, issuer.grant("a"), retries=0) as reader, pytest.raises(Forbidden):
-        reader.write_shard("a", "s6-g0", "w", Region.full(SHAPE), np.zeros(SHAPE, np.float32), dtype="float32",
-                           global_shape=SHAPE)  # a transform's grant only reads
+        assert c.place("a", "s6-g0", 8) is False  # a reservation (this daemon has no memory tier: disk)
+    with StoreClient(daemons["h0"].url, issuer.grant("a"), retries=0) as reader:
+        with pytest.raises(Forbidden):
+            reader.write_shard("a", "s6-g0", "w", Region.full(SHAPE), np.zeros(SHAPE, np.float32), dtype="float32",
+                               global_shape=SHAPE)  # a transform's grant only reads
+        with pytest.raises(Forbidden):
+            reader.place("a", "s6-g0", 8)
     daemons["h0"].store.delete("a", "s5-g0")
 
 

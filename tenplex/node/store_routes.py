@@ -14,6 +14,7 @@ which is :func:`create_app`'s table)::
     POST   /v1/jobs/{job}/versions/{version}/links           LinkRequest: a kept shard, hard-linked here
     GET    /v1/jobs/{job}/versions/{version}/committed?wait=S  {"committed": bool}, once committed or after S s
     POST   /v1/jobs/{job}/versions/{version}/commit          -> counts and the committed manifest
+    POST   /v1/jobs/{job}/versions/{version}/reservation     {"nbytes": n} -> {"in_memory": bool}: the tier places it
     DELETE /v1/jobs/{job}/versions/{version}
 
 The headers, limits and request bodies are :mod:`tenplex.store.wire`, shared
@@ -106,7 +107,7 @@ from tenplex.serving import (
     BackgroundServer,
 )
 from tenplex.store.buffers import crc_of, slabs
-from tenplex.store.local import LocalStore, ShardWriter
+from tenplex.store.local import LocalStore
 from tenplex.store.model import ShardInfo, format_checksum
 from tenplex.store.names import check_job, check_tensor, check_version
 from tenplex.store.rawchunks import (
@@ -130,10 +131,12 @@ from tenplex.store.wire import (
     SHAPE_HEADER,
     LinkRequest,
     RegionsRequest,
+    ReservationRequest,
     format_parts,
     format_shape,
     parse_shape,
 )
+from tenplex.store.writer import ShardWriter
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +165,10 @@ class _Metrics:
         )
         self.errors = Counter(
             "tenplex_store_errors", "Requests answered with a 4xx or 5xx", ["route", "status"], registry=self.registry
+        )
+        self.reservations = Counter(
+            "tenplex_store_reservations", "Versions' room asked for by writers sharing the root, by the tier given",
+            ["tier"], registry=self.registry,
         )
 
 
@@ -203,9 +210,10 @@ _READ_ROUTES = frozenset({
 """Routes a job's ``worker`` or ``reader`` credential may call for its own job."""
 _WRITE_ROUTES = frozenset({
     ("PUT", _VERSIONS + "/{version}/tensors/{tensor:path}"), ("POST", _VERSIONS + "/{version}/links"),
-    ("POST", _VERSIONS + "/{version}/commit"), ("POST", RELAY_HEARTBEAT_PATH),
+    ("POST", _VERSIONS + "/{version}/commit"), ("POST", _VERSIONS + "/{version}/reservation"),
+    ("POST", RELAY_HEARTBEAT_PATH),
 })
-"""Routes a job's ``worker`` credential may call for its own job (a snapshot: write, link, commit; a heartbeat the
+"""Routes a job's ``worker`` credential may call for its own job (a snapshot: reserve, write, link, commit; a heartbeat the
 node daemon relays, :mod:`tenplex.node.relay`)."""
 _ANY_ROUTES = frozenset({("GET", "/v1/jobs"), ("GET", RELAY_PATH)})
 """Routes any valid credential may call (the handler narrows the answer to the caller's job)."""
@@ -355,6 +363,17 @@ def create_app(
 
         info = await to_thread.run_sync(link_here)
         return {"linked": info.to_json()}
+
+    @api.post("/v1/jobs/{job}/versions/{version}/reservation")
+    async def reserve(job: str, version: str, body: ReservationRequest) -> dict[str, Any]:
+        """A writer sharing this daemon's root (a worker's snapshot) asks where the version goes and claims its
+        bytes there: the daemon's tier places it (budget lock, eviction, demotion are this process's alone)."""
+        check_job(job)
+        v = check_version(version)
+        tier = store.memory
+        in_memory = False if tier is None else await to_thread.run_sync(tier.place, job, v, body.nbytes)
+        metrics.reservations.labels("memory" if in_memory else "disk").inc()
+        return {"job": job, "version": str(v), "in_memory": in_memory}
 
     @api.delete("/v1/jobs/{job}/versions/{version}")
     async def delete(job: str, version: str) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from tenplex.errors import InvalidInput
@@ -25,9 +25,12 @@ from tenplex.store.client import StoreClient
 from tenplex.store.locations import SCHEMES
 from tenplex.store.model import Manifest, ShardInfo, VersionInfo
 
+if TYPE_CHECKING:
+    from tenplex.store.memory import Placement
+
 
 def open_store(location: str | Path, token: str | None = None, *, options: Mapping[str, Any] | None = None,
-               memory_root: str | Path | None = None) -> TensorStore:
+               memory_root: str | Path | None = None, placement: Placement | None = None) -> TensorStore:
     """The store at ``location``, by its address:
 
     - a daemon's ``http(s)://`` URL: a :class:`StoreClient` with ``token`` (default ``$TENPLEX_TOKEN``);
@@ -36,7 +39,8 @@ def open_store(location: str | Path, token: str | None = None, *, options: Mappi
       credentials; the AWS environment variables fill in the rest);
     - a directory on this machine, as a path: the node store there, a :class:`~tenplex.store.local.LocalStore`
       (what a ``LocalStore``'s ``url`` is); it uses the memory tier its daemon recorded there, at
-      ``memory_root`` when given (the tier's directory as this process sees it).
+      ``memory_root`` when given (the tier's directory as this process sees it), its versions placed there by
+      ``placement`` (a worker: its daemon's :class:`StoreClient`) or else by this process.
 
     ``token`` serves only daemons and ``options`` only persistent locations. Each implementation is imported
     here when it is asked for, and why: the local and persistent stores load zarr (and obstore), which a
@@ -59,7 +63,7 @@ def open_store(location: str | Path, token: str | None = None, *, options: Mappi
         raise InvalidInput("store location is empty: give an http(s):// URL, a persistent location or a directory")
     from tenplex.store.local import LocalStore
 
-    return LocalStore(text, memory_root=memory_root)
+    return LocalStore(text, memory_root=memory_root, placement=placement)
 
 
 __all__ = ["Manifest", "RegionRead", "ShardInfo", "SnapshotBuffers", "StoreClient", "TensorStore", "VersionInfo", "open_store"]

@@ -242,6 +242,11 @@ class TensorStore(ABC):
         """Remove a version, committed or not (:class:`~tenplex.errors.NotFound` when it is not here); it
         never looks committed and partial on the way."""
 
+    def reserve(self, job: str, version: Version | str, nbytes: int) -> None:  # noqa: B027  (most stores place nothing)
+        """Announce that this writer is about to write ``nbytes`` of uncommitted ``version`` (a snapshot, all
+        its shards): a store with a memory tier places the version and claims that room once, not shard by
+        shard. The default does nothing (a store that places nothing, or places each upload as it comes)."""
+
     def snapshot_buffers(self, job: str) -> SnapshotBuffers | None:
         """Buffers in this store that a snapshot of ``job`` can copy into and then store without copying again,
         or None where the store has none (the default: the snapshot keeps host buffers of its own and writes

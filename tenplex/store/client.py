@@ -70,6 +70,7 @@ from tenplex.store.wire import (
     TOKEN_ENV,
     LinkRequest,
     RegionsRequest,
+    ReservationRequest,
     format_shape,
     parse_parts,
     versions_path,
@@ -639,6 +640,17 @@ class StoreClient(TensorStore):
 
     def commit(self, job: str, version: Version | str) -> Manifest:
         return Manifest.from_json(self._json("POST", f"{versions_path(job, version)}/commit")["manifest"])
+
+    def place(self, job: str, version: Version | str, nbytes: int) -> bool:
+        """Ask the daemon for room for ``nbytes`` more of an uncommitted version in its memory tier
+        (``POST .../reservation``): True when the version is in memory (the room is claimed there), False
+        on disk. For a writer sharing the daemon's root (the
+        :class:`~tenplex.store.memory.Placement` of its :class:`~tenplex.store.local.LocalStore`): the
+        daemon alone takes the tier's budget lock, evicts and moves versions."""
+        body = ReservationRequest(nbytes=nbytes).model_dump_json().encode()
+        result = self._call("POST", f"{versions_path(job, version)}/reservation", lambda resp: json.loads(resp.read()),
+                            body=body, headers={"Content-Type": "application/json"})
+        return bool(result["in_memory"])
 
     def delete(self, job: str, version: Version | str) -> None:
         self._json("DELETE", versions_path(job, version))

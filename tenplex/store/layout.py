@@ -14,7 +14,7 @@ entry starts with a dot, which no job name may::
     <root>/<job>/.lock                               flock for structural changes (disk root only, for both)
     <root>/.staging/<job>/                           shards being written, versions being deleted
     memory root only:
-    <root>/<job>/.claims/<version>.json              bytes reserved and claimed by a version's writers
+    <root>/<job>/.claims/<version>.json              bytes reserved and claimed by a version's writers (the daemon's)
     <root>/<job>/.evicting/<version>.json            an evicted version's marker, until its files go
     <root>/.budget.lock                              flock for placements, claims and evictions
     <root>/.buffers/<job>/<writer>/                  snapshot buffers of a writer (its .lock held while it lives)
@@ -26,9 +26,11 @@ import contextlib
 import ctypes
 import fcntl
 import json
+import logging
 import os
 import shutil
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +40,8 @@ from tenplex.core.files import atomic_write, fsync_path
 from tenplex.core.version import Version
 from tenplex.errors import InvalidInput, NotFound
 from tenplex.store.names import check_job
+
+log = logging.getLogger(__name__)
 
 ATTR = "tenplex"  # key of our record in each zarr node's attributes
 CHUNK_CRCS = "tenplex_chunk_crc32c"  # attribute: each chunk file's crc32c, chunk-grid order (cheap whole-file checks)
@@ -97,6 +101,23 @@ class Root:
             except InvalidInput:
                 continue
         return out
+
+    def versions(self, job: str) -> set[Version]:
+        """The version directories of a job under the root, committed or not (other entries are skipped)."""
+        jdir = self.job(job)
+        try:
+            entries = os.listdir(jdir)
+        except FileNotFoundError:
+            return set()
+        found = set()
+        for entry in entries:
+            if entry.startswith(".") or not (jdir / entry).is_dir():
+                continue
+            try:
+                found.add(Version.parse(entry))
+            except InvalidInput:
+                log.warning("ignoring %s: not a version directory", jdir / entry)
+        return found
 
     @contextlib.contextmanager
     def locked(self, job: str, *, create: bool | Callable[[], bool]) -> Iterator[None]:
@@ -211,6 +232,20 @@ def newest_mtime(path: Path) -> float:
             with contextlib.suppress(FileNotFoundError):
                 newest = max(newest, os.stat(name).st_mtime)
     return newest
+
+
+def clean_staging(staging: Path, stale_s: float) -> None:
+    """Remove deleted versions, replaced shards and abandoned partial shards, spills and moves left by crashes."""
+    if not staging.is_dir():
+        return
+    now = time.time()
+    for entry in os.listdir(staging):
+        path = staging / entry
+        if entry.startswith(("deleted-", "replaced-")):
+            shutil.rmtree(path, ignore_errors=True)
+        elif entry.startswith(("shard-", "spill-", "demote-")) and now - newest_mtime(path) > stale_s:
+            log.info("removing %s: a partial write nothing has written to for %.0f s", path, now - newest_mtime(path))
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def copy_tree(src: Path, dst: Path) -> None:

@@ -11,7 +11,9 @@ store asks where a version goes. Why this shape:
   fsyncing it and renaming it to ``.commits/<version>.json``; the rename is
   atomic, so a crash at any point leaves the version either committed with
   all its data (made durable first) or visibly uncommitted. Committed versions
-  are immutable, which is what makes caching their metadata safe.
+  are immutable, which is what makes caching their metadata safe (a cached
+  reader is checked against its commit marker: a version another process
+  deleted, or wrote again under its name, is opened anew).
 - Durability is established once, at commit: one ``syncfs`` of the store's
   file system before the marker (per-shard fsyncs cost thousands of calls per
   version for nothing, since an uncommitted version is never served as
@@ -48,13 +50,10 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
-import zarr
-import zarr.storage
 
 from tenplex.core.version import Version
 from tenplex.errors import (
@@ -62,16 +61,16 @@ from tenplex.errors import (
     Conflict,
     InvalidInput,
     NotFound,
+    StoreUnavailable,
     TenplexError,
 )
-from tenplex.ptc.dtypes import check_dtype, itemsize, storage_dtype
+from tenplex.ptc.dtypes import check_dtype, storage_dtype
 from tenplex.ptc.region import Region
 from tenplex.store.base import COMMIT_RECHECK_S, RegionRead, TensorStore
 from tenplex.store.buffers import (
     DEFAULT_CHUNK_BYTES,
     ReceivedCrcs,
     chunk_shape,
-    crc32c_combine,
     crc_of,
     host_buffer,
     host_data,
@@ -81,16 +80,15 @@ from tenplex.store.layout import (
     ATTR,
     CHUNK_CRCS,
     Root,
+    clean_staging,
     copy_tree,
     group_written,
     link_tree,
-    newest_mtime,
     sync_tree,
     write_group,
     write_json_atomic,
-    write_small,
 )
-from tenplex.store.memory import MemoryTier
+from tenplex.store.memory import MemoryTier, Placement
 from tenplex.store.model import Manifest, ShardInfo, VersionInfo, format_checksum
 from tenplex.store.names import (
     check_job,
@@ -113,6 +111,7 @@ from tenplex.store.reader import (
     scan_tensor,
 )
 from tenplex.store.tiers import MemorySlots
+from tenplex.store.writer import ShardWriter
 
 if TYPE_CHECKING:
     import torch
@@ -120,97 +119,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _MAX_PIECE_BYTES = 256 << 20  # ... grown up to this to hold whole bands of chunks
-_ZARR_CONFIG = {"write_empty_chunks": True}
-@dataclass
-class ShardWriter:
-    """A shard being written, piece by piece, in payload order; invisible until :meth:`finish`.
-
-    The server feeds it from the request body stream (so a 2 GiB upload needs
-    only two pieces of memory); :meth:`LocalStore.write_shard` feeds it one
-    array. Pieces must come in the order of :attr:`pieces`.
-    """
-
-    store: LocalStore
-    job: str
-    version: Version
-    tensor: str
-    region: Region
-    dtype: str
-    global_shape: tuple[int, ...]
-    staging: Path
-    layout: ChunkLayout
-    pieces: list[Region]
-    raw: RawChunkWriter | None = None
-    in_memory: bool = False
-    """Whether ``staging`` is in the memory tier (where the version was placed when the writer opened)."""
-    _zarr: zarr.Array | None = None
-    _next: int = 0
-    _crc: int = 0
-    _done: bool = False
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    @property
-    def nbytes(self) -> int:
-        return self.region.volume * itemsize(self.dtype)
-
-    def write_piece(self, index: int, data: np.ndarray) -> None:
-        """Store piece ``index`` (a contiguous array of the piece's shape in the storage dtype)."""
-        with self._lock:
-            if self._done:
-                raise Conflict(f"shard {self.tensor!r} {self.region.format()!r} is already finished or aborted")
-            if index != self._next:
-                raise InvalidInput(f"shard pieces must be written in order: expected piece {self._next}, got {index}")
-            piece = self.pieces[index]
-            if data.shape != piece.shape:
-                raise InvalidInput(f"piece {index} has shape {list(data.shape)}, expected {list(piece.shape)}")
-            crc = None
-            if piece.volume:
-                if self.raw is not None and self.raw.covers_whole_chunks(piece):
-                    crc = self.raw.write(piece, data)  # from the chunk files' own checksums, when they give it
-                else:
-                    self._zarr_array().set_basic_selection(piece.slices(), data)
-            if crc is None:
-                self._crc = crc_of(data, self._crc)
-            else:
-                self._crc = crc32c_combine(self._crc, crc, data.nbytes)
-            self._next += 1
-
-    def _zarr_array(self) -> zarr.Array:
-        """zarr's view of the staged array, for pieces the direct writer does not handle (made on first use)."""
-        if self._zarr is None:
-            write_json_atomic(self.staging / "zarr.json", self.layout.metadata({}), durable=False)
-            self._zarr = zarr.open_array(store=zarr.storage.LocalStore(self.staging), mode="r+", config=_ZARR_CONFIG)
-        return self._zarr
-
-    def finish(self) -> ShardInfo:
-        """Record the checksum and move the shard into its version (replacing an earlier copy)."""
-        with self._lock:
-            if self._done:
-                raise Conflict(f"shard {self.tensor!r} {self.region.format()!r} is already finished or aborted")
-            if self._next != len(self.pieces):
-                raise InvalidInput(
-                    f"shard {self.tensor!r} {self.region.format()!r}: only {self._next} of {len(self.pieces)} pieces were written"
-                )
-            self._done = True
-        info = ShardInfo(self.tensor, self.region, self.dtype, self.global_shape, format_checksum(self._crc), self.nbytes)
-        try:
-            # a plain write: the staging directory is this writer's alone and is renamed into place after
-            attributes: dict[str, Any] = {ATTR: info.to_json()}
-            chunk_crcs = self.raw.chunk_checksums() if self.raw is not None and self._zarr is None else None
-            if chunk_crcs is not None:
-                attributes[CHUNK_CRCS] = chunk_crcs
-            write_small(self.staging / "zarr.json", json.dumps(self.layout.metadata(attributes), separators=(",", ":")).encode())
-            self.store._install(self.job, self.version, info, self.staging, self.in_memory)
-        except BaseException:
-            shutil.rmtree(self.staging, ignore_errors=True)
-            raise
-        return info
-
-    def abort(self) -> None:
-        """Throw the partial shard away (nothing of it was ever visible)."""
-        with self._lock:
-            self._done = True
-        shutil.rmtree(self.staging, ignore_errors=True)
 
 
 class LocalStore(TensorStore):
@@ -236,7 +144,10 @@ class LocalStore(TensorStore):
     tiers they are copied. ``memory``: the tier (its owner, the node daemon, makes it with
     :meth:`MemoryTier.open` ``owner=True``); else the root's recorded tier, as :meth:`MemoryTier.open`
     finds it from ``memory_root`` and ``memory_bytes`` (none: the tier the root records, if any).
-    :meth:`close` closes the tier too.
+    :meth:`close` closes the tier too. ``placement``: who places versions in the tier (default: the tier,
+    in this process); a worker sharing the daemon's root gives the daemon's
+    :class:`~tenplex.store.client.StoreClient`, so that only the daemon takes the tier's budget lock, evicts
+    and moves versions (:meth:`reserve`).
     """
 
     def __init__(
@@ -252,6 +163,7 @@ class LocalStore(TensorStore):
         memory: MemoryTier | None = None,
         memory_root: str | Path | None = None,
         memory_bytes: int | None = None,
+        placement: Placement | None = None,
     ) -> None:
         if chunk_bytes < 64:
             raise InvalidInput(f"chunk_bytes must be at least 64, got {chunk_bytes}")
@@ -260,7 +172,8 @@ class LocalStore(TensorStore):
         self.url = str(self.root)  # a path: open_store() gives a LocalStore back (file:// URLs are persistent tiers)
         self.chunk_bytes = chunk_bytes
         self.durable = durable
-        self._cache: OrderedDict[tuple[str, Version, str], TensorReader] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, Version, str], tuple[TensorReader, str, tuple[int, int]]] = OrderedDict()
+        """Readers of committed tensors, each with the commit marker it was opened under: its path and identity."""
         self._cache_size = cache_size
         self._cache_lock = threading.Lock()
 
@@ -279,6 +192,9 @@ class LocalStore(TensorStore):
         """The memory tier, if any (what the daemon's spiller, metrics and the tests ask about the tier)."""
         self._disk = Root(self.root)
         self._mem: Root | None = memory.mem if memory is not None else None
+        self._placement: Placement | None = placement if placement is not None else memory
+        self._reserved: dict[tuple[str, Version], tuple[bool, int]] = {}
+        """(job, version) -> (in memory, bytes reserved and not yet written) of this store's writers."""
         self._commits = threading.Condition()
         """Notified at every commit by this object: what :meth:`wait_committed` waits on."""
 
@@ -335,9 +251,57 @@ class LocalStore(TensorStore):
         """The disk root, then the memory root where there is a tier."""
         return [self._disk] if self._mem is None else [self._disk, self._mem]
 
+    def reserve(self, job: str, version: Version | str, nbytes: int) -> None:
+        """Place an uncommitted version and claim ``nbytes`` for this store's writers, in one call to the
+        placement (the daemon's API for a worker): its shards then take from that room without asking again,
+        and only what outgrows it is asked for shard by shard."""
+        v = check_version(version)
+        check_job(job)
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise InvalidInput(f"nbytes must be an integer >= 0, got {nbytes!r}")
+        if self.memory is None:
+            return
+        in_memory = self._ask_placement(job, v, nbytes)
+        with self._cache_lock:
+            for key in [k for k in self._reserved if k[0] == job and k != (job, v)]:
+                del self._reserved[key]  # one version of a job is written at a time: the older ones are done
+            held = self._reserved.get((job, v), (in_memory, 0))[1] if in_memory else 0
+            self._reserved[(job, v)] = (in_memory, held + nbytes)
+
     def _place(self, job: str, version: Version, nbytes: int) -> bool:
-        """Whether ``nbytes`` more of an uncommitted version go to memory (the tier's decision) or to disk."""
-        return self.memory is not None and self.memory.place(job, version, nbytes)
+        """Whether ``nbytes`` more of an uncommitted version go to memory (the placement's decision) or to
+        disk: from this store's reservation while it lasts and the version is still where it was placed (a
+        version placed on disk stays there; one in memory may have been deleted or moved to disk since)."""
+        if self.memory is None:
+            return False
+        with self._cache_lock:
+            held = self._reserved.get((job, version))
+            if held is not None and (not held[0] or held[1] >= nbytes):
+                self._reserved[(job, version)] = (held[0], held[1] - nbytes if held[0] else 0)
+            else:
+                held = None
+        if held is not None and (not held[0] or self.memory.working_dir(job, version) is not None):
+            return held[0]
+        return self._ask_placement(job, version, nbytes)
+
+    def _ask_placement(self, job: str, version: Version, nbytes: int) -> bool:
+        """The placement's answer; where the daemon cannot be reached, the version goes to disk (pinned
+        there by its directory: it cannot take memory the daemon does not know of), unless the daemon placed
+        it in memory already: then :class:`StoreUnavailable` (writing there unclaimed would overrun the budget)."""
+        assert self._placement is not None
+        try:
+            return self._placement.place(job, version, nbytes)
+        except StoreUnavailable as exc:
+            with self._locked(job, create=True):
+                if self._is_committed(job, version) or self._working_dir(job, version)[1]:
+                    raise StoreUnavailable(f"version {version} of job {job!r} is in the memory tier and its daemon, "
+                                           f"which places it, cannot be reached: {exc.detail}") from exc
+                vdir = self._disk.version(job, version)
+                if not group_written(vdir):
+                    write_group(vdir, {"job": job, "version": str(version)})
+            log.warning("the store daemon cannot be reached to place version %s of job %s in memory (%s): "
+                        "writing it to disk", version, job, exc.detail)
+            return False
 
     def _staging_root(self, job: str, in_memory: bool) -> Path:
         return self._mem.staging(job) if in_memory and self._mem is not None else self._disk.staging(job)
@@ -441,7 +405,7 @@ class LocalStore(TensorStore):
         # chunk files are the raw little-endian elements (what ChunkLayout.metadata declares) on a little-endian
         # host; memory files are written through the page cache (they are page cache: O_DIRECT is only a detour)
         raw = RawChunkWriter(staging, layout, direct=self.direct_writes and not in_memory) if sys.byteorder == "little" else None
-        return ShardWriter(self, job, v, tensor, region, dtype, gshape, staging, layout, pieces, raw, in_memory)
+        return ShardWriter(self._install, job, v, tensor, region, dtype, gshape, staging, layout, pieces, raw, in_memory)
 
     def write_shard(
         self,
@@ -593,8 +557,9 @@ class LocalStore(TensorStore):
     # -- reading ------------------------------------------------------------
 
     def cached_tensor(self, job: str, version: Version, tensor: str) -> TensorReader | None:
-        """The cached reader of a committed version's tensor, or None; no file system access for a version on
-        disk, one ``stat`` for one in memory (still there, not evicted: else None).
+        """The cached reader of a committed version's tensor, or None; one ``stat``: its commit marker must be
+        the one it was opened under (else the version was evicted, or deleted, perhaps written anew under its
+        name, by this or another process sharing the root: None, and it is opened again).
 
         What :meth:`open_tensor` would return from its cache: the server looks
         here first so that a read of a committed version needs no thread hop
@@ -605,10 +570,12 @@ class LocalStore(TensorStore):
             cached = self._cache.get(key)
             if cached is not None:
                 self._cache.move_to_end(key)
-        if cached is not None and cached.in_memory and not (self._mem and self._mem.marker(job, version).is_file()):
-            self._drop_cached(job, version)  # evicted (by this or another process): read from disk from now on
+        if cached is None:
             return None
-        return cached
+        if _file_id(cached[1]) != cached[2]:
+            self._drop_cached(job, version)  # evicted (then read from disk) or deleted
+            return None
+        return cached[0]
 
     def _drop_cached(self, job: str, version: Version) -> None:
         with self._cache_lock:
@@ -624,9 +591,12 @@ class LocalStore(TensorStore):
         if cached is not None:
             return cached
         found = self._committed_dir(job, v)
+        marker: tuple[str, tuple[int, int] | None] | None = None
         if found is not None:
             vdir, in_memory = found
             committed = True
+            path = str((self._mem if in_memory and self._mem is not None else self._disk).marker(job, v))
+            marker = (path, _file_id(path))  # before the scan: a change after it is seen next time
         else:
             vdir, in_memory = self._working_dir(job, v)
             committed = self._is_committed(job, v)  # committed (or spilled) meanwhile
@@ -643,9 +613,9 @@ class LocalStore(TensorStore):
             raise NotFound(f"tensor {tensor!r} is not in version {v} of job {job!r}")
         reader = TensorReader(job, v, tensor, committed, shards, self._read_pool(), map_chunks=self.map_chunks,
                               in_memory=in_memory)
-        if committed:
+        if marker is not None and marker[1] is not None:
             with self._cache_lock:
-                self._cache[(job, v, tensor)] = reader
+                self._cache[(job, v, tensor)] = (reader, marker[0], marker[1])
                 while len(self._cache) > self._cache_size:
                     self._cache.popitem(last=False)
         return reader
@@ -767,23 +737,9 @@ class LocalStore(TensorStore):
         return sorted(out)
 
     def _version_names(self, job: str) -> list[Version]:
-        dirs = [root.job(job) for root in self._roots()]
-        if not any(d.is_dir() for d in dirs):
+        if not any(root.job(job).is_dir() for root in self._roots()):
             raise NotFound(f"job {job!r} is not in this store")
-        found = set()
-        for jdir in dirs:
-            try:
-                entries = os.listdir(jdir)
-            except FileNotFoundError:
-                continue
-            for entry in entries:
-                if entry.startswith(".") or not (jdir / entry).is_dir():
-                    continue
-                try:
-                    found.add(Version.parse(entry))
-                except InvalidInput:
-                    log.warning("ignoring %s: not a version directory", jdir / entry)
-        return sorted(found)
+        return sorted(set().union(*(root.versions(job) for root in self._roots())))
 
     def versions(self, job: str) -> list[VersionInfo]:
         """All versions of a job here, committed or not, ordered by (step, generation); which are durable
@@ -876,6 +832,8 @@ class LocalStore(TensorStore):
                     os.rename(vdir, t)
                     trash.append(t)
         self._drop_cached(job, v)
+        with self._cache_lock:
+            self._reserved.pop((job, v), None)
         for t in trash:
             shutil.rmtree(t, ignore_errors=True)
         log.info("deleted version %s of job %s", v, job)
@@ -904,25 +862,12 @@ class LocalStore(TensorStore):
             with contextlib.suppress(NotFound):
                 self.delete(job, v)
         for root in self._roots():
-            self._clean_staging(root.staging(job), stale_staging_s)
+            clean_staging(root.staging(job), stale_staging_s)
         if self.memory is not None:
             self.memory.reap_evicted()
         if doomed:
             log.info("gc of job %s deleted %s", job, ", ".join(map(str, doomed)))
         return doomed
-
-    def _clean_staging(self, staging: Path, stale_s: float) -> None:
-        """Remove deleted versions, replaced shards and abandoned partial shards, spills and moves left by crashes."""
-        if not staging.is_dir():
-            return
-        now = time.time()
-        for entry in os.listdir(staging):
-            path = staging / entry
-            if entry.startswith(("deleted-", "replaced-")):
-                shutil.rmtree(path, ignore_errors=True)
-            elif entry.startswith(("shard-", "spill-", "demote-")) and now - newest_mtime(path) > stale_s:
-                log.info("removing %s: a partial write nothing has written to for %.0f s", path, now - newest_mtime(path))
-                shutil.rmtree(path, ignore_errors=True)
 
     def verify(self, job: str, version: Version | str) -> list[str]:
         """Re-read every shard and compare its crc32c with the recorded one; the problems found (empty = intact)."""
@@ -942,3 +887,12 @@ class LocalStore(TensorStore):
 
     def nbytes(self, job: str, version: Version | str) -> int:
         return self.manifest(job, version).nbytes
+
+
+def _file_id(path: str) -> tuple[int, int] | None:
+    """(inode, mtime) of a commit marker (markers are renamed into place: a new file each time), None if absent."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_ino, st.st_mtime_ns

@@ -13,7 +13,10 @@ its files: claims, the budget lock, eviction records, the tier record and the
 snapshot buffers' lock files. The node daemon is the tier's owner: it records
 the tier in the disk root and runs its one :class:`Spiller`
 (:meth:`MemoryTier.start_spilling`); a worker's store finds the tier through
-that record (:meth:`MemoryTier.open`).
+that record (:meth:`MemoryTier.open`) and has the daemon place its versions
+(a :class:`Placement` over the daemon's API, once per snapshot), so that only
+the daemon takes the budget lock, writes claims, evicts and demotes; the claims
+stay files, so a restarted daemon counts the room it reserved before.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Protocol
 
 from tenplex.core.files import fsync_path
 from tenplex.core.units import human_bytes
@@ -69,6 +73,16 @@ from tenplex.store.tiers import (
 )
 
 log = logging.getLogger(__name__)
+
+
+class Placement(Protocol):
+    """Who places a store's versions in the memory tier: the :class:`MemoryTier` itself (its owner, the node
+    daemon, and stores of one process), or the daemon over its API
+    (:meth:`StoreClient.place <tenplex.store.client.StoreClient.place>`) for a worker sharing its root."""
+
+    def place(self, job: str, version: Version, nbytes: int) -> bool:
+        """Room for ``nbytes`` more of an uncommitted version: True in memory (claimed), False on disk."""
+        ...
 
 
 class MemoryTier:

@@ -120,6 +120,13 @@ class LinkRequest(_Body):
     verify: bool = Field(True, description="check the old shard against its recorded checksum first")
 
 
+class ReservationRequest(_Body):
+    """Body of ``POST .../versions/{version}/reservation``: room for ``nbytes`` more of an uncommitted version
+    in the node's memory tier, asked by a writer that writes into it through the store's files."""
+
+    nbytes: int = Field(ge=0, description="bytes the caller is about to write into the version")
+
+
 def versions_path(job: str, version: Version | str | None = None, tensor: str | None = None) -> str:
     """``/v1/jobs/{job}/versions[/{version}[/tensors/{tensor}]]``, every name checked and quoted."""
     path = f"/v1/jobs/{urllib.parse.quote(check_job(job), safe='')}/versions"

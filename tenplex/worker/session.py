@@ -39,7 +39,7 @@ from tenplex.core import protocol as p
 from tenplex.core.version import Version
 from tenplex.errors import InvalidConfig, StateLost
 from tenplex.ptc import PTC, DatasetState, ParallelConfig
-from tenplex.store import TensorStore, open_store
+from tenplex.store import StoreClient, TensorStore, open_store
 from tenplex.worker.control import ControlClient, Heartbeat, agree_stop
 from tenplex.worker.restore import RestoreResult, restore
 from tenplex.worker.sampler import ElasticSampler
@@ -116,11 +116,14 @@ def node_store(env: Mapping[str, str], store_url: str, token: str | None) -> Ten
 
     With the root, the store uses the memory tier its daemon recorded there, at
     ``TENPLEX_STORE_MEMORY_ROOT`` when set (the tier's directory as mounted here):
-    snapshots are then written into the node's memory."""
+    snapshots are then written into the node's memory, in room the daemon reserved
+    for them (``POST .../reservation``, once per snapshot): the daemon alone places
+    versions in its tier, evicts and moves them."""
     root = env.get(p.ENV_STORE_ROOT, "")
     if root and os.path.isdir(root):
         memory = env.get(p.ENV_STORE_MEMORY_ROOT) or None
-        store = open_store(root, memory_root=memory)
+        daemon = StoreClient(store_url, token=token) if store_url.startswith(("http://", "https://")) else None
+        store = open_store(root, memory_root=memory, placement=daemon)
         log.info("node store at %s (direct, shared with the daemon at %s)%s", root, store_url,
                  f"; memory tier {memory or 'as recorded there'}" if getattr(store, "memory", None) is not None else "")
         return store

@@ -457,6 +457,7 @@ class Snapshotter:
                 f.done.synchronize()
             device_s = max((f.start.elapsed_time(f.done) / 1e3 for f in flights), default=None)
             nbytes = sum(c.data.numel() * c.data.element_size() for c in copies)
+            self.store.reserve(self.job, version, nbytes + len(record))  # placed once, not shard by shard
             linked, linked_bytes = self._write_all(version, copies)
             rec = torch.frombuffer(bytearray(record), dtype=torch.uint8)
             self.store.write_shard(

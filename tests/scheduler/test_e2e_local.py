@@ -290,6 +290,7 @@ def test_a_job_on_hosts_with_a_memory_tier_snapshots_into_memory_and_scales_from
         check_planned(up, from_gpus=2, to_gpus=4)
         assert up["bytes_remote"] > 0  # the new host's ranks pulled their state from the old host's daemon
         memory_root = cluster.memory_root
+        reservations = 0.0
         for host in cluster.hosts():
             with StoreClient(host.store_url) as store:
                 versions = store.versions("memtier")
@@ -298,8 +299,12 @@ def test_a_job_on_hosts_with_a_memory_tier_snapshots_into_memory_and_scales_from
                 while not all(v.durable for v in store.versions("memtier")):
                     assert time.monotonic() < deadline, f"{host.name}'s daemon did not spill its versions"
                     time.sleep(0.1)
-                assert "tenplex_store_spilled_versions_total" in store.metrics()
+                metrics = store.metrics()
+                assert "tenplex_store_spilled_versions_total" in metrics
+                reservations += sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                                    if line.startswith('tenplex_store_reservations_total{tier="memory"}'))
             assert (memory_root / host.name / "memtier").is_dir()
         logs = "".join(p.read_text(errors="replace") for p in (tmp_path / "logs" / "memtier").rglob("*.log"))
         assert "snapshots into the node store's memory tier" in logs
+        assert reservations > 0  # the workers (the store root mounted) had their snapshots placed by the daemons
     assert not memory_root.exists()  # the cluster removes the tmpfs directories it made

@@ -163,6 +163,8 @@ def test_bad_input_gets_4xx_json_and_changes_nothing(server: StoreServer, client
         ("POST", "/v1/jobs/props/versions/s9-g0/commit", None, 404, "not_found"),
         ("DELETE", "/v1/jobs/props/versions/s9-g0", None, 404, "not_found"),
         ("DELETE", "/v1/jobs/nojob/versions/s1-g0", None, 404, "not_found"),
+        ("POST", "/v1/jobs/bad/versions/s1-g0/reservation", b'{"nbytes": -1}', 400, "invalid_input"),
+        ("POST", "/v1/jobs/bad/versions/s1-g0/reservation", b'{"bytes": 5}', 400, "invalid_input"),
         # links: the body is a LinkRequest naming exactly a stored shard of a committed version
         ("POST", "/v1/jobs/bad/versions/s2-g0/links", b"not json", 400, "invalid_input"),
         ("POST", "/v1/jobs/bad/versions/s2-g0/links", b'{"from_version": "s1-g0", "tensor": "w"}', 400, "invalid_input"),
@@ -227,6 +229,7 @@ def test_auth_is_required_everywhere_but_healthz(server: StoreServer, dataset: d
             ("GET", "/v1/jobs/props/versions/s1-g0/tensors/t/float32.w"),
             ("POST", "/v1/jobs/props/versions/s1-g0/commit"),
             ("POST", "/v1/jobs/props/versions/s2-g0/links"),
+            ("POST", "/v1/jobs/props/versions/s2-g0/reservation"),
             ("POST", "/v1/jobs/props/versions/s1-g0/regions"),
             ("DELETE", "/v1/jobs/props/versions/s1-g0"),
             ("GET", "/metrics"),

@@ -14,6 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tenplex.core.version import Version
 from tenplex.errors import (
     ChecksumMismatch,
     InvalidInput,
@@ -153,6 +154,30 @@ def test_delete_and_gc_keep_the_newest_committed(store: LocalStore) -> None:
         store.gc("j", keep_last=0)
     assert [str(vi.version) for vi in store.versions("j")] == ["s3-g0", "s4-g0"]
     assert not any((store.root / ".staging" / "j").iterdir())
+
+
+def test_another_process_store_never_serves_a_deleted_version_from_its_cache(store: LocalStore) -> None:
+    """Two stores on one root (the daemon and a worker, or `tenplex store gc`): what one deletes, and writes
+    again under the same name, the other reads anew, not from the reader it cached."""
+    other = LocalStore(store.root, chunk_bytes=4096)
+
+    def put(value: int) -> None:
+        store.write_shard("j", "s1-g0", "w", Region.full((4,)), np.full(4, value, np.int32), dtype="int32",
+                          global_shape=(4,))
+        store.commit("j", "s1-g0")
+
+    def read() -> list[int]:
+        out = np.empty(4, np.int32)
+        other.read_into("j", "s1-g0", "w", Region.full((4,)), out)
+        return out.tolist()
+
+    put(1)
+    assert read() == [1] * 4 and other.cached_tensor("j", Version.parse("s1-g0"), "w") is not None
+    store.delete("j", "s1-g0")
+    with pytest.raises(NotFound):
+        read()
+    put(2)
+    assert read() == [2] * 4
 
 
 def test_verify_reports_corruption(store: LocalStore) -> None:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, assume, event, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -68,9 +68,6 @@ class TierMachine(RuleBasedStateMachine):
         self.written: dict[Version, dict[Shard, np.ndarray]] = {}
         """Uncommitted versions: what their writers stored."""
         self.committed: dict[Version, dict[Shard, np.ndarray]] = {}
-        self.deleted: set[Version] = set()
-        """Deleted versions: never written again (a job's versions only grow; a store's cached readers of a
-        committed version, this process's or another's, rely on a version name never being reused)."""
         self._open()
 
     def _open(self) -> None:
@@ -101,7 +98,6 @@ class TierMachine(RuleBasedStateMachine):
     def write(self, version: Version, shard: Shard, seed: int, by_worker: bool, by_slot: bool) -> None:
         """Reserve room (the version's first write places it) and write one shard, directly or through a
         snapshot buffer linked into the version."""
-        assume(version not in self.deleted)
         store = self._store(by_worker)
         data = payload(shard, seed)
         tensor = shard[0]
@@ -122,6 +118,19 @@ class TierMachine(RuleBasedStateMachine):
             store.write_shard(JOB, version, tensor, region(shard), data, dtype="float32", global_shape=TENSORS[tensor])
         self.written.setdefault(version, {})[shard] = data
         event("written into memory" if self.tier.working_dir(JOB, version) is not None else "written to disk")
+
+    @rule(version=st.sampled_from(VERSIONS), kib=st.integers(0, 12), by_worker=st.booleans())
+    def reserve(self, version: Version, kib: int, by_worker: bool) -> None:
+        """A snapshot's room reserved up front (one placement): that store's writes take from it, and ask
+        again only for what outgrows it or once the version was moved to disk or deleted."""
+        store = self._store(by_worker)
+        if version in self.committed:
+            with pytest.raises(Conflict):
+                store.reserve(JOB, version, kib << 10)
+            return
+        store.reserve(JOB, version, kib << 10)
+        self.written.setdefault(version, {})
+        event("reserved in memory" if self.tier.working_dir(JOB, version) is not None else "reserved on disk")
 
     @precondition(lambda self: bool(self.written))
     @rule(data=st.data(), by_worker=st.booleans())
@@ -162,7 +171,6 @@ class TierMachine(RuleBasedStateMachine):
         self.daemon.delete(JOB, version)
         self.committed.pop(version, None)
         self.written.pop(version, None)
-        self.deleted.add(version)
 
     @rule()
     def restart(self) -> None:
@@ -211,6 +219,6 @@ class TierMachine(RuleBasedStateMachine):
             assert vi.in_memory or vi.durable  # held by a tier
 
 
-TierMachine.TestCase.settings = settings(max_examples=30, stateful_step_count=40, deadline=None,
+TierMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=40, deadline=None,
                                          suppress_health_check=[HealthCheck.too_slow])
 test_the_memory_tier_under_interleaved_operations = TierMachine.TestCase

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -23,8 +24,11 @@ import pytest
 import torch
 
 from tenplex.core.version import Version
-from tenplex.errors import ChecksumMismatch, InvalidInput
+from tenplex.errors import ChecksumMismatch, InvalidInput, StoreUnavailable
+from tenplex.node.store_routes import StoreServer
 from tenplex.ptc import PTC, Device, Region, build_tensor
+from tenplex.store.client import StoreClient
+from tenplex.store.layout import BUDGET_LOCK, flocked
 from tenplex.store.local import LocalStore
 from tenplex.store.memory import MemoryTier, Spiller
 from tenplex.store.tiers import RECORD, TIER_ID, recorded_tier
@@ -232,8 +236,10 @@ def test_snapshots_land_in_the_memory_tier_and_unchanged_shards_are_linked(disk:
     ptc = PTC(config={"dp": 1}, devices=(Device(0, "node-0"),),
               tensors=tuple(build_tensor(p.name, p.global_shape, p.dtype, p.kind, [(Region.full(p.global_shape), (0,))])
                             for p in pieces))
-    with owned(disk, memory_root, 64 << 20) as daemon:
-        worker = LocalStore(disk)  # as a worker with the store root mounted: it finds the tier in the root
+    with owned(disk, memory_root, 64 << 20) as daemon, StoreServer(disk, store=daemon) as srv, \
+            StoreClient(srv.url) as client:
+        # as a worker with the store root mounted: it finds the tier in the root, and the daemon places its versions
+        worker = LocalStore(disk, placement=client)
         assert worker.memory is not None
         snap = Snapshotter(worker, JOB, ptc, rank=0)
         try:
@@ -248,6 +254,8 @@ def test_snapshots_land_in_the_memory_tier_and_unchanged_shards_are_linked(disk:
         finally:
             snap.close()
         assert not (memory_root / ".buffers" / JOB).exists() or not any((memory_root / ".buffers" / JOB).iterdir())
+        # one reservation per snapshot, whatever its number of shards
+        assert len(pieces) > 2 and 'tenplex_store_reservations_total{tier="memory"} 2.0' in client.metrics()
         for vi in daemon.versions(JOB):
             assert vi.committed and vi.in_memory
         # the version's shards are the snapshot's memory files, read back from memory by a peer's daemon
@@ -259,6 +267,53 @@ def test_snapshots_land_in_the_memory_tier_and_unchanged_shards_are_linked(disk:
         while daemon.memory.unspilled() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert all(v.durable for v in daemon.versions(JOB))
+
+
+def test_a_worker_writes_into_room_the_daemon_reserved_and_never_takes_the_budget_lock(disk: Path,
+                                                                                      memory_root: Path) -> None:
+    with owned(disk, memory_root, 3 * NBYTES + 4096, poll_s=3600) as daemon:
+        srv = StoreServer(disk, store=daemon).start()
+        client = StoreClient(srv.url, retries=0)
+        worker = LocalStore(disk, placement=client)
+        worker.reserve(JOB, "s1-g0", 2 * NBYTES)
+        claim = json.loads((memory_root / JOB / ".claims" / "s1-g0.json").read_text())
+        assert claim == {"reserved": 2 * NBYTES, "used": 2 * NBYTES} and daemon.memory.used() == 2 * NBYTES
+        restarted = MemoryTier.open(disk)  # a daemon started again reads the reservation from the tier's files
+        assert restarted is not None and restarted.used() == 2 * NBYTES
+
+        def write(version: str, names: list[str]) -> None:
+            for i, name in enumerate(names):
+                worker.write_shard(JOB, version, name, WHOLE, data(i), dtype="float32", global_shape=SHAPE)
+
+        with flocked(memory_root / BUDGET_LOCK):  # the reserved room is written without the budget lock
+            writer = threading.Thread(target=write, args=("s1-g0", ["a", "b"]))
+            writer.start()
+            writer.join(60)
+            assert not writer.is_alive()
+        worker.commit(JOB, "s1-g0")
+        assert info(daemon, "s1-g0").in_memory and daemon.memory.used() == 2 * NBYTES
+        out = np.empty(SHAPE, np.float32)
+        daemon.read_into(JOB, "s1-g0", "b", WHOLE, out)
+        assert np.array_equal(out, data(1))
+
+        daemon.memory.spill(JOB, "s1-g0")
+        worker.reserve(JOB, "s2-g0", NBYTES)  # in memory: s1-g0, spilled, is evicted to make room
+        assert info(daemon, "s2-g0").in_memory and not info(daemon, "s1-g0").in_memory
+        daemon.delete(JOB, "s2-g0")  # by another process meanwhile: the room goes with the version
+        write("s2-g0", ["a"])  # placed anew by the daemon, not written unclaimed into the room of before
+        claim = json.loads((memory_root / JOB / ".claims" / "s2-g0.json").read_text())
+        assert claim == {"reserved": 2 * NBYTES, "used": NBYTES}
+        worker.reserve(JOB, "s2-g0", NBYTES)
+        srv.stop()
+        write("s2-g0", ["b"])  # within the reservation: no call
+        with pytest.raises(StoreUnavailable, match="in the memory tier and its daemon"):
+            write("s2-g0", ["c"])  # more than reserved, the daemon is gone: not written unclaimed
+        worker.reserve(JOB, "s3-g0", NBYTES)  # a new version while the daemon is down: on disk, pinned there
+        write("s3-g0", ["a"])
+        worker.commit(JOB, "s3-g0")
+        assert info(worker, "s3-g0").durable and not info(worker, "s3-g0").in_memory
+        assert daemon.memory.used() <= daemon.memory.budget
+        client.close()
 
 
 def test_the_daemon_takes_the_tier_from_its_flags_and_reports_it_in_metrics(tmp_path: Path, memory_root: Path) -> None:
