@@ -40,10 +40,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import functools
 import logging
 import math
 import mmap
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -292,11 +294,16 @@ class BufferPool:
             return
         start = time.perf_counter()
         try:
-            if _libc_madvise(self._arena_at, self._resident, _MADV_POPULATE_WRITE) != 0:
+            err = _libc_madvise(self._arena_at, self._resident, _MADV_POPULATE_WRITE)
+            if err in (errno.EINVAL, errno.ENOSYS):  # a kernel without it
                 touch = np.frombuffer(self._arena, np.uint8)
                 for off in range(0, self._resident, 64 << 20):
                     touch[off: off + (64 << 20): PAGE_BYTES] = 0
                 del touch
+            elif err:  # ENOMEM and the like: left to fault in as used (touching it now could wake the OOM killer)
+                log.warning("transform buffers: %d MiB resident could not be faulted in (%s); the first transform "
+                            "faults them in", self._resident >> 20, os.strerror(err))
+                return
         finally:
             self.prefaulted.set()
         log.info("transform buffers: %d MiB resident, faulted in in %.2f s", self._resident >> 20,
@@ -421,12 +428,15 @@ _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14; P
 
 
 def _libc_madvise(address: int, length: int, advice: int) -> int:
-    """madvise(2) on raw memory (mmap.madvise holds the GIL for the call): 0, or -1 where it fails."""
+    """madvise(2) on raw memory (mmap.madvise holds the GIL for the call): 0, else the errno."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        return int(libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), ctypes.c_int(advice)))
+        madvise = libc.madvise
     except (OSError, AttributeError):
-        return -1
+        return errno.ENOSYS
+    if madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), ctypes.c_int(advice)) == 0:
+        return 0
+    return ctypes.get_errno() or errno.EINVAL
 
 
 class _Shard:
