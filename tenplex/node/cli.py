@@ -109,10 +109,9 @@ def _serve(args: argparse.Namespace) -> int:
         os.environ["AWS_REGION"] = args.s3_region
     transforms = TransformSettings(
         concurrency=args.transform_concurrency, memory_bytes=args.transform_memory,
-        max_running=args.transform_max_running, resident_bytes=min(
-            args.transform_memory,
+        max_running=args.transform_max_running, resident_bytes=(  # more than --transform-memory: TransformSettings says so
             args.transform_memory // max(1, args.transform_max_running) if args.transform_resident is None
-            else args.transform_resident,
+            else args.transform_resident
         ),
     )
     uploads = UploadSettings(

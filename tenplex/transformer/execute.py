@@ -294,7 +294,13 @@ class BufferPool:
             return
         start = time.perf_counter()
         try:
-            err = _libc_madvise(self._arena_at, self._resident, _MADV_POPULATE_WRITE)
+            err = 0
+            for off in range(0, self._resident, _PREFAULT_STEP):  # in steps: each call holds the process's
+                # mmap lock, which every allocation of the daemon's other threads (uvicorn starting) waits for
+                err = _libc_madvise(self._arena_at + off, min(_PREFAULT_STEP, self._resident - off),
+                                    _MADV_POPULATE_WRITE)
+                if err:
+                    break
             if err in (errno.EINVAL, errno.ENOSYS):  # a kernel without it
                 touch = np.frombuffer(self._arena, np.uint8)
                 for off in range(0, self._resident, 64 << 20):
@@ -425,6 +431,7 @@ class BufferPool:
 
 
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14; Python 3.11's mmap lacks the name
+_PREFAULT_STEP = 8 << 20
 
 
 def _libc_madvise(address: int, length: int, advice: int) -> int:
