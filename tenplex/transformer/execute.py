@@ -246,8 +246,8 @@ class BufferPool:
     never unmapped or advised away, so a reused one is not faulted again. When
     the last transform ends (every executor thread has been joined by then)
     the carving starts over, so that the next transform cuts the mapping to
-    its own shard sizes. ``resident + `` the free fresh buffers kept stay
-    within ``limit``.
+    its own shard sizes. The resident bytes plus the free fresh buffers kept
+    stay within ``limit``.
     """
 
     def __init__(self, limit: int, *, keep_s: float = 0.0, resident: int = 0) -> None:
