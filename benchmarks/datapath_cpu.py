@@ -282,7 +282,10 @@ def run_tier(args: argparse.Namespace, tier: str, work: Path) -> dict[str, Any]:
 
         prof = Path(args.profile) if args.profile else None
         runs = []
-        for i, version in enumerate((NEW_V, NEW_V2)):  # cold (fresh buffers), then warm (the daemon's pool)
+        fresh: list[int] = []  # bytes of the target's buffers that were fresh memory, per transform
+        # cold (the daemon's first transform: fresh buffers, but for the resident ones of --transform-resident),
+        # then warm (the daemon's pool)
+        for i, version in enumerate((NEW_V, NEW_V2)):
             plan = make_plan(old, new, job=job, old_version=OLD_V, new_version=version, alive={"src", "dst"})
             clients: dict[str, StoreClient] = {}
 
@@ -297,13 +300,14 @@ def run_tier(args: argparse.Namespace, tier: str, work: Path) -> dict[str, Any]:
                     profiled(dst.pid, spy / f"{tier}-dst.txt" if spy else None, args.rate, args.perf, args.gil):
                 c0 = (cpu_seconds(src.pid), cpu_seconds(dst.pid), self_cpu())
                 start = time.perf_counter()
-                PlanRun(plan, {"src": src_url, "dst": dst_url}, token=TOKEN, client_for=client_for).wait(
+                reports = PlanRun(plan, {"src": src_url, "dst": dst_url}, token=TOKEN, client_for=client_for).wait(
                     poll_interval=0.05, timeout=600)
                 wall = time.perf_counter() - start
                 c1 = (cpu_seconds(src.pid), cpu_seconds(dst.pid), self_cpu())
             for c in clients.values():
                 c.close()
             runs.append((wall, *(c1[k] - c0[k] for k in range(3))))
+            fresh.append(reports["dst"].fresh_buffer_bytes)
             # a sample of the new shards, bit for bit
             with StoreClient(dst_url, TOKEN) as c:
                 for tensor, shard in list(new.shards_on_host("dst"))[::7]:
@@ -313,9 +317,9 @@ def run_tier(args: argparse.Namespace, tier: str, work: Path) -> dict[str, Any]:
     subprocess.run(["rm", "-rf", str(base)], check=False)
     gib = moved / GIB
     out: dict[str, Any] = {"tier": tier, "moved_bytes": moved}
-    for label, (wall, send, recv, ctl) in zip(("cold", "warm"), runs, strict=True):
+    for label, (wall, send, recv, ctl), fresh_bytes in zip(("cold", "warm"), runs, fresh, strict=True):
         out[label] = {
-            "wall_s": round(wall, 3), "send_core_s_per_gib": round(send / gib, 3),
+            "wall_s": round(wall, 3), "fresh_buffer_mib": fresh_bytes >> 20, "send_core_s_per_gib": round(send / gib, 3),
             "recv_core_s_per_gib": round(recv / gib, 3), "control_core_s_per_gib": round(ctl / gib, 3),
             "end_to_end_core_s_per_gib": round((send + recv + ctl) / gib, 3),
         }

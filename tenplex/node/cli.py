@@ -44,6 +44,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="piece reads in flight per transform this node runs (default 8)")
     serve.add_argument("--transform-memory", type=_size, default=1 << 30, metavar="SIZE",
                        help="destination buffers of all running transforms together, e.g. 2Gi (default 1Gi)")
+    serve.add_argument("--transform-resident", type=_size, default=None, metavar="SIZE",
+                       help="part of --transform-memory faulted in at start-up (in the background) and held for the "
+                            "daemon's life, so that its first transform zeroes no fresh pages (default: one "
+                            "transform's share, --transform-memory / --transform-max-running; 0 for memory-tight "
+                            "nodes: buffers are faulted in by each burst of transforms and let go 60 s after the last)")
     serve.add_argument("--transform-max-running", type=int, default=2, metavar="N",
                        help="transforms running at once; more wait in state queued (default 2)")
     serve.add_argument("--upload-concurrency", type=int, default=4, metavar="N",
@@ -104,7 +109,10 @@ def _serve(args: argparse.Namespace) -> int:
         os.environ["AWS_REGION"] = args.s3_region
     transforms = TransformSettings(
         concurrency=args.transform_concurrency, memory_bytes=args.transform_memory,
-        max_running=args.transform_max_running,
+        max_running=args.transform_max_running, resident_bytes=(  # more than --transform-memory: TransformSettings says so
+            args.transform_memory // max(1, args.transform_max_running) if args.transform_resident is None
+            else args.transform_resident
+        ),
     )
     uploads = UploadSettings(
         concurrency=args.upload_concurrency, memory_bytes=args.upload_memory, max_running=args.upload_max_running,

@@ -110,6 +110,13 @@ class TransformSettings:
     buffer_keep_s: float = 60.0
     """Destination buffers are kept this long after the last transform for the next ones (the transforms of
     a burst of reconfigurations then fault in and zero no fresh memory); 0: freed when each transform ends."""
+    resident_bytes: int = 0
+    """Destination-buffer memory faulted in at start-up, in the background, and held for the daemon's life
+    (at most :attr:`memory_bytes`): a daemon's first transform then zeroes no fresh pages (the kernel's page
+    zeroing was 36% of the daemons' CPU in the 8-host tp-pp case of benchmarks/cluster_reshard.py). 0 (the
+    library's default, for memory-tight nodes): nothing held, buffers are faulted in by the first transform
+    and let go :attr:`buffer_keep_s` after the last. ``tenplex store serve`` holds one transform's share
+    (:attr:`buffer_bytes`) by default, the chart 1 GiB."""
 
     def __post_init__(self) -> None:
         if self.concurrency < 1 or self.max_running < 1 or self.memory_bytes < 1 or self.batch_bytes < 0:
@@ -121,6 +128,9 @@ class TransformSettings:
             raise InvalidInput(f"transform settings: source_timeout_s must be > 0, got {self.source_timeout_s}")
         if self.buffer_keep_s < 0:
             raise InvalidInput(f"transform settings: buffer_keep_s must be >= 0, got {self.buffer_keep_s}")
+        if not 0 <= self.resident_bytes <= self.memory_bytes:
+            raise InvalidInput(f"transform settings: resident_bytes must be between 0 and memory_bytes "
+                               f"({self.memory_bytes}), got {self.resident_bytes}")
 
     @property
     def buffer_bytes(self) -> int:
@@ -153,8 +163,13 @@ class TransformService(RecordedTasks[TransformRequest, TransformStatus, _Run]):
         self.token = token
         self.settings = settings or TransformSettings()
         self.metrics = TransformMetrics(registry)
-        # one pool of destination buffers for all transforms of this daemon (see BufferPool)
-        self.buffers = BufferPool(self.settings.memory_bytes, keep_s=self.settings.buffer_keep_s)
+        # one pool of destination buffers for all transforms of this daemon (see BufferPool); its resident
+        # bytes are faulted in in the background: the daemon is ready meanwhile, a transform that starts
+        # before it is done faults the rest in itself
+        self.buffers = BufferPool(self.settings.memory_bytes, keep_s=self.settings.buffer_keep_s,
+                                  resident=self.settings.resident_bytes)
+        if self.buffers.resident_bytes:
+            threading.Thread(target=self.buffers.prefault, daemon=True, name="tenplex-transform-prefault").start()
         super().__init__(store, max_running=self.settings.max_running)
 
     def submit(self, job: str, request: TransformRequest) -> tuple[TransformStatus, bool]:

@@ -248,7 +248,9 @@ class LocalCluster:
         port_file = root / "store.port"
         port_file.unlink(missing_ok=True)
         cmd = [sys.executable, "-m", "tenplex", "store", "serve", "--root", str(root / "store"),
-               "--host", address, "--port", "0", "--port-file", str(port_file), *self._memory_flags(name)]
+               "--host", address, "--port", "0", "--port-file", str(port_file), *self._memory_flags(name),
+               # its hosts share this machine's memory: no daemon holds transform buffers between transforms
+               "--transform-resident", "0"]
         if self.scheduler_url:
             cmd += ["--scheduler-url", self.scheduler_url, "--relay-interval", str(self.relay_interval)]
         env = dict(os.environ)

@@ -39,9 +39,13 @@ and :class:`TransformFailed` says what failed.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import functools
 import logging
 import math
+import mmap
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -52,7 +56,7 @@ from typing import Any
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from tenplex.core.buffers import aligned_empty
+from tenplex.core.buffers import PAGE_BYTES, aligned_empty
 from tenplex.errors import (
     ChecksumMismatch,
     InvalidInput,
@@ -69,6 +73,7 @@ from tenplex.store.wire import MAX_BATCH_REGIONS
 from tenplex.transformer.plan import CHECKPOINT, DestShard, HostPlan, Plan, Transfer
 
 log = logging.getLogger(__name__)
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
 
 DEFAULT_MAX_BUFFER_BYTES = 2 << 30
 """The most destination-buffer memory a host's transform holds at once (a larger shard still runs, alone)."""
@@ -96,6 +101,9 @@ class TransformReport:
     bytes_linked: int = 0
     """Part of ``bytes_local``: whole shards kept on this host, linked into the new version (read only
     to verify their checksums, never copied or written)."""
+    fresh_buffer_bytes: int = 0
+    """Destination buffers this transform took from fresh memory (each page faulted in and zeroed by the
+    kernel during the transform), not from the daemon's pool or its resident bytes."""
 
     @property
     def bytes_total(self) -> int:
@@ -113,6 +121,7 @@ class TransformReport:
             "requests": self.requests,
             "replanned_pieces": self.replanned_pieces,
             "shards": self.shards,
+            "fresh_buffer_bytes": self.fresh_buffer_bytes,
         }
 
 
@@ -162,6 +171,7 @@ class _State:
         self.linked = 0
         self.requests = 0
         self.replanned = 0
+        self.fresh = 0
         self.failed = threading.Event()
 
     def cancelled(self) -> bool:
@@ -184,6 +194,10 @@ class _State:
                 self.metrics.requests.inc()
         if self.progress is not None:
             self.progress(done, self.total)
+
+    def add_fresh(self, nbytes: int) -> None:
+        with self.lock:
+            self.fresh += nbytes
 
     def mark_dead(self, source: str, exc: BaseException) -> None:
         with self.lock:
@@ -210,7 +224,6 @@ class BufferPool:
     while the shards of a transform are a few sizes that repeat layer after
     layer. With the in-flight budget bounding what is allocated at once, a
     transform touches about that budget of fresh memory, not its whole state.
-    At most ``limit`` bytes are kept.
 
     A daemon keeps one pool for all its transforms (``keep_s`` > 0): the
     transforms of a reconfiguration (and the next reconfigurations of a burst:
@@ -219,22 +232,92 @@ class BufferPool:
     (192 MiB for a 1.3 GiB GPT state: 0.3 core-s/GiB of the receiving daemon in
     benchmarks/datapath_cpu.py). The free buffers are let go ``keep_s`` seconds
     after the last transform holding the pool (:meth:`hold`) ended, so an idle
-    daemon holds none.
+    daemon holds none of them.
+
+    ``resident`` bytes are different: one anonymous mapping, faulted in once by
+    :meth:`prefault` (the daemon runs it in the background at start-up) and
+    held for the pool's life. Why: a daemon's first transform is usually the
+    one that matters (a reconfiguration reaches every node's daemon once), and
+    on a VM that reports free pages to its host the kernel zeroes each fresh
+    page on first touch inside that transform (36% of the daemons' CPU in the
+    8-host tp-pp case of benchmarks/cluster_reshard.py). Buffers are carved
+    from it (page-aligned: every size class is a multiple of 4 KiB) before any
+    fresh memory is taken, go back to the free lists like any other, and are
+    never unmapped or advised away, so a reused one is not faulted again. When
+    the last transform ends (every executor thread has been joined by then)
+    the carving starts over, so that the next transform cuts the mapping to
+    its own shard sizes. The resident bytes plus the free fresh buffers kept
+    stay within ``limit``.
     """
 
-    def __init__(self, limit: int, *, keep_s: float = 0.0) -> None:
+    def __init__(self, limit: int, *, keep_s: float = 0.0, resident: int = 0) -> None:
+        if resident < 0:
+            raise InvalidInput(f"resident buffer bytes must be >= 0, got {resident}")
         self._free: dict[int, list[np.ndarray]] = {}
-        self._bytes = 0
-        self._limit = limit
+        self._bytes = 0  # free fresh (not resident) buffers, held within limit - resident
+        self._resident = min(resident, limit) // PAGE_BYTES * PAGE_BYTES
+        self._limit = limit - self._resident
         self._lock = threading.Lock()
         self._keep_s = keep_s
         self._users = 0
         self._generation = 0
+        self._arena: mmap.mmap | None = None
+        self._arena_at = 0  # its address
+        self._carved = 0  # bytes of the resident mapping cut into buffers since the carving started over
+        self._lent: dict[int, np.ndarray] = {}  # resident buffers handed out since the carving started over, by id
         self.fresh = 0
         """Bytes of fresh memory allocated (each page of it zeroed by the kernel on first touch)."""
+        self.prefaulted = threading.Event()
+        """Set once :meth:`prefault` has faulted the resident bytes in (at once when there are none)."""
+        if self._resident:
+            self._arena = mmap.mmap(-1, self._resident, flags=mmap.MAP_PRIVATE)
+            if _MADV_HUGEPAGE is not None:  # as aligned_empty: 512x fewer faults, no later collapse by khugepaged
+                with contextlib.suppress(OSError):
+                    self._arena.madvise(_MADV_HUGEPAGE)
+            self._arena_at = np.frombuffer(self._arena, np.uint8, count=1).ctypes.data
+        else:
+            self.prefaulted.set()
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes held for the pool's life (faulted in by :meth:`prefault`)."""
+        return self._resident
+
+    def prefault(self) -> None:
+        """Fault the resident bytes in (and zero them) now, not in the first transform.
+
+        ``madvise(MADV_POPULATE_WRITE)`` through ctypes, which lets go of the GIL
+        for the call (the daemon keeps serving meanwhile); on a kernel without it
+        (before Linux 5.14) one byte per page is written, 64 MiB at a time.
+        """
+        if self._arena is None or self.prefaulted.is_set():
+            return
+        start = time.perf_counter()
+        try:
+            err = 0
+            for off in range(0, self._resident, _PREFAULT_STEP):  # in steps: each call holds the process's
+                # mmap lock, which every allocation of the daemon's other threads (uvicorn starting) waits for
+                err = _libc_madvise(self._arena_at + off, min(_PREFAULT_STEP, self._resident - off),
+                                    _MADV_POPULATE_WRITE)
+                if err:
+                    break
+            if err in (errno.EINVAL, errno.ENOSYS):  # a kernel without it
+                touch = np.frombuffer(self._arena, np.uint8)
+                for off in range(0, self._resident, 64 << 20):
+                    touch[off: off + (64 << 20): PAGE_BYTES] = 0
+                del touch
+            elif err:  # ENOMEM and the like: left to fault in as used (touching it now could wake the OOM killer)
+                log.warning("transform buffers: %d MiB resident could not be faulted in (%s); the first transform "
+                            "faults them in", self._resident >> 20, os.strerror(err))
+                return
+        finally:
+            self.prefaulted.set()
+        log.info("transform buffers: %d MiB resident, faulted in in %.2f s", self._resident >> 20,
+                 time.perf_counter() - start)
 
     @property
     def free_bytes(self) -> int:
+        """Free fresh buffers held (the resident bytes are held regardless, see :attr:`resident_bytes`)."""
         with self._lock:
             return self._bytes
 
@@ -250,6 +333,8 @@ class BufferPool:
             with self._lock:
                 self._users -= 1
                 idle, generation = self._users == 0, self._generation
+                if idle:
+                    self._recarve()
             if idle:
                 if self._keep_s <= 0:
                     self._expire(generation)
@@ -258,12 +343,33 @@ class BufferPool:
                     timer.daemon = True
                     timer.start()
 
+    def _recarve(self) -> None:
+        """(Under the lock, no transform running.) Forget the resident buffers: the next ones are cut anew."""
+        if not self._carved:
+            return
+        for cls in list(self._free):
+            kept = [b for b in self._free[cls] if not self._is_resident(b)]
+            if kept:
+                self._free[cls] = kept
+            else:
+                del self._free[cls]
+        self._carved = 0
+        self._lent.clear()  # a buffer not put back (its transform failed) is garbage: no thread uses it now
+
+    def _is_resident(self, flat: np.ndarray) -> bool:
+        return self._arena_at <= flat.ctypes.data < self._arena_at + self._resident
+
     def _expire(self, generation: int) -> None:
-        """Drop the free buffers if no transform used the pool since ``generation`` (their memory is unmapped)."""
+        """Drop the free fresh buffers if no transform used the pool since ``generation`` (their memory is unmapped)."""
         with self._lock:
             if self._users or generation != self._generation:
                 return
-            self._free.clear()
+            for cls in list(self._free):
+                kept = [b for b in self._free[cls] if self._is_resident(b)]
+                if kept:
+                    self._free[cls] = kept
+                else:
+                    del self._free[cls]
             self._bytes = 0
 
     @staticmethod
@@ -272,7 +378,9 @@ class BufferPool:
             return 1 << max(12, (nbytes - 1).bit_length())
         return -(-nbytes // (2 << 20)) * (2 << 20)
 
-    def get(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    def get(self, shape: tuple[int, ...], dtype: np.dtype, *, fresh: Callable[[int], None] | None = None) -> np.ndarray:
+        """A buffer for a shard of ``shape``: a free one, else cut from the resident bytes, else fresh memory
+        (``fresh`` is told how many bytes of it)."""
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes == 0:
             return np.empty(shape, dtype=dtype)
@@ -287,13 +395,22 @@ class BufferPool:
                 flat = free.pop()
                 if not free:
                     del self._free[cls]
-                self._bytes -= flat.nbytes
+                if not self._is_resident(flat):
+                    self._bytes -= flat.nbytes
                 break
+            if flat is None and self._arena is not None and self._carved + size <= self._resident:
+                # its own array over the mapping (base: the mmap, not an array), so put() finds this buffer
+                flat = np.frombuffer(self._arena, np.uint8, count=size, offset=self._carved)
+                self._carved += size
+            if flat is not None and self._is_resident(flat):
+                self._lent[id(flat)] = flat  # held here too, so that its id names no other array meanwhile
         if flat is None:
             # page-aligned: a shard's chunk files are then written with O_DIRECT straight from it
             flat = aligned_empty((size,), np.uint8)
             with self._lock:
                 self.fresh += size
+            if fresh is not None:
+                fresh(size)
         return flat[:nbytes].view(dtype).reshape(shape)
 
     def put(self, buf: np.ndarray) -> None:
@@ -303,9 +420,30 @@ class BufferPool:
         if flat is None or flat.ndim != 1 or flat.dtype != np.uint8 or flat.nbytes != self.size_class(flat.nbytes):
             return  # not one of ours (a 0-size shard)
         with self._lock:
-            if self._bytes + flat.nbytes <= self._limit:
+            if self._is_resident(flat):
+                # lent since the carving last started over: else its bytes may have been cut anew already
+                if self._lent.get(id(flat)) is flat:
+                    del self._lent[id(flat)]
+                    self._free.setdefault(flat.nbytes, []).append(flat)
+            elif self._bytes + flat.nbytes <= self._limit:
                 self._free.setdefault(flat.nbytes, []).append(flat)
                 self._bytes += flat.nbytes
+
+
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14; Python 3.11's mmap lacks the name
+_PREFAULT_STEP = 8 << 20
+
+
+def _libc_madvise(address: int, length: int, advice: int) -> int:
+    """madvise(2) on raw memory (mmap.madvise holds the GIL for the call): 0, else the errno."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        madvise = libc.madvise
+    except (OSError, AttributeError):
+        return errno.ENOSYS
+    if madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), ctypes.c_int(advice)) == 0:
+        return 0
+    return ctypes.get_errno() or errno.EINVAL
 
 
 class _Shard:
@@ -313,11 +451,12 @@ class _Shard:
 
     __slots__ = ("buf", "dest", "index", "missing", "pool", "received")
 
-    def __init__(self, index: int, dest: DestShard, pieces: int, pool: BufferPool) -> None:
+    def __init__(self, index: int, dest: DestShard, pieces: int, pool: BufferPool,
+                 fresh: Callable[[int], None] | None = None) -> None:
         self.index = index
         self.dest = dest
         self.pool = pool
-        self.buf = pool.get(dest.region.shape, storage_dtype(dest.dtype))
+        self.buf = pool.get(dest.region.shape, storage_dtype(dest.dtype), fresh=fresh)
         self.missing = pieces
         self.received: ReceivedCrcs | None = None
         """Set when one batch read fills the whole buffer: its receive pass's crc32c prefixes, which the
@@ -416,11 +555,13 @@ def execute_host_plan(
         shards=len(hp.shards),
         bytes_checkpoint=b["checkpoint"],
         bytes_linked=state.linked,
+        fresh_buffer_bytes=state.fresh,
     )
     log.info(
-        "host %s: %s committed in %.2f s (%d local (%d linked), %d remote, %d zero bytes; %d requests, %d re-planned)",
+        "host %s: %s committed in %.2f s (%d local (%d linked), %d remote, %d zero bytes; %d requests, %d re-planned; "
+        "%d MiB of fresh buffers)",
         host, plan.new_version, seconds, report.bytes_local, report.bytes_linked, report.bytes_remote,
-        report.bytes_zero, report.requests, report.replanned_pieces,
+        report.bytes_zero, report.requests, report.replanned_pieces, report.fresh_buffer_bytes >> 20,
     )
     return report
 
@@ -543,7 +684,7 @@ def _run(
                 if state.failed.is_set():
                     break
                 in_flight[0] += nbytes
-            shard = _Shard(idx, dest, len(by_shard[idx]), buffers)
+            shard = _Shard(idx, dest, len(by_shard[idx]), buffers, state.add_fresh)
             if not by_shard[idx]:  # an empty shard (0-size tensor): store it as is
                 finish(shard)
             for tr in by_shard[idx]:

@@ -230,6 +230,7 @@ class TransformStatus(TaskProgress):
             bytes_zero=int(r["bytes_zero"]), seconds=float(r["seconds"]), requests=int(r["requests"]),
             replanned_pieces=int(r["replanned_pieces"]), shards=int(r.get("shards", 0)),
             bytes_checkpoint=int(r.get("bytes_checkpoint", 0)), bytes_linked=int(r.get("bytes_linked", 0)),
+            fresh_buffer_bytes=int(r.get("fresh_buffer_bytes", 0)),
         )
 
     def to_json(self) -> dict[str, Any]:

@@ -157,14 +157,15 @@ def test_store_daemonset_contract() -> None:
     (container,) = spec["containers"]
     assert container["args"] == ["store", "serve", "--root", crd.DEFAULT_STORE_ROOT, "--host", "0.0.0.0",
                                  "--port", str(crd.STORE_PORT), "--transform-concurrency", "8",
-                                 "--transform-memory", "2Gi", "--transform-max-running", "2",
+                                 "--transform-memory", "2Gi", "--transform-resident", "1Gi", "--transform-max-running", "2",
                                  "--upload-concurrency", "4", "--upload-memory", "512Mi", "--upload-max-running", "2",
                                  "--upload-retry-for", "900"]
     # The daemon's own parser takes what the chart passes.
     from tenplex.cli import build_parser
 
     args = build_parser().parse_args(container["args"])
-    assert (args.transform_concurrency, args.transform_memory, args.transform_max_running) == (8, 2 << 30, 2)
+    assert (args.transform_concurrency, args.transform_memory, args.transform_resident, args.transform_max_running) \
+        == (8, 2 << 30, 1 << 30, 2)
     assert (args.upload_concurrency, args.upload_memory, args.upload_max_running, args.upload_retry_for) == \
         (4, 512 << 20, 2, 900.0)
     assert not [e for e in container["env"] if e["name"].startswith("AWS_")]  # no Secret named: none
