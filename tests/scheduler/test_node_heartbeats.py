@@ -183,6 +183,25 @@ def test_a_dead_worker_is_noticed_within_the_timeout_of_its_last_beat(sched: Loc
         assert detect_failure(spec, status, past, start_timeout=60) == f"worker {wid(1)} missed heartbeats for 3600s"
 
 
+def test_beats_at_the_restored_step_do_not_wake_the_loop_during_a_downtime(sched: LocalScheduler) -> None:
+    """After a change the new workers beat at the restored step until their first step: a node's batch wakes the
+    job's loop (a tick over every worker) only once a step past it may end the downtime; the poll sees the rest."""
+    assert sched.scheduler is not None
+    ctl = sched.scheduler.get(JOB)
+    with ctl.lock:  # the loop's ticks wait: the record is as set here
+        st = ctl.status
+        kept = (st.downtime_started_at, st.restored_step, st.step)
+        st.downtime_started_at, st.restored_step = time.time(), 10_000 - 2
+        try:
+            assert not ctl._progress(10_000 - 2, None, False)  # the restored step: nothing to end yet
+            assert ctl._progress(10_000 - 2, None, True)  # a milestone (the first step's mark) wakes it
+            assert ctl._progress(10_000 - 1, None, False)  # past it: training is back
+            st.downtime_started_at = None
+            assert not ctl._progress(10_000 - 1, None, False)  # steady training: the poll is enough
+        finally:
+            st.downtime_started_at, st.restored_step, st.step = kept
+
+
 def test_a_worker_heartbeats_through_its_daemon_and_hears_the_stop_step(sched: LocalScheduler) -> None:
     """The worker's heartbeat thread asks its daemon, relays through it, and gets what the scheduler answers."""
     host = "host-1"
