@@ -329,8 +329,9 @@ class JobController:
         # may move the job on (a milestone, a stop step or the last step reached, a downtime to close: a step
         # past the restored one, as decide_running asks). At a thousand workers a wake per heartbeat meant a
         # thousand ticks a second over every worker; during a change of 16,384 workers the new ranks beat at
-        # the restored step for minutes before the first step, and every node's batch woke a tick.
-        return bool(marks or st.phase != Phase.RUNNING
+        # the restored step for minutes before the first step, and every node's batch woke a tick. Nor does a
+        # beat move a stop on (the workers' exit reports do; the stop step reached wakes it below).
+        return bool(marks or (st.phase != Phase.RUNNING and st.stage != Stage.STOPPING)
                     or (st.downtime_started_at is not None and step > (st.restored_step or 0))
                     or step >= self.spec.steps or (st.stop_at_step is not None and step >= st.stop_at_step))
 

@@ -25,7 +25,7 @@ from tenplex.ptc import DatasetState, ParallelConfig, Placement
 from tenplex.scheduler.decide import Observations, detect_failure
 from tenplex.scheduler.layouts import LayoutSpec
 from tenplex.scheduler.server import LocalScheduler
-from tenplex.scheduler.state import JobSpec, JobStatus, Phase, StateDir, WorkerRecord
+from tenplex.scheduler.state import JobSpec, JobStatus, Phase, Stage, StateDir, WorkerRecord
 from tenplex.testing.layouts import MLP, mlp_layout
 from tenplex.worker.control import ControlClient, Heartbeat
 from tests.scheduler.test_api import call
@@ -190,7 +190,8 @@ def test_beats_at_the_restored_step_do_not_wake_the_loop_during_a_downtime(sched
     ctl = sched.scheduler.get(JOB)
     with ctl.lock:  # the loop's ticks wait: the record is as set here
         st = ctl.status
-        kept = (st.downtime_started_at, st.restored_step, st.step)
+        assert st.phase == Phase.RUNNING and st.stop_at_step is None
+        kept = (st.downtime_started_at, st.restored_step, st.step, st.stage)
         st.downtime_started_at, st.restored_step = time.time(), 10_000 - 2
         try:
             assert not ctl._progress(10_000 - 2, None, False)  # the restored step: nothing to end yet
@@ -198,8 +199,12 @@ def test_beats_at_the_restored_step_do_not_wake_the_loop_during_a_downtime(sched
             assert ctl._progress(10_000 - 1, None, False)  # past it: training is back
             st.downtime_started_at = None
             assert not ctl._progress(10_000 - 1, None, False)  # steady training: the poll is enough
+            st.phase, st.stage, st.stop_at_step = Phase.RECONFIGURING, Stage.STOPPING, 10_000 - 1
+            assert not ctl._progress(10_000 - 2, None, False)  # stopping: their exit reports move it on
+            assert ctl._progress(10_000 - 1, None, False)  # the stop step reached
         finally:
-            st.downtime_started_at, st.restored_step, st.step = kept
+            st.downtime_started_at, st.restored_step, st.step, st.stage = kept
+            st.phase, st.stop_at_step = Phase.RUNNING, None
 
 
 def test_a_worker_heartbeats_through_its_daemon_and_hears_the_stop_step(sched: LocalScheduler) -> None:
