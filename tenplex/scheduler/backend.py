@@ -20,7 +20,7 @@ import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -190,9 +190,11 @@ class _LocalHost:
     managed: bool = True
     """Whether this cluster started the daemon (and stops it); hosts from a hosts file are not."""
     unanswered_since: float | None = None
-    """When its daemon's /healthz first went unanswered (the health watch), None while it answers."""
+    """Since when its daemon has been silent, once a probe went unanswered (the health watch): when it was last
+    heard (an answered probe, a relay, an answer to the scheduler), or the first unanswered probe of a daemon never
+    heard; None while it answers."""
     heard_at: float = float("-inf")
-    """When (monotonic) its daemon last reported to the scheduler (a heartbeat relay): alive then."""
+    """When (the cluster's clock) its daemon last answered a probe or reported to the scheduler: alive then."""
 
 
 @dataclass
@@ -219,8 +221,12 @@ class LocalCluster:
     memory, where peers read it at once, and the daemon spills it to disk.
 
     :meth:`watch` keeps every host's ``ready`` flag true to life: a host whose
-    daemon process is gone, or whose daemon has not answered ``/healthz`` for
-    ``lost_after`` seconds, is lost (and ready again once it answers).
+    daemon process is gone, or whose daemon has not been heard (answered
+    ``/healthz``, relayed, answered the scheduler) for ``lost_after`` seconds,
+    is lost (and ready again once it answers a probe). A daemon heard within
+    the last ``lost_after / 3`` seconds is not probed: during a change of a
+    16,384-worker job no node relays for minutes, and probing all 2,048 every
+    second cost the scheduler 11-12% of a core.
     """
 
     root: Path
@@ -240,6 +246,9 @@ class LocalCluster:
     _probes: dict[str, http.client.HTTPConnection] = field(default_factory=dict)
     """The health watch's kept-alive connection to each daemon (a new connection per probe and second cost the
     scheduler as much again: 11% of a core at 2,048 hosts)."""
+    clock: Callable[[], float] = time.monotonic
+    """The health watch's clock (seconds, never going back): when a daemon was heard, how long it has been
+    silent. A test sets its own to check the loss bound exactly."""
 
     def start_host(self, name: str, address: str, *, timeout: float = 60.0) -> HostInfo:
         """Start a store daemon for host ``name`` bound to ``address`` and wait until it answers."""
@@ -330,18 +339,19 @@ class LocalCluster:
     # -- health -------------------------------------------------------------------
 
     def watch(self, *, interval: float = 1.0, lost_after: float = 5.0) -> None:
-        """Probe every host's daemon every ``interval`` seconds in a background thread (see the class doc)."""
+        """Look at every host every ``interval`` seconds in a background thread (see the class doc): probe the
+        daemons not heard within ``heard_within(interval, lost_after)`` seconds."""
         if interval <= 0 or lost_after <= 0:
             raise InvalidConfig(f"health watch: interval {interval} and lost_after {lost_after} must be > 0")
         if self._watcher is not None:
             return
         self._watch_stop.clear()
+        within = heard_within(interval, lost_after)
 
         def loop() -> None:
             while not self._watch_stop.wait(interval):
                 try:
-                    # a daemon that relayed in the last two intervals is alive: not probed
-                    self.check_health(lost_after=lost_after, heard_within=2 * interval)
+                    self.check_health(lost_after=lost_after, heard_within=within)
                 except Exception:  # the watch must outlive anything one round meets
                     log.exception("host health check failed")
 
@@ -352,18 +362,22 @@ class LocalCluster:
         """Host ``name``'s daemon reported just now: the health watch need not probe it this round."""
         h = self._hosts.get(name)
         if h is not None:
-            h.heard_at = time.monotonic()
+            h.heard_at = self.clock()
 
     def check_health(self, *, lost_after: float = 5.0, probe_timeout: float = 1.0,
                      heard_within: float = 0.0) -> list[str]:
         """One round of the health watch; answers the hosts whose ``ready`` changed. A ready host whose daemon
-        reported within ``heard_within`` seconds (it relays its workers' heartbeats every second) answered
-        without a probe: at 2,048 hosts the probes alone cost the scheduler a fifth of a core."""
+        was heard within ``heard_within`` seconds (an answered probe; a relay of its workers' heartbeats, every
+        second; its answers during a change) answers without a probe: at 2,048 hosts the probes alone cost the
+        scheduler a fifth of a core. A host is lost only in a round whose probe of it went unanswered, and
+        there once it has been silent ``lost_after`` seconds since it was last heard (since its first unanswered
+        probe when never heard): with ``heard_within < lost_after`` that is no later than the first round from
+        ``lost_after`` after it was last heard."""
         with self._lock:
             hosts = list(self._hosts.values())
         if not hosts:
             return []
-        start = time.monotonic()
+        start = self.clock()
         heard = [h.info.ready and start - h.heard_at <= heard_within for h in hosts]
         probe = [h for h, ok in zip(hosts, heard, strict=True) if not ok]
         probed: Iterator[bool] = iter(())
@@ -372,16 +386,18 @@ class LocalCluster:
                 probed = iter(list(pool.map(lambda h: self._probe(h.info.store_url, probe_timeout), probe)))
         answers = [ok or next(probed) for ok in heard]
         changed = []
-        now = time.monotonic()
-        for h, answered in zip(hosts, answers, strict=True):
+        now = self.clock()
+        for h, answered, skipped in zip(hosts, answers, heard, strict=True):
             gone = h.pid is not None and not _running(h.pid, h.process)
             with self._lock:
                 if answered and not gone:
+                    if not skipped:  # it answered this round's probe: heard then
+                        h.heard_at = max(h.heard_at, start)
                     h.unanswered_since = None
                     ready = True
                 else:
-                    if h.unanswered_since is None:
-                        h.unanswered_since = now
+                    if h.unanswered_since is None:  # silent since it was last heard
+                        h.unanswered_since = h.heard_at if h.heard_at > float("-inf") else now
                     ready = h.info.ready and not gone and now - h.unanswered_since < lost_after
                 if ready == h.info.ready:
                     continue
@@ -391,7 +407,7 @@ class LocalCluster:
                 log.warning("host %s: its store daemon answers again; the host is usable", h.info.name)
             else:
                 log.warning("host %s lost: its store daemon %s", h.info.name,
-                            "process is gone" if gone else f"did not answer for {lost_after:.0f} s")
+                            "process is gone" if gone else f"was not heard for {lost_after:.0f} s")
         return changed
 
     def _probe(self, url: str, timeout: float) -> bool:
@@ -518,6 +534,14 @@ def _parse_host(h: Mapping[str, object], index: int, root: Path) -> _LocalHost:
                     schedulable=bool(h.get("schedulable", True)))
     return _LocalHost(info, root / name, None, pid, store_root=Path(store_root) if store_root else None,
                       launch_prefix=tuple(prefix), env=dict(env), managed=bool(h.get("managed", False)))
+
+
+def heard_within(interval: float, lost_after: float) -> float:
+    """How long a daemon heard (an answered probe, a relay) goes without a probe, for a health watch looking
+    every ``interval`` seconds and losing a host silent ``lost_after`` seconds: a third of ``lost_after`` (two
+    intervals if longer, so that a daemon relaying every interval is not probed), at most half of it, so that an
+    unanswered probe comes before a silent host's ``lost_after`` ends and it is lost on time."""
+    return min(max(2 * interval, lost_after / 3), lost_after / 2)
 
 
 def _connection(url: str, timeout: float) -> http.client.HTTPConnection | None:

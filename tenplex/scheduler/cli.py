@@ -51,7 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="local backend: hosts whose store daemons already run, instead of starting --hosts: a JSON "
                             "list of {name, address, store_url, gpus[, store_root, launch_prefix, env]} (README)")
     serve.add_argument("--host-timeout", type=float, default=10.0,
-                       help="local backend: a host whose daemon does not answer for this many seconds is lost (default 10)")
+                       help="local backend: a host whose daemon is not heard for this many seconds is lost (default 10)")
     serve.add_argument("--memory-bytes", type=_size, default=None, metavar="SIZE",
                        help="local backend: give each started host's store a memory tier of this budget, e.g. 4Gi "
                             "(snapshots are written there, read by peers from there and spilled to disk)")

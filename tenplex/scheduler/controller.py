@@ -326,9 +326,13 @@ class JobController:
                 if loss is not None:
                     metrics.loss.labels(self.spec.name).set(loss)
         # The loop looks at the job every poll interval anyway; a heartbeat wakes it at once only when it
-        # may move the job on (a milestone, a stop step or the last step reached, a downtime to close).
-        # At a thousand workers a wake per heartbeat meant a thousand ticks a second over every worker.
-        return bool(marks or st.phase != Phase.RUNNING or st.downtime_started_at is not None
+        # may move the job on (a milestone, a stop step or the last step reached, a downtime to close: a step
+        # past the restored one, as decide_running asks). At a thousand workers a wake per heartbeat meant a
+        # thousand ticks a second over every worker; during a change of 16,384 workers the new ranks beat at
+        # the restored step for minutes before the first step, and every node's batch woke a tick. Nor does a
+        # beat move a stop on (the workers' exit reports do; the stop step reached wakes it below).
+        return bool(marks or (st.phase != Phase.RUNNING and st.stage != Stage.STOPPING)
+                    or (st.downtime_started_at is not None and step > (st.restored_step or 0))
                     or step >= self.spec.steps or (st.stop_at_step is not None and step >= st.stop_at_step))
 
     def _reply(self) -> HeartbeatReply:

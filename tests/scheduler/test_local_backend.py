@@ -164,7 +164,7 @@ def test_the_health_watch_loses_a_host_whose_daemon_is_gone_or_silent(tmp_path: 
 def test_a_host_whose_daemon_relayed_just_now_is_not_probed(tmp_path: Path) -> None:
     """The health watch skips a ready host heard from (its daemon relayed its workers' heartbeats) within
     ``heard_within``: 2,048 probes a second cost the scheduler a fifth of a core. Once that is older, the host is
-    probed again, and a daemon that does not answer is lost."""
+    probed again, and a daemon that does not answer and was last heard ``lost_after`` ago is lost at once."""
     import socket
 
     silent = socket.create_server(("127.0.0.1", 0))
@@ -172,14 +172,69 @@ def test_a_host_whose_daemon_relayed_just_now_is_not_probed(tmp_path: Path) -> N
     silent.close()  # nothing listens there: a probe is refused
     cluster = LocalCluster.attach(tmp_path, [{"name": "node-0", "address": "127.0.0.1", "gpus": 8,
                                               "store_url": f"http://127.0.0.1:{port}"}])
+    now = [100.0]
+    cluster.clock = lambda: now[0]
     cluster.heard_from("node-0")
-    assert cluster.check_health(lost_after=0.01, heard_within=60.0) == []  # not probed: still ready
+    now[0] = 160.0
+    assert cluster.check_health(lost_after=61.0, heard_within=60.0) == []  # not probed: still ready
     assert cluster.hosts()[0].ready
-    time.sleep(0.05)
-    cluster.check_health(lost_after=0.01, heard_within=0.01)  # probed: unanswered since now
-    time.sleep(0.05)
-    assert cluster.check_health(lost_after=0.01, heard_within=0.01) == ["node-0"]
+    now[0] = 161.0  # probed, refused, silent since 100.0: lost_after ends now
+    assert cluster.check_health(lost_after=61.0, heard_within=60.0) == ["node-0"]
     assert not cluster.hosts()[0].ready
     cluster.heard_from("node-0")  # a lost host is probed whatever it relayed: it is ready when it answers
-    assert cluster.check_health(lost_after=0.01, heard_within=60.0) == []
+    assert cluster.check_health(lost_after=61.0, heard_within=60.0) == []
     assert not cluster.hosts()[0].ready
+
+
+def test_the_health_watch_probes_a_heard_daemon_every_third_of_lost_after_and_loses_it_on_time(tmp_path: Path) -> None:
+    """With the watch's own spacing (``heard_within``): a daemon that answered is probed again only a third of
+    ``lost_after`` later (during a change no node relays, and 2,048 probes a second were 11-12% of the
+    scheduler's core), and one that stops answering is lost in the first round ``lost_after`` after its last
+    answer, not later: exact on a clock the test moves."""
+    import http.server
+    import threading
+
+    from tenplex.scheduler.backend import heard_within
+
+    probes: list[str] = []
+
+    class Healthz(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            probes.append(self.path)
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Healthz)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
+    cluster = LocalCluster.attach(tmp_path, [{"name": "node-0", "address": "127.0.0.1", "gpus": 8,
+                                              "store_url": f"http://127.0.0.1:{server.server_address[1]}"}])
+    lost_after, interval = 12.0, 1.0
+    within = heard_within(interval, lost_after)
+    assert within == 4.0  # a third of lost_after
+    assert heard_within(1.0, 3.0) == 1.5  # two intervals, at most half of lost_after
+    now = [0.0]
+    cluster.clock = lambda: now[0]
+
+    def round_at(t: float) -> list[str]:
+        now[0] = t
+        return cluster.check_health(lost_after=lost_after, heard_within=within, probe_timeout=1.0)
+
+    try:
+        assert round_at(0.0) == [] and probes == ["/healthz"]  # never heard: probed, answered at 0
+        for t in (1.0, 2.0, 3.0, 4.0):
+            assert round_at(t) == []
+        assert len(probes) == 1  # heard within 4 s: not probed
+        assert round_at(5.0) == [] and len(probes) == 2  # answered at 5
+    finally:
+        server.shutdown()
+        server.server_close()  # from now on a probe is refused
+    for t in (6.0, 9.0, 10.0, 12.0, 16.0):
+        assert round_at(t) == [], t  # probed from 10 on, unanswered, but heard at 5: not yet 12 s silent
+        assert cluster.hosts()[0].ready
+    assert round_at(17.0) == ["node-0"]  # 12 s after its last answer: lost in this round
+    assert not cluster.hosts()[0].ready
+    assert len(probes) == 2

@@ -25,7 +25,7 @@ from tenplex.ptc import DatasetState, ParallelConfig, Placement
 from tenplex.scheduler.decide import Observations, detect_failure
 from tenplex.scheduler.layouts import LayoutSpec
 from tenplex.scheduler.server import LocalScheduler
-from tenplex.scheduler.state import JobSpec, JobStatus, Phase, StateDir, WorkerRecord
+from tenplex.scheduler.state import JobSpec, JobStatus, Phase, Stage, StateDir, WorkerRecord
 from tenplex.testing.layouts import MLP, mlp_layout
 from tenplex.worker.control import ControlClient, Heartbeat
 from tests.scheduler.test_api import call
@@ -181,6 +181,30 @@ def test_a_dead_worker_is_noticed_within_the_timeout_of_its_last_beat(sched: Loc
         past = Observations(now=last + TIMEOUT + 0.001, stage_age=0.0, hosts=[], exits={})
         assert detect_failure(spec, status, at_bound, start_timeout=60) is None
         assert detect_failure(spec, status, past, start_timeout=60) == f"worker {wid(1)} missed heartbeats for 3600s"
+
+
+def test_beats_at_the_restored_step_do_not_wake_the_loop_during_a_downtime(sched: LocalScheduler) -> None:
+    """After a change the new workers beat at the restored step until their first step: a node's batch wakes the
+    job's loop (a tick over every worker) only once a step past it may end the downtime; the poll sees the rest."""
+    assert sched.scheduler is not None
+    ctl = sched.scheduler.get(JOB)
+    with ctl.lock:  # the loop's ticks wait: the record is as set here
+        st = ctl.status
+        assert st.phase == Phase.RUNNING and st.stop_at_step is None
+        kept = (st.downtime_started_at, st.restored_step, st.step, st.stage)
+        st.downtime_started_at, st.restored_step = time.time(), 10_000 - 2
+        try:
+            assert not ctl._progress(10_000 - 2, None, False)  # the restored step: nothing to end yet
+            assert ctl._progress(10_000 - 2, None, True)  # a milestone (the first step's mark) wakes it
+            assert ctl._progress(10_000 - 1, None, False)  # past it: training is back
+            st.downtime_started_at = None
+            assert not ctl._progress(10_000 - 1, None, False)  # steady training: the poll is enough
+            st.phase, st.stage, st.stop_at_step = Phase.RECONFIGURING, Stage.STOPPING, 10_000 - 1
+            assert not ctl._progress(10_000 - 2, None, False)  # stopping: their exit reports move it on
+            assert ctl._progress(10_000 - 1, None, False)  # the stop step reached
+        finally:
+            st.downtime_started_at, st.restored_step, st.step, st.stage = kept
+            st.phase, st.stop_at_step = Phase.RUNNING, None
 
 
 def test_a_worker_heartbeats_through_its_daemon_and_hears_the_stop_step(sched: LocalScheduler) -> None:
