@@ -65,7 +65,7 @@ from control_plane import (
     top,
     wait_file,
 )
-from control_plane_16k import StageProbe, planner_cpu, rss
+from control_plane_16k import StageProbe, planner_cpu, rss, training, wait_status
 
 from tenplex.testing.processes import stop_processes
 
@@ -347,25 +347,7 @@ def main() -> None:
         api.create("elasticjobs", ej, NS)
 
         def wait(pred: Any, what: str, timeout: float = 900.0) -> dict[str, Any]:
-            deadline = time.monotonic() + timeout
-            st: dict[str, Any] = {}
-            while time.monotonic() < deadline:
-                try:
-                    st = request(f"{url}/v1/jobs/{JOB}", timeout=60)["status"]
-                except OSError:
-                    time.sleep(1.0)
-                    continue
-                if st["phase"] == "Failed":
-                    raise SystemExit(f"the job failed: {st['message']}")
-                if pred(st):
-                    return st
-                time.sleep(0.5)
-            raise SystemExit(f"timed out waiting for {what}: {st.get('phase')} {st.get('stage')} {st.get('message')}")
-
-        def training(gen_at_least: int) -> Any:
-            return lambda s: (s["phase"] == "Running" and s["generation"] >= gen_at_least and s["workers"]
-                              and s["downtime_started_at"] is None and s["step"] > (s["restored_step"] or 0)
-                              and all(w["registered"] for w in s["workers"]))
+            return wait_status(url, JOB, pred, what, timeout)
 
         wait(lambda s: training(0)(s) and s["step"] >= 2, f"{gpus} workers registered and training")
         print(f"ElasticJob on {gpus} GPUs (dp{dp} x tp{tp} x pp{args.pp}, {gpus // tp} worker pods of {tp} ranks) "
