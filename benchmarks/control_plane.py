@@ -44,6 +44,7 @@ import threading
 import time
 import urllib.request
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -217,6 +218,33 @@ def request(url: str, method: str = "GET", body: Any = None, timeout: float = 60
         return json.loads(resp.read())
 
 
+def wait_status(url: str, job: str, pred: Callable[[dict[str, Any]], bool], what: str,
+                timeout: float) -> dict[str, Any]:
+    """The job's status once ``pred`` holds (polled every 0.5 s); exits the benchmark if the job fails or
+    ``timeout`` passes (a scheduler that does not answer for a moment is asked again)."""
+    deadline = time.monotonic() + timeout
+    st: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        try:
+            st = request(f"{url}/v1/jobs/{job}", timeout=60)["status"]
+        except OSError:
+            time.sleep(1.0)
+            continue
+        if st["phase"] == "Failed":
+            raise SystemExit(f"the job failed: {st['message']}")
+        if pred(st):
+            return st
+        time.sleep(0.5)
+    raise SystemExit(f"timed out waiting for {what}: {st.get('phase')} {st.get('stage')} {st.get('message')}")
+
+
+def training(gen_at_least: int) -> Callable[[dict[str, Any]], bool]:
+    """A status predicate: generation >= ``gen_at_least`` running, every worker registered, past its restored step."""
+    return lambda s: bool(s["phase"] == "Running" and s["generation"] >= gen_at_least and s["workers"]
+                          and s["downtime_started_at"] is None and s["step"] > (s["restored_step"] or 0)
+                          and all(w["registered"] for w in s["workers"]))
+
+
 def wait_file(path: Path, proc: subprocess.Popen, what: str, timeout: float) -> str:
     deadline = time.monotonic() + timeout
     while not (path.exists() and path.read_text().strip()):
@@ -379,15 +407,7 @@ def main() -> None:
         request(f"{url}/v1/jobs", "POST", spec)
 
         def wait(pred: Any, what: str, timeout: float = 600.0) -> dict[str, Any]:
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                st = request(f"{url}/v1/jobs/{JOB}")["status"]
-                if st["phase"] == "Failed":
-                    raise SystemExit(f"the job failed: {st['message']}")
-                if pred(st):
-                    return st
-                time.sleep(0.5)
-            raise SystemExit(f"timed out waiting for {what}: {st['phase']} {st['stage']} {st['message']}")
+            return wait_status(url, JOB, pred, what, timeout)
 
         wait(lambda s: s["phase"] == "Running" and s["workers"] and all(w["registered"] for w in s["workers"])
              and s["step"] >= 3, f"{gpus} workers registered and training")

@@ -47,7 +47,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +61,9 @@ from control_plane import (
     read_json,
     request,
     top,
+    training,
     wait_file,
+    wait_status,
 )
 
 from tenplex.testing.processes import stop_processes
@@ -112,33 +113,6 @@ def rss(pid: int) -> tuple[float, float]:
 def planner_cpu(profile: dict[str, float]) -> float:
     """CPU seconds of the planner itself (``tenplex/transformer/plan.py``) in a profile difference."""
     return sum(v for k, v in profile.items() if "transformer/plan.py:" in k)
-
-
-def wait_status(url: str, job: str, pred: Callable[[dict[str, Any]], bool], what: str,
-                timeout: float) -> dict[str, Any]:
-    """The job's status once ``pred`` holds (polled every 0.5 s); exits the benchmark if the job fails or
-    ``timeout`` passes (a scheduler that does not answer for a moment is asked again)."""
-    deadline = time.monotonic() + timeout
-    st: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        try:
-            st = request(f"{url}/v1/jobs/{job}", timeout=60)["status"]
-        except OSError:
-            time.sleep(1.0)
-            continue
-        if st["phase"] == "Failed":
-            raise SystemExit(f"the job failed: {st['message']}")
-        if pred(st):
-            return st
-        time.sleep(0.5)
-    raise SystemExit(f"timed out waiting for {what}: {st.get('phase')} {st.get('stage')} {st.get('message')}")
-
-
-def training(gen_at_least: int) -> Callable[[dict[str, Any]], bool]:
-    """A status predicate: generation >= ``gen_at_least`` running, every worker registered, past its restored step."""
-    return lambda s: bool(s["phase"] == "Running" and s["generation"] >= gen_at_least and s["workers"]
-                          and s["downtime_started_at"] is None and s["step"] > (s["restored_step"] or 0)
-                          and all(w["registered"] for w in s["workers"]))
 
 
 def main() -> None:

@@ -63,9 +63,11 @@ from control_plane import (
     read_json,
     request,
     top,
+    training,
     wait_file,
+    wait_status,
 )
-from control_plane_16k import StageProbe, planner_cpu, rss, training, wait_status
+from control_plane_16k import StageProbe, planner_cpu, rss
 
 from tenplex.testing.processes import stop_processes
 
