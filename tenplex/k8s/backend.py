@@ -239,6 +239,19 @@ def pod_workers(pod: Mapping[str, Any]) -> list[str]:
     return [w for w in listed.split(",") if w] if listed else [meta["name"]]
 
 
+def _in_flight(call: Callable[..., None], *args: Sequence[Any], name: str) -> None:
+    """``call`` on each element of ``args`` (zipped), up to :data:`LAUNCH_CONCURRENCY` at once; the first error
+    raised once all have run. One at a time, a 128-pod launch took 20 s of round trips to a loaded API server and
+    the deletions of a generation's 128 pods 12 s (benchmarks/control_plane_k8s.py), all of it downtime."""
+    n = len(args[0])
+    if n <= 1:
+        for a in zip(*args, strict=True):
+            call(*a)
+        return
+    with ThreadPoolExecutor(max_workers=min(LAUNCH_CONCURRENCY, n), thread_name_prefix=name) as pool:
+        list(pool.map(call, *args))
+
+
 def _labels(obj: Mapping[str, Any]) -> Mapping[str, str]:
     return (obj.get("metadata") or {}).get("labels") or {}
 
@@ -717,17 +730,9 @@ class KubernetesBackend(Backend):
             log.info("job %s: created pod %s/%s (ranks %s on node %s)", job, namespace, w.worker_id,
                      ", ".join(str(x.rank) for x in group), w.host)
 
-        # Several creations in flight: one at a time, a 128-pod launch took 20 s of round trips to a loaded API
-        # server (benchmarks/control_plane_k8s.py), all of it downtime. Each creation is idempotent, so a failure
-        # (raised once the others have been tried) makes the controller repeat the launch as before.
-        if len(fresh) <= 1:
-            for group, manifest in zip(fresh, manifests, strict=True):
-                create(group, manifest)
-        else:
-            with ThreadPoolExecutor(max_workers=min(LAUNCH_CONCURRENCY, len(fresh)),
-                                    thread_name_prefix="tenplex-pod-create") as pool:
-                for _ in pool.map(create, fresh, manifests):
-                    pass
+        # Each creation is idempotent, so a failure (raised once the others have been tried) makes the controller
+        # repeat the launch as before.
+        _in_flight(create, fresh, manifests, name="tenplex-pod-create")
         return {w.worker_id: None for w in workers}
 
     def _standby_pods(self, job: str) -> list[dict[str, Any]]:
@@ -874,15 +879,7 @@ class KubernetesBackend(Backend):
                 if exc.status != 404:
                     log.warning("job %s: deleting pod %s failed: %s %s", job, meta["name"], exc.status, _api_message(exc))
 
-        # in flight together, as in launch: a generation's 128 pods one at a time took 12 s of downtime
-        if len(pods) <= 1:
-            for pod in pods:
-                delete(pod)
-            return
-        with ThreadPoolExecutor(max_workers=min(LAUNCH_CONCURRENCY, len(pods)),
-                                thread_name_prefix="tenplex-pod-delete") as pool:
-            for _ in pool.map(delete, pods):
-                pass
+        _in_flight(delete, pods, name="tenplex-pod-delete")
 
     def _delete_and_wait(self, job: str, pods: Sequence[Mapping[str, Any]], *, grace: float) -> None:
         """Delete these pods and wait until they are gone, those that had ended aside (see :meth:`stop`)."""

@@ -76,6 +76,32 @@ EXIT_KILLED = -9
 # -- the scheduler's side -------------------------------------------------------------------
 
 
+class AgentClient:
+    """JSON calls to a simulated-worker agent at ``url`` (``http://HOST:PORT``): the scheduler's backend here and
+    the simulated kubelets (:mod:`tenplex.testing.k8s.simkubelet`) launch, stop and follow its ranks through it."""
+
+    def __init__(self, url: str) -> None:
+        parts = urlsplit(url)
+        if not parts.hostname or not parts.port:
+            raise InvalidConfig(f"the simulated-worker agent's URL must be http://HOST:PORT, got {url!r}")
+        self.addr = (parts.hostname, parts.port)
+
+    def call(self, method: str, path: str, body: Any = None, timeout: float = 60.0) -> Any:
+        conn = http.client.HTTPConnection(*self.addr, timeout=timeout)
+        try:
+            data = json.dumps(body).encode() if body is not None else None
+            conn.request(method, path, body=data, headers={"Content-Type": "application/json"} if data else {})
+            resp = conn.getresponse()
+            raw = resp.read()
+            if resp.status != 200:
+                raise TenplexError(f"simulated-worker agent: {method} {path}: HTTP {resp.status}: {raw[:300]!r}")
+            return json.loads(raw)
+        except OSError as exc:
+            raise TenplexError(f"simulated-worker agent at {self.addr[0]}:{self.addr[1]} unreachable: {exc}") from exc
+        finally:
+            conn.close()
+
+
 class SimulatedWorkersBackend(LocalBackend):
     """The local backend's hosts; its workers are ranks of a simulated-worker agent.
 
@@ -87,10 +113,7 @@ class SimulatedWorkersBackend(LocalBackend):
 
     def __init__(self, cluster: LocalCluster, agent_url: str, *, host_timeout: float | None = 10.0) -> None:
         super().__init__(cluster, host_timeout=host_timeout)
-        parts = urlsplit(agent_url)
-        if not parts.hostname or not parts.port:
-            raise InvalidConfig(f"the simulated-worker agent's URL must be http://HOST:PORT, got {agent_url!r}")
-        self.agent = (parts.hostname, parts.port)
+        self.agent = AgentClient(agent_url)
         self._launched: set[tuple[str, str]] = set()
         self._exits: dict[tuple[str, str], int] = {}
         self._seen = 0
@@ -98,25 +121,10 @@ class SimulatedWorkersBackend(LocalBackend):
         self._follower = threading.Thread(target=self._follow, name="sim-agent-exits", daemon=True)
         self._follower.start()
 
-    def _call(self, method: str, path: str, body: Any = None, timeout: float = 60.0) -> Any:
-        conn = http.client.HTTPConnection(*self.agent, timeout=timeout)
-        try:
-            data = json.dumps(body).encode() if body is not None else None
-            conn.request(method, path, body=data, headers={"Content-Type": "application/json"} if data else {})
-            resp = conn.getresponse()
-            raw = resp.read()
-            if resp.status != 200:
-                raise TenplexError(f"simulated-worker agent: {method} {path}: HTTP {resp.status}: {raw[:300]!r}")
-            return json.loads(raw)
-        except OSError as exc:
-            raise TenplexError(f"simulated-worker agent at {self.agent[0]}:{self.agent[1]} unreachable: {exc}") from exc
-        finally:
-            conn.close()
-
     def _follow(self) -> None:
         while not self._closing.is_set():
             try:
-                events = self._call("GET", f"/exits?after={self._seen}&wait=1.0", timeout=10.0)
+                events = self.agent.call("GET", f"/exits?after={self._seen}&wait=1.0", timeout=10.0)
             except TenplexError as exc:
                 log.warning("%s", exc)
                 self._closing.wait(0.5)
@@ -131,7 +139,7 @@ class SimulatedWorkersBackend(LocalBackend):
         body = {"job": job, "workers": [
             {"worker_id": w.worker_id, "rank": w.rank, "host": w.host, "local_rank": w.local_rank, "env": dict(w.env),
              "store_root": str(self.cluster.store_root(w.host) or "")} for w in workers]}
-        pid = self._call("POST", "/launch", body)["pid"]
+        pid = self.agent.call("POST", "/launch", body)["pid"]
         with self._lock:
             for w in workers:
                 self._launched.add((job, w.worker_id))
@@ -146,7 +154,7 @@ class SimulatedWorkersBackend(LocalBackend):
     def stop(self, job: str, worker_ids: Sequence[str], *, grace: float = 10.0) -> None:
         if not worker_ids:
             return
-        self._call("POST", "/stop", {"job": job, "worker_ids": list(worker_ids)})
+        self.agent.call("POST", "/stop", {"job": job, "worker_ids": list(worker_ids)})
         deadline = time.monotonic() + grace + 5
         while time.monotonic() < deadline:
             with self._lock:

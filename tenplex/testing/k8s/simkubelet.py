@@ -21,14 +21,11 @@ ranks and follows the agent's exit events (one long poll), handing each exit to 
 
 from __future__ import annotations
 
-import http.client
-import json
 import logging
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
 
 from kubernetes import client
 
@@ -37,6 +34,7 @@ from tenplex.core.protocol import ENV_JOB, ENV_LOCAL_RANK, ENV_RANK, ENV_WORKER_
 from tenplex.errors import InvalidInput, TenplexError
 from tenplex.k8s import crd
 
+from ..simworkers import AgentClient
 from .kubelet import _Kubelet, _Pod
 
 log = logging.getLogger(__name__)
@@ -95,10 +93,7 @@ class AgentLink:
     """The kubelets' shared link to a simulated-worker agent at ``url`` (see the module docstring)."""
 
     def __init__(self, url: str) -> None:
-        parts = urlsplit(url)
-        if not parts.hostname or not parts.port:
-            raise InvalidInput(f"the simulated-worker agent's URL must be http://HOST:PORT, got {url!r}")
-        self._addr = (parts.hostname, parts.port)
+        self._agent = AgentClient(url)
         self._lock = threading.Lock()
         self._pods: dict[tuple[str, str], _Running] = {}
         """(job, worker id) -> the pod that runs it."""
@@ -108,28 +103,13 @@ class AgentLink:
         self._thread = threading.Thread(target=self._follow, name="sim-kubelet-exits", daemon=True)
         self._thread.start()
 
-    def call(self, method: str, path: str, body: Any = None, timeout: float = 60.0) -> Any:
-        conn = http.client.HTTPConnection(*self._addr, timeout=timeout)
-        try:
-            data = json.dumps(body).encode() if body is not None else None
-            conn.request(method, path, body=data, headers={"Content-Type": "application/json"} if data else {})
-            resp = conn.getresponse()
-            raw = resp.read()
-            if resp.status != 200:
-                raise TenplexError(f"simulated-worker agent: {method} {path}: HTTP {resp.status}: {raw[:300]!r}")
-            return json.loads(raw)
-        except OSError as exc:
-            raise TenplexError(f"simulated-worker agent at {self._addr[0]}:{self._addr[1]} unreachable: {exc}") from exc
-        finally:
-            conn.close()
-
     def run(self, kubelet: SimulatedRanksKubelet, entry: _Pod, ranks: list[dict[str, Any]]) -> None:
         job = ranks[0]["env"][ENV_JOB]
         running = _Running(kubelet, entry, job, [r["worker_id"] for r in ranks])
         with self._lock:
             for wid in running.workers:
                 self._pods[(job, wid)] = running
-        self.call("POST", "/launch", {"job": job, "workers": ranks})
+        self._agent.call("POST", "/launch", {"job": job, "workers": ranks})
 
     def stop(self, entry: _Pod) -> bool:
         """Stop the pod's ranks still running; False when it runs none (never launched, or all ended)."""
@@ -138,13 +118,13 @@ class AgentLink:
             left = [w for w in running.workers if w not in running.codes] if running is not None else []
         if running is None or not left:
             return False
-        self.call("POST", "/stop", {"job": running.job, "worker_ids": left})
+        self._agent.call("POST", "/stop", {"job": running.job, "worker_ids": left})
         return True
 
     def _follow(self) -> None:
         while not self._stop.is_set():
             try:
-                events = self.call("GET", f"/exits?after={self._seen}&wait=1.0", timeout=10.0)
+                events = self._agent.call("GET", f"/exits?after={self._seen}&wait=1.0", timeout=10.0)
             except TenplexError as exc:
                 log.warning("%s", exc)
                 self._stop.wait(0.5)
