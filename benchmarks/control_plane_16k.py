@@ -115,6 +115,24 @@ def planner_cpu(profile: dict[str, float]) -> float:
     return sum(v for k, v in profile.items() if "transformer/plan.py:" in k)
 
 
+def steady_training(agent_url: str, profile: Path, pid: int, window: float, n_top: int, note: str = "") -> None:
+    """Print the heartbeats and node reports per second the simulated workers sent in ``window`` seconds of steady
+    training, the scheduler's CPU share in them, and its ``n_top`` busiest threads/functions (``profile``: the
+    scheduler's CPU sampler's file)."""
+    counts0 = request(f"{agent_url}/counts")
+    prof0, cpu0, t0 = read_json(profile), proc_cpu(pid), time.monotonic()
+    time.sleep(window)
+    counts1 = request(f"{agent_url}/counts")
+    prof1, cpu1, t1 = read_json(profile), proc_cpu(pid), time.monotonic()
+    seconds = t1 - t0
+    print(f"steady training, {seconds:.1f} s (load {os.getloadavg()[0]:.1f}): "
+          f"{(counts1['heartbeat'] - counts0['heartbeat']) / seconds:.0f} heartbeats/s in "
+          f"{(counts1['node_report'] - counts0['node_report']) / seconds:.0f} node reports/s; scheduler CPU "
+          f"{100 * (cpu1 - cpu0) / seconds:.1f}% of one core{note}", flush=True)
+    for line in top(diff(prof0, prof1), n_top, seconds):
+        print(line)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--role", choices=["driver", "cluster"], default="driver")
@@ -200,19 +218,8 @@ def main() -> None:
               f"{time.perf_counter() - t:.1f} s; scheduler RSS {rss(sched.pid)[0]:.0f} MiB "
               f"(load {os.getloadavg()[0]:.1f})", flush=True)
 
-        counts0 = request(f"{agent_url}/counts")
-        prof0, cpu0, t0 = read_json(out / "scheduler-cpu.json"), proc_cpu(sched.pid), time.monotonic()
-        time.sleep(args.window)
-        counts1 = request(f"{agent_url}/counts")
-        prof1, cpu1, t1 = read_json(out / "scheduler-cpu.json"), proc_cpu(sched.pid), time.monotonic()
-        seconds = t1 - t0
-        print(f"steady training, {seconds:.1f} s (load {os.getloadavg()[0]:.1f}): "
-              f"{(counts1['heartbeat'] - counts0['heartbeat']) / seconds:.0f} heartbeats/s in "
-              f"{(counts1['node_report'] - counts0['node_report']) / seconds:.0f} node reports/s; scheduler CPU "
-              f"{100 * (cpu1 - cpu0) / seconds:.1f}% of one core (the health watch of {args.hosts} daemons included)",
-              flush=True)
-        for line in top(diff(prof0, prof1), 10, seconds):
-            print(line)
+        steady_training(agent_url, out / "scheduler-cpu.json", sched.pid, args.window, 10,
+                        f" (the health watch of {args.hosts} daemons included)")
 
         results = []
 

@@ -67,7 +67,7 @@ from control_plane import (
     wait_file,
     wait_status,
 )
-from control_plane_16k import StageProbe, planner_cpu, rss
+from control_plane_16k import StageProbe, planner_cpu, rss, steady_training
 
 from tenplex.testing.processes import stop_processes
 
@@ -355,18 +355,7 @@ def main() -> None:
         print(f"ElasticJob on {gpus} GPUs (dp{dp} x tp{tp} x pp{args.pp}, {gpus // tp} worker pods of {tp} ranks) "
               f"training after {time.perf_counter() - t:.1f} s; scheduler RSS {rss(sched.pid)[0]:.0f} MiB "
               f"(load {os.getloadavg()[0]:.1f})", flush=True)
-        counts0 = request(f"{agent_url}/counts")
-        prof0, cpu0, t0 = read_json(out / "scheduler-cpu.json"), proc_cpu(sched.pid), time.monotonic()
-        time.sleep(args.window)
-        counts1 = request(f"{agent_url}/counts")
-        prof1, cpu1, t1 = read_json(out / "scheduler-cpu.json"), proc_cpu(sched.pid), time.monotonic()
-        seconds = t1 - t0
-        print(f"steady training, {seconds:.1f} s (load {os.getloadavg()[0]:.1f}): "
-              f"{(counts1['heartbeat'] - counts0['heartbeat']) / seconds:.0f} heartbeats/s in "
-              f"{(counts1['node_report'] - counts0['node_report']) / seconds:.0f} node reports/s; scheduler CPU "
-              f"{100 * (cpu1 - cpu0) / seconds:.1f}% of one core", flush=True)
-        for line in top(diff(prof0, prof1), 8, seconds):
-            print(line)
+        steady_training(agent_url, out / "scheduler-cpu.json", sched.pid, args.window, 8)
 
         results: list[dict[str, Any]] = []
 
