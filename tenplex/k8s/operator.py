@@ -469,7 +469,7 @@ class ElasticJobOperator:
         previous = (obj.get("status") or {}).get("conditions") or []
         cond = crd.Condition("Failed", "True", reason="InvalidSpec", message=reason[:1000],
                              observed_generation=int(meta.get("generation") or 1))
-        status = crd.ElasticJobStatus(phase=crd.Phase.FAILED, selector=crd.worker_selector(meta["name"]),
+        status = crd.ElasticJobStatus(phase=Phase.FAILED, selector=crd.worker_selector(meta["name"]),
                                       conditions=tuple(crd.set_condition(previous, cond)),
                                       observed_generation=int(meta.get("generation") or 1))
         try:
