@@ -73,7 +73,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -152,8 +152,9 @@ class ClusterEvent:
 Listener = Callable[[ClusterEvent], None]
 
 
-def node_ready(node: Mapping[str, Any]) -> bool:
-    conds = (node.get("status") or {}).get("conditions") or []
+def is_ready(obj: Mapping[str, Any]) -> bool:
+    """Whether a node's or a pod's Ready condition is True (a pod's: its kubelet's readiness probes pass)."""
+    conds = (obj.get("status") or {}).get("conditions") or []
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
 
 
@@ -357,9 +358,9 @@ class KubernetesBackend(Backend):
         if kind == "DELETED":
             self._emit(ClusterEvent("node-lost", node=name, detail=f"node {name} was deleted"))
             return
-        was_ready = old is not None and node_ready(old)
+        was_ready = old is not None and is_ready(old)
         was_schedulable = old is None or not (old.get("spec") or {}).get("unschedulable")
-        if was_ready and not node_ready(node):
+        if was_ready and not is_ready(node):
             self._emit(ClusterEvent("node-lost", node=name, detail=f"node {name} is NotReady"))
         elif (node.get("spec") or {}).get("unschedulable") and was_schedulable:
             self._emit(ClusterEvent("node-unschedulable", node=name, detail=f"node {name} was cordoned"))
@@ -374,10 +375,10 @@ class KubernetesBackend(Backend):
             if old is not None and _store_usable(old) and (kind == "DELETED" or not _store_usable(pod)):
                 why = "was deleted" if kind == "DELETED" else (
                     "is not Ready (its daemon does not answer its readiness probe)"
-                    if _phase(pod) == "Running" and not pod_ready(pod) else f"is {_phase(pod)}")
+                    if _phase(pod) == "Running" and not is_ready(pod) else f"is {_phase(pod)}")
                 self._emit(ClusterEvent("store-lost", node=node, detail=f"store pod {name} of node {node} {why}"))
             else:
-                ready = "Ready" if pod_ready(pod) else "not Ready"
+                ready = "Ready" if is_ready(pod) else "not Ready"
                 self._emit(ClusterEvent("store-changed", node=node,
                                         detail=f"store pod {name}: {kind} {_phase(pod)}, {ready}"))
             return
@@ -431,11 +432,12 @@ class KubernetesBackend(Backend):
                     return int(p.get("hostPort") or p.get("containerPort") or self.settings.store_port)
         return self.settings.store_port
 
-    def held_gpus(self) -> dict[str, int]:
-        """Node -> GPUs that the pods bound to it hold: every watched pod not terminated, a Terminating one
-        included (its containers may still run; the device plugin frees its GPUs only once they have ended)."""
+    def held_gpus(self, pods: Iterable[Mapping[str, Any]] | None = None) -> dict[str, int]:
+        """Node -> GPUs that ``pods`` (default: every watched pod) bound to it hold: those not terminated, a
+        Terminating one included (its containers may still run; the device plugin frees its GPUs only once they
+        have ended)."""
         held: dict[str, int] = {}
-        for pod in self._pods():
+        for pod in self._pods() if pods is None else pods:
             node = (pod.get("spec") or {}).get("nodeName")
             gpus = pod_gpus(pod, self._gpu)
             if node and gpus and _phase(pod) not in ("Succeeded", "Failed"):
@@ -447,13 +449,7 @@ class KubernetesBackend(Backend):
         pods (its own, whatever they run: the next placement reuses or deletes them)."""
         pods = {p["metadata"]["uid"]: p for wid in worker_ids if (p := self._worker_pod(job, wid)) is not None}
         pods.update((p["metadata"]["uid"], p) for p in self._standby_pods(job))
-        held: dict[str, int] = {}
-        for pod in pods.values():
-            node = (pod.get("spec") or {}).get("nodeName")
-            gpus = pod_gpus(pod, self._gpu)
-            if node and gpus and _phase(pod) not in ("Succeeded", "Failed"):
-                held[node] = held.get(node, 0) + gpus
-        return held
+        return self.held_gpus(pods.values())
 
     def hosts(self) -> list[HostInfo]:
         """The GPU nodes; each one's ``gpus`` are those no pod holds (see :meth:`held_gpus`), so that a new
@@ -476,7 +472,7 @@ class KubernetesBackend(Backend):
             info = HostInfo(
                 name=name, gpus=gpus, store_url=f"{'https' if self.settings.tls_secret else 'http'}://{store_ip}:{port}",
                 address=address,
-                ready=node_ready(node) and store is not None and _store_usable(store),
+                ready=is_ready(node) and store is not None and _store_usable(store),
                 schedulable=not (node.get("spec") or {}).get("unschedulable"),
             )
             out.append(info)
@@ -530,10 +526,6 @@ class KubernetesBackend(Backend):
                 return inf
         raise InvalidConfig(f"namespace {namespace!r} is not watched by this scheduler "
                             f"(watch namespaces: {', '.join(self.settings.watch_namespaces)})")
-
-    def worker_pod_manifest(self, job_obj: Mapping[str, Any], command: Sequence[str], w: WorkerLaunch) -> dict[str, Any]:
-        """The pod of one worker of a job with one GPU per pod (see :meth:`pod_manifest`)."""
-        return self.pod_manifest(job_obj, command, (w,))
 
     def pod_manifest(self, job_obj: Mapping[str, Any], command: Sequence[str],
                      workers: Sequence[WorkerLaunch], standby_port: int | None = None) -> dict[str, Any]:
@@ -896,7 +888,7 @@ class KubernetesBackend(Backend):
         left: list[str] = []
         while time.monotonic() < deadline:
             # Node readiness, not the host's: the kubelet of a Ready node whose store hangs still confirms.
-            ready = {n["metadata"]["name"] for n in self.nodes.items() if node_ready(n)}
+            ready = {n["metadata"]["name"] for n in self.nodes.items() if is_ready(n)}
             live = [p for p in pods if p["metadata"]["uid"] not in ended and self._live_pod(p) is not None]
             left = [p["metadata"]["name"] for p in live if (p.get("spec") or {}).get("nodeName") in ready]
             if not left:
@@ -1048,15 +1040,9 @@ def _is_worker_of(pod: Mapping[str, Any], job: str) -> bool:
     return labels.get(crd.LABEL_JOB) == job and labels.get(crd.LABEL_ROLE) == crd.ROLE_WORKER
 
 
-def pod_ready(pod: Mapping[str, Any]) -> bool:
-    """Whether the pod's Ready condition is True (its kubelet's readiness probes pass)."""
-    conds = (pod.get("status") or {}).get("conditions") or []
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
-
-
 def _store_usable(pod: Mapping[str, Any]) -> bool:
     """A store pod whose daemon serves: Running, not being deleted, and Ready (its /healthz probe answers)."""
-    return _phase(pod) == "Running" and not (pod.get("metadata") or {}).get("deletionTimestamp") and pod_ready(pod)
+    return _phase(pod) == "Running" and not (pod.get("metadata") or {}).get("deletionTimestamp") and is_ready(pod)
 
 
 def _api_message(exc: client.ApiException) -> str:
