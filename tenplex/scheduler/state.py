@@ -16,11 +16,12 @@ import base64
 import json
 import math
 import re
+import shutil
 import time
 import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -91,16 +92,19 @@ class CheckpointSpec:
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any] | None) -> CheckpointSpec | None:
-        if obj is None:
-            return None
-        if not isinstance(obj, Mapping):
-            raise InvalidConfig(f"checkpoint must be an object, got {type(obj).__name__}")
-        unknown = sorted(set(obj) - {"uri", "interval_steps", "keep_last"})
-        if unknown:
-            raise InvalidConfig(f"unknown checkpoint fields: {', '.join(unknown)}")
-        if "uri" not in obj or "interval_steps" not in obj:
-            raise InvalidConfig("checkpoint needs uri and interval_steps")
-        return cls(uri=obj["uri"], interval_steps=obj["interval_steps"], keep_last=obj.get("keep_last", 2))
+        return None if obj is None else cls(**_fields_of(cls, obj, "checkpoint", ("uri", "interval_steps")))
+
+
+def _fields_of(cls: Any, obj: Any, what: str, required: Sequence[str]) -> Mapping[str, Any]:
+    """``obj`` checked as the JSON of dataclass ``cls``: an object with ``required`` and no unknown fields."""
+    if not isinstance(obj, Mapping):
+        raise InvalidConfig(f"{what} must be an object, got {type(obj).__name__}")
+    unknown = sorted(set(obj) - {f.name for f in fields(cls)})
+    if unknown:
+        raise InvalidConfig(f"unknown {what} fields: {', '.join(unknown)}")
+    if any(k not in obj for k in required):
+        raise InvalidConfig(f"{what} needs {' and '.join(required)}")
+    return obj
 
 
 def check_persistent_uri(uri: Any, what: str) -> str:
@@ -159,14 +163,7 @@ class ResumeSpec:
     def from_json(cls, obj: Mapping[str, Any] | None) -> ResumeSpec | None:
         if obj is None:
             return None
-        if not isinstance(obj, Mapping):
-            raise InvalidConfig(f"resume_from must be an object, got {type(obj).__name__}")
-        unknown = sorted(set(obj) - {"uri", "job", "version"})
-        if unknown:
-            raise InvalidConfig(f"unknown resume_from fields: {', '.join(unknown)}")
-        if "uri" not in obj:
-            raise InvalidConfig("resume_from needs uri")
-        return cls(uri=obj["uri"], job=obj.get("job"), version=obj.get("version") or LATEST)
+        return cls(**{**_fields_of(cls, obj, "resume_from", ("uri",)), "version": obj.get("version") or LATEST})
 
 
 @dataclass(frozen=True)
@@ -239,51 +236,25 @@ class JobSpec:
                                 f"got {gpus}")
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "layout": self.layout.to_json(),
-            "dataset": self.dataset.to_json(),
-            "command": list(self.command),
-            "gpus": self.gpus,
-            "min_gpus": self.min_gpus,
-            "max_gpus": self.max_gpus,
-            "policy": policy_to_json(self.policy),
-            "steps": self.steps,
-            "snapshot_every": self.snapshot_every,
-            "heartbeat_timeout": self.heartbeat_timeout,
-            "max_restarts": self.max_restarts,
-            "gpus_per_pod": self.gpus_per_pod,
-            "image": self.image,
-            "env": dict(self.env),
-            "standby": self.standby,
-            "pod": dict(self.pod),
-            "checkpoint": self.checkpoint.to_json() if self.checkpoint is not None else None,
-            "resume_from": self.resume_from.to_json() if self.resume_from is not None else None,
-        }
+        return {**{f.name: getattr(self, f.name) for f in fields(self)},
+                "layout": self.layout.to_json(), "dataset": self.dataset.to_json(), "command": list(self.command),
+                "policy": policy_to_json(self.policy), "env": dict(self.env), "pod": dict(self.pod),
+                "checkpoint": self.checkpoint.to_json() if self.checkpoint is not None else None,
+                "resume_from": self.resume_from.to_json() if self.resume_from is not None else None}
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> JobSpec:
-        return cls(
-            name=obj["name"],
-            layout=LayoutSpec.from_json(obj["layout"]),
-            dataset=DatasetState.from_json(obj["dataset"]),
-            command=tuple(obj.get("command", ())),
-            gpus=obj["gpus"],
-            min_gpus=obj.get("min_gpus", 1),
-            max_gpus=obj.get("max_gpus", 1 << 20),
-            policy=policy_from_json(obj.get("policy", {})),
-            steps=obj.get("steps", 100),
-            snapshot_every=obj.get("snapshot_every", 10),
-            heartbeat_timeout=obj.get("heartbeat_timeout", 60.0),
-            max_restarts=obj.get("max_restarts", 3),
-            gpus_per_pod=obj.get("gpus_per_pod", 1),
-            image=obj.get("image"),
-            env=dict(obj.get("env", {})),
-            standby=bool(obj.get("standby", False)),
-            pod=dict(obj.get("pod") or {}),
-            checkpoint=CheckpointSpec.from_json(obj.get("checkpoint")),
-            resume_from=ResumeSpec.from_json(obj.get("resume_from")),
-        )
+        """The spec of :meth:`to_json`; a field it lacks takes its default."""
+        plain = {f.name: obj[f.name] for f in fields(cls) if f.name in obj and f.name not in _CONVERTED}
+        return cls(**plain, layout=LayoutSpec.from_json(obj["layout"]), dataset=DatasetState.from_json(obj["dataset"]),
+                   command=tuple(obj.get("command", ())), policy=policy_from_json(obj.get("policy", {})),
+                   env=dict(obj.get("env", {})), standby=bool(obj.get("standby", False)),
+                   pod=dict(obj.get("pod") or {}), checkpoint=CheckpointSpec.from_json(obj.get("checkpoint")),
+                   resume_from=ResumeSpec.from_json(obj.get("resume_from")))
+
+
+_CONVERTED = ("layout", "dataset", "command", "policy", "env", "standby", "pod", "checkpoint", "resume_from")
+"""The JobSpec fields whose JSON is not their value (read by :meth:`JobSpec.from_json` one by one)."""
 
 
 def policy_to_json(p: Policy) -> dict[str, Any]:
@@ -778,10 +749,6 @@ class StateDir(JobStore):
 
     def delete(self, name: str) -> None:
         self._job_file(name).unlink(missing_ok=True)
-        folder = self.root / "jobs" / check_job_name(name)
-        if folder.exists():
-            for p in folder.iterdir():
-                p.unlink()
-            folder.rmdir()
+        shutil.rmtree(self.root / "jobs" / check_job_name(name), ignore_errors=True)
 
 
