@@ -501,44 +501,16 @@ class JobStatus:
     def to_json(self, *, plan: bool = True) -> dict[str, Any]:
         """The status as JSON-ready data, in fresh containers (a view can be serialized after the lock is let
         go), except ``last_plan``: the controller replaces it, never changes it, so it is shared (``plan=False``
-        leaves it out: it is large, and views serve it apart). Field by field, not ``asdict``: that deep-copies
-        the plan, and a job of a thousand workers is read many times a second."""
-        return {
-            "phase": self.phase.value,
-            "stage": self.stage.value if self.stage else None,
-            "generation": self.generation,
-            "gpus": self.gpus,
-            "parallel": dict(self.parallel) if self.parallel is not None else None,
-            "hosts": list(self.hosts),
-            "gpus_per_node": self.gpus_per_node,
-            "step": self.step,
-            "version": self.version,
-            "committed": {v: list(hosts) for v, hosts in self.committed.items()},
-            "version_generation": dict(self.version_generation),
-            "requested_gpus": self.requested_gpus,
-            "requested_parallel": dict(self.requested_parallel) if self.requested_parallel is not None else None,
-            "pending_reason": self.pending_reason,
-            "target_gpus": self.target_gpus,
-            "target_parallel": dict(self.target_parallel) if self.target_parallel is not None else None,
-            "master_addr": self.master_addr,
-            "master_port": self.master_port,
-            "downtime_started_at": self.downtime_started_at,
-            "restored_step": self.restored_step,
-            "stop_at_step": self.stop_at_step,
-            "restore_version": self.restore_version,
-            "failures_without_progress": self.failures_without_progress,
-            "workers": [dict(vars(w)) for w in self.workers],
-            "history": [h.to_json() for h in self.history],
-            "message": self.message,
-            "persisted": list(self.persisted),
-            "persist": dict(self.persist) if self.persist is not None else None,
-            "resumed_from": dict(self.resumed_from) if self.resumed_from is not None else None,
-            "spec_update": _copy_update(self.spec_update),
-            "standby_ready": self.standby_ready,
-            "standby_wanted": self.standby_wanted,
-            **({"last_plan": self.last_plan} if plan else {}),
-            "updated_at": self.updated_at,
-        }
+        leaves it out: it is large, and views serve it apart). Not ``asdict``: that deep-copies the plan, and a
+        job of a thousand workers is read many times a second."""
+        out = {f.name: _fresh(getattr(self, f.name)) for f in fields(self) if f.name != "last_plan"}
+        out.update(phase=self.phase.value, stage=self.stage.value if self.stage else None,
+                   committed={v: list(hosts) for v, hosts in self.committed.items()},
+                   workers=[dict(vars(w)) for w in self.workers], history=[h.to_json() for h in self.history],
+                   spec_update=_copy_update(self.spec_update))
+        if plan:
+            out["last_plan"] = self.last_plan
+        return out
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> JobStatus:
@@ -560,6 +532,11 @@ class JobStatus:
 
 def _copy_update(update: Mapping[str, Any] | None) -> dict[str, Any] | None:
     return None if update is None else {**update, "fields": list(update.get("fields", ()))}
+
+
+def _fresh(value: Any) -> Any:
+    """A shallow copy of a dict or a list; anything else as it is."""
+    return dict(value) if isinstance(value, dict) else list(value) if isinstance(value, list) else value
 
 
 _NUMBERED = re.compile(r"^(.*?)(0|[1-9][0-9]*)$")
