@@ -133,6 +133,8 @@ RANK_ENV = (ENV_RANK, ENV_LOCAL_RANK, ENV_WORKER_ID)
 PORT_RESERVATION_SECONDS = 120.0
 LAUNCH_DELETE_GRACE = 10.0
 """The grace period of a job's standby pods that a launch deletes (idle ones: they have nothing to save)."""
+SYNC_TIMEOUT_S = 30.0
+"""How long :meth:`KubernetesBackend.start` waits for the first lists of the pods and nodes."""
 STOP_MARGIN_SECONDS = 15.0
 """How long past a deleted pod's grace period :meth:`KubernetesBackend.stop` waits for its kubelet to confirm."""
 
@@ -158,7 +160,8 @@ def is_ready(obj: Mapping[str, Any]) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
 
 
-def node_gpus(node: Mapping[str, Any], resource: str = crd.GPU_RESOURCE) -> int:
+def node_gpus(node: Mapping[str, Any]) -> int:
+    resource = crd.GPU_RESOURCE
     raw = ((node.get("status") or {}).get("allocatable") or {}).get(resource)
     try:
         return int(str(raw)) if raw is not None else 0
@@ -176,9 +179,9 @@ def node_address(node: Mapping[str, Any]) -> str | None:
     return None
 
 
-def pod_gpus(pod: Mapping[str, Any], resource: str = crd.GPU_RESOURCE) -> int:
-    """GPUs a pod asks for (its containers' limits, else requests, of ``resource``)."""
-    total = 0
+def pod_gpus(pod: Mapping[str, Any]) -> int:
+    """GPUs a pod asks for (its containers' limits, else requests, of ``nvidia.com/gpu``)."""
+    resource, total = crd.GPU_RESOURCE, 0
     for c in (pod.get("spec") or {}).get("containers") or []:
         res = c.get("resources") or {}
         value = (res.get("limits") or {}).get(resource) or (res.get("requests") or {}).get(resource) or 0
@@ -268,8 +271,7 @@ class KubernetesBackend(Backend):
 
     def __init__(self, api_client: client.ApiClient, settings: KubernetesSettings,
                  elasticjob: Callable[[str], Mapping[str, Any]], *, master_ports: tuple[int, int] = (29500, 29999),
-                 watch_timeout: int = 60, sync_timeout: float = 30.0, gpu_resource: str = crd.GPU_RESOURCE,
-                 stop_margin: float = STOP_MARGIN_SECONDS, token: str | None = None,
+                 watch_timeout: int = 60, stop_margin: float = STOP_MARGIN_SECONDS, token: str | None = None,
                  job_credentials: bool = False) -> None:
         """``elasticjob(name)`` returns the ElasticJob object of a job (raises NotFound for none); ``stop_margin``:
         how long past a deleted pod's grace period :meth:`stop` waits for its kubelet's confirmation; ``token``:
@@ -285,8 +287,6 @@ class KubernetesBackend(Backend):
         self.settings = settings
         self._elasticjob = elasticjob
         self._ports = (lo, hi)
-        self._gpu = gpu_resource
-        self._sync_timeout = sync_timeout
         self._stop_margin = stop_margin
         self._lock = threading.Lock()
         self._listeners: list[Listener] = []
@@ -323,9 +323,9 @@ class KubernetesBackend(Backend):
         for inf in (self.nodes, *self.pods):
             inf.start()
         for inf in (self.nodes, *self.pods):
-            if not inf.wait_synced(self._sync_timeout):
+            if not inf.wait_synced(SYNC_TIMEOUT_S):
                 raise StoreUnavailable(f"the Kubernetes API did not answer the first list of {inf.name} "
-                                       f"within {self._sync_timeout:.0f}s")
+                                       f"within {SYNC_TIMEOUT_S:.0f}s")
         return self
 
     def stop_watches(self) -> None:
@@ -439,7 +439,7 @@ class KubernetesBackend(Backend):
         held: dict[str, int] = {}
         for pod in self._pods() if pods is None else pods:
             node = (pod.get("spec") or {}).get("nodeName")
-            gpus = pod_gpus(pod, self._gpu)
+            gpus = pod_gpus(pod)
             if node and gpus and _phase(pod) not in ("Succeeded", "Failed"):
                 held[node] = held.get(node, 0) + gpus
         return held
@@ -460,7 +460,7 @@ class KubernetesBackend(Backend):
         present: set[str] = set()
         for node in sorted(self.nodes.items(), key=lambda n: n["metadata"]["name"]):
             name = node["metadata"]["name"]
-            allocatable = node_gpus(node, self._gpu)
+            allocatable = node_gpus(node)
             if allocatable <= 0:
                 continue
             gpus = max(0, allocatable - held.get(name, 0))
@@ -555,8 +555,8 @@ class KubernetesBackend(Backend):
         ]
         gpus = str(len(workers))
         resources: dict[str, dict[str, Any]] = {
-            "requests": {**(spec.resources.requests or {}), self._gpu: gpus},
-            "limits": {**(spec.resources.limits or {}), self._gpu: gpus},
+            "requests": {**(spec.resources.requests or {}), crd.GPU_RESOURCE: gpus},
+            "limits": {**(spec.resources.limits or {}), crd.GPU_RESOURCE: gpus},
         }
         if standby_port is not None:  # the standby forks the pod's ranks itself (TENPLEX_POD_RANKS, as the launcher)
             argv = [command[0], "-m", "tenplex", "worker", "standby", "--port", str(standby_port), "--", *command]
@@ -746,7 +746,7 @@ class KubernetesBackend(Backend):
         chosen: dict[int, dict[str, Any]] = {}
         for i, group in enumerate(groups):
             pool = idle.get(group[0].host, [])
-            pod = next((p for p in pool if pod_gpus(p, self._gpu) == len(group)), None)
+            pod = next((p for p in pool if pod_gpus(p) == len(group)), None)
             if pod is not None:
                 pool.remove(pod)
                 chosen[i] = pod
@@ -988,7 +988,7 @@ class KubernetesBackend(Backend):
         for h in self.hosts():
             if h.name == name:
                 return h
-        raise NotFound(f"node {name!r} has no allocatable {self._gpu} or is not known to the Kubernetes backend")
+        raise NotFound(f"node {name!r} has no allocatable {crd.GPU_RESOURCE} or is not known to the Kubernetes backend")
 
 
 def template_digest(spec: ElasticJobSpec, command: Sequence[str]) -> str:
