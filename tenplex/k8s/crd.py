@@ -203,8 +203,6 @@ def _camel(loc: Sequence[int | str]) -> list[int | str]:
 def rule_errors(spec: Mapping[str, Any]) -> list[str]:
     """The CRD's cross-field rules that ``spec`` (schema-valid, defaults applied) breaks, worded as the API server
     words them, ``<path>: Invalid value: "object": <message>``, with the values the rule reads (for people)."""
-    from pydantic import ValidationError
-
     try:
         ElasticJobSpec.model_validate(spec, context=CRD)
     except ValidationError as exc:
@@ -383,16 +381,6 @@ class ElasticJobStatus:
 
     def to_dict(self) -> dict[str, Any]:
         return _dump(self)
-
-    @classmethod
-    def from_dict(cls, status: Mapping[str, Any] | None) -> ElasticJobStatus:
-        """Read a stored status back (e.g. after a scheduler restart); an empty one is Pending."""
-        try:
-            return TypeAdapter(cls).validate_python(status or {})
-        except ValidationError as exc:
-            err = exc.errors()[0]
-            where = ".".join(str(x) for x in err["loc"])
-            raise InvalidInput(f"status.{where} {err['input']!r}: {err['msg']}") from None
 
 
 def _dump(value: Any) -> dict[str, Any]:
