@@ -802,17 +802,11 @@ class KubernetesBackend(Backend):
 
     def _remove_finished(self, job: str, generations: set[str]) -> None:
         """Delete the terminated worker pods of earlier generations (a planned stop leaves them Succeeded)."""
-        for pod in self.job_pods(job):
-            if _labels(pod).get(LABEL_GENERATION) in generations or _phase(pod) not in ("Succeeded", "Failed"):
-                continue
-            meta = pod["metadata"]
-            try:
-                self.core.delete_namespaced_pod(meta["name"], meta["namespace"], propagation_policy="Background")
-                log.info("job %s: removed finished pod %s of generation %s", job, meta["name"],
-                         _labels(pod).get(LABEL_GENERATION))
-            except client.ApiException as exc:
-                if exc.status != 404:
-                    log.warning("job %s: could not remove finished pod %s: %s", job, meta["name"], _api_message(exc))
+        finished = [p for p in self.job_pods(job) if _labels(p).get(LABEL_GENERATION) not in generations
+                    and _phase(p) in ("Succeeded", "Failed")]
+        if finished:
+            log.info("job %s: removing finished pods %s", job, [p["metadata"]["name"] for p in finished])
+            self._delete_pods(job, finished, grace=1)  # nothing runs in them: the grace is never waited for
 
     def stop(self, job: str, worker_ids: Sequence[str], *, grace: float = 10.0) -> None:
         """End these workers: in a standby pod, its standby stops them and the pod stays (see the module
