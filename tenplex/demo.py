@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from rich.console import Console
 from tenplex.errors import TenplexError, TransformFailed
 from tenplex.scheduler.cli import SchedulerClient, history_table, phases_table
 from tenplex.scheduler.server import LocalScheduler
+from tenplex.sockets import free_port
 
 log = logging.getLogger(__name__)
 
@@ -180,13 +182,7 @@ def _running_gen_past(view: dict[str, Any], generation: int, step: int) -> bool:
 
 def run_baseline(s: DemoSettings) -> None:
     """The same job, uninterrupted, in one process, logging its losses like the elastic one."""
-    import os
-    import socket
-    import subprocess
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()  # for its rendezvous (see tenplex.sockets: a port the process binds later)
     env = {**os.environ, LOSS_LOG_ENV: str(s.out / "loss-baseline.jsonl"), "OMP_NUM_THREADS": "1", "RANK": "0",
            "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     with open(s.out / "baseline.log", "wb") as log_file:
