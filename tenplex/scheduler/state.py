@@ -399,17 +399,23 @@ def phase_split(marks: Mapping[str, float]) -> dict[str, float]:
     return {k: v for k, v in out.items() if v is not None}
 
 
-def _map_plan_hosts(plan: Mapping[str, Any], convert: Callable[[Any], Any]) -> dict[str, Any]:
-    """A copy of a record's plan inputs with its host lists (``hosts``, ``inputs.alive``,
-    ``inputs.not_holding``) passed through ``convert``: packed into runs for the record, or unpacked from it."""
-    out = dict(plan)
-    if "hosts" in out:
-        out["hosts"] = convert(out["hosts"])
-    if isinstance(out.get("inputs"), Mapping):
-        inputs = out["inputs"] = dict(out["inputs"])
-        for key in ("alive", "not_holding"):
-            if key in inputs:
-                inputs[key] = convert(inputs[key])
+def _map_hosts(record: Mapping[str, Any], convert: Callable[[Any], Any]) -> dict[str, Any]:
+    """A copy of a status record with its host lists (``hosts``, ``committed``'s, the history's, the plan
+    inputs' ``hosts``, ``inputs.alive`` and ``inputs.not_holding``) passed through ``convert``: packed into runs
+    for the record (a 2,048-host job names its hosts in six lists: 140 KiB as JSON), or unpacked from it."""
+    out = {**record, "hosts": convert(record.get("hosts", [])),
+           "committed": {v: convert(hosts) for v, hosts in record.get("committed", {}).items()},
+           "history": [{**h, "from_hosts": convert(h.get("from_hosts", [])), "to_hosts": convert(h.get("to_hosts", []))}
+                       for h in record.get("history", [])]}
+    if isinstance(out.get("last_plan"), Mapping):
+        plan = out["last_plan"] = dict(out["last_plan"])
+        if "hosts" in plan:
+            plan["hosts"] = convert(plan["hosts"])
+        if isinstance(plan.get("inputs"), Mapping):
+            inputs = plan["inputs"] = dict(plan["inputs"])
+            for key in ("alive", "not_holding"):
+                if key in inputs:
+                    inputs[key] = convert(inputs[key])
     return out
 
 
@@ -487,16 +493,7 @@ class JobStatus:
         """The status as a job store keeps it: :meth:`to_json` with the workers as one compact table
         (:func:`workers_table`; a job of 16,384 workers is 3 MiB of worker objects as JSON). Read back by
         :meth:`from_json`."""
-        out = self.to_json()
-        out["workers"] = workers_table(self.workers)
-        # Host lists as runs of names (a 2,048-host job names its hosts in six lists: 140 KiB as JSON).
-        out["hosts"] = pack_names(out["hosts"])
-        out["committed"] = {v: pack_names(hosts) for v, hosts in out["committed"].items()}
-        for h in out["history"]:
-            h["from_hosts"], h["to_hosts"] = pack_names(h["from_hosts"]), pack_names(h["to_hosts"])
-        if isinstance(out.get("last_plan"), Mapping):
-            out["last_plan"] = _map_plan_hosts(out["last_plan"], pack_names)
-        return out
+        return {**_map_hosts(self.to_json(), pack_names), "workers": workers_table(self.workers)}
 
     def to_json(self, *, plan: bool = True) -> dict[str, Any]:
         """The status as JSON-ready data, in fresh containers (a view can be serialized after the lock is let
@@ -514,19 +511,13 @@ class JobStatus:
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> JobStatus:
-        data = dict(obj)
+        data = _map_hosts(obj, unpack_names)
         data["phase"] = Phase(data["phase"])
         data["stage"] = Stage(data["stage"]) if data.get("stage") else None
         workers = data.get("workers", [])
         data["workers"] = (workers_from_table(workers) if isinstance(workers, Mapping)
                            else [WorkerRecord(**w) for w in workers])
-        data["hosts"] = unpack_names(data.get("hosts", []))
-        data["committed"] = {v: unpack_names(hosts) for v, hosts in data.get("committed", {}).items()}
-        data["history"] = [Reconfiguration(**{**h, "from_hosts": unpack_names(h.get("from_hosts", [])),
-                                              "to_hosts": unpack_names(h.get("to_hosts", []))})
-                           for h in data.get("history", [])]
-        if isinstance(data.get("last_plan"), Mapping):
-            data["last_plan"] = _map_plan_hosts(data["last_plan"], unpack_names)
+        data["history"] = [Reconfiguration(**h) for h in data["history"]]
         return cls(**data)
 
 
