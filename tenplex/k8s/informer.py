@@ -110,10 +110,6 @@ class Informer:
         """Whether the first list arrived within ``timeout`` seconds."""
         return self._synced.wait(timeout)
 
-    @property
-    def synced(self) -> bool:
-        return self._synced.is_set()
-
     # -- the cache ---------------------------------------------------------------------
 
     def get(self, namespace: str, name: str) -> dict[str, Any] | None:
