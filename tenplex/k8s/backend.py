@@ -92,7 +92,7 @@ from tenplex.core.protocol import (
     ENV_WORKER_ID,
 )
 from tenplex.core.tls import ENV_TLS_CA
-from tenplex.errors import Conflict, InvalidConfig, NotFound, StoreUnavailable
+from tenplex.errors import Conflict, InvalidConfig, StoreUnavailable
 from tenplex.k8s import crd
 from tenplex.k8s.informer import Informer
 from tenplex.k8s.settings import KubernetesSettings
@@ -977,12 +977,6 @@ class KubernetesBackend(Backend):
     def job_pods(self, job: str) -> list[dict[str, Any]]:
         """The job's worker pods as cached (for the operator's status and for tests)."""
         return [p for p in self._pods() if _is_worker_of(p, job)]
-
-    def host(self, name: str) -> HostInfo:
-        for h in self.hosts():
-            if h.name == name:
-                return h
-        raise NotFound(f"node {name!r} has no allocatable {crd.GPU_RESOURCE} or is not known to the Kubernetes backend")
 
 
 def template_digest(spec: ElasticJobSpec, command: Sequence[str]) -> str:
