@@ -500,7 +500,7 @@ class JobStatus:
         go), except ``last_plan``: the controller replaces it, never changes it, so it is shared (``plan=False``
         leaves it out: it is large, and views serve it apart). Not ``asdict``: that deep-copies the plan, and a
         job of a thousand workers is read many times a second."""
-        out = {f.name: _fresh(getattr(self, f.name)) for f in fields(self) if f.name != "last_plan"}
+        out = {name: _fresh(getattr(self, name)) for name in _COPIED}
         out.update(phase=self.phase.value, stage=self.stage.value if self.stage else None,
                    committed={v: list(hosts) for v, hosts in self.committed.items()},
                    workers=[dict(vars(w)) for w in self.workers], history=[h.to_json() for h in self.history],
@@ -519,6 +519,10 @@ class JobStatus:
                            else [WorkerRecord(**w) for w in workers])
         data["history"] = [Reconfiguration(**h) for h in data["history"]]
         return cls(**data)
+
+
+_COPIED = tuple(f.name for f in fields(JobStatus) if f.name != "last_plan")
+"""The fields :meth:`JobStatus.to_json` copies (the plan is shared)."""
 
 
 def _copy_update(update: Mapping[str, Any] | None) -> dict[str, Any] | None:
