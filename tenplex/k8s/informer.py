@@ -173,9 +173,7 @@ class Informer:
         with self._lock:
             gone = [k for k in self._cache if k not in seen]
         for k in gone:
-            with self._lock:
-                old = self._cache.get(k)
-            if old is not None:
+            if (old := self.get(*k)) is not None:
                 self._apply("DELETED", old)
         return str(listed.get("metadata", {}).get("resourceVersion", ""))
 
