@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from rich.console import Console
 from tenplex.errors import TenplexError, TransformFailed
 from tenplex.scheduler.cli import SchedulerClient, history_table, phases_table
 from tenplex.scheduler.server import LocalScheduler
+from tenplex.sockets import free_port
 
 log = logging.getLogger(__name__)
 
@@ -105,16 +107,16 @@ class Demo:
             self.wait(client, job, lambda v: _running_past(v, third), "training on 2 GPUs")
 
             self.event(client, job, "scale up to 4 GPUs", lambda: client.scale(job, 4))
-            self.wait(client, job, lambda v: _running_gen_past(v, 1, 2 * third), "training on 4 GPUs")
+            self.wait(client, job, lambda v: _running_past(v, 2 * third, 1), "training on 4 GPUs")
 
             self.event(client, job, "scale down to 2 GPUs", lambda: client.scale(job, 2))
-            self.wait(client, job, lambda v: _running_gen_past(v, 2, 3 * third), "training on 2 GPUs")
+            self.wait(client, job, lambda v: _running_past(v, 3 * third, 2), "training on 2 GPUs")
 
             victim = client.job(job)["status"]["workers"][-1]
             # From outside, as a real failure comes: the worker's pid from the job status, SIGKILL.
             self.event(client, job, f"kill worker {victim['worker_id']} (pid {victim['pid']}, SIGKILL)",
                        lambda: os.kill(victim["pid"], signal.SIGKILL))
-            self.wait(client, job, lambda v: _running_gen_past(v, 3, 4 * third), "recovering from the survivors")
+            self.wait(client, job, lambda v: _running_past(v, 4 * third, 3), "recovering from the survivors")
 
             hosts_now = client.job(job)["status"]["hosts"]
             self.event(client, job, f"cordon {hosts_now[0]}: redeploy to other hosts",
@@ -162,31 +164,17 @@ class Demo:
             time.sleep(0.25)
 
 
-def _warm(st: dict[str, Any]) -> bool:
-    """The job's standby workers are ready (a change now starts none of its workers from scratch)."""
-    return st.get("standby_ready", 0) >= st.get("standby_wanted", 0)
-
-
-def _running_past(view: dict[str, Any], step: int) -> bool:
+def _running_past(view: dict[str, Any], step: int, generation: int = 0) -> bool:
+    """The job finished, or runs ``generation`` (or a later one) past ``step`` with its standby workers ready (a
+    change now starts none of its workers from scratch)."""
     st = view["status"]
-    return st["phase"] == "Running" and st["step"] >= step and _warm(st)
-
-
-def _running_gen_past(view: dict[str, Any], generation: int, step: int) -> bool:
-    st = view["status"]
-    return (st["phase"] in ("Running", "Succeeded") and st["generation"] >= generation and st["step"] >= step
-            and _warm(st)) or st["phase"] == "Succeeded"
+    return st["phase"] == "Succeeded" or (st["phase"] == "Running" and st["generation"] >= generation
+                                          and st["step"] >= step and st.get("standby_ready", 0) >= st.get("standby_wanted", 0))
 
 
 def run_baseline(s: DemoSettings) -> None:
     """The same job, uninterrupted, in one process, logging its losses like the elastic one."""
-    import os
-    import socket
-    import subprocess
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()  # for its rendezvous (see tenplex.sockets: a port the process binds later)
     env = {**os.environ, LOSS_LOG_ENV: str(s.out / "loss-baseline.jsonl"), "OMP_NUM_THREADS": "1", "RANK": "0",
            "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     with open(s.out / "baseline.log", "wb") as log_file:

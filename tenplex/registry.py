@@ -50,11 +50,6 @@ def registered(group: str) -> dict[str, EntryPoint]:
     return dict(sorted(out.items()))
 
 
-def is_spec(reference: str) -> bool:
-    """Whether ``reference`` is a ``module:function`` spec rather than a registered name."""
-    return ":" in reference
-
-
 def resolve(group: str, reference: str, what: str) -> Any:
     """The object a registered name or a ``module:function`` spec stands for.
 
@@ -67,22 +62,27 @@ def resolve(group: str, reference: str, what: str) -> Any:
     return _resolve(group, reference, what)
 
 
+def load_spec(reference: str, what: str) -> Any:
+    """The object a ``module:function`` spec names (an :class:`InvalidConfig` naming ``what`` when it cannot)."""
+    if not _SPEC.match(reference):
+        raise InvalidConfig(f"{what} {reference!r}: a spec is 'package.module:function'")
+    module_name, _, attribute = reference.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise InvalidConfig(f"{what} {reference!r}: cannot import {module_name!r}: {exc}") from None
+    for part in attribute.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise InvalidConfig(f"{what} {reference!r}: {module_name!r} has no {attribute!r}") from None
+    return obj
+
+
 @cache
 def _resolve(group: str, reference: str, what: str) -> Any:
-    if is_spec(reference):
-        if not _SPEC.match(reference):
-            raise InvalidConfig(f"{what} {reference!r}: a spec is 'package.module:function'")
-        module_name, _, attribute = reference.partition(":")
-        try:
-            obj: Any = importlib.import_module(module_name)
-        except ImportError as exc:
-            raise InvalidConfig(f"{what} {reference!r}: cannot import {module_name!r}: {exc}") from None
-        for part in attribute.split("."):
-            try:
-                obj = getattr(obj, part)
-            except AttributeError:
-                raise InvalidConfig(f"{what} {reference!r}: {module_name!r} has no {attribute!r}") from None
-        return obj
+    if ":" in reference:  # a spec, not a registered name
+        return load_spec(reference, what)
     names = registered(group)
     ep = names.get(reference)
     if ep is None:

@@ -73,7 +73,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -92,7 +92,7 @@ from tenplex.core.protocol import (
     ENV_WORKER_ID,
 )
 from tenplex.core.tls import ENV_TLS_CA
-from tenplex.errors import Conflict, InvalidConfig, NotFound, StoreUnavailable
+from tenplex.errors import Conflict, InvalidConfig, StoreUnavailable
 from tenplex.k8s import crd
 from tenplex.k8s.informer import Informer
 from tenplex.k8s.settings import KubernetesSettings
@@ -133,6 +133,8 @@ RANK_ENV = (ENV_RANK, ENV_LOCAL_RANK, ENV_WORKER_ID)
 PORT_RESERVATION_SECONDS = 120.0
 LAUNCH_DELETE_GRACE = 10.0
 """The grace period of a job's standby pods that a launch deletes (idle ones: they have nothing to save)."""
+SYNC_TIMEOUT_S = 30.0
+"""How long :meth:`KubernetesBackend.start` waits for the first lists of the pods and nodes."""
 STOP_MARGIN_SECONDS = 15.0
 """How long past a deleted pod's grace period :meth:`KubernetesBackend.stop` waits for its kubelet to confirm."""
 
@@ -152,12 +154,14 @@ class ClusterEvent:
 Listener = Callable[[ClusterEvent], None]
 
 
-def node_ready(node: Mapping[str, Any]) -> bool:
-    conds = (node.get("status") or {}).get("conditions") or []
+def is_ready(obj: Mapping[str, Any]) -> bool:
+    """Whether a node's or a pod's Ready condition is True (a pod's: its kubelet's readiness probes pass)."""
+    conds = (obj.get("status") or {}).get("conditions") or []
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
 
 
-def node_gpus(node: Mapping[str, Any], resource: str = crd.GPU_RESOURCE) -> int:
+def node_gpus(node: Mapping[str, Any]) -> int:
+    resource = crd.GPU_RESOURCE
     raw = ((node.get("status") or {}).get("allocatable") or {}).get(resource)
     try:
         return int(str(raw)) if raw is not None else 0
@@ -175,9 +179,9 @@ def node_address(node: Mapping[str, Any]) -> str | None:
     return None
 
 
-def pod_gpus(pod: Mapping[str, Any], resource: str = crd.GPU_RESOURCE) -> int:
-    """GPUs a pod asks for (its containers' limits, else requests, of ``resource``)."""
-    total = 0
+def pod_gpus(pod: Mapping[str, Any]) -> int:
+    """GPUs a pod asks for (its containers' limits, else requests, of ``nvidia.com/gpu``)."""
+    resource, total = crd.GPU_RESOURCE, 0
     for c in (pod.get("spec") or {}).get("containers") or []:
         res = c.get("resources") or {}
         value = (res.get("limits") or {}).get(resource) or (res.get("requests") or {}).get(resource) or 0
@@ -267,8 +271,7 @@ class KubernetesBackend(Backend):
 
     def __init__(self, api_client: client.ApiClient, settings: KubernetesSettings,
                  elasticjob: Callable[[str], Mapping[str, Any]], *, master_ports: tuple[int, int] = (29500, 29999),
-                 watch_timeout: int = 60, sync_timeout: float = 30.0, gpu_resource: str = crd.GPU_RESOURCE,
-                 stop_margin: float = STOP_MARGIN_SECONDS, token: str | None = None,
+                 watch_timeout: int = 60, stop_margin: float = STOP_MARGIN_SECONDS, token: str | None = None,
                  job_credentials: bool = False) -> None:
         """``elasticjob(name)`` returns the ElasticJob object of a job (raises NotFound for none); ``stop_margin``:
         how long past a deleted pod's grace period :meth:`stop` waits for its kubelet's confirmation; ``token``:
@@ -284,8 +287,6 @@ class KubernetesBackend(Backend):
         self.settings = settings
         self._elasticjob = elasticjob
         self._ports = (lo, hi)
-        self._gpu = gpu_resource
-        self._sync_timeout = sync_timeout
         self._stop_margin = stop_margin
         self._lock = threading.Lock()
         self._listeners: list[Listener] = []
@@ -322,9 +323,9 @@ class KubernetesBackend(Backend):
         for inf in (self.nodes, *self.pods):
             inf.start()
         for inf in (self.nodes, *self.pods):
-            if not inf.wait_synced(self._sync_timeout):
+            if not inf.wait_synced(SYNC_TIMEOUT_S):
                 raise StoreUnavailable(f"the Kubernetes API did not answer the first list of {inf.name} "
-                                       f"within {self._sync_timeout:.0f}s")
+                                       f"within {SYNC_TIMEOUT_S:.0f}s")
         return self
 
     def stop_watches(self) -> None:
@@ -357,9 +358,9 @@ class KubernetesBackend(Backend):
         if kind == "DELETED":
             self._emit(ClusterEvent("node-lost", node=name, detail=f"node {name} was deleted"))
             return
-        was_ready = old is not None and node_ready(old)
+        was_ready = old is not None and is_ready(old)
         was_schedulable = old is None or not (old.get("spec") or {}).get("unschedulable")
-        if was_ready and not node_ready(node):
+        if was_ready and not is_ready(node):
             self._emit(ClusterEvent("node-lost", node=name, detail=f"node {name} is NotReady"))
         elif (node.get("spec") or {}).get("unschedulable") and was_schedulable:
             self._emit(ClusterEvent("node-unschedulable", node=name, detail=f"node {name} was cordoned"))
@@ -374,10 +375,10 @@ class KubernetesBackend(Backend):
             if old is not None and _store_usable(old) and (kind == "DELETED" or not _store_usable(pod)):
                 why = "was deleted" if kind == "DELETED" else (
                     "is not Ready (its daemon does not answer its readiness probe)"
-                    if _phase(pod) == "Running" and not pod_ready(pod) else f"is {_phase(pod)}")
+                    if _phase(pod) == "Running" and not is_ready(pod) else f"is {_phase(pod)}")
                 self._emit(ClusterEvent("store-lost", node=node, detail=f"store pod {name} of node {node} {why}"))
             else:
-                ready = "Ready" if pod_ready(pod) else "not Ready"
+                ready = "Ready" if is_ready(pod) else "not Ready"
                 self._emit(ClusterEvent("store-changed", node=node,
                                         detail=f"store pod {name}: {kind} {_phase(pod)}, {ready}"))
             return
@@ -431,13 +432,14 @@ class KubernetesBackend(Backend):
                     return int(p.get("hostPort") or p.get("containerPort") or self.settings.store_port)
         return self.settings.store_port
 
-    def held_gpus(self) -> dict[str, int]:
-        """Node -> GPUs that the pods bound to it hold: every watched pod not terminated, a Terminating one
-        included (its containers may still run; the device plugin frees its GPUs only once they have ended)."""
+    def held_gpus(self, pods: Iterable[Mapping[str, Any]] | None = None) -> dict[str, int]:
+        """Node -> GPUs that ``pods`` (default: every watched pod) bound to it hold: those not terminated, a
+        Terminating one included (its containers may still run; the device plugin frees its GPUs only once they
+        have ended)."""
         held: dict[str, int] = {}
-        for pod in self._pods():
+        for pod in self._pods() if pods is None else pods:
             node = (pod.get("spec") or {}).get("nodeName")
-            gpus = pod_gpus(pod, self._gpu)
+            gpus = pod_gpus(pod)
             if node and gpus and _phase(pod) not in ("Succeeded", "Failed"):
                 held[node] = held.get(node, 0) + gpus
         return held
@@ -447,13 +449,7 @@ class KubernetesBackend(Backend):
         pods (its own, whatever they run: the next placement reuses or deletes them)."""
         pods = {p["metadata"]["uid"]: p for wid in worker_ids if (p := self._worker_pod(job, wid)) is not None}
         pods.update((p["metadata"]["uid"], p) for p in self._standby_pods(job))
-        held: dict[str, int] = {}
-        for pod in pods.values():
-            node = (pod.get("spec") or {}).get("nodeName")
-            gpus = pod_gpus(pod, self._gpu)
-            if node and gpus and _phase(pod) not in ("Succeeded", "Failed"):
-                held[node] = held.get(node, 0) + gpus
-        return held
+        return self.held_gpus(pods.values())
 
     def hosts(self) -> list[HostInfo]:
         """The GPU nodes; each one's ``gpus`` are those no pod holds (see :meth:`held_gpus`), so that a new
@@ -464,7 +460,7 @@ class KubernetesBackend(Backend):
         present: set[str] = set()
         for node in sorted(self.nodes.items(), key=lambda n: n["metadata"]["name"]):
             name = node["metadata"]["name"]
-            allocatable = node_gpus(node, self._gpu)
+            allocatable = node_gpus(node)
             if allocatable <= 0:
                 continue
             gpus = max(0, allocatable - held.get(name, 0))
@@ -476,7 +472,7 @@ class KubernetesBackend(Backend):
             info = HostInfo(
                 name=name, gpus=gpus, store_url=f"{'https' if self.settings.tls_secret else 'http'}://{store_ip}:{port}",
                 address=address,
-                ready=node_ready(node) and store is not None and _store_usable(store),
+                ready=is_ready(node) and store is not None and _store_usable(store),
                 schedulable=not (node.get("spec") or {}).get("unschedulable"),
             )
             out.append(info)
@@ -531,10 +527,6 @@ class KubernetesBackend(Backend):
         raise InvalidConfig(f"namespace {namespace!r} is not watched by this scheduler "
                             f"(watch namespaces: {', '.join(self.settings.watch_namespaces)})")
 
-    def worker_pod_manifest(self, job_obj: Mapping[str, Any], command: Sequence[str], w: WorkerLaunch) -> dict[str, Any]:
-        """The pod of one worker of a job with one GPU per pod (see :meth:`pod_manifest`)."""
-        return self.pod_manifest(job_obj, command, (w,))
-
     def pod_manifest(self, job_obj: Mapping[str, Any], command: Sequence[str],
                      workers: Sequence[WorkerLaunch], standby_port: int | None = None) -> dict[str, Any]:
         """The pod running ``workers`` (one group of :func:`pod_groups`; public so that tests and
@@ -563,8 +555,8 @@ class KubernetesBackend(Backend):
         ]
         gpus = str(len(workers))
         resources: dict[str, dict[str, Any]] = {
-            "requests": {**(spec.resources.requests or {}), self._gpu: gpus},
-            "limits": {**(spec.resources.limits or {}), self._gpu: gpus},
+            "requests": {**(spec.resources.requests or {}), crd.GPU_RESOURCE: gpus},
+            "limits": {**(spec.resources.limits or {}), crd.GPU_RESOURCE: gpus},
         }
         if standby_port is not None:  # the standby forks the pod's ranks itself (TENPLEX_POD_RANKS, as the launcher)
             argv = [command[0], "-m", "tenplex", "worker", "standby", "--port", str(standby_port), "--", *command]
@@ -754,7 +746,7 @@ class KubernetesBackend(Backend):
         chosen: dict[int, dict[str, Any]] = {}
         for i, group in enumerate(groups):
             pool = idle.get(group[0].host, [])
-            pod = next((p for p in pool if pod_gpus(p, self._gpu) == len(group)), None)
+            pod = next((p for p in pool if pod_gpus(p) == len(group)), None)
             if pod is not None:
                 pool.remove(pod)
                 chosen[i] = pod
@@ -810,17 +802,11 @@ class KubernetesBackend(Backend):
 
     def _remove_finished(self, job: str, generations: set[str]) -> None:
         """Delete the terminated worker pods of earlier generations (a planned stop leaves them Succeeded)."""
-        for pod in self.job_pods(job):
-            if _labels(pod).get(LABEL_GENERATION) in generations or _phase(pod) not in ("Succeeded", "Failed"):
-                continue
-            meta = pod["metadata"]
-            try:
-                self.core.delete_namespaced_pod(meta["name"], meta["namespace"], propagation_policy="Background")
-                log.info("job %s: removed finished pod %s of generation %s", job, meta["name"],
-                         _labels(pod).get(LABEL_GENERATION))
-            except client.ApiException as exc:
-                if exc.status != 404:
-                    log.warning("job %s: could not remove finished pod %s: %s", job, meta["name"], _api_message(exc))
+        finished = [p for p in self.job_pods(job) if _labels(p).get(LABEL_GENERATION) not in generations
+                    and _phase(p) in ("Succeeded", "Failed")]
+        if finished:
+            log.info("job %s: removing finished pods %s", job, [p["metadata"]["name"] for p in finished])
+            self._delete_pods(job, finished, grace=1)  # nothing runs in them: the grace is never waited for
 
     def stop(self, job: str, worker_ids: Sequence[str], *, grace: float = 10.0) -> None:
         """End these workers: in a standby pod, its standby stops them and the pod stays (see the module
@@ -896,7 +882,7 @@ class KubernetesBackend(Backend):
         left: list[str] = []
         while time.monotonic() < deadline:
             # Node readiness, not the host's: the kubelet of a Ready node whose store hangs still confirms.
-            ready = {n["metadata"]["name"] for n in self.nodes.items() if node_ready(n)}
+            ready = {n["metadata"]["name"] for n in self.nodes.items() if is_ready(n)}
             live = [p for p in pods if p["metadata"]["uid"] not in ended and self._live_pod(p) is not None]
             left = [p["metadata"]["name"] for p in live if (p.get("spec") or {}).get("nodeName") in ready]
             if not left:
@@ -992,12 +978,6 @@ class KubernetesBackend(Backend):
         """The job's worker pods as cached (for the operator's status and for tests)."""
         return [p for p in self._pods() if _is_worker_of(p, job)]
 
-    def host(self, name: str) -> HostInfo:
-        for h in self.hosts():
-            if h.name == name:
-                return h
-        raise NotFound(f"node {name!r} has no allocatable {self._gpu} or is not known to the Kubernetes backend")
-
 
 def template_digest(spec: ElasticJobSpec, command: Sequence[str]) -> str:
     """A digest of what a job's spec puts into each of its worker pods (image, command, environment, resources,
@@ -1048,15 +1028,9 @@ def _is_worker_of(pod: Mapping[str, Any], job: str) -> bool:
     return labels.get(crd.LABEL_JOB) == job and labels.get(crd.LABEL_ROLE) == crd.ROLE_WORKER
 
 
-def pod_ready(pod: Mapping[str, Any]) -> bool:
-    """Whether the pod's Ready condition is True (its kubelet's readiness probes pass)."""
-    conds = (pod.get("status") or {}).get("conditions") or []
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
-
-
 def _store_usable(pod: Mapping[str, Any]) -> bool:
     """A store pod whose daemon serves: Running, not being deleted, and Ready (its /healthz probe answers)."""
-    return _phase(pod) == "Running" and not (pod.get("metadata") or {}).get("deletionTimestamp") and pod_ready(pod)
+    return _phase(pod) == "Running" and not (pod.get("metadata") or {}).get("deletionTimestamp") and is_ready(pod)
 
 
 def _api_message(exc: client.ApiException) -> str:

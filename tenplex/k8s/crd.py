@@ -19,16 +19,13 @@ Contracts with the rest of the deployment (the chart implements them):
   ``scale`` subresource; ``status.gpus`` is what runs now and ``status.selector``
   selects the job's worker pods (so an HPA can target the job too).
 * Each GPU node runs one store daemon (DaemonSet) listening on the node's
-  address at ``STORE_PORT`` (hostPort). A worker pod finds the store of its
-  node through the downward API: ``TENPLEX_NODE_IP`` is ``status.hostIP`` and
-  ``TENPLEX_STORE_URL`` is ``http://$(TENPLEX_NODE_IP):<port>``, built by
-  :func:`store_env`.
+  address at ``STORE_PORT`` (hostPort); a worker pod learns its node's address
+  through the downward API (``TENPLEX_NODE_IP`` is ``status.hostIP``).
 """
 
 from __future__ import annotations
 
 import copy
-import enum
 import functools
 import re
 from collections.abc import Mapping, Sequence
@@ -39,10 +36,11 @@ from pydantic import ConfigDict, Field, TypeAdapter, ValidationError
 from pydantic.alias_generators import to_camel
 from pydantic.dataclasses import dataclass
 
-from tenplex.core.protocol import ENV_NODE_IP
+from tenplex.core.protocol import ENV_NODE_IP as ENV_NODE_IP
 from tenplex.errors import InvalidInput
 from tenplex.scheduler.jobspec import CRD, RULE_ERROR, ElasticJobSpec, structural_schema
 from tenplex.scheduler.jobspec import DEFAULT_STORE_ROOT as DEFAULT_STORE_ROOT
+from tenplex.scheduler.state import Phase as Phase
 
 GROUP = "tenplex.io"
 VERSION = "v1alpha1"
@@ -61,19 +59,9 @@ ROLE_SCHEDULER = "scheduler"
 
 STORE_PORT = 7070
 SCHEDULER_PORT = 8080
-ENV_STORE_URL = "TENPLEX_STORE_URL"
 ENV_TOKEN = "TENPLEX_TOKEN"
 GPU_RESOURCE = "nvidia.com/gpu"
 LEADER_LEASE = "tenplex-scheduler"
-
-
-class Phase(enum.StrEnum):
-    PENDING = "Pending"
-    RUNNING = "Running"
-    RECONFIGURING = "Reconfiguring"
-    SUSPENDED = "Suspended"
-    FAILED = "Failed"
-    SUCCEEDED = "Succeeded"
 
 
 # --------------------------------------------------------------------------- schema
@@ -215,8 +203,6 @@ def _camel(loc: Sequence[int | str]) -> list[int | str]:
 def rule_errors(spec: Mapping[str, Any]) -> list[str]:
     """The CRD's cross-field rules that ``spec`` (schema-valid, defaults applied) breaks, worded as the API server
     words them, ``<path>: Invalid value: "object": <message>``, with the values the rule reads (for people)."""
-    from pydantic import ValidationError
-
     try:
         ElasticJobSpec.model_validate(spec, context=CRD)
     except ValidationError as exc:
@@ -396,16 +382,6 @@ class ElasticJobStatus:
     def to_dict(self) -> dict[str, Any]:
         return _dump(self)
 
-    @classmethod
-    def from_dict(cls, status: Mapping[str, Any] | None) -> ElasticJobStatus:
-        """Read a stored status back (e.g. after a scheduler restart); an empty one is Pending."""
-        try:
-            return TypeAdapter(cls).validate_python(status or {})
-        except ValidationError as exc:
-            err = exc.errors()[0]
-            where = ".".join(str(x) for x in err["loc"])
-            raise InvalidInput(f"status.{where} {err['input']!r}: {err['msg']}") from None
-
 
 def _dump(value: Any) -> dict[str, Any]:
     return TypeAdapter(type(value)).dump_python(value, mode="json", by_alias=True, exclude_none=True)
@@ -414,30 +390,14 @@ def _dump(value: Any) -> dict[str, Any]:
 # --------------------------------------------------------------------------- pod contracts
 
 
-def job_labels(job: str, role: str = ROLE_WORKER) -> dict[str, str]:
-    """The labels of a job's pods; ``role`` is worker, store or scheduler."""
-    if role not in (ROLE_WORKER, ROLE_STORE, ROLE_SCHEDULER):
-        raise InvalidInput(f"role must be {ROLE_WORKER}, {ROLE_STORE} or {ROLE_SCHEDULER}, got {role!r}")
-    return {LABEL_JOB: job, LABEL_ROLE: role}
+def job_labels(job: str) -> dict[str, str]:
+    """The labels of a job's worker pods."""
+    return {LABEL_JOB: job, LABEL_ROLE: ROLE_WORKER}
 
 
 def worker_selector(job: str) -> str:
     """``status.selector`` of a job: the label selector of its worker pods."""
     return f"{LABEL_JOB}={job},{LABEL_ROLE}={ROLE_WORKER}"
-
-
-def store_env(port: int = STORE_PORT) -> list[dict[str, Any]]:
-    """Environment entries that give a worker pod its node's store address via the downward API.
-
-    ``$(TENPLEX_NODE_IP)`` is expanded by the kubelet because the variable is
-    defined earlier in the same list.
-    """
-    if not 0 < port < 65536:
-        raise InvalidInput(f"store port must be in 1..65535, got {port}")
-    return [
-        {"name": ENV_NODE_IP, "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "status.hostIP"}}},
-        {"name": ENV_STORE_URL, "value": f"http://$({ENV_NODE_IP}):{port}"},
-    ]
 
 
 def owner_reference(job: Mapping[str, Any]) -> dict[str, Any]:

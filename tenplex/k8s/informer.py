@@ -110,10 +110,6 @@ class Informer:
         """Whether the first list arrived within ``timeout`` seconds."""
         return self._synced.wait(timeout)
 
-    @property
-    def synced(self) -> bool:
-        return self._synced.is_set()
-
     # -- the cache ---------------------------------------------------------------------
 
     def get(self, namespace: str, name: str) -> dict[str, Any] | None:
@@ -177,9 +173,7 @@ class Informer:
         with self._lock:
             gone = [k for k in self._cache if k not in seen]
         for k in gone:
-            with self._lock:
-                old = self._cache.get(k)
-            if old is not None:
+            if (old := self.get(*k)) is not None:
                 self._apply("DELETED", old)
         return str(listed.get("metadata", {}).get("resourceVersion", ""))
 

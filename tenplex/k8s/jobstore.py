@@ -293,12 +293,12 @@ class KubeJobStore(JobStore):
                         f"{human_bytes(h.lower_bound_bytes)}), {human_bytes(h.bytes_local)} local; "
                         f"{h.steps_lost} steps lost")
         if status.phase.value != phase:
-            kind, reason = _PHASE_EVENTS[status.phase]
-            self._event(job_obj, kind, reason, status.message)
+            self._event(job_obj, "Warning" if status.phase == Phase.FAILED else "Normal", status.phase.value,
+                        status.message)
 
     def _event(self, job_obj: Mapping[str, Any], kind: str, reason: str, message: str) -> None:
         meta = job_obj["metadata"]
-        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        now = crd.now_rfc3339()
         body = {
             "apiVersion": "v1", "kind": "Event",
             "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
@@ -334,28 +334,22 @@ class KubeJobStore(JobStore):
 
     def status_view(self, name: str, status: JobStatus, previous: Mapping[str, Any]) -> crd.ElasticJobStatus:
         """The ElasticJob status that shows ``status`` (conditions keep their transition times)."""
-        phase = crd.Phase(status.phase.value)
-        par = status.parallel or None
-        conditions: list[dict[str, Any]] = list(previous.get("conditions") or [])
-        ready = phase == crd.Phase.RUNNING
-        conditions = crd.set_condition(conditions, Condition(
-            "Ready", "True" if ready else "False", reason=phase.value, message=status.message[:1000]))
-        reconfiguring = phase == crd.Phase.RECONFIGURING
-        conditions = crd.set_condition(conditions, Condition(
-            "Reconfiguring", "True" if reconfiguring else "False",
-            reason=(status.stage.value.capitalize() if reconfiguring and status.stage else "Idle"),
-            message=status.message[:1000] if reconfiguring else ""))
-        failed = phase == crd.Phase.FAILED
-        conditions = crd.set_condition(conditions, Condition(
-            "Failed", "True" if failed else "False", reason="StateLost" if failed else "Healthy",
-            message=status.message[:1000] if failed else ""))
+        phase, message, par = status.phase, status.message[:1000], status.parallel or None
+        reconfiguring, failed = phase == Phase.RECONFIGURING, phase == Phase.FAILED
         with self._lock:
             extra = list(self._extra_conditions.get(name, {}).values())
             observed = self._observed.get(name)
-        update = status.spec_update
-        if update is not None:
-            conditions = crd.set_condition(conditions, spec_condition(update, observed))
-        for cond in extra:
+        conditions: list[dict[str, Any]] = list(previous.get("conditions") or [])
+        for cond in (
+            Condition("Ready", str(phase == Phase.RUNNING), reason=phase.value, message=message),
+            Condition("Reconfiguring", str(reconfiguring),
+                      reason=status.stage.value.capitalize() if reconfiguring and status.stage else "Idle",
+                      message=message if reconfiguring else ""),
+            Condition("Failed", str(failed), reason="StateLost" if failed else "Healthy",
+                      message=message if failed else ""),
+            *([spec_condition(status.spec_update, observed)] if status.spec_update is not None else []),
+            *extra,
+        ):
             conditions = crd.set_condition(conditions, cond)
         last = next((h for h in reversed(status.history) if h.finished_at is not None), None)
         reconf = None
@@ -369,7 +363,7 @@ class KubeJobStore(JobStore):
             )
         return crd.ElasticJobStatus(
             phase=phase,
-            gpus=status.gpus if phase in (crd.Phase.RUNNING, crd.Phase.RECONFIGURING) else 0,
+            gpus=status.gpus if phase in (Phase.RUNNING, Phase.RECONFIGURING) else 0,
             parallel=crd.Parallel(par["dp"], par["tp"], par["pp"]) if par else None,
             step=status.step,
             version=status.version,
@@ -498,11 +492,7 @@ class KubeJobStore(JobStore):
         ns = obj["metadata"]["namespace"]
         cms = self.core.list_namespaced_config_map(ns, label_selector=f"{crd.LABEL_JOB}={name},{LABEL_STATE}=true")
         for cm in cms.items:
-            try:
-                self.core.delete_namespaced_config_map(cm.metadata.name, ns)
-            except client.ApiException as exc:
-                if exc.status != 404:
-                    raise
+            self._delete_configmap(cm.metadata.name, ns)
         with self._lock:
             self._ptc_generations.pop(name, None)
             self._observed.pop(name, None)
@@ -528,15 +518,6 @@ def spec_condition(update: Mapping[str, Any], observed: int | None = None) -> Co
     return Condition(SPEC_CONDITION, "True", reason="Applied", observed_generation=observed,
                      message=f"changed {fields}: applied without a redeploy")
 
-
-_PHASE_EVENTS = {
-    Phase.PENDING: ("Normal", "Pending"),
-    Phase.RUNNING: ("Normal", "Running"),
-    Phase.RECONFIGURING: ("Normal", "Reconfiguring"),
-    Phase.SUSPENDED: ("Normal", "Suspended"),
-    Phase.FAILED: ("Warning", "Failed"),
-    Phase.SUCCEEDED: ("Normal", "Succeeded"),
-}
 
 _STATUS_KEYS = ("phase", "gpus", "parallel", "step", "version", "selector", "conditions", "lastReconfiguration",
                 "observedGeneration")

@@ -78,19 +78,15 @@ def job_spec_from_elasticjob(obj: Mapping[str, Any]) -> JobSpec:
     return crd.parse_spec(obj).to_job_spec(obj["metadata"]["name"])
 
 
-def advertise_url(settings: KubernetesSettings, port: int, fallback: str,
-                  environ: Mapping[str, str] | None = None) -> str:
+def advertise_url(settings: KubernetesSettings, port: int, fallback: str) -> str:
     """The scheduler URL that worker pods use; it must survive a scheduler restart (a Service, not a pod IP).
 
-    ``$TENPLEX_ADVERTISE_URL`` (the chart sets it to its Service) when set; else a
+    ``$TENPLEX_ADVERTISE_URL`` (``settings.advertise_url``: the chart sets it to its Service) when set; else a
     Service named like the scheduler's Deployment: ``http://<deployment>.<namespace>.svc:<port>``,
     the Deployment being the pod name without its ReplicaSet hash and suffix.
     """
-    env = os.environ if environ is None else environ
     if settings.advertise_url:
         return settings.advertise_url
-    if env.get(ENV_ADVERTISE_URL):
-        return env[ENV_ADVERTISE_URL].rstrip("/")
     m = re.fullmatch(r"(.+)-[a-z0-9]{5,10}-[a-z0-9]{5}", settings.identity)
     if m:
         return f"http://{m.group(1)}.{settings.namespace}.svc:{port}"
@@ -469,7 +465,7 @@ class ElasticJobOperator:
         previous = (obj.get("status") or {}).get("conditions") or []
         cond = crd.Condition("Failed", "True", reason="InvalidSpec", message=reason[:1000],
                              observed_generation=int(meta.get("generation") or 1))
-        status = crd.ElasticJobStatus(phase=crd.Phase.FAILED, selector=crd.worker_selector(meta["name"]),
+        status = crd.ElasticJobStatus(phase=Phase.FAILED, selector=crd.worker_selector(meta["name"]),
                                       conditions=tuple(crd.set_condition(previous, cond)),
                                       observed_generation=int(meta.get("generation") or 1))
         try:
@@ -549,36 +545,25 @@ class ElasticJobOperator:
                     log.exception("periodic reconcile failed")
 
 
-def build_kubernetes_scheduler(state_dir: Path, url: str, token: str | None, *, port: int,
-                               heartbeat_interval: float = 1.0, environ: Mapping[str, str] | None = None,
-                               api_client: client.ApiClient | None = None,
-                               auth_keys: Path | None = None) -> KubernetesScheduler:
-    """The scheduler of ``tenplex scheduler serve --backend kubernetes`` (in-cluster, or ``$KUBECONFIG``); with a
-    key set (``auth_keys``, default ``$TENPLEX_AUTH_KEYS``: the chart mounts it) each job's pods get their own
-    credential."""
-    settings = KubernetesSettings.from_env(environ)
-    if api_client is None:
-        from kubernetes import config as kube_config
-
-        try:
-            kube_config.load_incluster_config()
-        except kube_config.ConfigException:
-            try:
-                kube_config.load_kube_config()
-            except (kube_config.ConfigException, OSError) as exc:
-                raise InvalidConfig(f"no Kubernetes API access: not in a cluster and no usable kubeconfig ({exc})") from None
-        api_client = client.ApiClient()
-    keys_path = auth_keys or (environ if environ is not None else os.environ).get(ENV_AUTH_KEYS)
-    sched_settings = SchedulerSettings(url=advertise_url(settings, port, url, environ), token=token,
-                                       heartbeat_interval=heartbeat_interval,
-                                       credentials=Issuer(KeySet(keys_path)) if keys_path else None)
-    return KubernetesScheduler(api_client, settings, sched_settings, state_dir, exit_on_lost_leadership=True)
-
-
 def kubernetes_scheduler(options: SchedulerOptions) -> KubernetesScheduler:
-    """The ``kubernetes`` backend (registered in Tenplex's entry points): jobs are ElasticJobs, state lives in
-    the API server (in-cluster, or ``$KUBECONFIG``)."""
-    Path(options.state_dir).mkdir(parents=True, exist_ok=True)
-    return build_kubernetes_scheduler(Path(options.state_dir), options.url, options.token,
-                                      port=urlsplit(options.url).port or 0,
-                                      heartbeat_interval=options.heartbeat_interval, auth_keys=options.auth_keys)
+    """The ``kubernetes`` backend (registered in Tenplex's entry points) of ``tenplex scheduler serve``: jobs are
+    ElasticJobs, state lives in the API server (in-cluster, or ``$KUBECONFIG``); with a key set
+    (``options.auth_keys``, default ``$TENPLEX_AUTH_KEYS``: the chart mounts it) each job's pods get their own
+    credential."""
+    from kubernetes import config as kube_config
+
+    settings = KubernetesSettings.from_env()
+    try:
+        kube_config.load_incluster_config()
+    except kube_config.ConfigException:
+        try:
+            kube_config.load_kube_config()
+        except (kube_config.ConfigException, OSError) as exc:
+            raise InvalidConfig(f"no Kubernetes API access: not in a cluster and no usable kubeconfig ({exc})") from None
+    keys_path = options.auth_keys or os.environ.get(ENV_AUTH_KEYS)
+    sched_settings = SchedulerSettings(url=advertise_url(settings, urlsplit(options.url).port or 0, options.url),
+                                       token=options.token, heartbeat_interval=options.heartbeat_interval,
+                                       credentials=Issuer(KeySet(keys_path)) if keys_path else None)
+    state_dir = Path(options.state_dir)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    return KubernetesScheduler(client.ApiClient(), settings, sched_settings, state_dir, exit_on_lost_leadership=True)

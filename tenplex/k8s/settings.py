@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from tenplex.core.auth import ENV_AUTH_KEYS
 from tenplex.errors import InvalidConfig
@@ -36,50 +37,42 @@ ENV_AUTH_SECRET_KEY = "TENPLEX_AUTH_SECRET_KEY"
 ENV_ADVERTISE_URL = "TENPLEX_ADVERTISE_URL"
 ENV_TLS_SECRET = "TENPLEX_TLS_SECRET"
 
-SCHEDULER_ENV = (
-    ENV_TOKEN, ENV_POD_NAME, ENV_POD_NAMESPACE, ENV_WATCH_NAMESPACES, ENV_LEADER_ELECTION, ENV_LEASE_NAME,
-    ENV_LEASE_DURATION, ENV_RENEW_DEADLINE, ENV_RETRY_PERIOD, ENV_STORE_PORT, ENV_STORE_ROOT, ENV_STORE_HOST_PATH, ENV_WORKER_IMAGE,
-    ENV_STORE_MEMORY_ROOT, ENV_STORE_MEMORY_HOST_PATH, ENV_WORKER_SERVICE_ACCOUNT, ENV_AUTH_SECRET, ENV_AUTH_SECRET_KEY, ENV_ADVERTISE_URL,
-    ENV_AUTH_KEYS, ENV_TLS_SECRET,
-)
-"""Every variable the chart sets on the scheduler container."""
-
 
 @dataclass(frozen=True, slots=True)
 class KubernetesSettings:
     """The scheduler's Kubernetes deployment settings; defaults match the chart's defaults."""
 
-    namespace: str
+    namespace: str = field(metadata={"env": ENV_POD_NAMESPACE})
     """The scheduler's own namespace: where its Lease lives."""
-    identity: str
+    identity: str = field(metadata={"env": ENV_POD_NAME})
     """This replica's name in leader election (its pod name)."""
-    watch_namespaces: tuple[str, ...] = ()
+    watch_namespaces: tuple[str, ...] = field(default=(), metadata={"env": ENV_WATCH_NAMESPACES})
     """Namespaces whose ElasticJobs to manage; empty means all."""
-    leader_election: bool = True
-    lease_name: str = LEADER_LEASE
-    lease_duration_seconds: int = 15
-    renew_deadline_seconds: int = 10
-    retry_period_seconds: int = 2
-    store_port: int = STORE_PORT
-    store_root: str = DEFAULT_STORE_ROOT
-    store_host_path: str = ""
+    leader_election: bool = field(default=True, metadata={"env": ENV_LEADER_ELECTION})
+    lease_name: str = field(default=LEADER_LEASE, metadata={"env": ENV_LEASE_NAME})
+    lease_duration_seconds: int = field(default=15, metadata={"env": ENV_LEASE_DURATION})
+    renew_deadline_seconds: int = field(default=10, metadata={"env": ENV_RENEW_DEADLINE})
+    retry_period_seconds: int = field(default=2, metadata={"env": ENV_RETRY_PERIOD})
+    store_port: int = field(default=STORE_PORT, metadata={"env": ENV_STORE_PORT})
+    store_root: str = field(default=DEFAULT_STORE_ROOT, metadata={"env": ENV_STORE_ROOT})
+    store_host_path: str = field(default="", metadata={"env": ENV_STORE_HOST_PATH})
     """The node directory behind the store DaemonSet's volume. When set, worker pods mount it at
     ``store_root`` and snapshot into it directly (``TENPLEX_STORE_ROOT``), sharing it with the daemon;
     when empty they upload to the daemon over HTTP."""
-    store_memory_root: str = "/var/lib/tenplex/memory"
-    store_memory_host_path: str = ""
+    store_memory_root: str = field(default="/var/lib/tenplex/memory", metadata={"env": ENV_STORE_MEMORY_ROOT})
+    store_memory_host_path: str = field(default="", metadata={"env": ENV_STORE_MEMORY_HOST_PATH})
     """The node tmpfs directory of the store's memory tier (the chart's ``store.memory``). When set (with
     ``store_host_path``), worker pods mount it at ``store_memory_root``, where the daemon sees it too, and
     write their snapshots into that memory (``TENPLEX_STORE_MEMORY_ROOT``); empty: no memory tier."""
-    worker_image: str = ""
+    worker_image: str = field(default="", metadata={"env": ENV_WORKER_IMAGE})
     """Image for workers whose ElasticJob names none (the chart passes its own image)."""
-    worker_service_account: str = ""
-    auth_secret: str = ""
+    worker_service_account: str = field(default="", metadata={"env": ENV_WORKER_SERVICE_ACCOUNT})
+    auth_secret: str = field(default="", metadata={"env": ENV_AUTH_SECRET})
     """Secret (in the job's namespace) whose ``auth_secret_key`` worker pods read TENPLEX_TOKEN from."""
-    auth_secret_key: str = "token"
-    advertise_url: str = ""
+    auth_secret_key: str = field(default="token", metadata={"env": ENV_AUTH_SECRET_KEY})
+    advertise_url: str = field(default="", metadata={"env": ENV_ADVERTISE_URL})
     """The scheduler's URL as worker pods reach it (the chart's Service); must outlive a scheduler pod."""
-    tls_secret: str = ""
+    tls_secret: str = field(default="", metadata={"env": ENV_TLS_SECRET})
     """The chart's TLS Secret (``tls.secretName``): the stores serve HTTPS (their URLs are ``https://``) and worker
     pods mount its ``ca.crt`` (from the Secret of that name in their namespace) to verify them and the scheduler;
     empty: plain HTTP."""
@@ -117,39 +110,29 @@ class KubernetesSettings:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> KubernetesSettings:
+        """The settings the variables in ``environ`` (default ``os.environ``) give; an unset or empty one leaves
+        its field's default (the chart's)."""
         env = os.environ if environ is None else environ
-
-        def integer(name: str, default: int) -> int:
-            raw = env.get(name, "")
+        values: dict[str, Any] = {"namespace": "", "identity": ""}
+        for f in fields(cls):
+            name, raw = f.metadata["env"], env.get(f.metadata["env"], "")
             if raw == "":
-                return default
-            try:
-                return int(raw)
-            except ValueError:
-                raise InvalidConfig(f"{name} must be an integer, got {raw!r}") from None
+                continue
+            if f.type == "int":
+                try:
+                    values[f.name] = int(raw)
+                except ValueError:
+                    raise InvalidConfig(f"{name} must be an integer, got {raw!r}") from None
+            elif f.type == "bool":
+                if raw.strip().lower() not in ("true", "false"):
+                    raise InvalidConfig(f"{name} must be true or false, got {raw!r}")
+                values[f.name] = raw.strip().lower() == "true"
+            elif f.name == "watch_namespaces":
+                values[f.name] = tuple(ns.strip() for ns in raw.split(",") if ns.strip())
+            else:
+                values[f.name] = raw.rstrip("/") if f.name == "advertise_url" else raw
+        return cls(**values)
 
-        raw_le = env.get(ENV_LEADER_ELECTION, "true").strip().lower()
-        if raw_le not in ("true", "false"):
-            raise InvalidConfig(f"{ENV_LEADER_ELECTION} must be true or false, got {env.get(ENV_LEADER_ELECTION)!r}")
-        watch = tuple(ns.strip() for ns in env.get(ENV_WATCH_NAMESPACES, "").split(",") if ns.strip())
-        return cls(
-            namespace=env.get(ENV_POD_NAMESPACE, ""),
-            identity=env.get(ENV_POD_NAME, ""),
-            watch_namespaces=watch,
-            leader_election=raw_le == "true",
-            lease_name=env.get(ENV_LEASE_NAME) or LEADER_LEASE,
-            lease_duration_seconds=integer(ENV_LEASE_DURATION, 15),
-            renew_deadline_seconds=integer(ENV_RENEW_DEADLINE, 10),
-            retry_period_seconds=integer(ENV_RETRY_PERIOD, 2),
-            store_port=integer(ENV_STORE_PORT, STORE_PORT),
-            store_root=env.get(ENV_STORE_ROOT) or DEFAULT_STORE_ROOT,
-            store_host_path=env.get(ENV_STORE_HOST_PATH, ""),
-            store_memory_root=env.get(ENV_STORE_MEMORY_ROOT) or "/var/lib/tenplex/memory",
-            store_memory_host_path=env.get(ENV_STORE_MEMORY_HOST_PATH, ""),
-            worker_image=env.get(ENV_WORKER_IMAGE, ""),
-            worker_service_account=env.get(ENV_WORKER_SERVICE_ACCOUNT, ""),
-            auth_secret=env.get(ENV_AUTH_SECRET, ""),
-            auth_secret_key=env.get(ENV_AUTH_SECRET_KEY) or "token",
-            advertise_url=env.get(ENV_ADVERTISE_URL, "").rstrip("/"),
-            tls_secret=env.get(ENV_TLS_SECRET, ""),
-        )
+
+SCHEDULER_ENV = (*(f.metadata["env"] for f in fields(KubernetesSettings)), ENV_TOKEN, ENV_AUTH_KEYS)
+"""Every variable the chart sets on the scheduler container: the settings', the admin token and the key set."""

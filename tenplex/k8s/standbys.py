@@ -1,13 +1,8 @@
-"""The scheduler's connections to its jobs' standby pods (worker pods that outlive their generation).
+"""The scheduler's connections to its jobs' standby pods (worker pods that outlive their generation, each
+running ``tenplex worker standby --port PORT``: see :mod:`tenplex.k8s.backend` and :mod:`tenplex.standby`).
 
-A job with ``standby`` on Kubernetes keeps its worker pods between
-generations: each runs ``tenplex worker standby --port PORT`` (see
-:mod:`tenplex.standby`), which forks the pod's workers, and the backend gives
-a live pod the next generation's workers instead of creating a new pod, so a
-worker starts without a pod start, an interpreter or imports. This module is
-the control channel to those pods: one TCP connection per pod, to its node's
-address and the port in its ``tenplex.io/standby-port`` annotation, carrying
-JSON lines of worker environments, stops and exit codes (never tensor data).
+One TCP connection per pod, to its node's address and the port in its ``tenplex.io/standby-port``
+annotation, carrying JSON lines of worker environments, stops and exit codes (never tensor data).
 
 One thread runs an asyncio loop holding every connection, so a thousand pods
 cost one thread. Each connection says hello with the job's token and is

@@ -13,7 +13,6 @@ import urllib3
 import yaml
 from rich.console import Console
 from rich.table import Table
-from urllib3.exceptions import MaxRetryError
 
 from tenplex import registry
 from tenplex.core.http import error_from, pool, retry_policy
@@ -124,10 +123,8 @@ class SchedulerClient:
         try:
             resp = pool(client_context()).request(method, self.url + path, body=data, headers=headers,
                                                   timeout=self.timeout, retries=retry_policy(0, 0.0))
-        except MaxRetryError as exc:
-            raise StoreUnavailable(f"scheduler at {self.url} is unreachable: {exc.reason}") from None
-        except (urllib3.exceptions.HTTPError, OSError) as exc:
-            raise StoreUnavailable(f"scheduler at {self.url} is unreachable: {exc}") from None
+        except (urllib3.exceptions.HTTPError, OSError) as exc:  # MaxRetryError's reason is the connection's error
+            raise StoreUnavailable(f"scheduler at {self.url} is unreachable: {getattr(exc, 'reason', None) or exc}") from None
         if resp.status >= 400:
             raise error_from(resp.status, resp.data, f"{method} {path}", TenplexError)
         return json.loads(resp.data or b"null")

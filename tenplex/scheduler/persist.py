@@ -99,7 +99,6 @@ class Housekeeper:
 
     def __init__(self, ctx: JobContext) -> None:
         self.ctx = ctx
-        self._offered: str | None = None
         self._queued: str | None = None
         """The due version waiting for the upload in flight to end (guarded by the job's lock)."""
         self._inflight: str | None = None
@@ -126,7 +125,6 @@ class Housekeeper:
 
     def committed(self, version: str) -> None:
         """``version`` is committed on every host of its generation (called under the job's lock)."""
-        self._offered = version
         self._wake.set()
         v = Version.parse(version)
         if not self._is_due(v):

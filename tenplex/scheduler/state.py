@@ -16,11 +16,12 @@ import base64
 import json
 import math
 import re
+import shutil
 import time
 import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -91,16 +92,19 @@ class CheckpointSpec:
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any] | None) -> CheckpointSpec | None:
-        if obj is None:
-            return None
-        if not isinstance(obj, Mapping):
-            raise InvalidConfig(f"checkpoint must be an object, got {type(obj).__name__}")
-        unknown = sorted(set(obj) - {"uri", "interval_steps", "keep_last"})
-        if unknown:
-            raise InvalidConfig(f"unknown checkpoint fields: {', '.join(unknown)}")
-        if "uri" not in obj or "interval_steps" not in obj:
-            raise InvalidConfig("checkpoint needs uri and interval_steps")
-        return cls(uri=obj["uri"], interval_steps=obj["interval_steps"], keep_last=obj.get("keep_last", 2))
+        return None if obj is None else cls(**_fields_of(cls, obj, "checkpoint", ("uri", "interval_steps")))
+
+
+def _fields_of(cls: Any, obj: Any, what: str, required: Sequence[str]) -> Mapping[str, Any]:
+    """``obj`` checked as the JSON of dataclass ``cls``: an object with ``required`` and no unknown fields."""
+    if not isinstance(obj, Mapping):
+        raise InvalidConfig(f"{what} must be an object, got {type(obj).__name__}")
+    unknown = sorted(set(obj) - {f.name for f in fields(cls)})
+    if unknown:
+        raise InvalidConfig(f"unknown {what} fields: {', '.join(unknown)}")
+    if any(k not in obj for k in required):
+        raise InvalidConfig(f"{what} needs {' and '.join(required)}")
+    return obj
 
 
 def check_persistent_uri(uri: Any, what: str) -> str:
@@ -159,14 +163,7 @@ class ResumeSpec:
     def from_json(cls, obj: Mapping[str, Any] | None) -> ResumeSpec | None:
         if obj is None:
             return None
-        if not isinstance(obj, Mapping):
-            raise InvalidConfig(f"resume_from must be an object, got {type(obj).__name__}")
-        unknown = sorted(set(obj) - {"uri", "job", "version"})
-        if unknown:
-            raise InvalidConfig(f"unknown resume_from fields: {', '.join(unknown)}")
-        if "uri" not in obj:
-            raise InvalidConfig("resume_from needs uri")
-        return cls(uri=obj["uri"], job=obj.get("job"), version=obj.get("version") or LATEST)
+        return cls(**{**_fields_of(cls, obj, "resume_from", ("uri",)), "version": obj.get("version") or LATEST})
 
 
 @dataclass(frozen=True)
@@ -239,51 +236,25 @@ class JobSpec:
                                 f"got {gpus}")
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "layout": self.layout.to_json(),
-            "dataset": self.dataset.to_json(),
-            "command": list(self.command),
-            "gpus": self.gpus,
-            "min_gpus": self.min_gpus,
-            "max_gpus": self.max_gpus,
-            "policy": policy_to_json(self.policy),
-            "steps": self.steps,
-            "snapshot_every": self.snapshot_every,
-            "heartbeat_timeout": self.heartbeat_timeout,
-            "max_restarts": self.max_restarts,
-            "gpus_per_pod": self.gpus_per_pod,
-            "image": self.image,
-            "env": dict(self.env),
-            "standby": self.standby,
-            "pod": dict(self.pod),
-            "checkpoint": self.checkpoint.to_json() if self.checkpoint is not None else None,
-            "resume_from": self.resume_from.to_json() if self.resume_from is not None else None,
-        }
+        return {**{f.name: getattr(self, f.name) for f in fields(self)},
+                "layout": self.layout.to_json(), "dataset": self.dataset.to_json(), "command": list(self.command),
+                "policy": policy_to_json(self.policy), "env": dict(self.env), "pod": dict(self.pod),
+                "checkpoint": self.checkpoint.to_json() if self.checkpoint is not None else None,
+                "resume_from": self.resume_from.to_json() if self.resume_from is not None else None}
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> JobSpec:
-        return cls(
-            name=obj["name"],
-            layout=LayoutSpec.from_json(obj["layout"]),
-            dataset=DatasetState.from_json(obj["dataset"]),
-            command=tuple(obj.get("command", ())),
-            gpus=obj["gpus"],
-            min_gpus=obj.get("min_gpus", 1),
-            max_gpus=obj.get("max_gpus", 1 << 20),
-            policy=policy_from_json(obj.get("policy", {})),
-            steps=obj.get("steps", 100),
-            snapshot_every=obj.get("snapshot_every", 10),
-            heartbeat_timeout=obj.get("heartbeat_timeout", 60.0),
-            max_restarts=obj.get("max_restarts", 3),
-            gpus_per_pod=obj.get("gpus_per_pod", 1),
-            image=obj.get("image"),
-            env=dict(obj.get("env", {})),
-            standby=bool(obj.get("standby", False)),
-            pod=dict(obj.get("pod") or {}),
-            checkpoint=CheckpointSpec.from_json(obj.get("checkpoint")),
-            resume_from=ResumeSpec.from_json(obj.get("resume_from")),
-        )
+        """The spec of :meth:`to_json`; a field it lacks takes its default."""
+        plain = {f.name: obj[f.name] for f in fields(cls) if f.name in obj and f.name not in _CONVERTED}
+        return cls(**plain, layout=LayoutSpec.from_json(obj["layout"]), dataset=DatasetState.from_json(obj["dataset"]),
+                   command=tuple(obj.get("command", ())), policy=policy_from_json(obj.get("policy", {})),
+                   env=dict(obj.get("env", {})), standby=bool(obj.get("standby", False)),
+                   pod=dict(obj.get("pod") or {}), checkpoint=CheckpointSpec.from_json(obj.get("checkpoint")),
+                   resume_from=ResumeSpec.from_json(obj.get("resume_from")))
+
+
+_CONVERTED = ("layout", "dataset", "command", "policy", "env", "standby", "pod", "checkpoint", "resume_from")
+"""The JobSpec fields whose JSON is not their value (read by :meth:`JobSpec.from_json` one by one)."""
 
 
 def policy_to_json(p: Policy) -> dict[str, Any]:
@@ -428,17 +399,23 @@ def phase_split(marks: Mapping[str, float]) -> dict[str, float]:
     return {k: v for k, v in out.items() if v is not None}
 
 
-def _map_plan_hosts(plan: Mapping[str, Any], convert: Callable[[Any], Any]) -> dict[str, Any]:
-    """A copy of a record's plan inputs with its host lists (``hosts``, ``inputs.alive``,
-    ``inputs.not_holding``) passed through ``convert``: packed into runs for the record, or unpacked from it."""
-    out = dict(plan)
-    if "hosts" in out:
-        out["hosts"] = convert(out["hosts"])
-    if isinstance(out.get("inputs"), Mapping):
-        inputs = out["inputs"] = dict(out["inputs"])
-        for key in ("alive", "not_holding"):
-            if key in inputs:
-                inputs[key] = convert(inputs[key])
+def _map_hosts(record: Mapping[str, Any], convert: Callable[[Any], Any]) -> dict[str, Any]:
+    """A copy of a status record with its host lists (``hosts``, ``committed``'s, the history's, the plan
+    inputs' ``hosts``, ``inputs.alive`` and ``inputs.not_holding``) passed through ``convert``: packed into runs
+    for the record (a 2,048-host job names its hosts in six lists: 140 KiB as JSON), or unpacked from it."""
+    out = {**record, "hosts": convert(record.get("hosts", [])),
+           "committed": {v: convert(hosts) for v, hosts in record.get("committed", {}).items()},
+           "history": [{**h, "from_hosts": convert(h.get("from_hosts", [])), "to_hosts": convert(h.get("to_hosts", []))}
+                       for h in record.get("history", [])]}
+    if isinstance(out.get("last_plan"), Mapping):
+        plan = out["last_plan"] = dict(out["last_plan"])
+        if "hosts" in plan:
+            plan["hosts"] = convert(plan["hosts"])
+        if isinstance(plan.get("inputs"), Mapping):
+            inputs = plan["inputs"] = dict(plan["inputs"])
+            for key in ("alive", "not_holding"):
+                if key in inputs:
+                    inputs[key] = convert(inputs[key])
     return out
 
 
@@ -516,79 +493,45 @@ class JobStatus:
         """The status as a job store keeps it: :meth:`to_json` with the workers as one compact table
         (:func:`workers_table`; a job of 16,384 workers is 3 MiB of worker objects as JSON). Read back by
         :meth:`from_json`."""
-        out = self.to_json()
-        out["workers"] = workers_table(self.workers)
-        # Host lists as runs of names (a 2,048-host job names its hosts in six lists: 140 KiB as JSON).
-        out["hosts"] = pack_names(out["hosts"])
-        out["committed"] = {v: pack_names(hosts) for v, hosts in out["committed"].items()}
-        for h in out["history"]:
-            h["from_hosts"], h["to_hosts"] = pack_names(h["from_hosts"]), pack_names(h["to_hosts"])
-        if isinstance(out.get("last_plan"), Mapping):
-            out["last_plan"] = _map_plan_hosts(out["last_plan"], pack_names)
-        return out
+        return {**_map_hosts(self.to_json(), pack_names), "workers": workers_table(self.workers)}
 
     def to_json(self, *, plan: bool = True) -> dict[str, Any]:
         """The status as JSON-ready data, in fresh containers (a view can be serialized after the lock is let
         go), except ``last_plan``: the controller replaces it, never changes it, so it is shared (``plan=False``
-        leaves it out: it is large, and views serve it apart). Field by field, not ``asdict``: that deep-copies
-        the plan, and a job of a thousand workers is read many times a second."""
-        return {
-            "phase": self.phase.value,
-            "stage": self.stage.value if self.stage else None,
-            "generation": self.generation,
-            "gpus": self.gpus,
-            "parallel": dict(self.parallel) if self.parallel is not None else None,
-            "hosts": list(self.hosts),
-            "gpus_per_node": self.gpus_per_node,
-            "step": self.step,
-            "version": self.version,
-            "committed": {v: list(hosts) for v, hosts in self.committed.items()},
-            "version_generation": dict(self.version_generation),
-            "requested_gpus": self.requested_gpus,
-            "requested_parallel": dict(self.requested_parallel) if self.requested_parallel is not None else None,
-            "pending_reason": self.pending_reason,
-            "target_gpus": self.target_gpus,
-            "target_parallel": dict(self.target_parallel) if self.target_parallel is not None else None,
-            "master_addr": self.master_addr,
-            "master_port": self.master_port,
-            "downtime_started_at": self.downtime_started_at,
-            "restored_step": self.restored_step,
-            "stop_at_step": self.stop_at_step,
-            "restore_version": self.restore_version,
-            "failures_without_progress": self.failures_without_progress,
-            "workers": [dict(vars(w)) for w in self.workers],
-            "history": [h.to_json() for h in self.history],
-            "message": self.message,
-            "persisted": list(self.persisted),
-            "persist": dict(self.persist) if self.persist is not None else None,
-            "resumed_from": dict(self.resumed_from) if self.resumed_from is not None else None,
-            "spec_update": _copy_update(self.spec_update),
-            "standby_ready": self.standby_ready,
-            "standby_wanted": self.standby_wanted,
-            **({"last_plan": self.last_plan} if plan else {}),
-            "updated_at": self.updated_at,
-        }
+        leaves it out: it is large, and views serve it apart). Not ``asdict``: that deep-copies the plan, and a
+        job of a thousand workers is read many times a second."""
+        out = {name: _fresh(getattr(self, name)) for name in _COPIED}
+        out.update(phase=self.phase.value, stage=self.stage.value if self.stage else None,
+                   committed={v: list(hosts) for v, hosts in self.committed.items()},
+                   workers=[dict(vars(w)) for w in self.workers], history=[h.to_json() for h in self.history],
+                   spec_update=_copy_update(self.spec_update))
+        if plan:
+            out["last_plan"] = self.last_plan
+        return out
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> JobStatus:
-        data = dict(obj)
+        data = _map_hosts(obj, unpack_names)
         data["phase"] = Phase(data["phase"])
         data["stage"] = Stage(data["stage"]) if data.get("stage") else None
         workers = data.get("workers", [])
         data["workers"] = (workers_from_table(workers) if isinstance(workers, Mapping)
                            else [WorkerRecord(**w) for w in workers])
-        data["hosts"] = unpack_names(data.get("hosts", []))
-        data["committed"] = {v: unpack_names(hosts) for v, hosts in data.get("committed", {}).items()}
-        data["history"] = [Reconfiguration(**{**h, "from_hosts": unpack_names(h.get("from_hosts", [])),
-                                              "to_hosts": unpack_names(h.get("to_hosts", []))})
-                           for h in data.get("history", [])]
-        if isinstance(data.get("last_plan"), Mapping):
-            data["last_plan"] = _map_plan_hosts(data["last_plan"], unpack_names)
+        data["history"] = [Reconfiguration(**h) for h in data["history"]]
         return cls(**data)
+
+
+_COPIED = tuple(f.name for f in fields(JobStatus) if f.name != "last_plan")
+"""The fields :meth:`JobStatus.to_json` copies (the plan is shared)."""
 
 
 def _copy_update(update: Mapping[str, Any] | None) -> dict[str, Any] | None:
     return None if update is None else {**update, "fields": list(update.get("fields", ()))}
+
+
+def _fresh(value: Any) -> Any:
+    """A shallow copy of a dict or a list; anything else as it is."""
+    return dict(value) if isinstance(value, dict) else list(value) if isinstance(value, list) else value
 
 
 _NUMBERED = re.compile(r"^(.*?)(0|[1-9][0-9]*)$")
@@ -778,10 +721,6 @@ class StateDir(JobStore):
 
     def delete(self, name: str) -> None:
         self._job_file(name).unlink(missing_ok=True)
-        folder = self.root / "jobs" / check_job_name(name)
-        if folder.exists():
-            for p in folder.iterdir():
-                p.unlink()
-            folder.rmdir()
+        shutil.rmtree(self.root / "jobs" / check_job_name(name), ignore_errors=True)
 
 

@@ -54,7 +54,9 @@ def test_pod_runs_with_downward_api_secret_and_expansion(api: TestCluster, k8s: 
     out = tmp_path / "env.txt"
     code = ("import os; open(os.environ['OUT'], 'w').write('|'.join(os.environ[k] for k in "
             "('TENPLEX_STORE_URL', 'TENPLEX_TOKEN', 'POD', 'JOB')))")
-    env = [*crd.store_env(7070), {"name": "TENPLEX_TOKEN", "valueFrom": {"secretKeyRef": {"name": "tenplex-auth", "key": "token"}}},
+    env = [{"name": "TENPLEX_NODE_IP", "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "status.hostIP"}}},
+           {"name": "TENPLEX_STORE_URL", "value": "http://$(TENPLEX_NODE_IP):7070"},
+           {"name": "TENPLEX_TOKEN", "valueFrom": {"secretKeyRef": {"name": "tenplex-auth", "key": "token"}}},
            {"name": "POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
            {"name": "JOB", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['tenplex.io/job']"}}},
            {"name": "OUT", "value": str(out)}]

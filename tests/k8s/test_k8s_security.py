@@ -84,7 +84,7 @@ def test_with_tls_stores_are_reached_over_https_and_worker_pods_trust_the_ca(api
     with _backend(api, settings) as backend:
         hosts = eventually(lambda: backend.hosts() if len(backend.hosts()) == 2 else None, "two hosts")
         assert all(h.store_url.startswith("https://") for h in hosts), hosts
-        pod = backend.worker_pod_manifest(api.get("elasticjobs", "gpt", NS), ["python"], _launches("c")[0])
+        pod = backend.pod_manifest(api.get("elasticjobs", "gpt", NS), ["python"], _launches("c")[:1])
         env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
         assert env["TENPLEX_TLS_CA"]["value"] == "/etc/tenplex/tls-ca/ca.crt"
         assert {"name": "tenplex-tls-ca", "mountPath": "/etc/tenplex/tls-ca", "readOnly": True} in pod["spec"][

@@ -502,11 +502,12 @@ def test_bad_and_duplicate_elasticjobs_are_refused_in_their_status(cluster: Test
 
 def test_advertised_url_is_the_scheduler_service() -> None:
     settings = KubernetesSettings(namespace="tenplex", identity="rel-tenplex-scheduler-5d9c7b6f4-x2x7q")
-    assert advertise_url(settings, 8080, "http://127.0.0.1:8080", {}) == \
-        "http://rel-tenplex-scheduler.tenplex.svc:8080"
-    assert advertise_url(settings, 8080, "x", {"TENPLEX_ADVERTISE_URL": "http://sched:1/"}) == "http://sched:1"
+    assert advertise_url(settings, 8080, "http://127.0.0.1:8080") == "http://rel-tenplex-scheduler.tenplex.svc:8080"
+    told = KubernetesSettings.from_env({"POD_NAMESPACE": "tenplex", "POD_NAME": "laptop",
+                                        "TENPLEX_ADVERTISE_URL": "http://sched:1/"})
+    assert advertise_url(told, 8080, "x") == "http://sched:1"
     odd = KubernetesSettings(namespace="tenplex", identity="laptop")
-    assert advertise_url(odd, 8080, "http://127.0.0.1:8080", {}) == "http://127.0.0.1:8080"
+    assert advertise_url(odd, 8080, "http://127.0.0.1:8080") == "http://127.0.0.1:8080"
 
 
 @pytest.mark.slow
@@ -610,7 +611,7 @@ def test_the_chart_names_the_service_like_the_deployment() -> None:
     assert deployment["metadata"]["name"] == service["metadata"]["name"] == "rel-tenplex-scheduler"
     settings = KubernetesSettings(namespace="tenplex", identity=f"{deployment['metadata']['name']}-7f9c6d5b8-q4x2z")
     port = service["spec"]["ports"][0]["port"]
-    assert advertise_url(settings, port, "unused", {}) == f"http://rel-tenplex-scheduler.tenplex.svc:{port}"
+    assert advertise_url(settings, port, "unused") == f"http://rel-tenplex-scheduler.tenplex.svc:{port}"
     # The chart says it outright, too: the Service's name and port, which is what the workers reach.
     env = {e["name"]: e.get("value") for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["TENPLEX_ADVERTISE_URL"] == f"http://{service['metadata']['name']}.tenplex.svc:{port}"

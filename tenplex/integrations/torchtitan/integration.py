@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import importlib
 import logging
 import os
 import sys
@@ -45,6 +44,7 @@ from torch.utils.data import IterableDataset
 from torchtitan.components.checkpointer import BaseCheckpointManager
 from torchtitan.components.dataloader import BaseDataLoader
 
+from tenplex import registry
 from tenplex.core import protocol
 from tenplex.errors import InvalidConfig, TenplexError
 from tenplex.integrations.torchtitan import compat, cpu
@@ -162,21 +162,6 @@ def apply_parallel(config: Any, parallel: ParallelConfig, global_batch_size: int
     config.training.local_batch_size = local
 
 
-def load_callable(spec: str, what: str) -> Any:
-    """``module:function`` -> the function (an :class:`InvalidConfig` naming ``what`` when it is not there)."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise InvalidConfig(f"{what} must be \"module:function\", got {spec!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise InvalidConfig(f"{what} {spec!r}: cannot import {module_name!r}: {exc}") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise InvalidConfig(f"{what} {spec!r}: {module_name} has no function {attr!r}")
-    return fn
-
-
 class ElasticDataLoader(BaseDataLoader):
     """The Trainer's batches from a map-style data set, in Tenplex's elastic sample order.
 
@@ -211,7 +196,9 @@ class ElasticDataLoader(BaseDataLoader):
         local_batch_size: int,
         snapshot_every_n_steps: int | None = None,
     ) -> None:
-        factory = load_callable(config.dataset, "dataloader.dataset")
+        factory = registry.load_spec(config.dataset, "dataloader.dataset")
+        if not callable(factory):
+            raise InvalidConfig(f"dataloader.dataset {config.dataset!r} is not a function")
         dataset = factory(tokenizer=tokenizer, seq_len=seq_len, dataset_path=config.dataset_path)
         if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
             raise InvalidConfig(f"dataloader.dataset {config.dataset!r} returned a {type(dataset).__name__}; "

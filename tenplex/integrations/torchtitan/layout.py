@@ -119,9 +119,11 @@ class _BuildStage:
         return spec.parallelize_fn(model, **common)
 
 
-def torchtitan_ptc(job: TorchtitanJob, parallel: ParallelConfig, placement: Placement,
-                   dataset: DatasetState | None) -> PTC:
-    """The PTC of ``job`` in configuration ``parallel``; :class:`InvalidConfig` for one it cannot run."""
+@layout_provider(TorchtitanJob)
+def torchtitan_layout(job: TorchtitanJob, parallel: ParallelConfig, placement: Placement,
+                      dataset: DatasetState | None, precision: str) -> PTC:
+    """The ``torchtitan`` layout provider: the PTC of ``job`` in configuration ``parallel`` (the tensors' dtypes
+    are the config's own; ``precision`` is not used); :class:`InvalidConfig` for one it cannot run."""
     from tenplex.integrations.torchtitan.integration import check_config
     from tenplex.ptc.torch_layout import derive_ptc_from_stages
 
@@ -144,10 +146,3 @@ def torchtitan_ptc(job: TorchtitanJob, parallel: ParallelConfig, placement: Plac
                "flavor": config.model_spec.flavor},
         mesh_roles=MESH_ROLES,
     )
-
-
-@layout_provider(TorchtitanJob)
-def torchtitan_layout(job: TorchtitanJob, parallel: ParallelConfig, placement: Placement,
-                      dataset: DatasetState | None, precision: str) -> PTC:
-    """The ``torchtitan`` layout provider (the tensors' dtypes are the config's own; ``precision`` is not used)."""
-    return torchtitan_ptc(job, parallel, placement, dataset)

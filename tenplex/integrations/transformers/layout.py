@@ -157,9 +157,11 @@ class _BuildModel:
                                 f"{type(exc).__name__}: {exc}") from None
 
 
-def transformers_ptc(model: TransformersModel, parallel: ParallelConfig, placement: Placement,
-                     dataset: DatasetState | None, precision: str = "fp32") -> PTC:
-    """The PTC of ``model`` trained by :class:`TenplexTrainer` in ``parallel`` (parameters and AdamW state)."""
+@layout_provider(TransformersModel, check=lambda model, parallel: check_parallel(parallel))
+def transformers_layout(model: TransformersModel, parallel: ParallelConfig, placement: Placement,
+                        dataset: DatasetState | None, precision: str) -> PTC:
+    """The ``transformers`` layout provider: the PTC of ``model`` trained by :class:`TenplexTrainer` in
+    ``parallel`` (parameters and AdamW state; ``precision``: the dtype of the model the Trainer trains)."""
     from tenplex.ptc.torch_layout import derive_ptc_from_stages
 
     check_parallel(parallel)
@@ -176,14 +178,3 @@ def transformers_ptc(model: TransformersModel, parallel: ParallelConfig, placeme
         dataset=dataset,
         model=model.describe(),
     )
-
-
-def _check(model: TransformersModel, parallel: ParallelConfig) -> None:
-    check_parallel(parallel)
-
-
-@layout_provider(TransformersModel, check=_check)
-def transformers_layout(model: TransformersModel, parallel: ParallelConfig, placement: Placement,
-                        dataset: DatasetState | None, precision: str) -> PTC:
-    """The ``transformers`` layout provider (``precision``: the dtype of the model the Trainer trains)."""
-    return transformers_ptc(model, parallel, placement, dataset, precision)
