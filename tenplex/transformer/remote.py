@@ -49,7 +49,7 @@ REQUEST_CONTENT_TYPE = "application/vnd.tenplex.transform"
 class TransformRequest:
     """What the control plane sends a target host's daemon: its sub-plan and where the sources are.
 
-    On the wire (:meth:`to_bytes`): ``REQUEST_MAGIC`` | format version (u32 LE) | header length (u32 LE) |
+    On the wire (:func:`encode_request`): ``REQUEST_MAGIC`` | format version (u32 LE) | header length (u32 LE) |
     header (JSON: host, sources, token, checkpoint options) | the host's part in its compact binary form
     (:mod:`tenplex.transformer.part`). A JSON body (``{"host", "plan", "sources", ...}`` with the plan as
     ``tenplex.plan/v1``) is read too, for people and scripts; the control plane sends the binary form.
@@ -84,9 +84,6 @@ class TransformRequest:
         head = f"{self.plan.job}|{self.plan.old_version}|{self.plan.new_version}|{self.plan.checkpoint}|" + (
             f"{self.plan.old_job}|" if self.plan.old_job is not None else "")
         return hashlib.sha256(head.encode() + self.part_bytes).hexdigest()[:20]
-
-    def to_bytes(self) -> bytes:
-        return encode_request(self.host, self.part_bytes, self.sources, self.token, self.checkpoint_options)
 
     @classmethod
     def from_body(cls, body: bytes) -> TransformRequest:
@@ -161,14 +158,11 @@ def _json(body: bytes, what: str) -> Any:
         raise InvalidInput(f"{what} is not JSON: {exc}") from None
 
 
-def encode_request(host: str, part: bytes, sources: Mapping[str, str], token: str | None,
-                   checkpoint_options: Mapping[str, Any] | None = None) -> bytes:
+def encode_request(host: str, part: bytes, sources: Mapping[str, str], token: str | None) -> bytes:
     """A transform request's binary form (see :class:`TransformRequest`), around an encoded part."""
     header: dict[str, Any] = {"host": host, "sources": dict(sources)}
     if token is not None:
         header["token"] = token
-    if checkpoint_options is not None:
-        header["checkpoint_options"] = dict(checkpoint_options)
     head = json.dumps(header, separators=(",", ":")).encode()
     return b"".join((_REQUEST_PREFIX.pack(REQUEST_MAGIC, REQUEST_VERSION, len(head)), head, part))
 
@@ -288,10 +282,6 @@ class PlanRun:
         self.token = token
         self._client_for = client_for
         self.statuses: dict[str, TransformStatus] = {}
-
-    def request(self, host: str) -> TransformRequest:
-        sources = {h: self.stores[h] for h in sorted(self.plan.sources_of(host)) if h in self.stores}
-        return TransformRequest(host=host, plan=self.plan.for_host(host), sources=sources, token=self.token)
 
     def body(self, host: str) -> bytes:
         """``host``'s request in its binary form, built from the planner's arrays (no per-piece objects)."""
