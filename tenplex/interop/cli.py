@@ -80,15 +80,7 @@ def _sources(p: argparse.ArgumentParser, whose: str) -> None:
 
 
 def _pairs(items: list[str], what: str) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key or not value:
-            raise InvalidInput(f"{what} must look like HOST=VALUE, got {item!r}")
-        if key in out:
-            raise InvalidInput(f"{what} names host {key!r} twice")
-        out[key] = value
-    return out
+    return parse_options(items, what, "HOST=VALUE")
 
 
 def _layout(args: argparse.Namespace, generation: int | None, job: str) -> tuple[PTC, dict[str, str]]:

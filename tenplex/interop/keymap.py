@@ -351,14 +351,14 @@ def build(spec: str, ptc: PTC, options: Mapping[str, str] | None = None) -> KeyM
     return validate(keymap, ptc)
 
 
-def parse_options(items: Iterable[str]) -> dict[str, str]:
-    """``KEY=VALUE`` strings (the CLI's ``--key-map-option``) as a dict."""
+def parse_options(items: Iterable[str], what: str = "a key map option", form: str = "KEY=VALUE") -> dict[str, str]:
+    """``KEY=VALUE`` strings (the CLI's ``--key-map-option``, and its ``HOST=...`` lists) as a dict."""
     out: dict[str, str] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key or not value:
-            raise InvalidInput(f"a key map option must look like KEY=VALUE, got {item!r}")
+            raise InvalidInput(f"{what} must look like {form}, got {item!r}")
         if key in out:
-            raise InvalidInput(f"key map option {key!r} is given twice")
+            raise InvalidInput(f"{what}: {key!r} is given twice")
         out[key] = value
     return out
