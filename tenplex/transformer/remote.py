@@ -218,14 +218,7 @@ class TransformStatus(TaskProgress):
     def transform_report(self) -> TransformReport:
         if self.report is None:
             raise NotFound(f"transform of {self.host} to {self.version} has no report ({self.state})")
-        r = self.report
-        return TransformReport(
-            host=str(r["host"]), bytes_local=int(r["bytes_local"]), bytes_remote=int(r["bytes_remote"]),
-            bytes_zero=int(r["bytes_zero"]), seconds=float(r["seconds"]), requests=int(r["requests"]),
-            replanned_pieces=int(r["replanned_pieces"]), shards=int(r.get("shards", 0)),
-            bytes_checkpoint=int(r.get("bytes_checkpoint", 0)), bytes_linked=int(r.get("bytes_linked", 0)),
-            fresh_buffer_bytes=int(r.get("fresh_buffer_bytes", 0)),
-        )
+        return TransformReport.from_json(self.report)
 
     def to_json(self) -> dict[str, Any]:
         return {
