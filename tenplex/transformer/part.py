@@ -35,10 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from tenplex.core.version import Version
 from tenplex.errors import InvalidInput, TenplexError
 from tenplex.ptc import dtypes
-from tenplex.ptc.dataset import DatasetState
 from tenplex.ptc.region import Region
 from tenplex.transformer.plan import CHECKPOINT, DestShard, HostPlan, Plan, Transfer
 
@@ -68,18 +66,6 @@ class PartArrays:
         self.source, self.shard, self.lo, self.hi, self.altset, self.sets = source, shard, lo, hi, altset, sets
 
 
-def _plan_header(plan: Plan) -> dict[str, Any]:
-    return {
-        "job": plan.job, "old_version": str(plan.old_version), "new_version": str(plan.new_version),
-        "network_bytes": plan.network_bytes, "local_bytes": plan.local_bytes,
-        "zero_fill_bytes": plan.zero_fill_bytes, "lower_bound_bytes": plan.lower_bound_bytes,
-        "checkpoint": plan.checkpoint, "old_job": plan.old_job,
-        "dataset": plan.dataset.to_json() if plan.dataset is not None else None,
-        "old_config": dict(plan.old_config) if plan.old_config is not None else None,
-        "new_config": dict(plan.new_config) if plan.new_config is not None else None,
-    }
-
-
 def _int_array(a: np.ndarray) -> np.ndarray:
     """int32 when every value fits (bounds of real tensors do), else int64; little-endian either way."""
     if a.size == 0 or (int(a.max()) < 2**31 and int(a.min()) >= -(2**31)):
@@ -93,7 +79,7 @@ def encode(plan: Plan, host: str) -> bytes:
     plan.host(host)  # a clear error for a host without a part
     table = plan.part_arrays(host)
     arrays = PartArrays(**table) if table is not None else _arrays_of(plan.host(host))
-    return _pack(_plan_header(plan), arrays)
+    return _pack(plan.scalars_json(), arrays)
 
 
 def _arrays_of(hp: HostPlan) -> PartArrays:
@@ -239,15 +225,7 @@ def _decode(data: memoryview) -> Plan:
         source = None if src == _ZERO else CHECKPOINT if src == _CKPT else hosts[src]
         alts = tuple(a for a in sets[alt] if a != source) if alt >= 0 else ()
         transfers.append(Transfer(source, dest.tensor, region, k, region.volume * dtypes.itemsize(dest.dtype), alts))
-    dataset = h.get("dataset")
-    return Plan(
-        job=str(h["job"]), old_version=Version.parse(h["old_version"]), new_version=Version.parse(h["new_version"]),
-        hosts={host: HostPlan(host, shards, transfers)}, network_bytes=int(h["network_bytes"]),
-        local_bytes=int(h["local_bytes"]), zero_fill_bytes=int(h["zero_fill_bytes"]),
-        lower_bound_bytes=int(h["lower_bound_bytes"]),
-        dataset=DatasetState.from_json(dataset) if dataset is not None else None, checkpoint=h.get("checkpoint"),
-        old_config=h.get("old_config"), new_config=h.get("new_config"), old_job=h.get("old_job"),
-    )
+    return Plan.from_scalars(h, {host: HostPlan(host, shards, transfers)})
 
 
 __all__ = ["MAGIC", "VERSION", "PartArrays", "decode", "encode", "part_version"]

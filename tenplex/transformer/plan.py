@@ -382,9 +382,9 @@ class Plan:
 
     # -- JSON ---------------------------------------------------------------
 
-    def to_json(self) -> dict[str, Any]:
+    def scalars_json(self) -> dict[str, Any]:
+        """Everything but the host parts: also the header of a host's binary part (:mod:`tenplex.transformer.part`)."""
         return {
-            "format": FORMAT,
             "job": self.job,
             "old_version": str(self.old_version),
             "new_version": str(self.new_version),
@@ -393,12 +393,38 @@ class Plan:
             "zero_fill_bytes": self.zero_fill_bytes,
             "lower_bound_bytes": self.lower_bound_bytes,
             "checkpoint": self.checkpoint,
-            **({"old_job": self.old_job} if self.old_job is not None else {}),
+            "old_job": self.old_job,
             "dataset": self.dataset.to_json() if self.dataset is not None else None,
             "old_config": dict(self.old_config) if self.old_config is not None else None,
             "new_config": dict(self.new_config) if self.new_config is not None else None,
-            "hosts": {h: hp.to_json() for h, hp in self.hosts.items()},
         }
+
+    @classmethod
+    def from_scalars(cls, obj: Mapping[str, Any], hosts: Mapping[str, HostPlan]) -> Plan:
+        """The plan of :meth:`scalars_json`'s fields with these host parts (KeyError, TypeError or ValueError:
+        the caller says what was malformed)."""
+        dataset = obj.get("dataset")
+        return cls(
+            job=str(obj["job"]),
+            old_version=Version.parse(obj["old_version"]),
+            new_version=Version.parse(obj["new_version"]),
+            hosts=hosts,
+            network_bytes=int(obj["network_bytes"]),
+            local_bytes=int(obj["local_bytes"]),
+            zero_fill_bytes=int(obj["zero_fill_bytes"]),
+            lower_bound_bytes=int(obj["lower_bound_bytes"]),
+            dataset=DatasetState.from_json(dataset) if dataset is not None else None,
+            checkpoint=obj.get("checkpoint"),
+            old_config=obj.get("old_config"),
+            new_config=obj.get("new_config"),
+            old_job=obj.get("old_job"),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        out = {"format": FORMAT, **self.scalars_json(), "hosts": {h: hp.to_json() for h, hp in self.hosts.items()}}
+        if self.old_job is None:
+            del out["old_job"]
+        return out
 
     @classmethod
     def from_json(cls, obj: Any) -> Plan:
@@ -406,23 +432,7 @@ class Plan:
             got = obj.get("format") if isinstance(obj, dict) else type(obj).__name__
             raise InvalidInput(f"not a transformation plan: expected format {FORMAT!r}, got {got!r}")
         try:
-            hosts = {h: HostPlan.from_json(hp) for h, hp in obj["hosts"].items()}
-            dataset = obj.get("dataset")
-            return cls(
-                job=obj["job"],
-                old_version=Version.parse(obj["old_version"]),
-                new_version=Version.parse(obj["new_version"]),
-                hosts=hosts,
-                network_bytes=int(obj["network_bytes"]),
-                local_bytes=int(obj["local_bytes"]),
-                zero_fill_bytes=int(obj["zero_fill_bytes"]),
-                lower_bound_bytes=int(obj["lower_bound_bytes"]),
-                dataset=DatasetState.from_json(dataset) if dataset is not None else None,
-                checkpoint=obj.get("checkpoint"),
-                old_config=obj.get("old_config"),
-                new_config=obj.get("new_config"),
-                old_job=obj.get("old_job"),
-            )
+            return cls.from_scalars(obj, {h: HostPlan.from_json(hp) for h, hp in obj["hosts"].items()})
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidInput(f"malformed plan: {type(exc).__name__}: {exc}") from None
 
