@@ -159,17 +159,12 @@ def _pack(plan_header: Mapping[str, Any], a: PartArrays) -> bytes:
     return b"".join(out)
 
 
-def part_version(data: bytes | memoryview) -> int:
-    """The format version of an encoded part; InvalidInput when it is not one."""
-    if len(data) < _PREFIX.size or bytes(data[:8]) != MAGIC:
-        raise InvalidInput(f"not a tenplex plan part: it does not start with {MAGIC!r}")
-    return int(_PREFIX.unpack_from(data)[1])
-
-
 def decode(data: bytes | memoryview) -> Plan:
     """The plan an encoded part is of, with only that host's part; InvalidInput naming what is wrong for a part
     this daemon cannot read (another format version, truncated, inconsistent)."""
-    version = part_version(data)
+    if len(data) < _PREFIX.size or bytes(data[:8]) != MAGIC:
+        raise InvalidInput(f"not a tenplex plan part: it does not start with {MAGIC!r}")
+    version = _PREFIX.unpack_from(data)[1]
     if version != VERSION:
         raise InvalidInput(f"plan part format version {version}: this daemon reads version {VERSION} only "
                            "(the scheduler and the node daemons must run matching releases)")
@@ -228,4 +223,4 @@ def _decode(data: memoryview) -> Plan:
     return Plan.from_scalars(h, {host: HostPlan(host, shards, transfers)})
 
 
-__all__ = ["MAGIC", "VERSION", "PartArrays", "decode", "encode", "part_version"]
+__all__ = ["MAGIC", "VERSION", "PartArrays", "decode", "encode"]

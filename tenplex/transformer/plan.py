@@ -47,7 +47,7 @@ import gc
 import json
 import logging
 from collections import defaultdict
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from io import StringIO
@@ -1419,20 +1419,6 @@ def plan_summary(plan: Plan) -> dict[str, Any]:
         "hosts": len(plan.hosts),
         "transfers": sum(hp.transfer_count for hp in plan.hosts.values()),
     }
-
-
-__all__: Iterable[str] = (
-    "CHECKPOINT",
-    "DestShard",
-    "HostPlan",
-    "Plan",
-    "Transfer",
-    "carry_dataset",
-    "lower_bound_bytes",
-    "make_plan",
-    "merge_boxes",
-    "plan_summary",
-)
 
 
 # -- what a placement keeps in place ------------------------------------------------------------
