@@ -18,7 +18,7 @@ import struct
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 from urllib.parse import quote, urlsplit
 
@@ -221,14 +221,7 @@ class TransformStatus(TaskProgress):
         return TransformReport.from_json(self.report)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "job": self.job, "version": self.version, "host": self.host, "old_version": self.old_version,
-            "digest": self.digest, "state": self.state, "bytes_total": self.bytes_total,
-            "bytes_done": self.bytes_done, "submitted_at": self.submitted_at, "started_at": self.started_at,
-            "finished_at": self.finished_at, "seconds": round(self.seconds, 6), "rate_bytes_per_s": round(self.rate, 1),
-            "error": self.error, "error_code": self.error_code,
-            "report": dict(self.report) if self.report is not None else None,
-        }
+        return {**asdict(self), "seconds": round(self.seconds, 6), "rate_bytes_per_s": round(self.rate, 1)}
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> TransformStatus:
