@@ -22,7 +22,7 @@ fill them:
   re-partitions it (see :class:`~tenplex.ptc.dataset.DatasetState`).
 
 The plan is checked before it is returned: every destination shard is covered
-exactly once, and the network bytes equal :func:`lower_bound_bytes`, which is
+exactly once, and the network bytes equal :func:`_lower_bound`, which is
 computed independently (per target host: the bytes of the distinct shards it
 needs minus the bytes it already holds, by region intersection, counted over
 host sets rather than over the plan's rows).
@@ -1353,36 +1353,17 @@ def _lost_message(lost: np.ndarray, p_shard: np.ndarray, p_lo: np.ndarray, p_hi:
 # -- lower bound -------------------------------------------------------------------
 
 
-def lower_bound_bytes(
-    old: PTC,
-    new: PTC,
-    *,
-    old_version: Version | str | None = None,
-    holders: Mapping[str, Version | str] | None = None,
-    alive: Collection[str] | None = None,
-) -> int:
+def _lower_bound(old: PTC, new: PTC, sources: set[str], oc: _Columns, nc: _Columns, ndim: int,
+                 old_shape: np.ndarray) -> int:
     """Bytes that must cross the network: per target host, what it needs minus what it holds.
 
     Independent of the planner's piece and row bookkeeping: it sums, over
     every new shard, its bytes inside the old shape (padding rows are
     zero-filled, not fetched) once per distinct host that needs it, and
     subtracts every overlap of an old shard with a new shard once per host
-    that both holds the old shard (alive, in the usable version) and needs the
-    new one, counted by intersecting the two host sets.
+    that both holds the old shard (alive, in the usable version, ``sources``)
+    and needs the new one, counted by intersecting the two host sets.
     """
-    if holders is not None and old_version is None:
-        raise InvalidInput("lower_bound_bytes needs old_version when holders are given")
-    ov = _as_version(old_version, "old_version") if old_version is not None else Version(0)
-    _check_compatible(old, new)
-    sources = _sources(old, ov, holders, alive)
-    _, index, _, ndim, old_shape = _plan_shapes(old, new)
-    with _gc_paused():
-        return _lower_bound(old, new, sources, _columns(old, ndim, index), _columns(new, ndim, index), ndim,
-                            old_shape)
-
-
-def _lower_bound(old: PTC, new: PTC, sources: set[str], oc: _Columns, nc: _Columns, ndim: int,
-                 old_shape: np.ndarray) -> int:
     old_host = {d.id: d.host for d in old.devices}
     new_host = {d.id: d.host for d in new.devices}
     held = [frozenset(old_host[d] for d in devs) & sources for devs in oc.devsets]
