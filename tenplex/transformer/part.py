@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -48,24 +48,6 @@ _ARRAYS = ("shard_tensor", "shard_lo", "shard_hi", "source", "shard", "lo", "hi"
            "set_members")
 
 
-class PartArrays:
-    """A host's part as arrays with global ids, before they are made local to the part (see :func:`encode`).
-
-    ``tensors`` and ``hosts`` resolve the ids; ``sets`` are host-id tuples.
-    """
-
-    __slots__ = ("altset", "hi", "host", "hosts", "lo", "sets", "shard", "shard_hi", "shard_lo", "shard_tensor",
-                 "source", "tensors")
-
-    def __init__(self, *, host: str, tensors: Sequence[tuple[str, str, tuple[int, ...]]], hosts: Sequence[str],
-                 shard_tensor: np.ndarray, shard_lo: np.ndarray, shard_hi: np.ndarray, source: np.ndarray,
-                 shard: np.ndarray, lo: np.ndarray, hi: np.ndarray, altset: np.ndarray,
-                 sets: Sequence[tuple[int, ...]]) -> None:
-        self.host, self.tensors, self.hosts = host, tensors, hosts
-        self.shard_tensor, self.shard_lo, self.shard_hi = shard_tensor, shard_lo, shard_hi
-        self.source, self.shard, self.lo, self.hi, self.altset, self.sets = source, shard, lo, hi, altset, sets
-
-
 def _int_array(a: np.ndarray) -> np.ndarray:
     """int32 when every value fits (bounds of real tensors do), else int64; little-endian either way."""
     if a.size == 0 or (int(a.max()) < 2**31 and int(a.min()) >= -(2**31)):
@@ -76,13 +58,13 @@ def _int_array(a: np.ndarray) -> np.ndarray:
 def encode(plan: Plan, host: str) -> bytes:
     """``host``'s part of ``plan``, encoded (see the module doc). Built from the planner's arrays when the plan
     has them (a plan from :func:`make_plan`), else from the host's objects."""
-    plan.host(host)  # a clear error for a host without a part
-    table = plan.part_arrays(host)
-    arrays = PartArrays(**table) if table is not None else _arrays_of(plan.host(host))
+    arrays = plan.part_arrays(host)  # (a clear error for a host without a part)
+    if arrays is None:
+        arrays = _arrays_of(plan.host(host))
     return _pack(plan.scalars_json(), arrays)
 
 
-def _arrays_of(hp: HostPlan) -> PartArrays:
+def _arrays_of(hp: HostPlan) -> dict[str, Any]:
     """The arrays of a host plan made of objects (loaded from JSON, or decoded)."""
     shards = hp.shards
     tensor_id: dict[str, int] = {}
@@ -124,7 +106,7 @@ def _arrays_of(hp: HostPlan) -> PartArrays:
         boxes.append(padded(t.region))
     sbox = np.array([padded(s.region) for s in shards], dtype=np.int64).reshape(len(shards), ndim, 2)
     tbox = np.array(boxes, dtype=np.int64).reshape(len(boxes), ndim, 2)
-    return PartArrays(
+    return dict(
         host=hp.host, tensors=tensors, hosts=list(host_id),
         shard_tensor=np.array([tensor_id[s.tensor] for s in shards], dtype=np.int64),
         shard_lo=sbox[:, :, 0], shard_hi=sbox[:, :, 1], source=np.array(source, dtype=np.int64),
@@ -132,20 +114,20 @@ def _arrays_of(hp: HostPlan) -> PartArrays:
         altset=np.array(altset, dtype=np.int64), sets=sets)
 
 
-def _pack(plan_header: Mapping[str, Any], a: PartArrays) -> bytes:
-    offsets = np.zeros(len(a.sets) + 1, dtype=np.int64)
-    if a.sets:
-        offsets[1:] = np.cumsum([len(s) for s in a.sets])
-        members = np.fromiter((m for s in a.sets for m in s), dtype=np.int64, count=int(offsets[-1]))
+def _pack(plan_header: Mapping[str, Any], a: Mapping[str, Any]) -> bytes:
+    """Encode a host's part given as arrays with global ids (:meth:`Plan.part_arrays`, :func:`_arrays_of`):
+    ``tensors`` and ``hosts`` resolve them, ``sets`` are host-id tuples, the rest are the format's arrays."""
+    sets = a["sets"]
+    offsets = np.zeros(len(sets) + 1, dtype=np.int64)
+    if sets:
+        offsets[1:] = np.cumsum([len(s) for s in sets])
+        members = np.fromiter((m for s in sets for m in s), dtype=np.int64, count=int(offsets[-1]))
     else:
         members = np.zeros(0, dtype=np.int64)
-    values = {
-        "shard_tensor": a.shard_tensor, "shard_lo": a.shard_lo, "shard_hi": a.shard_hi, "source": a.source,
-        "shard": a.shard, "lo": a.lo, "hi": a.hi, "altset": a.altset, "set_offsets": offsets, "set_members": members,
-    }
+    values = {**a, "set_offsets": offsets, "set_members": members}
     encoded = {name: _int_array(values[name]) for name in _ARRAYS}
     header = {
-        **plan_header, "host": a.host, "tensors": [[n, d, list(s)] for n, d, s in a.tensors], "hosts": list(a.hosts),
+        **plan_header, "host": a["host"], "tensors": [[n, d, list(s)] for n, d, s in a["tensors"]], "hosts": list(a["hosts"]),
         "arrays": [[name, encoded[name].dtype.str, list(encoded[name].shape)] for name in _ARRAYS],
     }
     head = json.dumps(header, separators=(",", ":")).encode()
@@ -223,4 +205,4 @@ def _decode(data: memoryview) -> Plan:
     return Plan.from_scalars(h, {host: HostPlan(host, shards, transfers)})
 
 
-__all__ = ["MAGIC", "VERSION", "PartArrays", "decode", "encode"]
+__all__ = ["MAGIC", "VERSION", "decode", "encode"]
