@@ -10,8 +10,6 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +18,7 @@ from tenplex.errors import InvalidInput
 from tenplex.interop.keymap import KEY_MAPS, parse_options
 from tenplex.ptc.model import PTC
 from tenplex.scheduler.cli import SchedulerClient
+from tenplex.transformer.cli import progress_bar
 
 _KEY_MAP_HELP = (
     f"how PTC tensors become checkpoint keys: {', '.join(KEY_MAPS)} or module:function (default identity; "
@@ -101,31 +100,6 @@ def _layout(args: argparse.Namespace, generation: int | None, job: str) -> tuple
     return ptc, urls, roots
 
 
-@contextmanager
-def _progress(enabled: bool, label: str) -> Iterator[Callable[[int, int], None] | None]:
-    if not enabled:
-        yield None
-        return
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
-
-    columns = (TextColumn(label), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
-    with Progress(*columns, transient=False, console=Console(stderr=True)) as bar:  # stdout carries the JSON result
-        task = bar.add_task(label, total=None)
-
-        def update(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
-
-        yield update
-
-
 def _print(obj: dict[str, Any]) -> None:
     sys.stdout.write(json.dumps(obj) + "\n")
 
@@ -140,7 +114,7 @@ def _export(args: argparse.Namespace) -> int:
     if not urls and not roots:
         raise InvalidInput("give the stores: --store HOST=URL, --store-root HOST=DIR or --scheduler URL")
     options = parse_options(args.key_map_option)
-    with host_stores(urls, roots, token=args.token) as stores, _progress(not args.no_progress, f"export {args.job} {version}") as bar:
+    with host_stores(urls, roots, token=args.token) as stores, progress_bar(not args.no_progress, f"export {args.job} {version}") as bar:
         result = export_dcp(args.job, version, ptc, stores, args.directory, key_map=args.key_map, options=options,
                             threads=args.threads, progress=bar)
     _print(result.to_json())
@@ -156,7 +130,7 @@ def _import(args: argparse.Namespace) -> int:
     ptc, urls, roots = _layout(args, version.generation if version else None, args.job)
     options = parse_options(args.key_map_option)
     with host_stores(urls, roots, token=args.token, must_exist=False) as stores, \
-            _progress(not args.no_progress, f"import {args.directory.name} -> {args.job}") as bar:
+            progress_bar(not args.no_progress, f"import {args.directory.name} -> {args.job}") as bar:
         result = import_dcp(args.directory, ptc, args.job, version, stores, key_map=args.key_map, options=options,
                             batch_bytes=args.batch_mb << 20, progress=bar)
     if args.ptc_out is not None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from prometheus_client import start_http_server
@@ -119,7 +119,14 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _transform(args: argparse.Namespace) -> int:
+@contextmanager
+def progress_bar(enabled: bool, label: str) -> Iterator[Callable[[int, int], None]]:
+    """A byte progress bar on stderr (stdout carries the command's JSON result); it yields ``update(done, total)``,
+    which does nothing when not ``enabled``."""
+    if not enabled:
+        yield lambda _done, _total: None
+        return
+    from rich.console import Console
     from rich.progress import (
         BarColumn,
         DownloadColumn,
@@ -129,27 +136,31 @@ def _transform(args: argparse.Namespace) -> int:
         TransferSpeedColumn,
     )
 
+    columns = (TextColumn(label), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
+    with Progress(*columns, transient=False, console=Console(stderr=True)) as bar:
+        task = bar.add_task(label, total=None)
+
+        def update(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        yield update
+
+
+def _transform(args: argparse.Namespace) -> int:
     if args.concurrency < 1:
         raise InvalidInput(f"--concurrency must be >= 1, got {args.concurrency}")
     plan = Plan.load(args.plan)
     hp = plan.host(args.host)
     urls = _pairs(args.source, "--source")
-    needed = sorted({t.source for t in hp.transfers} | {a for t in hp.transfers for a in t.alternatives} - {None, args.host, CHECKPOINT})
+    needed = sorted(({t.source for t in hp.transfers} | {a for t in hp.transfers for a in t.alternatives})
+                    - {None, args.host, CHECKPOINT})
     missing = [h for h in needed if h not in urls]
     if missing:
         # Not fatal: those pieces move to other holders (or fail with a clear message if none is left).
         print(f"tenplex: warning: no --source URL for {', '.join(missing)}; their pieces count as unavailable", file=sys.stderr)
-    columns = (
-        TextColumn(f"{args.host} -> {plan.new_version}"), BarColumn(), DownloadColumn(),
-        TransferSpeedColumn(), TimeRemainingColumn(),
-    )
-    with ExitStack() as stack:
-        bar = None if args.no_progress else stack.enter_context(Progress(*columns, transient=False))
-        task = bar.add_task("transform", total=hp.bytes_total) if bar is not None else None
-        if args.store is not None:
-            report = _transform_on_daemon(args, plan, urls, lambda done: bar.update(task, completed=done) if bar else None)
-        else:
-            report = _transform_here(args, plan, urls, lambda done: bar.update(task, completed=done) if bar else None)
+    with progress_bar(not args.no_progress, f"{args.host} -> {plan.new_version}") as bar:
+        run = _transform_on_daemon if args.store is not None else _transform_here
+        report = run(args, plan, urls, lambda done: bar(done, hp.bytes_total))
     print(json.dumps(report.to_json()))
     return 0
 
