@@ -15,10 +15,10 @@ from typing import Any
 
 from tenplex.core.version import Version
 from tenplex.errors import InvalidInput
-from tenplex.interop.keymap import KEY_MAPS, parse_options
+from tenplex.interop.keymap import KEY_MAPS
 from tenplex.ptc.model import PTC
 from tenplex.scheduler.cli import SchedulerClient
-from tenplex.transformer.cli import progress_bar
+from tenplex.transformer.cli import parse_pairs, progress_bar
 
 _KEY_MAP_HELP = (
     f"how PTC tensors become checkpoint keys: {', '.join(KEY_MAPS)} or module:function (default identity; "
@@ -93,8 +93,8 @@ def _layout(args: argparse.Namespace, generation: int | None, job: str) -> tuple
     else:
         query = f"?generation={generation}" if generation is not None else ""
         ptc = PTC.from_json(client.request("GET", f"/v1/jobs/{job}/ptc{query}"))
-    urls.update(parse_options(args.store, "--store", "HOST=VALUE"))
-    roots = parse_options(args.store_root, "--store-root", "HOST=VALUE")
+    urls.update(parse_pairs(args.store, "--store", "HOST=VALUE"))
+    roots = parse_pairs(args.store_root, "--store-root", "HOST=VALUE")
     for host in roots:
         urls.pop(host, None)
     return ptc, urls, roots
@@ -113,7 +113,7 @@ def _export(args: argparse.Namespace) -> int:
     ptc, urls, roots = _layout(args, version.generation, args.job)
     if not urls and not roots:
         raise InvalidInput("give the stores: --store HOST=URL, --store-root HOST=DIR or --scheduler URL")
-    options = parse_options(args.key_map_option)
+    options = parse_pairs(args.key_map_option, "--key-map-option", "KEY=VALUE")
     with host_stores(urls, roots, token=args.token) as stores, progress_bar(not args.no_progress, f"export {args.job} {version}") as bar:
         result = export_dcp(args.job, version, ptc, stores, args.directory, key_map=args.key_map, options=options,
                             threads=args.threads, progress=bar)
@@ -128,7 +128,7 @@ def _import(args: argparse.Namespace) -> int:
     if args.batch_mb < 1:
         raise InvalidInput(f"--batch-mb must be >= 1, got {args.batch_mb}")
     ptc, urls, roots = _layout(args, version.generation if version else None, args.job)
-    options = parse_options(args.key_map_option)
+    options = parse_pairs(args.key_map_option, "--key-map-option", "KEY=VALUE")
     with host_stores(urls, roots, token=args.token, must_exist=False) as stores, \
             progress_bar(not args.no_progress, f"import {args.directory.name} -> {args.job}") as bar:
         result = import_dcp(args.directory, ptc, args.job, version, stores, key_map=args.key_map, options=options,

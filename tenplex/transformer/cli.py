@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -66,12 +66,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     tr.set_defaults(func=_transform)
 
 
-def _pairs(items: list[str], what: str) -> dict[str, str]:
-    out = {}
+def parse_pairs(items: Iterable[str], what: str, form: str = "NAME=VALUE") -> dict[str, str]:
+    """A repeatable ``NAME=VALUE`` option's values as a dict (this command's and ``tenplex export``/``import``'s)."""
+    out: dict[str, str] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key or not value:
-            raise InvalidInput(f"{what} must look like NAME=VALUE, got {item!r}")
+            raise InvalidInput(f"{what} must look like {form}, got {item!r}")
         if key in out:
             raise InvalidInput(f"{what} names {key!r} twice")
         out[key] = value
@@ -93,7 +94,7 @@ def _plan(args: argparse.Namespace) -> int:
             raise InvalidInput(f"--alive names hosts in neither layout: {', '.join(unknown)}")
     holders = None
     if args.holder:
-        holders = {h: Version.parse(v) for h, v in _pairs(args.holder, "--holder").items()}
+        holders = {h: Version.parse(v) for h, v in parse_pairs(args.holder, "--holder").items()}
         for h in old.hosts:
             holders.setdefault(h, old_version)
     plan = make_plan(
@@ -151,7 +152,7 @@ def _transform(args: argparse.Namespace) -> int:
         raise InvalidInput(f"--concurrency must be >= 1, got {args.concurrency}")
     plan = Plan.load(args.plan)
     hp = plan.host(args.host)
-    urls = _pairs(args.source, "--source")
+    urls = parse_pairs(args.source, "--source")
     needed = sorted(({t.source for t in hp.transfers} | {a for t in hp.transfers for a in t.alternatives})
                     - {None, args.host, CHECKPOINT})
     missing = [h for h in needed if h not in urls]
