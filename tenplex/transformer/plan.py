@@ -47,8 +47,7 @@ import gc
 import json
 import logging
 from collections import defaultdict
-from collections.abc import Collection, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from io import StringIO
 from itertools import chain
@@ -1006,26 +1005,17 @@ def make_plan(
         holders = {}
     else:
         old_job = None
-    with _gc_paused():
-        plan = _make_plan(old, new, job, old_version, new_version, holders, alive, checkpoint)
-    return replace(plan, old_job=old_job) if old_job is not None else plan
-
-
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector while a plan is built.
-
-    Reading two large PTCs allocates a few hundred thousand small acyclic
-    objects; the collector would rescan the growing heap several times over and
-    can free nothing. It is re-enabled afterwards.
-    """
+    # The cyclic garbage collector is paused while the plan is built: reading two large PTCs allocates a few
+    # hundred thousand small acyclic objects, and the collector would rescan the growing heap several times
+    # over and could free nothing.
     enabled = gc.isenabled()
     gc.disable()
     try:
-        yield
+        plan = _make_plan(old, new, job, old_version, new_version, holders, alive, checkpoint)
     finally:
         if enabled:
             gc.enable()
+    return replace(plan, old_job=old_job) if old_job is not None else plan
 
 
 def _plan_shapes(old: PTC, new: PTC) -> tuple[list[str], dict[str, int], list[int], int, np.ndarray]:
