@@ -118,11 +118,8 @@ class ExportResult:
     seconds: float
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "directory": str(self.directory), "version": str(self.version), "key_map": self.key_map,
-            "entries": self.entries, "chunks": self.chunks, "bytes": self.bytes, "bytes_per_host": self.bytes_per_host,
-            "step": self.step, "dataset": self.dataset.to_json() if self.dataset else None, "seconds": round(self.seconds, 3),
-        }
+        return {**dataclasses.asdict(self), "directory": str(self.directory), "version": str(self.version),
+                "seconds": round(self.seconds, 3)}
 
 
 @dataclass(frozen=True, slots=True)
