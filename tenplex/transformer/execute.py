@@ -501,6 +501,8 @@ def execute_host_plan(
         if isinstance(exc, TransformFailed):
             raise
         raise TransformFailed(f"host {host}: cannot prepare {target.url} for {plan.new_version}: {exc.detail}") from exc
+    cancelled_detail = (f"transform of host {host} to {plan.new_version} was cancelled; nothing was committed, "
+                        f"{plan.old_version} is intact")
     try:
         if buffers is None:
             _run(plan, hp, clients, state, concurrency, max_buffer_bytes, batch_bytes, None)
@@ -508,10 +510,7 @@ def execute_host_plan(
             with buffers.hold():
                 _run(plan, hp, clients, state, concurrency, max_buffer_bytes, batch_bytes, buffers)
         if state.cancelled():
-            raise TransformCancelled(
-                f"transform of host {host} to {plan.new_version} was cancelled; nothing was committed, "
-                f"{plan.old_version} is intact"
-            )
+            raise TransformCancelled(cancelled_detail)
         target.commit(plan.job, plan.new_version)
     except BaseException as exc:
         state.failed.set()
@@ -521,10 +520,7 @@ def execute_host_plan(
             metrics.transforms.labels("cancelled" if cancelled else "failed").inc()
         if cancelled and not isinstance(exc, TransformCancelled):
             # Reads cut short by the cancel fail in their own ways: what happened is the cancel.
-            raise TransformCancelled(
-                f"transform of host {host} to {plan.new_version} was cancelled; nothing was committed, "
-                f"{plan.old_version} is intact"
-            ) from exc
+            raise TransformCancelled(cancelled_detail) from exc
         if isinstance(exc, TransformFailed):
             raise
         if isinstance(exc, TenplexError):
