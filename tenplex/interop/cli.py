@@ -10,16 +10,15 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from tenplex.core.version import Version
 from tenplex.errors import InvalidInput
-from tenplex.interop.keymap import KEY_MAPS, parse_options
+from tenplex.interop.keymap import KEY_MAPS
 from tenplex.ptc.model import PTC
 from tenplex.scheduler.cli import SchedulerClient
+from tenplex.transformer.cli import parse_pairs, progress_bar
 
 _KEY_MAP_HELP = (
     f"how PTC tensors become checkpoint keys: {', '.join(KEY_MAPS)} or module:function (default identity; "
@@ -79,56 +78,26 @@ def _sources(p: argparse.ArgumentParser, whose: str) -> None:
     p.add_argument("--token", default=os.environ.get("TENPLEX_TOKEN"), help="bearer token (default $TENPLEX_TOKEN)")
 
 
-def _pairs(items: list[str], what: str) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key or not value:
-            raise InvalidInput(f"{what} must look like HOST=VALUE, got {item!r}")
-        if key in out:
-            raise InvalidInput(f"{what} names host {key!r} twice")
-        out[key] = value
-    return out
-
-
-def _layout(args: argparse.Namespace, generation: int | None, job: str) -> tuple[PTC, dict[str, str]]:
-    """The PTC (file or scheduler) and the store URLs the scheduler knows (none without --scheduler)."""
+def _layout(args: argparse.Namespace, generation: int | None, job: str) -> tuple[PTC, dict[str, str], dict[str, str]]:
+    """The PTC (file or scheduler), the store URLs (the scheduler's, then --store) and the store roots
+    (--store-root; a root given for a host the scheduler also names wins)."""
     urls: dict[str, str] = {}
     client = None
     if args.scheduler:
         client = SchedulerClient(args.scheduler, args.token)
         urls = {h["name"]: h["store_url"] for h in client.request("GET", "/v1/hosts")["hosts"]}
     if args.ptc is not None:
-        return PTC.load(args.ptc), urls
-    if client is None:
+        ptc = PTC.load(args.ptc)
+    elif client is None:
         raise InvalidInput("give the layout: --ptc PTC.json or --scheduler URL")
-    query = f"?generation={generation}" if generation is not None else ""
-    return PTC.from_json(client.request("GET", f"/v1/jobs/{job}/ptc{query}")), urls
-
-
-@contextmanager
-def _progress(enabled: bool, label: str) -> Iterator[Callable[[int, int], None] | None]:
-    if not enabled:
-        yield None
-        return
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
-
-    columns = (TextColumn(label), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
-    with Progress(*columns, transient=False, console=Console(stderr=True)) as bar:  # stdout carries the JSON result
-        task = bar.add_task(label, total=None)
-
-        def update(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
-
-        yield update
+    else:
+        query = f"?generation={generation}" if generation is not None else ""
+        ptc = PTC.from_json(client.request("GET", f"/v1/jobs/{job}/ptc{query}"))
+    urls.update(parse_pairs(args.store, "--store", "HOST=VALUE"))
+    roots = parse_pairs(args.store_root, "--store-root", "HOST=VALUE")
+    for host in roots:
+        urls.pop(host, None)
+    return ptc, urls, roots
 
 
 def _print(obj: dict[str, Any]) -> None:
@@ -136,41 +105,33 @@ def _print(obj: dict[str, Any]) -> None:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from tenplex.interop.dcp import HostStores, export_dcp
+    from tenplex.interop.dcp import export_dcp, host_stores
 
     version = Version.parse(args.version)
     if args.threads < 1:
         raise InvalidInput(f"--threads must be >= 1, got {args.threads}")
-    ptc, urls = _layout(args, version.generation, args.job)
-    urls.update(_pairs(args.store, "--store"))
-    roots = _pairs(args.store_root, "--store-root")
-    for host in roots:
-        urls.pop(host, None)  # a root given for a host the scheduler also names: the root wins
+    ptc, urls, roots = _layout(args, version.generation, args.job)
     if not urls and not roots:
         raise InvalidInput("give the stores: --store HOST=URL, --store-root HOST=DIR or --scheduler URL")
-    options = parse_options(args.key_map_option)
-    with HostStores.open(urls, roots, token=args.token) as hs, _progress(not args.no_progress, f"export {args.job} {version}") as bar:
-        result = export_dcp(args.job, version, ptc, hs.stores, args.directory, key_map=args.key_map, options=options,
+    options = parse_pairs(args.key_map_option, "--key-map-option", "KEY=VALUE")
+    with host_stores(urls, roots, token=args.token) as stores, progress_bar(not args.no_progress, f"export {args.job} {version}") as bar:
+        result = export_dcp(args.job, version, ptc, stores, args.directory, key_map=args.key_map, options=options,
                             threads=args.threads, progress=bar)
     _print(result.to_json())
     return 0
 
 
 def _import(args: argparse.Namespace) -> int:
-    from tenplex.interop.dcp import HostStores, import_dcp
+    from tenplex.interop.dcp import host_stores, import_dcp
 
     version = Version.parse(args.version) if args.version else None
     if args.batch_mb < 1:
         raise InvalidInput(f"--batch-mb must be >= 1, got {args.batch_mb}")
-    ptc, urls = _layout(args, version.generation if version else None, args.job)
-    urls.update(_pairs(args.store, "--store"))
-    roots = _pairs(args.store_root, "--store-root")
-    for host in roots:
-        urls.pop(host, None)
-    options = parse_options(args.key_map_option)
-    with HostStores.open(urls, roots, token=args.token, must_exist=False) as hs, \
-            _progress(not args.no_progress, f"import {args.directory.name} -> {args.job}") as bar:
-        result = import_dcp(args.directory, ptc, args.job, version, hs.stores, key_map=args.key_map, options=options,
+    ptc, urls, roots = _layout(args, version.generation if version else None, args.job)
+    options = parse_pairs(args.key_map_option, "--key-map-option", "KEY=VALUE")
+    with host_stores(urls, roots, token=args.token, must_exist=False) as stores, \
+            progress_bar(not args.no_progress, f"import {args.directory.name} -> {args.job}") as bar:
+        result = import_dcp(args.directory, ptc, args.job, version, stores, key_map=args.key_map, options=options,
                             batch_bytes=args.batch_mb << 20, progress=bar)
     if args.ptc_out is not None:
         result.ptc.save(args.ptc_out)

@@ -48,8 +48,9 @@ import shutil
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -117,11 +118,8 @@ class ExportResult:
     seconds: float
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "directory": str(self.directory), "version": str(self.version), "key_map": self.key_map,
-            "entries": self.entries, "chunks": self.chunks, "bytes": self.bytes, "bytes_per_host": self.bytes_per_host,
-            "step": self.step, "dataset": self.dataset.to_json() if self.dataset else None, "seconds": round(self.seconds, 3),
-        }
+        return {**dataclasses.asdict(self), "directory": str(self.directory), "version": str(self.version),
+                "seconds": round(self.seconds, 3)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -748,34 +746,17 @@ def _batches(jobs: Sequence[_ShardJob], limit: int) -> list[list[_ShardJob]]:
 # -- sources ----------------------------------------------------------------------
 
 
-@dataclass
-class HostStores:
-    """The stores of a job's hosts, opened from ``HOST=URL`` and ``HOST=DIR`` lists; closes them."""
-
-    stores: dict[str, TensorStore] = field(default_factory=dict)
-
-    @classmethod
-    def open(cls, urls: Mapping[str, str], roots: Mapping[str, str], *, token: str | None = None,
-             must_exist: bool = True) -> HostStores:
-        both = sorted(set(urls) & set(roots))
-        if both:
-            raise InvalidInput(f"host(s) {', '.join(both)} given both a store URL and a store root")
-        out = cls()
-        for host, url in urls.items():
-            out.stores[host] = StoreClient(url, token)
+@contextmanager
+def host_stores(urls: Mapping[str, str], roots: Mapping[str, str], *, token: str | None = None,
+                must_exist: bool = True) -> Iterator[dict[str, TensorStore]]:
+    """The stores of a job's hosts, opened from ``HOST=URL`` and ``HOST=DIR`` lists; closed at the end."""
+    both = sorted(set(urls) & set(roots))
+    if both:
+        raise InvalidInput(f"host(s) {', '.join(both)} given both a store URL and a store root")
+    with ExitStack() as stack:
+        stores: dict[str, TensorStore] = {h: stack.enter_context(StoreClient(u, token)) for h, u in urls.items()}
         for host, root in roots.items():
             if must_exist and not Path(root).is_dir():
-                out.close()
                 raise NotFound(f"store root {root} of {host} does not exist")
-            out.stores[host] = open_store(Path(root))
-        return out
-
-    def close(self) -> None:
-        for store in self.stores.values():
-            store.close()
-
-    def __enter__(self) -> HostStores:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+            stores[host] = stack.enter_context(open_store(Path(root)))
+        yield stores

@@ -55,7 +55,7 @@ from __future__ import annotations
 import importlib
 import math
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -350,15 +350,3 @@ def build(spec: str, ptc: PTC, options: Mapping[str, str] | None = None) -> KeyM
         raise InvalidConfig(f"key map {spec!r} returned {type(keymap).__name__}, not a KeyMap")
     return validate(keymap, ptc)
 
-
-def parse_options(items: Iterable[str]) -> dict[str, str]:
-    """``KEY=VALUE`` strings (the CLI's ``--key-map-option``) as a dict."""
-    out: dict[str, str] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key or not value:
-            raise InvalidInput(f"a key map option must look like KEY=VALUE, got {item!r}")
-        if key in out:
-            raise InvalidInput(f"key map option {key!r} is given twice")
-        out[key] = value
-    return out

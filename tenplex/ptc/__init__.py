@@ -2,7 +2,7 @@
 
 from tenplex.ptc.dataset import DatasetState
 from tenplex.ptc.model import FORMAT, PTC, Device, Owner, Shard, Tensor, TensorKind, build_tensor
-from tenplex.ptc.parallel import ParallelConfig, Placement, ranks_by_host
+from tenplex.ptc.parallel import ParallelConfig, Placement
 from tenplex.ptc.region import Region, flat_range_boxes, subtract
 
 __all__ = [
@@ -18,7 +18,6 @@ __all__ = [
     "Tensor",
     "TensorKind",
     "build_tensor",
-    "ranks_by_host",
     "flat_range_boxes",
     "subtract",
 ]

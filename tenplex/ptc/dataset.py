@@ -12,7 +12,7 @@ between any two steps neither repeats nor skips a sample.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
 import numpy as np
@@ -109,26 +109,15 @@ class DatasetState:
     # -- JSON ---------------------------------------------------------------
 
     def to_json(self) -> dict[str, int]:
-        return {
-            "num_samples": self.num_samples,
-            "seed": self.seed,
-            "global_batch_size": self.global_batch_size,
-            "consumed_samples": self.consumed_samples,
-        }
+        return asdict(self)
 
     @classmethod
     def from_json(cls, obj: Any) -> DatasetState:
+        """The state a JSON object describes (its values are checked as any DatasetState's are)."""
         if not isinstance(obj, dict):
             raise InvalidPTC(f"dataset must be an object, got {type(obj).__name__}")
-        fields = ("num_samples", "seed", "global_batch_size", "consumed_samples")
-        missing = [f for f in fields[:3] if f not in obj]
+        names = [f.name for f in fields(cls)]
+        missing = [n for n in names[:3] if n not in obj]
         if missing:
             raise InvalidPTC(f"dataset is missing {', '.join(missing)}")
-        values = {}
-        for f in fields:
-            if f in obj:
-                v = obj[f]
-                if isinstance(v, bool) or not isinstance(v, int):
-                    raise InvalidPTC(f"dataset {f} must be an integer, got {v!r}")
-                values[f] = v
-        return cls(**values)
+        return cls(**{n: obj[n] for n in names if n in obj})

@@ -65,8 +65,3 @@ def name_of_torch(dtype: torch.dtype) -> str:
     name = str(dtype).removeprefix("torch.")
     return check_dtype(name)
 
-
-def name_of_numpy(dtype: np.dtype | type) -> str:
-    """The PTC name of a numpy dtype. ``uint16`` is never guessed to be bfloat16."""
-    name = np.dtype(dtype).name
-    return check_dtype(name)

@@ -228,7 +228,7 @@ class GPTSpec:
     def num_params(self, tp: int = 1) -> int:
         """Distinct parameter elements with the vocabulary padded for ``tp`` (a tied copy counts once)."""
         params = _module_params(self, self.padded_vocab(tp), range(self.num_layers), True, True)
-        return sum(_numel(p.shape) for p in params if not p.tied_copy)
+        return sum(math.prod(p.shape) for p in params if not p.tied_copy)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -237,13 +237,6 @@ class GPTSpec:
 def _check_int(name: str, value: object, *, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise InvalidConfig(f"{name} must be an integer >= {minimum}, got {value!r}")
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 class _Split(Enum):
@@ -371,7 +364,7 @@ def tensor_name_from_core_key(key: str, layer: int | None, naming: str = "megatr
 
 def _local_numel(param: _Param, tp: int) -> int:
     """Elements of ``param`` in one tp rank's buffer (every split divides evenly: see check_tp)."""
-    return _numel(param.shape) // (1 if param.split is _Split.NONE else tp)
+    return math.prod(param.shape) // (1 if param.split is _Split.NONE else tp)
 
 
 def _tp_pieces(param: _Param, tp: int) -> list[tuple[tuple[int, int], ...]]:
@@ -408,7 +401,7 @@ def _local_boxes(pieces: Sequence[tuple[tuple[int, int], ...]], start: int, stop
     base = 0
     for box in pieces:
         shape = tuple(b - a for a, b in box)
-        size = _numel(shape)
+        size = math.prod(shape)
         lo, hi = max(start, base), min(stop, base + size)
         if lo < hi:
             out.extend(flat_range_boxes(shape, lo - base, hi - base, origin=[a for a, _ in box]))

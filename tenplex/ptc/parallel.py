@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from tenplex.core.parallel import ParallelConfig
 from tenplex.errors import InvalidConfig
 
-__all__ = ["ParallelConfig", "Placement", "hosts_from", "ranks_by_host"]
+__all__ = ["ParallelConfig", "Placement", "hosts_from"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,14 +52,6 @@ class Placement:
             raise InvalidConfig(
                 f"tp={parallel.tp} must divide the {self.gpus_per_node} GPUs per node so tensor-parallel groups stay inside a node"
             )
-
-
-def ranks_by_host(parallel: ParallelConfig, placement: Placement) -> dict[str, list[int]]:
-    placement.check(parallel)
-    out: dict[str, list[int]] = {}
-    for r in range(parallel.world_size):
-        out.setdefault(placement.host_of(r), []).append(r)
-    return out
 
 
 def hosts_from(names: Sequence[str] | None, world_size: int, gpus_per_node: int) -> Placement:

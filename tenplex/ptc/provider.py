@@ -69,11 +69,6 @@ class LayoutProvider:
         if self.check is not None and not callable(self.check):
             raise InvalidConfig("a layout provider's check must be callable")
 
-    @property
-    def name(self) -> str:
-        """Where the build function lives (``module:function``), for messages."""
-        return f"{getattr(self.build, '__module__', '?')}:{getattr(self.build, '__qualname__', '?')}"
-
     def model_config(self, fields: Mapping[str, Any], what: str = "layout model") -> Any:
         """The typed model description of ``fields``; :class:`InvalidConfig` naming the bad or unknown fields."""
         if not isinstance(fields, Mapping):

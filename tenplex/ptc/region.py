@@ -100,10 +100,6 @@ class Region:
         return tuple(a for a, _ in self.bounds)
 
     @property
-    def stop(self) -> tuple[int, ...]:
-        return tuple(b for _, b in self.bounds)
-
-    @property
     def shape(self) -> tuple[int, ...]:
         return tuple(b - a for a, b in self.bounds)
 

@@ -80,6 +80,7 @@ callables must then be picklable (module-level functions or
 from __future__ import annotations
 
 import logging
+import math
 import multiprocessing
 import pickle
 import threading
@@ -126,7 +127,6 @@ class MeshRole(StrEnum):
     """Expert parallelism (and expert-FSDP): not supported yet."""
 
 
-DATA_PARALLEL_ROLES = frozenset({MeshRole.DP, MeshRole.DP_REPLICATE, MeshRole.DP_SHARD})
 UNSUPPORTED_ROLES = {
     MeshRole.CP: "context parallelism",
     MeshRole.EP: "expert parallelism",
@@ -480,7 +480,7 @@ def _check_mesh(
     expected = {MeshRole.TP: parallel.tp, MeshRole.PP: parallel.pp}
     for role, want in expected.items():
         axes = by_role.get(role, [])
-        got = _prod(lay.mesh_shape[a] for a in axes)
+        got = math.prod(lay.mesh_shape[a] for a in axes)
         if axes and got != want:
             raise InvalidConfig(
                 f"{name!r}: mesh dimensions {[lay.mesh_dims[a] for a in axes]} ({role.value}) have size {got}, "
@@ -488,7 +488,7 @@ def _check_mesh(
             )
     dp_axes = [a for role in (MeshRole.DP, MeshRole.DP_REPLICATE, MeshRole.DP_SHARD) for a in by_role.get(role, [])]
     dp_axes.sort()
-    dp_size = _prod(lay.mesh_shape[a] for a in dp_axes)
+    dp_size = math.prod(lay.mesh_shape[a] for a in dp_axes)
     if parallel.dp % dp_size:
         raise InvalidConfig(
             f"{name!r}: data-parallel mesh dimensions {[lay.mesh_dims[a] for a in dp_axes]} have size {dp_size}, "
@@ -503,7 +503,7 @@ def _check_mesh(
             raise InvalidConfig(f"{name!r}: rank {rank} of its pipeline stage is not on the DTensor's mesh {list(lay.mesh_dims)}")
         want_coords = parallel.coords(rank)
         for key, (axes, full) in spans.items():
-            if not axes or _prod(lay.mesh_shape[a] for a in axes) != full:
+            if not axes or math.prod(lay.mesh_shape[a] for a in axes) != full:
                 continue
             flat = 0
             for a in axes:
@@ -513,13 +513,6 @@ def _check_mesh(
                     f"{name!r}: the job's mesh puts rank {rank} at {key} {flat}, Tenplex's order "
                     f"(tp fastest, then dp, then pp) at {key} {want_coords[key]}; build the mesh in that order"
                 )
-
-
-def _prod(values: Any) -> int:
-    out = 1
-    for v in values:
-        out *= int(v)
-    return out
 
 
 def _read_stages_in_subprocess(build: BuildParallelStage, parallel: ParallelConfig) -> list[list[TensorLayout]]:

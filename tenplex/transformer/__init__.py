@@ -16,7 +16,6 @@ from tenplex.transformer.plan import (
     Plan,
     Transfer,
     carry_dataset,
-    lower_bound_bytes,
     make_plan,
     plan_summary,
 )
@@ -28,7 +27,6 @@ __all__ = [
     "Plan",
     "Transfer",
     "carry_dataset",
-    "lower_bound_bytes",
     "make_plan",
     "plan_summary",
 ]

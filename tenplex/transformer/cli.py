@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
-from contextlib import ExitStack
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from prometheus_client import start_http_server
@@ -66,12 +66,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     tr.set_defaults(func=_transform)
 
 
-def _pairs(items: list[str], what: str) -> dict[str, str]:
-    out = {}
+def parse_pairs(items: Iterable[str], what: str, form: str = "NAME=VALUE") -> dict[str, str]:
+    """A repeatable ``NAME=VALUE`` option's values as a dict (this command's and ``tenplex export``/``import``'s)."""
+    out: dict[str, str] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key or not value:
-            raise InvalidInput(f"{what} must look like NAME=VALUE, got {item!r}")
+            raise InvalidInput(f"{what} must look like {form}, got {item!r}")
         if key in out:
             raise InvalidInput(f"{what} names {key!r} twice")
         out[key] = value
@@ -93,7 +94,7 @@ def _plan(args: argparse.Namespace) -> int:
             raise InvalidInput(f"--alive names hosts in neither layout: {', '.join(unknown)}")
     holders = None
     if args.holder:
-        holders = {h: Version.parse(v) for h, v in _pairs(args.holder, "--holder").items()}
+        holders = {h: Version.parse(v) for h, v in parse_pairs(args.holder, "--holder").items()}
         for h in old.hosts:
             holders.setdefault(h, old_version)
     plan = make_plan(
@@ -119,7 +120,14 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _transform(args: argparse.Namespace) -> int:
+@contextmanager
+def progress_bar(enabled: bool, label: str) -> Iterator[Callable[[int, int], None]]:
+    """A byte progress bar on stderr (stdout carries the command's JSON result); it yields ``update(done, total)``,
+    which does nothing when not ``enabled``."""
+    if not enabled:
+        yield lambda _done, _total: None
+        return
+    from rich.console import Console
     from rich.progress import (
         BarColumn,
         DownloadColumn,
@@ -129,27 +137,31 @@ def _transform(args: argparse.Namespace) -> int:
         TransferSpeedColumn,
     )
 
+    columns = (TextColumn(label), BarColumn(), DownloadColumn(), TransferSpeedColumn(), TimeRemainingColumn())
+    with Progress(*columns, transient=False, console=Console(stderr=True)) as bar:
+        task = bar.add_task(label, total=None)
+
+        def update(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        yield update
+
+
+def _transform(args: argparse.Namespace) -> int:
     if args.concurrency < 1:
         raise InvalidInput(f"--concurrency must be >= 1, got {args.concurrency}")
     plan = Plan.load(args.plan)
     hp = plan.host(args.host)
-    urls = _pairs(args.source, "--source")
-    needed = sorted({t.source for t in hp.transfers} | {a for t in hp.transfers for a in t.alternatives} - {None, args.host, CHECKPOINT})
+    urls = parse_pairs(args.source, "--source")
+    needed = sorted(({t.source for t in hp.transfers} | {a for t in hp.transfers for a in t.alternatives})
+                    - {None, args.host, CHECKPOINT})
     missing = [h for h in needed if h not in urls]
     if missing:
         # Not fatal: those pieces move to other holders (or fail with a clear message if none is left).
         print(f"tenplex: warning: no --source URL for {', '.join(missing)}; their pieces count as unavailable", file=sys.stderr)
-    columns = (
-        TextColumn(f"{args.host} -> {plan.new_version}"), BarColumn(), DownloadColumn(),
-        TransferSpeedColumn(), TimeRemainingColumn(),
-    )
-    with ExitStack() as stack:
-        bar = None if args.no_progress else stack.enter_context(Progress(*columns, transient=False))
-        task = bar.add_task("transform", total=hp.bytes_total) if bar is not None else None
-        if args.store is not None:
-            report = _transform_on_daemon(args, plan, urls, lambda done: bar.update(task, completed=done) if bar else None)
-        else:
-            report = _transform_here(args, plan, urls, lambda done: bar.update(task, completed=done) if bar else None)
+    with progress_bar(not args.no_progress, f"{args.host} -> {plan.new_version}") as bar:
+        run = _transform_on_daemon if args.store is not None else _transform_here
+        report = run(args, plan, urls, lambda done: bar(done, hp.bytes_total))
     print(json.dumps(report.to_json()))
     return 0
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import errno
 import functools
 import logging
@@ -50,10 +51,10 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import tenacity
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from tenplex.core.buffers import PAGE_BYTES, aligned_empty
@@ -86,7 +87,7 @@ request costs the source daemon about a millisecond of CPU (benchmarks/datapath_
 bytes are in, not when its whole batch is (:attr:`~tenplex.store.base.RegionRead.done`)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class TransformReport:
     host: str
     bytes_local: int
@@ -110,19 +111,12 @@ class TransformReport:
         return self.bytes_local + self.bytes_remote + self.bytes_zero
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "host": self.host,
-            "bytes_local": self.bytes_local,
-            "bytes_remote": self.bytes_remote,
-            "bytes_zero": self.bytes_zero,
-            "bytes_checkpoint": self.bytes_checkpoint,
-            "bytes_linked": self.bytes_linked,
-            "seconds": self.seconds,
-            "requests": self.requests,
-            "replanned_pieces": self.replanned_pieces,
-            "shards": self.shards,
-            "fresh_buffer_bytes": self.fresh_buffer_bytes,
-        }
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> TransformReport:
+        """The report a daemon's transform record holds (fields a record of an older daemon lacks: their defaults)."""
+        return cls(**{f.name: obj[f.name] for f in dataclasses.fields(cls) if f.name in obj})
 
 
 class TransformMetrics:
@@ -507,6 +501,8 @@ def execute_host_plan(
         if isinstance(exc, TransformFailed):
             raise
         raise TransformFailed(f"host {host}: cannot prepare {target.url} for {plan.new_version}: {exc.detail}") from exc
+    cancelled_detail = (f"transform of host {host} to {plan.new_version} was cancelled; nothing was committed, "
+                        f"{plan.old_version} is intact")
     try:
         if buffers is None:
             _run(plan, hp, clients, state, concurrency, max_buffer_bytes, batch_bytes, None)
@@ -514,10 +510,7 @@ def execute_host_plan(
             with buffers.hold():
                 _run(plan, hp, clients, state, concurrency, max_buffer_bytes, batch_bytes, buffers)
         if state.cancelled():
-            raise TransformCancelled(
-                f"transform of host {host} to {plan.new_version} was cancelled; nothing was committed, "
-                f"{plan.old_version} is intact"
-            )
+            raise TransformCancelled(cancelled_detail)
         target.commit(plan.job, plan.new_version)
     except BaseException as exc:
         state.failed.set()
@@ -527,10 +520,7 @@ def execute_host_plan(
             metrics.transforms.labels("cancelled" if cancelled else "failed").inc()
         if cancelled and not isinstance(exc, TransformCancelled):
             # Reads cut short by the cancel fail in their own ways: what happened is the cancel.
-            raise TransformCancelled(
-                f"transform of host {host} to {plan.new_version} was cancelled; nothing was committed, "
-                f"{plan.old_version} is intact"
-            ) from exc
+            raise TransformCancelled(cancelled_detail) from exc
         if isinstance(exc, TransformFailed):
             raise
         if isinstance(exc, TenplexError):
@@ -858,6 +848,12 @@ def _candidates(plan: Plan, tr: Transfer) -> list[str]:
     return [s for s in out if s is not None]
 
 
+_REREAD_ON_MISMATCH = tenacity.Retrying(retry=tenacity.retry_if_exception_type(ChecksumMismatch),
+                                        stop=tenacity.stop_after_attempt(2), reraise=True)
+"""A piece whose checksum does not match is read once more from the same source (a bit flipped on the way)
+before its next holder is tried. (One Retrying for all threads: it keeps each call's state thread-local.)"""
+
+
 def _fetch(
     plan: Plan, hp: HostPlan, tr: Transfer, view: np.ndarray, clients: Mapping[str, TensorStore], state: _State
 ) -> None:
@@ -865,42 +861,35 @@ def _fetch(
     direct = view.flags.c_contiguous
     out = view if direct else np.empty(view.shape, dtype=view.dtype)
     errors: list[str] = []
-    first = True
-    for source in _candidates(plan, tr):
+    for i, source in enumerate(_candidates(plan, tr)):
         client = clients.get(source)
         if client is None:
             state.mark_dead(source, KeyError("no client given for it"))
             errors.append(f"{source}: no store URL given")
-            first = False
             continue
         if source in state.dead:
             errors.append(f"{source}: failed earlier")
-            first = False
             continue
-        if not first:
+        if i:  # not the planned source
             state.replan()
             log.info("piece %s %s of host %s: now from %s", tr.tensor, tr.region, hp.host, source)
-        first = False
-        for attempt in (1, 2):
-            try:
-                client.read_into(plan.source_job, plan.old_version, tr.tensor, tr.region, out)
-            except ChecksumMismatch as exc:
-                errors.append(f"{source}: {exc.detail}")
-                if attempt == 1:
-                    continue
-                break
-            except StoreUnavailable as exc:
-                state.mark_dead(source, exc)
-                errors.append(f"{source}: {exc.detail}")
-                break
-            except TenplexError as exc:  # NotFound and the like: this holder does not have it after all
-                errors.append(f"{source}: {exc.code}: {exc.detail}")
-                break
-            if not direct:
-                view[...] = out
-            kind = "local" if source == hp.host else ("checkpoint" if source == CHECKPOINT else "remote")
-            state.add(kind, tr.nbytes, request=True)
-            return
+        try:
+            _REREAD_ON_MISMATCH(client.read_into, plan.source_job, plan.old_version, tr.tensor, tr.region, out)
+        except ChecksumMismatch as exc:
+            errors.append(f"{source}: {exc.detail} (read twice)")
+            continue
+        except StoreUnavailable as exc:
+            state.mark_dead(source, exc)
+            errors.append(f"{source}: {exc.detail}")
+            continue
+        except TenplexError as exc:  # NotFound and the like: this holder does not have it after all
+            errors.append(f"{source}: {exc.code}: {exc.detail}")
+            continue
+        if not direct:
+            view[...] = out
+        kind = "local" if source == hp.host else ("checkpoint" if source == CHECKPOINT else "remote")
+        state.add(kind, tr.nbytes, request=True)
+        return
     raise TransformFailed(
         f"host {hp.host}: no source could deliver {tr.tensor} {tr.region} ({tr.nbytes} bytes) of "
         f"{plan.old_version}: " + "; ".join(errors)

@@ -30,15 +30,13 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from tenplex.core.version import Version
 from tenplex.errors import InvalidInput, TenplexError
 from tenplex.ptc import dtypes
-from tenplex.ptc.dataset import DatasetState
 from tenplex.ptc.region import Region
 from tenplex.transformer.plan import CHECKPOINT, DestShard, HostPlan, Plan, Transfer
 
@@ -48,36 +46,6 @@ _PREFIX = struct.Struct("<8sII")
 _ZERO, _CKPT = -1, -2
 _ARRAYS = ("shard_tensor", "shard_lo", "shard_hi", "source", "shard", "lo", "hi", "altset", "set_offsets",
            "set_members")
-
-
-class PartArrays:
-    """A host's part as arrays with global ids, before they are made local to the part (see :func:`encode`).
-
-    ``tensors`` and ``hosts`` resolve the ids; ``sets`` are host-id tuples.
-    """
-
-    __slots__ = ("altset", "hi", "host", "hosts", "lo", "sets", "shard", "shard_hi", "shard_lo", "shard_tensor",
-                 "source", "tensors")
-
-    def __init__(self, *, host: str, tensors: Sequence[tuple[str, str, tuple[int, ...]]], hosts: Sequence[str],
-                 shard_tensor: np.ndarray, shard_lo: np.ndarray, shard_hi: np.ndarray, source: np.ndarray,
-                 shard: np.ndarray, lo: np.ndarray, hi: np.ndarray, altset: np.ndarray,
-                 sets: Sequence[tuple[int, ...]]) -> None:
-        self.host, self.tensors, self.hosts = host, tensors, hosts
-        self.shard_tensor, self.shard_lo, self.shard_hi = shard_tensor, shard_lo, shard_hi
-        self.source, self.shard, self.lo, self.hi, self.altset, self.sets = source, shard, lo, hi, altset, sets
-
-
-def _plan_header(plan: Plan) -> dict[str, Any]:
-    return {
-        "job": plan.job, "old_version": str(plan.old_version), "new_version": str(plan.new_version),
-        "network_bytes": plan.network_bytes, "local_bytes": plan.local_bytes,
-        "zero_fill_bytes": plan.zero_fill_bytes, "lower_bound_bytes": plan.lower_bound_bytes,
-        "checkpoint": plan.checkpoint, "old_job": plan.old_job,
-        "dataset": plan.dataset.to_json() if plan.dataset is not None else None,
-        "old_config": dict(plan.old_config) if plan.old_config is not None else None,
-        "new_config": dict(plan.new_config) if plan.new_config is not None else None,
-    }
 
 
 def _int_array(a: np.ndarray) -> np.ndarray:
@@ -90,13 +58,13 @@ def _int_array(a: np.ndarray) -> np.ndarray:
 def encode(plan: Plan, host: str) -> bytes:
     """``host``'s part of ``plan``, encoded (see the module doc). Built from the planner's arrays when the plan
     has them (a plan from :func:`make_plan`), else from the host's objects."""
-    plan.host(host)  # a clear error for a host without a part
-    table = plan.part_arrays(host)
-    arrays = PartArrays(**table) if table is not None else _arrays_of(plan.host(host))
-    return _pack(_plan_header(plan), arrays)
+    arrays = plan.part_arrays(host)  # (a clear error for a host without a part)
+    if arrays is None:
+        arrays = _arrays_of(plan.host(host))
+    return _pack(plan.scalars_json(), arrays)
 
 
-def _arrays_of(hp: HostPlan) -> PartArrays:
+def _arrays_of(hp: HostPlan) -> dict[str, Any]:
     """The arrays of a host plan made of objects (loaded from JSON, or decoded)."""
     shards = hp.shards
     tensor_id: dict[str, int] = {}
@@ -138,7 +106,7 @@ def _arrays_of(hp: HostPlan) -> PartArrays:
         boxes.append(padded(t.region))
     sbox = np.array([padded(s.region) for s in shards], dtype=np.int64).reshape(len(shards), ndim, 2)
     tbox = np.array(boxes, dtype=np.int64).reshape(len(boxes), ndim, 2)
-    return PartArrays(
+    return dict(
         host=hp.host, tensors=tensors, hosts=list(host_id),
         shard_tensor=np.array([tensor_id[s.tensor] for s in shards], dtype=np.int64),
         shard_lo=sbox[:, :, 0], shard_hi=sbox[:, :, 1], source=np.array(source, dtype=np.int64),
@@ -146,20 +114,20 @@ def _arrays_of(hp: HostPlan) -> PartArrays:
         altset=np.array(altset, dtype=np.int64), sets=sets)
 
 
-def _pack(plan_header: Mapping[str, Any], a: PartArrays) -> bytes:
-    offsets = np.zeros(len(a.sets) + 1, dtype=np.int64)
-    if a.sets:
-        offsets[1:] = np.cumsum([len(s) for s in a.sets])
-        members = np.fromiter((m for s in a.sets for m in s), dtype=np.int64, count=int(offsets[-1]))
+def _pack(plan_header: Mapping[str, Any], a: Mapping[str, Any]) -> bytes:
+    """Encode a host's part given as arrays with global ids (:meth:`Plan.part_arrays`, :func:`_arrays_of`):
+    ``tensors`` and ``hosts`` resolve them, ``sets`` are host-id tuples, the rest are the format's arrays."""
+    sets = a["sets"]
+    offsets = np.zeros(len(sets) + 1, dtype=np.int64)
+    if sets:
+        offsets[1:] = np.cumsum([len(s) for s in sets])
+        members = np.fromiter((m for s in sets for m in s), dtype=np.int64, count=int(offsets[-1]))
     else:
         members = np.zeros(0, dtype=np.int64)
-    values = {
-        "shard_tensor": a.shard_tensor, "shard_lo": a.shard_lo, "shard_hi": a.shard_hi, "source": a.source,
-        "shard": a.shard, "lo": a.lo, "hi": a.hi, "altset": a.altset, "set_offsets": offsets, "set_members": members,
-    }
+    values = {**a, "set_offsets": offsets, "set_members": members}
     encoded = {name: _int_array(values[name]) for name in _ARRAYS}
     header = {
-        **plan_header, "host": a.host, "tensors": [[n, d, list(s)] for n, d, s in a.tensors], "hosts": list(a.hosts),
+        **plan_header, "host": a["host"], "tensors": [[n, d, list(s)] for n, d, s in a["tensors"]], "hosts": list(a["hosts"]),
         "arrays": [[name, encoded[name].dtype.str, list(encoded[name].shape)] for name in _ARRAYS],
     }
     head = json.dumps(header, separators=(",", ":")).encode()
@@ -173,17 +141,12 @@ def _pack(plan_header: Mapping[str, Any], a: PartArrays) -> bytes:
     return b"".join(out)
 
 
-def part_version(data: bytes | memoryview) -> int:
-    """The format version of an encoded part; InvalidInput when it is not one."""
-    if len(data) < _PREFIX.size or bytes(data[:8]) != MAGIC:
-        raise InvalidInput(f"not a tenplex plan part: it does not start with {MAGIC!r}")
-    return int(_PREFIX.unpack_from(data)[1])
-
-
 def decode(data: bytes | memoryview) -> Plan:
     """The plan an encoded part is of, with only that host's part; InvalidInput naming what is wrong for a part
     this daemon cannot read (another format version, truncated, inconsistent)."""
-    version = part_version(data)
+    if len(data) < _PREFIX.size or bytes(data[:8]) != MAGIC:
+        raise InvalidInput(f"not a tenplex plan part: it does not start with {MAGIC!r}")
+    version = _PREFIX.unpack_from(data)[1]
     if version != VERSION:
         raise InvalidInput(f"plan part format version {version}: this daemon reads version {VERSION} only "
                            "(the scheduler and the node daemons must run matching releases)")
@@ -239,15 +202,7 @@ def _decode(data: memoryview) -> Plan:
         source = None if src == _ZERO else CHECKPOINT if src == _CKPT else hosts[src]
         alts = tuple(a for a in sets[alt] if a != source) if alt >= 0 else ()
         transfers.append(Transfer(source, dest.tensor, region, k, region.volume * dtypes.itemsize(dest.dtype), alts))
-    dataset = h.get("dataset")
-    return Plan(
-        job=str(h["job"]), old_version=Version.parse(h["old_version"]), new_version=Version.parse(h["new_version"]),
-        hosts={host: HostPlan(host, shards, transfers)}, network_bytes=int(h["network_bytes"]),
-        local_bytes=int(h["local_bytes"]), zero_fill_bytes=int(h["zero_fill_bytes"]),
-        lower_bound_bytes=int(h["lower_bound_bytes"]),
-        dataset=DatasetState.from_json(dataset) if dataset is not None else None, checkpoint=h.get("checkpoint"),
-        old_config=h.get("old_config"), new_config=h.get("new_config"), old_job=h.get("old_job"),
-    )
+    return Plan.from_scalars(h, {host: HostPlan(host, shards, transfers)})
 
 
-__all__ = ["MAGIC", "VERSION", "PartArrays", "decode", "encode", "part_version"]
+__all__ = ["MAGIC", "VERSION", "decode", "encode"]

@@ -22,7 +22,7 @@ fill them:
   re-partitions it (see :class:`~tenplex.ptc.dataset.DatasetState`).
 
 The plan is checked before it is returned: every destination shard is covered
-exactly once, and the network bytes equal :func:`lower_bound_bytes`, which is
+exactly once, and the network bytes equal :func:`_lower_bound`, which is
 computed independently (per target host: the bytes of the distinct shards it
 needs minus the bytes it already holds, by region intersection, counted over
 host sets rather than over the plan's rows).
@@ -47,8 +47,7 @@ import gc
 import json
 import logging
 from collections import defaultdict
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from io import StringIO
 from itertools import chain
@@ -382,9 +381,9 @@ class Plan:
 
     # -- JSON ---------------------------------------------------------------
 
-    def to_json(self) -> dict[str, Any]:
+    def scalars_json(self) -> dict[str, Any]:
+        """Everything but the host parts: also the header of a host's binary part (:mod:`tenplex.transformer.part`)."""
         return {
-            "format": FORMAT,
             "job": self.job,
             "old_version": str(self.old_version),
             "new_version": str(self.new_version),
@@ -393,12 +392,38 @@ class Plan:
             "zero_fill_bytes": self.zero_fill_bytes,
             "lower_bound_bytes": self.lower_bound_bytes,
             "checkpoint": self.checkpoint,
-            **({"old_job": self.old_job} if self.old_job is not None else {}),
+            "old_job": self.old_job,
             "dataset": self.dataset.to_json() if self.dataset is not None else None,
             "old_config": dict(self.old_config) if self.old_config is not None else None,
             "new_config": dict(self.new_config) if self.new_config is not None else None,
-            "hosts": {h: hp.to_json() for h, hp in self.hosts.items()},
         }
+
+    @classmethod
+    def from_scalars(cls, obj: Mapping[str, Any], hosts: Mapping[str, HostPlan]) -> Plan:
+        """The plan of :meth:`scalars_json`'s fields with these host parts (KeyError, TypeError or ValueError:
+        the caller says what was malformed)."""
+        dataset = obj.get("dataset")
+        return cls(
+            job=str(obj["job"]),
+            old_version=Version.parse(obj["old_version"]),
+            new_version=Version.parse(obj["new_version"]),
+            hosts=hosts,
+            network_bytes=int(obj["network_bytes"]),
+            local_bytes=int(obj["local_bytes"]),
+            zero_fill_bytes=int(obj["zero_fill_bytes"]),
+            lower_bound_bytes=int(obj["lower_bound_bytes"]),
+            dataset=DatasetState.from_json(dataset) if dataset is not None else None,
+            checkpoint=obj.get("checkpoint"),
+            old_config=obj.get("old_config"),
+            new_config=obj.get("new_config"),
+            old_job=obj.get("old_job"),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        out = {"format": FORMAT, **self.scalars_json(), "hosts": {h: hp.to_json() for h, hp in self.hosts.items()}}
+        if self.old_job is None:
+            del out["old_job"]
+        return out
 
     @classmethod
     def from_json(cls, obj: Any) -> Plan:
@@ -406,23 +431,7 @@ class Plan:
             got = obj.get("format") if isinstance(obj, dict) else type(obj).__name__
             raise InvalidInput(f"not a transformation plan: expected format {FORMAT!r}, got {got!r}")
         try:
-            hosts = {h: HostPlan.from_json(hp) for h, hp in obj["hosts"].items()}
-            dataset = obj.get("dataset")
-            return cls(
-                job=obj["job"],
-                old_version=Version.parse(obj["old_version"]),
-                new_version=Version.parse(obj["new_version"]),
-                hosts=hosts,
-                network_bytes=int(obj["network_bytes"]),
-                local_bytes=int(obj["local_bytes"]),
-                zero_fill_bytes=int(obj["zero_fill_bytes"]),
-                lower_bound_bytes=int(obj["lower_bound_bytes"]),
-                dataset=DatasetState.from_json(dataset) if dataset is not None else None,
-                checkpoint=obj.get("checkpoint"),
-                old_config=obj.get("old_config"),
-                new_config=obj.get("new_config"),
-                old_job=obj.get("old_job"),
-            )
+            return cls.from_scalars(obj, {h: HostPlan.from_json(hp) for h, hp in obj["hosts"].items()})
         except (KeyError, TypeError, ValueError) as exc:
             raise InvalidInput(f"malformed plan: {type(exc).__name__}: {exc}") from None
 
@@ -996,26 +1005,17 @@ def make_plan(
         holders = {}
     else:
         old_job = None
-    with _gc_paused():
-        plan = _make_plan(old, new, job, old_version, new_version, holders, alive, checkpoint)
-    return replace(plan, old_job=old_job) if old_job is not None else plan
-
-
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector while a plan is built.
-
-    Reading two large PTCs allocates a few hundred thousand small acyclic
-    objects; the collector would rescan the growing heap several times over and
-    can free nothing. It is re-enabled afterwards.
-    """
+    # The cyclic garbage collector is paused while the plan is built: reading two large PTCs allocates a few
+    # hundred thousand small acyclic objects, and the collector would rescan the growing heap several times
+    # over and could free nothing.
     enabled = gc.isenabled()
     gc.disable()
     try:
-        yield
+        plan = _make_plan(old, new, job, old_version, new_version, holders, alive, checkpoint)
     finally:
         if enabled:
             gc.enable()
+    return replace(plan, old_job=old_job) if old_job is not None else plan
 
 
 def _plan_shapes(old: PTC, new: PTC) -> tuple[list[str], dict[str, int], list[int], int, np.ndarray]:
@@ -1343,36 +1343,17 @@ def _lost_message(lost: np.ndarray, p_shard: np.ndarray, p_lo: np.ndarray, p_hi:
 # -- lower bound -------------------------------------------------------------------
 
 
-def lower_bound_bytes(
-    old: PTC,
-    new: PTC,
-    *,
-    old_version: Version | str | None = None,
-    holders: Mapping[str, Version | str] | None = None,
-    alive: Collection[str] | None = None,
-) -> int:
+def _lower_bound(old: PTC, new: PTC, sources: set[str], oc: _Columns, nc: _Columns, ndim: int,
+                 old_shape: np.ndarray) -> int:
     """Bytes that must cross the network: per target host, what it needs minus what it holds.
 
     Independent of the planner's piece and row bookkeeping: it sums, over
     every new shard, its bytes inside the old shape (padding rows are
     zero-filled, not fetched) once per distinct host that needs it, and
     subtracts every overlap of an old shard with a new shard once per host
-    that both holds the old shard (alive, in the usable version) and needs the
-    new one, counted by intersecting the two host sets.
+    that both holds the old shard (alive, in the usable version, ``sources``)
+    and needs the new one, counted by intersecting the two host sets.
     """
-    if holders is not None and old_version is None:
-        raise InvalidInput("lower_bound_bytes needs old_version when holders are given")
-    ov = _as_version(old_version, "old_version") if old_version is not None else Version(0)
-    _check_compatible(old, new)
-    sources = _sources(old, ov, holders, alive)
-    _, index, _, ndim, old_shape = _plan_shapes(old, new)
-    with _gc_paused():
-        return _lower_bound(old, new, sources, _columns(old, ndim, index), _columns(new, ndim, index), ndim,
-                            old_shape)
-
-
-def _lower_bound(old: PTC, new: PTC, sources: set[str], oc: _Columns, nc: _Columns, ndim: int,
-                 old_shape: np.ndarray) -> int:
     old_host = {d.id: d.host for d in old.devices}
     new_host = {d.id: d.host for d in new.devices}
     held = [frozenset(old_host[d] for d in devs) & sources for devs in oc.devsets]
@@ -1409,20 +1390,6 @@ def plan_summary(plan: Plan) -> dict[str, Any]:
         "hosts": len(plan.hosts),
         "transfers": sum(hp.transfer_count for hp in plan.hosts.values()),
     }
-
-
-__all__: Iterable[str] = (
-    "CHECKPOINT",
-    "DestShard",
-    "HostPlan",
-    "Plan",
-    "Transfer",
-    "carry_dataset",
-    "lower_bound_bytes",
-    "make_plan",
-    "merge_boxes",
-    "plan_summary",
-)
 
 
 # -- what a placement keeps in place ------------------------------------------------------------

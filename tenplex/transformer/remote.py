@@ -18,7 +18,7 @@ import struct
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 from urllib.parse import quote, urlsplit
 
@@ -49,7 +49,7 @@ REQUEST_CONTENT_TYPE = "application/vnd.tenplex.transform"
 class TransformRequest:
     """What the control plane sends a target host's daemon: its sub-plan and where the sources are.
 
-    On the wire (:meth:`to_bytes`): ``REQUEST_MAGIC`` | format version (u32 LE) | header length (u32 LE) |
+    On the wire (:func:`encode_request`): ``REQUEST_MAGIC`` | format version (u32 LE) | header length (u32 LE) |
     header (JSON: host, sources, token, checkpoint options) | the host's part in its compact binary form
     (:mod:`tenplex.transformer.part`). A JSON body (``{"host", "plan", "sources", ...}`` with the plan as
     ``tenplex.plan/v1``) is read too, for people and scripts; the control plane sends the binary form.
@@ -84,9 +84,6 @@ class TransformRequest:
         head = f"{self.plan.job}|{self.plan.old_version}|{self.plan.new_version}|{self.plan.checkpoint}|" + (
             f"{self.plan.old_job}|" if self.plan.old_job is not None else "")
         return hashlib.sha256(head.encode() + self.part_bytes).hexdigest()[:20]
-
-    def to_bytes(self) -> bytes:
-        return encode_request(self.host, self.part_bytes, self.sources, self.token, self.checkpoint_options)
 
     @classmethod
     def from_body(cls, body: bytes) -> TransformRequest:
@@ -161,14 +158,11 @@ def _json(body: bytes, what: str) -> Any:
         raise InvalidInput(f"{what} is not JSON: {exc}") from None
 
 
-def encode_request(host: str, part: bytes, sources: Mapping[str, str], token: str | None,
-                   checkpoint_options: Mapping[str, Any] | None = None) -> bytes:
+def encode_request(host: str, part: bytes, sources: Mapping[str, str], token: str | None) -> bytes:
     """A transform request's binary form (see :class:`TransformRequest`), around an encoded part."""
     header: dict[str, Any] = {"host": host, "sources": dict(sources)}
     if token is not None:
         header["token"] = token
-    if checkpoint_options is not None:
-        header["checkpoint_options"] = dict(checkpoint_options)
     head = json.dumps(header, separators=(",", ":")).encode()
     return b"".join((_REQUEST_PREFIX.pack(REQUEST_MAGIC, REQUEST_VERSION, len(head)), head, part))
 
@@ -224,24 +218,10 @@ class TransformStatus(TaskProgress):
     def transform_report(self) -> TransformReport:
         if self.report is None:
             raise NotFound(f"transform of {self.host} to {self.version} has no report ({self.state})")
-        r = self.report
-        return TransformReport(
-            host=str(r["host"]), bytes_local=int(r["bytes_local"]), bytes_remote=int(r["bytes_remote"]),
-            bytes_zero=int(r["bytes_zero"]), seconds=float(r["seconds"]), requests=int(r["requests"]),
-            replanned_pieces=int(r["replanned_pieces"]), shards=int(r.get("shards", 0)),
-            bytes_checkpoint=int(r.get("bytes_checkpoint", 0)), bytes_linked=int(r.get("bytes_linked", 0)),
-            fresh_buffer_bytes=int(r.get("fresh_buffer_bytes", 0)),
-        )
+        return TransformReport.from_json(self.report)
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "job": self.job, "version": self.version, "host": self.host, "old_version": self.old_version,
-            "digest": self.digest, "state": self.state, "bytes_total": self.bytes_total,
-            "bytes_done": self.bytes_done, "submitted_at": self.submitted_at, "started_at": self.started_at,
-            "finished_at": self.finished_at, "seconds": round(self.seconds, 6), "rate_bytes_per_s": round(self.rate, 1),
-            "error": self.error, "error_code": self.error_code,
-            "report": dict(self.report) if self.report is not None else None,
-        }
+        return {**asdict(self), "seconds": round(self.seconds, 6), "rate_bytes_per_s": round(self.rate, 1)}
 
     @classmethod
     def from_json(cls, obj: Mapping[str, Any]) -> TransformStatus:
@@ -288,10 +268,6 @@ class PlanRun:
         self.token = token
         self._client_for = client_for
         self.statuses: dict[str, TransformStatus] = {}
-
-    def request(self, host: str) -> TransformRequest:
-        sources = {h: self.stores[h] for h in sorted(self.plan.sources_of(host)) if h in self.stores}
-        return TransformRequest(host=host, plan=self.plan.for_host(host), sources=sources, token=self.token)
 
     def body(self, host: str) -> bytes:
         """``host``'s request in its binary form, built from the planner's arrays (no per-piece objects)."""

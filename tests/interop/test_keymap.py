@@ -8,6 +8,7 @@ import torch
 from tenplex.errors import InvalidConfig, InvalidInput
 from tenplex.interop import keymap as km
 from tenplex.ptc import PTC, Device, Region, TensorKind, build_tensor
+from tenplex.transformer.cli import parse_pairs
 
 
 def _ptc(*tensors) -> PTC:
@@ -92,10 +93,10 @@ def test_registry_resolves_names_and_module_functions() -> None:
         km.resolve("no_such_module_xyz:f")
     with pytest.raises(InvalidConfig, match="has no function"):
         km.resolve(f"{__name__}:missing")
-    assert km.parse_options(["a=1", "b=x=y"]) == {"a": "1", "b": "x=y"}
+    assert parse_pairs(["a=1", "b=x=y"], "--key-map-option") == {"a": "1", "b": "x=y"}
     for bad in (["a"], ["=1"], ["a=1", "a=2"]):
         with pytest.raises(InvalidInput):
-            km.parse_options(bad)
+            parse_pairs(bad, "--key-map-option")
 
 
 def test_validation_names_the_problem() -> None:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from typing import Any
 
 import numpy as np
 import pytest
 
-from tenplex.errors import NotFound, StateLost, TransformFailed
+from tenplex.errors import ChecksumMismatch, NotFound, StateLost, TransformFailed
 from tenplex.node.store_routes import StoreServer
-from tenplex.ptc import ParallelConfig
+from tenplex.ptc import PTC, Device, ParallelConfig, Region, build_tensor
 from tenplex.store.client import StoreClient
 from tenplex.store.local import LocalStore
 from tenplex.store.names import region_key, tensor_dirname
@@ -165,6 +166,43 @@ def test_local_target_and_corrupt_local_copy_falls_back_to_a_replica(cluster) ->
     assert report.bytes_remote == plan.hosts["h1"].bytes_remote + victim.nbytes
     execute_host_plan(plan, "h2", target=cluster.clients["h2"], sources={h: cluster.clients[h] for h in ("h0", "h1")})
     check_new_state(cluster, new, state, "local", NEW_V)
+
+
+class _FlippedBits(LocalStore):
+    """A source whose next ``flips`` reads fail their checksum (bits flipped on the way), then read correctly."""
+
+    flips = 0
+    reads = 0
+
+    def read_into(self, *args: Any, **kwargs: Any) -> None:
+        self.reads += 1
+        if self.flips:
+            self.flips -= 1
+            raise ChecksumMismatch("checksum mismatch (bits flipped on the way)")
+        return super().read_into(*args, **kwargs)
+
+
+@pytest.mark.parametrize("flips", [1, 2])
+def test_a_checksum_mismatch_is_read_once_more_then_the_next_holder(tmp_path, flips: int) -> None:
+    def ptc(hosts: list[str]) -> PTC:
+        w = build_tensor("w", (8, 4), "float32", "param", [(Region.full((8, 4)), list(range(len(hosts))))])
+        return PTC({}, tuple(Device(i, h) for i, h in enumerate(hosts)), (w,))
+
+    data = np.arange(32, dtype=np.float32).reshape(8, 4)
+    src, alt = _FlippedBits(tmp_path / "h0", durable=False), LocalStore(tmp_path / "h2", durable=False)
+    for s in (src, alt):
+        s.write_shard("j", OLD_V, "w", Region.full((8, 4)), data, dtype="float32", global_shape=(8, 4))
+        s.commit("j", OLD_V)
+    plan = make_plan(ptc(["h0", "h2"]), ptc(["h1"]), job="j", old_version=OLD_V, new_version=NEW_V)
+    assert [(t.source, t.alternatives) for t in plan.hosts["h1"].transfers] == [("h0", ("h2",))]
+    src.flips = flips
+    target = LocalStore(tmp_path / "h1", durable=False)
+    report = execute_host_plan(plan, "h1", target=target, sources={"h0": src, "h2": alt}, batch_bytes=0)
+    assert src.reads == 2  # read once more after the first mismatch, never a third time
+    assert report.replanned_pieces == flips - 1  # a second mismatch moves the piece to the other holder
+    out = np.empty((8, 4), np.float32)
+    target.read_into("j", NEW_V, "w", Region.full((8, 4)), out)
+    np.testing.assert_array_equal(out, data)
 
 
 def test_survivor_links_the_shards_it_keeps(cluster) -> None:
