@@ -839,28 +839,10 @@ class LocalStore(TensorStore):
         log.info("deleted version %s of job %s", v, job)
 
     def gc(self, job: str, keep_last: int, *, stale_staging_s: float = 3600.0) -> list[Version]:
-        """Delete all but the newest ``keep_last`` committed versions, and uncommitted ones older than the newest committed.
-
-        Uncommitted versions newer than every committed one may still be being
-        written and are kept. Also clears leftovers of killed writers: deleted
-        or replaced copies, and shards left in staging that nothing has
-        written to for ``stale_staging_s`` seconds; and removes evicted memory
-        versions whose grace period has passed.
-        """
-        if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
-            raise InvalidInput(f"keep_last must be an integer >= 1 (the newest committed version is never collected), got {keep_last!r}")
-        infos = self.versions(job)
-        committed = [vi.version for vi in infos if vi.committed]
-        keep = set(committed[-keep_last:])
-        newest = committed[-1] if committed else None
-        doomed = [
-            vi.version
-            for vi in infos
-            if vi.version not in keep and (vi.committed or (newest is not None and vi.version < newest))
-        ]
-        for v in doomed:
-            with contextlib.suppress(NotFound):
-                self.delete(job, v)
+        """:meth:`TensorStore.gc <tenplex.store.base.TensorStore.gc>`, then the leftovers of killed writers:
+        deleted or replaced copies, and shards left in staging that nothing has written to for
+        ``stale_staging_s`` seconds; and evicted memory versions whose grace period has passed."""
+        doomed = super().gc(job, keep_last)
         for root in self._roots():
             clean_staging(root.staging(job), stale_staging_s)
         if self.memory is not None:
@@ -884,9 +866,6 @@ class LocalStore(TensorStore):
             if format_checksum(crc) != info.checksum:
                 problems.append(f"{info.tensor} {info.region.format()}: checksum {format_checksum(crc)} != recorded {info.checksum}")
         return problems
-
-    def nbytes(self, job: str, version: Version | str) -> int:
-        return self.manifest(job, version).nbytes
 
 
 def _file_id(path: str) -> tuple[int, int] | None:

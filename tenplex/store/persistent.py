@@ -1154,22 +1154,6 @@ class PersistentStore(TensorStore):
                 del self._arrays[key]
             self._groups = {g for g in self._groups if not g.startswith(f"{self._vkey(job, version)}/")}
 
-    def gc(self, job: str, keep_last: int) -> list[Version]:
-        """Delete all but the newest ``keep_last`` committed versions, and uncommitted ones older than the
-        newest committed (newer ones may still be uploading); the versions deleted."""
-        if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
-            raise InvalidInput(f"keep_last must be an integer >= 1, got {keep_last!r}")
-        infos = self.versions(job)
-        committed = [vi.version for vi in infos if vi.committed]
-        keep = set(committed[-keep_last:])
-        newest = committed[-1] if committed else None
-        doomed = [vi.version for vi in infos
-                  if vi.version not in keep and (vi.committed or (newest is not None and vi.version < newest))]
-        for v in doomed:
-            with contextlib.suppress(NotFound):
-                self.delete(job, v)
-        return doomed
-
 
 class PersistentShardWriter:
     """A shard being written to a :class:`PersistentStore`, piece by piece in payload order.
