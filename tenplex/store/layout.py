@@ -23,20 +23,18 @@ entry starts with a dot, which no job name may::
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
 import json
 import logging
 import os
 import shutil
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tenplex.core.files import atomic_write, fsync_path
+from tenplex.core.files import atomic_write, fsync_path, syncfs
 from tenplex.core.version import Version
 from tenplex.errors import InvalidInput, NotFound
 from tenplex.store.names import check_job
@@ -276,28 +274,12 @@ def link_tree(src: Path, dst: Path) -> None:
 
 
 def sync_tree(path: Path) -> None:
-    """Make every file and directory entry under ``path`` durable before the commit marker is written.
-
-    One ``syncfs(2)`` of the store's file system (Linux) flushes them all in a single call; a version
-    of a few hundred shards would otherwise cost thousands of fsyncs. Elsewhere, fsync each one.
-    """
-    if _syncfs(path):
-        return
+    """Make every file and directory entry under ``path`` durable before the commit marker is written: one
+    :func:`~tenplex.core.files.syncfs` of the store's file system; where that is not possible, fsync each one."""
+    with contextlib.suppress(OSError):
+        if syncfs(path):
+            return
     _fsync_tree(path)
-
-
-def _syncfs(path: Path) -> bool:
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    except (OSError, AttributeError):
-        return False
-    try:
-        return libc.syncfs(fd) == 0
-    finally:
-        os.close(fd)
 
 
 def _fsync_tree(path: Path) -> None:

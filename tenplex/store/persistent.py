@@ -52,8 +52,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import functools
 import itertools
 import json
 import logging
@@ -78,7 +76,7 @@ from zarr.core.buffer.cpu import Buffer, NDBuffer
 from zarr.core.indexing import BasicIndexer
 from zarr.core.sync import sync
 
-from tenplex.core.files import atomic_write
+from tenplex.core.files import atomic_write, syncfs
 from tenplex.core.version import Version
 from tenplex.errors import (
     ChecksumMismatch,
@@ -844,14 +842,14 @@ class PersistentStore(TensorStore):
                         with contextlib.suppress(FileExistsError):
                             os.mkdir(f"{root}/{d}")
                 for key, data in groups.items():
-                    _put_file(f"{root}/{key}", data)
+                    atomic_write(f"{root}/{key}", data)
                 for key in stale:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(f"{root}/{key}")
                 for key, chunk in chunks:
-                    _put_file(f"{root}/{key}", chunk.as_buffer_like())
+                    atomic_write(f"{root}/{key}", chunk.as_buffer_like())
                 for key, data in metas:
-                    _put_file(f"{root}/{key}", data)
+                    atomic_write(f"{root}/{key}", data)
             except OSError as exc:
                 raise self._map_error(exc, what) or exc from exc
             with self._lock:
@@ -1247,33 +1245,10 @@ def _json_bytes(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
-def _put_file(path: str, data: Any) -> None:
-    """Write an object of a ``file://`` location (its directory exists) as zarr's LocalStore does: renamed
-    over its name from a temporary one beside it, so a reader never sees half of it."""
-    atomic_write(path, data)
-
-
 def _sync_file_system(root: Path) -> None:
-    """Make what was written under ``root`` durable, once for a whole version: ``syncfs(2)`` of the file
-    system that holds it (Linux), which flushes that file system only, not every disk of the machine as
-    ``sync(2)`` does (on a shared node the other disks' writeback is not ours to wait for); ``os.sync``
-    where there is no ``syncfs``."""
-    syncfs = getattr(_libc(), "syncfs", None)
-    if syncfs is None:
+    """What a ``file://`` location wrote made durable: :func:`~tenplex.core.files.syncfs`, else ``sync(2)``."""
+    if not syncfs(root):
         os.sync()
-        return
-    fd = os.open(root, os.O_RDONLY)
-    try:
-        if syncfs(fd) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"syncfs({root}): {os.strerror(err)}")
-    finally:
-        os.close(fd)
-
-
-@functools.lru_cache(maxsize=1)
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)
 
 
 def _stat_sizes(root: str, keys: Sequence[str]) -> dict[str, int]:
