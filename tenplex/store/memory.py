@@ -63,7 +63,6 @@ from tenplex.store.tiers import (
     MemorySlots,
     TierSettings,
     check_memory_fs,
-    copy_plain,
     copy_verified,
     lower_priority,
     matches,
@@ -496,14 +495,14 @@ class MemoryTier:
         spilled = [(self.mem.version(job, w), self.disk.version(job, w)) for _t, j, w in self.versions(spilled=True)
                    if j == job and w != version]
         dst.mkdir(parents=True, exist_ok=True)
-        copy_plain(src / "zarr.json", dst / "zarr.json")
+        shutil.copyfile(src / "zarr.json", dst / "zarr.json")
         copied = 0
         for tname in sorted(os.listdir(src)):
             tsrc = src / tname
             if not tsrc.is_dir():
                 continue
             (dst / tname).mkdir()
-            copy_plain(tsrc / "zarr.json", dst / tname / "zarr.json")
+            shutil.copyfile(tsrc / "zarr.json", dst / tname / "zarr.json")
             for sname in sorted(os.listdir(tsrc)):
                 if (tsrc / sname).is_dir():
                     copied += self._spill_shard(job, version, tsrc / sname, dst / tname / sname, f"{tname}/{sname}", spilled)
@@ -527,7 +526,7 @@ class MemoryTier:
             for name in files:
                 key = name if sub == "." else f"{sub}/{name}"
                 if key == "zarr.json":
-                    copy_plain(here / name, out / name)
+                    shutil.copyfile(here / name, out / name)
                 elif not _link_kept(here / name, f"{rel}/{key}", spilled, out / name):
                     copy_verified(here / name, out / name, expected.get(key), direct=self.direct_writes)
                     copied += os.stat(out / name).st_size
@@ -645,7 +644,6 @@ class Spiller:
         self._retry_at: dict[tuple[str, str], tuple[float, float]] = {}  # (job, version) -> (when, delay)
         self.spilled = 0
         self.spilled_bytes = 0
-        self.spill_seconds = 0.0
         self.failures = 0
         self.busy = False
         """Whether a spill is running now."""
@@ -692,7 +690,6 @@ class Spiller:
             when, delay = self._retry_at.get(key, (0.0, 0.0))
             if now < when:
                 continue
-            t0 = time.perf_counter()
             try:
                 self.busy = True
                 nbytes = tier.spill(job, version)
@@ -710,5 +707,4 @@ class Spiller:
                 done += 1
                 self.spilled += 1
                 self.spilled_bytes += nbytes
-                self.spill_seconds += time.perf_counter() - t0
         return done
