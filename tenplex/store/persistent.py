@@ -90,11 +90,11 @@ from tenplex.errors import (
     Unauthorized,
 )
 from tenplex.ptc.dtypes import check_dtype, storage_dtype
-from tenplex.ptc.region import Region, subtract
+from tenplex.ptc.region import Region
 from tenplex.store.base import RegionRead, TensorStore
 from tenplex.store.buffers import ReceivedCrcs, crc_of, host_buffer, host_data, numpy_view, slabs
 from tenplex.store.locations import check_options, check_uri
-from tenplex.store.model import Manifest, ShardInfo, VersionInfo, format_checksum
+from tenplex.store.model import Manifest, ShardInfo, VersionInfo, cover, format_checksum
 from tenplex.store.names import (
     check_job,
     check_shard_target,
@@ -221,10 +221,6 @@ def _chunk_objects(meta: Mapping[str, Any]) -> dict[str, int]:
 def _sort_key(info: ShardInfo) -> tuple[str, str]:
     """The node store's manifest order: tensor directory, then shard directory, as names."""
     return tensor_dirname(info.tensor), region_key(info.region)
-
-
-def _missing_text(missing: Sequence[Region]) -> str:
-    return ", ".join(m.format() for m in missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -548,17 +544,10 @@ class PersistentStore(TensorStore):
         region.check_within(shards[0].global_shape)
         if region.empty:
             return []
-        parts: list[tuple[ShardInfo, Region]] = []
-        missing = [region]
-        for s in shards:
-            common = s.region.intersect(region)
-            if common is None or not any(m.overlaps(common) for m in missing):
-                continue
-            parts.append((s, common))
-            missing = [piece for m in missing for piece in subtract(m, common)]
+        parts, missing = cover(shards, lambda s: s.region, region)
         if missing:
             raise StateLost(f"tensor {tensor!r} (shape {list(shards[0].global_shape)}) in {where}: region "
-                            f"{region.format()!r} is not covered by the stored shards; missing {_missing_text(missing)}")
+                            f"{region.format()!r} is not covered by the stored shards; missing {missing}")
         return parts
 
     async def _read_parts(self, job: str, version: Version, tensor: str, region: Region, view: np.ndarray,
