@@ -56,7 +56,7 @@ from tenplex.ptc.dtypes import itemsize, name_of_torch
 from tenplex.ptc.region import Region
 from tenplex.sockets import create_connection
 from tenplex.store.base import RegionRead, TensorStore
-from tenplex.store.buffers import ReceivedCrcs, host_data, numpy_view, payload_offset, slabs
+from tenplex.store.buffers import ReceivedCrcs, host_buffer, host_data, payload_offset, slabs
 from tenplex.store.model import Manifest, ShardInfo, VersionInfo, format_checksum
 from tenplex.store.names import check_job, check_tensor, check_version
 from tenplex.store.wire import (
@@ -446,15 +446,8 @@ class StoreClient(TensorStore):
                 raise InvalidInput(f"output buffer of shape {out.shape} is not C-contiguous")
             yield out
             return
-        dtype = name_of_torch(out.dtype)
-        if out.device.type != "cpu":
-            import torch
-
-            staging = torch.empty(tuple(out.shape), dtype=out.dtype, pin_memory=torch.cuda.is_available())
-            yield numpy_view(staging, dtype, what="output buffer")
-            out.copy_(staging)
-            return
-        yield numpy_view(out, dtype, what="output buffer")
+        with host_buffer(out, name_of_torch(out.dtype), what="output buffer") as host:
+            yield host
 
     def read_into(
         self,
@@ -571,11 +564,7 @@ class StoreClient(TensorStore):
     ) -> ShardInfo:
         """Upload a shard (PUT, sent straight from the buffer); replaces the same region of an uncommitted version.
         (``received`` is not used: the daemon checksums the bytes it receives.)"""
-        arr = host_data(data, dtype, what=f"data for tensor {tensor!r}")
-        if not isinstance(region, Region):
-            raise InvalidInput(f"region must be a Region, got {type(region).__name__}")
-        if arr.shape != region.shape:
-            raise InvalidInput(f"data has shape {list(arr.shape)}, region {region.format()!r} has shape {list(region.shape)}")
+        arr = host_data(data, dtype, tensor, region)
         query = urllib.parse.urlencode({"region": region.format()})
         headers = {
             DTYPE_HEADER: dtype,

@@ -427,12 +427,7 @@ class LocalStore(TensorStore):
         received) the chunk files' and the shard's crc32c come from them, not
         from another pass over the bytes.
         """
-        check_dtype(dtype)
-        arr = host_data(data, dtype, what=f"data for tensor {tensor!r}")
-        if not isinstance(region, Region):
-            raise InvalidInput(f"region must be a Region, got {type(region).__name__}")
-        if arr.shape != region.shape:
-            raise InvalidInput(f"data has shape {list(arr.shape)}, region {region.format()!r} has shape {list(region.shape)}")
+        arr = host_data(data, dtype, tensor, region)
         writer = self.open_writer(job, version, tensor, region, dtype=dtype, global_shape=global_shape, check_tensor=False)
         if received is not None and writer.raw is not None:
             if received.base != arr.ctypes.data or received.nbytes != arr.nbytes:

@@ -89,7 +89,7 @@ from tenplex.errors import (
     TenplexError,
     Unauthorized,
 )
-from tenplex.ptc.dtypes import check_dtype, storage_dtype
+from tenplex.ptc.dtypes import storage_dtype
 from tenplex.ptc.region import Region
 from tenplex.store.base import RegionRead, TensorStore
 from tenplex.store.buffers import ReceivedCrcs, crc_of, host_buffer, host_data, numpy_view, slabs
@@ -724,12 +724,7 @@ class PersistentStore(TensorStore):
         """Store ``data`` as the shard ``region`` of ``tensor`` in an uncommitted version (the same region again
         replaces it): its chunk objects first, then its metadata with the checksum. (``received`` is not used:
         the chunk objects' crc32c codec checksums them as they are encoded.)"""
-        check_dtype(dtype)
-        arr = host_data(data, dtype, what=f"data for tensor {tensor!r}")
-        if not isinstance(region, Region):
-            raise InvalidInput(f"region must be a Region, got {type(region).__name__}")
-        if arr.shape != region.shape:
-            raise InvalidInput(f"data has shape {list(arr.shape)}, region {region.format()!r} has shape {list(region.shape)}")
+        arr = host_data(data, dtype, tensor, region)
         writer = self.open_writer(job, version, tensor, region, dtype=dtype, global_shape=global_shape)
         try:
             for i, piece in enumerate(writer.pieces):
