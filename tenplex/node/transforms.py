@@ -54,11 +54,9 @@ from dataclasses import dataclass, replace
 from fastapi import APIRouter
 from prometheus_client import CollectorRegistry
 
-from tenplex.core.version import Version
 from tenplex.errors import (
     Conflict,
     InvalidInput,
-    NotFound,
     TenplexError,
     TransformCancelled,
 )
@@ -194,7 +192,7 @@ class TransformService(RecordedTasks[TransformRequest, TransformStatus, _Run]):
         if record is not None and record.state != INTERRUPTED:
             log.warning("transform of %s to %s was %s in a daemon that is gone: starting it again",
                         job, version, record.state)
-        if record is None and self._committed(job, request.version):
+        if record is None and self.store.is_committed(job, request.version):
             raise Conflict(
                 f"version {version} of job {job!r} is already committed on this node, and no transform "
                 "record says which plan wrote it; delete the version to transform into it again"
@@ -215,12 +213,6 @@ class TransformService(RecordedTasks[TransformRequest, TransformStatus, _Run]):
         return replace(record, state=INTERRUPTED, finished_at=record.finished_at or time.time(),
                        error=record.error or "the daemon running this transform stopped before it finished",
                        error_code="interrupted")
-
-    def _committed(self, job: str, version: Version) -> bool:
-        try:
-            return any(v.version == version and v.committed for v in self.store.versions(job))
-        except NotFound:
-            return False
 
     # -- running ------------------------------------------------------------------
 

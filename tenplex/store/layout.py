@@ -85,19 +85,19 @@ class Root:
         return self.path / STAGING / check_job(job)
 
     def jobs(self) -> list[str]:
-        """The job directories under the root (names that are not valid job names are skipped)."""
+        """The job directories under the root, sorted (names that are not valid job names are skipped)."""
         try:
-            entries = os.listdir(self.path)
+            entries = sorted(os.listdir(self.path))
         except FileNotFoundError:
             return []
         out = []
         for entry in entries:
-            if entry.startswith("."):
+            if entry.startswith(".") or not (self.path / entry).is_dir():
                 continue
             try:
                 out.append(check_job(entry))
             except InvalidInput:
-                continue
+                log.warning("ignoring %s: not a job directory of this store", self.path / entry)
         return out
 
     def versions(self, job: str) -> set[Version]:

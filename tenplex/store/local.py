@@ -719,17 +719,7 @@ class LocalStore(TensorStore):
         return self._scan_manifest(job, v, vdir, committed=False)
 
     def jobs(self) -> list[str]:
-        out = set()
-        for entry in sorted(os.listdir(self.root)):
-            if entry.startswith(".") or not (self.root / entry).is_dir():
-                continue
-            try:
-                out.add(check_job(entry))
-            except InvalidInput:
-                log.warning("ignoring %s: not a job directory of this store", self.root / entry)
-        if self.memory is not None:
-            out.update(self.memory.jobs())
-        return sorted(out)
+        return sorted({job for root in self._roots() for job in root.jobs()})
 
     def _version_names(self, job: str) -> list[Version]:
         if not any(root.job(job).is_dir() for root in self._roots()):

@@ -685,9 +685,6 @@ class PersistentStore(TensorStore):
                                f"{shard.info.dtype} {list(shard.info.global_shape)}; got {dtype} {list(gshape)}")
             break
 
-    async def _ensure_groups(self, job: str, version: Version, tensor: str) -> None:
-        await self._ensure_groups_of(job, version, [tensor])
-
     def _group_docs(self, job: str, version: Version, tensors: Sequence[str]) -> dict[str, bytes]:
         """The group documents of the job, the version and these tensors that this instance has not written."""
         docs = {
@@ -698,16 +695,15 @@ class PersistentStore(TensorStore):
         with self._lock:
             return {k: _json_bytes(d) for k, d in docs.items() if k not in self._groups}
 
+    async def _ensure_groups(self, job: str, version: Version, tensors: Sequence[str]) -> None:
+        """The group documents of the job, the version and these tensors, each written once by this instance."""
+        await self._put_groups(self._group_docs(job, version, tensors))
+
     async def _put_groups(self, docs: Mapping[str, bytes]) -> None:
         if docs:
             await self._bounded(self._backend.set(k, Buffer.from_bytes(d)) for k, d in docs.items())
             with self._lock:
                 self._groups.update(docs)
-
-    async def _ensure_groups_of(self, job: str, version: Version, tensors: Sequence[str]) -> None:
-        """The group documents of the job, the version and these tensors, each written once by this instance
-        (concurrently)."""
-        await self._put_groups(self._group_docs(job, version, tensors))
 
     def write_shard(
         self,
@@ -926,7 +922,7 @@ class PersistentStore(TensorStore):
 
             await self._bounded(obstore.copy_async(self._backend.store, f"{src}/{k}", f"{dst}/{k}")  # type: ignore[attr-defined]
                                 for k in chunks)
-        await self._ensure_groups(job, new, info.tensor)
+        await self._ensure_groups(job, new, [info.tensor])
         await self._put_json(f"{dst}/{_META}", shard.meta)
 
     # -- versions ----------------------------------------------------------------------
@@ -1213,7 +1209,7 @@ class PersistentShardWriter:
         doc = {**self._doc, "attributes": {ATTR: info.to_json()}}
 
         async def run() -> None:
-            await self.store._ensure_groups(self.job, self.version, self.tensor)
+            await self.store._ensure_groups(self.job, self.version, [self.tensor])
             await self.store._put_json(f"{self.key}/{_META}", doc)
 
         self.store._run(run(), f"uploading the metadata of {self.tensor!r} {self.region} of {self.version}")
