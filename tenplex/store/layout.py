@@ -29,6 +29,7 @@ import logging
 import os
 import shutil
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,6 +84,15 @@ class Root:
     def staging(self, job: str) -> Path:
         """Where shards are written before they are renamed into place (same file system, not inside the job)."""
         return self.path / STAGING / check_job(job)
+
+    def set_aside(self, job: str, path: Path, prefix: str) -> Path:
+        """Rename ``path`` (a version's or a shard's directory) into the job's staging as ``<prefix>-<random>``,
+        where nothing reads it, and return that: the caller removes it once it has let the job's lock go
+        (:func:`clean_staging` removes what a crash left of it)."""
+        moved = self.staging(job) / f"{prefix}-{uuid.uuid4().hex}"
+        moved.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(path, moved)
+        return moved
 
     def jobs(self) -> list[str]:
         """The job directories under the root, sorted (names that are not valid job names are skipped)."""

@@ -798,24 +798,17 @@ class LocalStore(TensorStore):
         """Remove a version (committed or not) from both tiers: the markers first, then the data, so it never
         looks committed and partial."""
         v = check_version(version)
-        trash: list[Path] = []
         with self._locked(job):
             markers = [self._disk.marker(job, v)]
-            dirs = [(self._disk.version(job, v), self._disk.staging(job))]
             if self._mem is not None:
                 markers += [self._mem.marker(job, v), self._mem.evicting(job, v), self._mem.claim(job, v)]
-                dirs.append((self._mem.version(job, v), self._mem.staging(job)))
-            if not any(m.exists() for m in markers) and not any(d.exists() for d, _s in dirs):
+            dirs = [(root, root.version(job, v)) for root in self._roots()]
+            if not any(m.exists() for m in markers) and not any(d.exists() for _r, d in dirs):
                 raise NotFound(f"version {v} of job {job!r} is not in this store")
             for marker in markers:
                 with contextlib.suppress(FileNotFoundError):
                     marker.unlink()
-            for vdir, staging in dirs:
-                if vdir.exists():
-                    t = staging / f"deleted-{v}-{uuid.uuid4().hex}"
-                    t.parent.mkdir(parents=True, exist_ok=True)
-                    os.rename(vdir, t)
-                    trash.append(t)
+            trash = [root.set_aside(job, vdir, f"deleted-{v}") for root, vdir in dirs if vdir.exists()]
         self._drop_cached(job, v)
         with self._cache_lock:
             self._reserved.pop((job, v), None)

@@ -410,13 +410,9 @@ class MemoryTier:
                 copy_tree(mdir, staging)
                 vdir = self.disk.version(job, version)
                 if vdir.exists():
-                    old = self.disk.staging(job) / f"replaced-{uuid.uuid4().hex}"
-                    os.rename(vdir, old)
-                    shutil.rmtree(old, ignore_errors=True)
+                    shutil.rmtree(self.disk.set_aside(job, vdir, "replaced"), ignore_errors=True)
                 os.rename(staging, vdir)
-                trash = self.mem.staging(job) / f"deleted-{version}-{uuid.uuid4().hex}"
-                trash.parent.mkdir(parents=True, exist_ok=True)
-                os.rename(mdir, trash)
+                trash = self.mem.set_aside(job, mdir, f"deleted-{version}")
             self.mem.claim(job, version).unlink(missing_ok=True)
         if trash is not None:
             shutil.rmtree(trash, ignore_errors=True)
@@ -474,9 +470,7 @@ class MemoryTier:
                     return None
                 vdir = self.disk.version(job, v)
                 if vdir.exists():  # what a spill killed before its marker left
-                    old = self.disk.staging(job) / f"replaced-{uuid.uuid4().hex}"
-                    os.rename(vdir, old)
-                    shutil.rmtree(old, ignore_errors=True)
+                    shutil.rmtree(self.disk.set_aside(job, vdir, "replaced"), ignore_errors=True)
                 os.rename(staging, vdir)
                 if self.durable:
                     fsync_path(vdir.parent, directory=True)
@@ -556,9 +550,7 @@ class MemoryTier:
                         continue
                     mdir = self.mem.version(job, v)
                     if mdir.is_dir():
-                        trash = self.mem.staging(job) / f"deleted-{v}-{uuid.uuid4().hex}"
-                        trash.parent.mkdir(parents=True, exist_ok=True)
-                        os.rename(mdir, trash)
+                        trash = self.mem.set_aside(job, mdir, f"deleted-{v}")
                     record.unlink()
                 if trash is not None:
                     shutil.rmtree(trash, ignore_errors=True)
