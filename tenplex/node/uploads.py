@@ -136,13 +136,6 @@ class UploadRequest:
                           separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:20]
 
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"version": str(self.version), "uri": self.uri,
-                               "shards": [[t, r.format()] for t, r in self.shards]}
-        if self.options is not None:
-            out["options"] = dict(self.options)
-        return out
-
     @classmethod
     def from_json(cls, obj: Any) -> UploadRequest:
         if not isinstance(obj, dict):
@@ -243,15 +236,6 @@ class CommitRequest:
     ptc: Mapping[str, Any] | None = None
     """The PTC JSON of the version (its dataset position at the version's step): kept with the version so that
     a job resumed from it plans its layout from it."""
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"uri": self.uri, "shards": [[t, r.format(), c] if c is not None else [t, r.format()]
-                                                           for t, r, c in self.shards]}
-        if self.options is not None:
-            out["options"] = dict(self.options)
-        if self.ptc is not None:
-            out["ptc"] = dict(self.ptc)
-        return out
 
     @classmethod
     def from_json(cls, obj: Any) -> CommitRequest:
