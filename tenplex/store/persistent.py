@@ -1000,8 +1000,8 @@ class PersistentStore(TensorStore):
 
         return self._run(get(), f"listing the versions of job {job!r}")
 
-    def verify_version(self, job: str, version: Version | str,
-                       expect: Sequence[tuple[str, Region, str | None]] | None = None) -> tuple[list[ShardInfo], list[str]]:
+    async def _verify(self, job: str, version: Version,
+                      expect: Sequence[tuple[str, Region, str | None]] | None) -> tuple[list[ShardInfo], list[str]]:
         """Check a version without downloading its data; its intact shards and the problems found.
 
         With ``expect`` (tensor, region, crc32c or None), exactly those shards are checked and each must be
@@ -1009,12 +1009,6 @@ class PersistentStore(TensorStore):
         intact when its metadata (written after its data) is there, records the expected checksum and every
         chunk object it promises exists with the right size (one listing of the version).
         """
-        v = check_version(version)
-        check_job(job)
-        return self._run(self._verify(job, v, expect), f"checking {v} of job {job!r}")
-
-    async def _verify(self, job: str, version: Version,
-                      expect: Sequence[tuple[str, Region, str | None]] | None) -> tuple[list[ShardInfo], list[str]]:
         # An object store: one listing of the version, alongside the metadata reads. A file system: a stat of
         # each chunk file the metadata promises, after them (a walk of the version's directories costs more).
         sizes_task = asyncio.ensure_future(self._object_sizes(self._vkey(job, version))) if self.root is None else None
@@ -1060,7 +1054,7 @@ class PersistentStore(TensorStore):
     def commit(self, job: str, version: Version | str,
                expect: Sequence[tuple[str, Region, str | None]] | None = None,
                ptc: Mapping[str, Any] | None = None) -> Manifest:
-        """Check the version (:meth:`verify_version`) and write its commit marker, last; its manifest.
+        """Check the version (:meth:`_verify`) and write its commit marker, last; its manifest.
 
         Refused with :class:`~tenplex.errors.Conflict` naming every shard that is missing, incomplete or
         damaged (nothing is written then). Committing a committed version changes nothing; with ``expect``
