@@ -127,8 +127,7 @@ class LocalStore(TensorStore):
     Thread-safe and safe to share between processes on one root. ``durable``
     fsyncs a version's files before its commit marker (turn it off only for
     scratch stores). ``cache_size`` bounds the metadata cache of committed
-    (immutable) versions. ``read_threads`` > 1 reads the chunks of one large
-    region in parallel. ``map_chunks`` (default) copies all but small parts
+    (immutable) versions. ``map_chunks`` (default) copies all but small parts
     of chunks through a memory map (huge pages where the kernel allows),
     measured 1.4-1.7x faster than reading their rows with ``preadv`` (what
     ``False`` does) and no more daemon CPU.
@@ -157,7 +156,6 @@ class LocalStore(TensorStore):
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         durable: bool = True,
         cache_size: int = 1024,
-        read_threads: int = 1,
         map_chunks: bool = True,
         direct_writes: bool = True,
         memory: MemoryTier | None = None,
@@ -176,11 +174,6 @@ class LocalStore(TensorStore):
         """Readers of committed tensors, each with the commit marker it was opened under: its path and identity."""
         self._cache_size = cache_size
         self._cache_lock = threading.Lock()
-
-        self._pool: ThreadPoolExecutor | None = None
-        if read_threads < 1:
-            raise InvalidInput(f"read_threads must be >= 1, got {read_threads}")
-        self._read_threads = read_threads
         self.map_chunks = map_chunks
         self.direct_writes = direct_writes and direct_writes_work(self.root)
 
@@ -201,26 +194,8 @@ class LocalStore(TensorStore):
     def __repr__(self) -> str:
         return f"LocalStore({str(self.root)!r})" if self._mem is None else f"LocalStore({str(self.root)!r}, memory {str(self._mem.path)!r})"
 
-    def _read_pool(self) -> ThreadPoolExecutor | None:
-        """Threads that read the chunks of one large region in parallel (the copies release the GIL).
-
-        Off by default: on a busy 2-core node one thread was as fast as two or
-        four (the copy is memory-bound); raise ``read_threads`` on big nodes.
-        """
-        if self._read_threads == 1:
-            return None
-        with self._cache_lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self._read_threads, thread_name_prefix="tenplex-store-read")
-            return self._pool
-
     def close(self) -> None:
-        """Stop the read threads and the memory tier's spiller and snapshot buffers of this process (the store
-        stays usable for reads and writes; read threads restart on demand)."""
-        with self._cache_lock:
-            pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+        """Stop the memory tier's spiller and snapshot buffers of this process (the store stays usable)."""
         if self.memory is not None:
             self.memory.close()
 
@@ -606,7 +581,7 @@ class LocalStore(TensorStore):
         shards = scan_tensor(vdir / tensor_dirname(tensor), tensor)
         if not shards:
             raise NotFound(f"tensor {tensor!r} is not in version {v} of job {job!r}")
-        reader = TensorReader(job, v, tensor, committed, shards, self._read_pool(), map_chunks=self.map_chunks,
+        reader = TensorReader(job, v, tensor, committed, shards, map_chunks=self.map_chunks,
                               in_memory=in_memory)
         if marker is not None and marker[1] is not None:
             with self._cache_lock:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,7 +59,6 @@ class TensorReader:
         tensor: str,
         committed: bool,
         shards: list[StoredShard],
-        executor: Executor | None = None,
         map_chunks: bool = True,
         in_memory: bool = False,
     ) -> None:
@@ -76,7 +74,6 @@ class TensorReader:
         self.global_shape = first.global_shape
         self._arrays: dict[Path, RawChunkReader | zarr.Array] = {}
         self._lock = threading.Lock()
-        self._executor = executor
         self._map_chunks = map_chunks
         self.in_memory = in_memory
         """Whether the shards are read from the store's memory tier (see :mod:`tenplex.store.tiers`)."""
@@ -142,7 +139,7 @@ class TensorReader:
             dst = out[common.relative_to(region).slices()] if region.ndim else out  # out[()] would be a copy
             arr = self._array(shard)
             if isinstance(arr, RawChunkReader):
-                arr.read(src, dst, self._executor)
+                arr.read(src, dst)
             else:
                 arr.get_basic_selection(src.slices(), out=NDBuffer.from_numpy_array(dst))
 
