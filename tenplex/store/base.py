@@ -37,7 +37,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 import numpy as np
 
@@ -276,7 +276,7 @@ class TensorStore(ABC):
     def close(self) -> None:  # noqa: B027  (a store with nothing to release keeps this)
         """Release threads and connections; a closed store is not used again."""
 
-    def __enter__(self) -> TensorStore:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
