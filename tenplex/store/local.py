@@ -394,14 +394,8 @@ class LocalStore(TensorStore):
         global_shape: Sequence[int],
         received: ReceivedCrcs | None = None,
     ) -> ShardInfo:
-        """Store ``data`` (shape ``region.shape``; numpy in the storage dtype or a torch tensor of ``dtype``).
-
-        Rewriting the same region of an uncommitted version replaces it;
-        writing into a committed version raises :class:`Conflict`. With
-        ``received`` (the crc32c prefixes of ``data`` recorded as it was
-        received) the chunk files' and the shard's crc32c come from them, not
-        from another pass over the bytes.
-        """
+        """See :meth:`TensorStore.write_shard <tenplex.store.base.TensorStore.write_shard>`: with ``received`` the
+        chunk files' and the shard's crc32c come from those prefixes, not from another pass over the bytes."""
         arr = host_data(data, dtype, tensor, region)
         writer = self.open_writer(job, version, tensor, region, dtype=dtype, global_shape=global_shape, check_tensor=False)
         if received is not None and writer.raw is not None:
@@ -628,13 +622,8 @@ class LocalStore(TensorStore):
         verify: bool = True,
         uncommitted: bool = False,
     ) -> None:
-        """Fill ``out`` (C-contiguous, shape ``region.shape``) with the region, assembled from the local shards.
-
-        Raises :class:`StateLost` when the shards here do not cover it. With ``verify``, a region that is
-        exactly a stored shard is checked against its recorded crc32c after the read (one pass over the
-        bytes just copied, still in the cache): the check the daemon's client makes of the bytes it is sent.
-        A version evicted from memory while it was being read is read again from disk.
-        """
+        """Assembled from the local shards; the ``verify`` pass runs over the bytes just copied, still in the
+        cache. A version evicted from memory while it was being read is read again from disk."""
         reader = self.open_tensor(job, version, tensor, committed_only=not uncommitted)
         if not isinstance(region, Region):
             raise InvalidInput(f"region must be a Region, got {type(region).__name__}")

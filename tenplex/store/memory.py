@@ -181,7 +181,8 @@ class MemoryTier:
         with self._lock:
             if self._spiller is None:
                 self._spiller = Spiller(self, poll_s=poll_s, interval_s=interval_s).start()
-                log.info("memory tier of %s: %s, budget %s", self.disk.path, self.root, human_bytes(self.budget))
+                log.info("memory tier %s, budget %s: new versions are written and served there and spilled to %s",
+                         self.root, human_bytes(self.budget), self.disk.path)
             return self._spiller
 
     @property
