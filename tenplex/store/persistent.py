@@ -105,6 +105,7 @@ from tenplex.store.names import (
     tensor_dirname,
     tensor_from_dirname,
 )
+from tenplex.store.rawchunks import ChunkLayout
 
 if TYPE_CHECKING:
     import torch
@@ -180,25 +181,10 @@ def chunk_shape(shape: Sequence[int], item: int, chunk_bytes: int = DEFAULT_CHUN
     return tuple(out)
 
 
-def _array_doc(shape: Sequence[int], chunks: Sequence[int], st: np.dtype, attributes: Mapping[str, Any]) -> dict[str, Any]:
+def _array_doc(shape: Sequence[int], chunks: Sequence[int], st: np.dtype, attributes: dict[str, Any]) -> dict[str, Any]:
     """A shard's ``zarr.json``: regular grid, ``bytes`` then ``crc32c`` codecs, no compression (weights
     barely compress; a codec would halve read speed)."""
-    codec: dict[str, Any] = {"name": "bytes"}
-    if st.itemsize > 1:
-        codec["configuration"] = {"endian": "little"}
-    fill: Any = False if st.kind == "b" else (0.0 if st.kind == "f" else 0)
-    return {
-        "zarr_format": 3,
-        "node_type": "array",
-        "shape": [int(n) for n in shape],
-        "data_type": st.name,
-        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [int(c) for c in chunks]}},
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
-        "fill_value": fill,
-        "codecs": [codec, {"name": "crc32c"}],
-        "attributes": dict(attributes),
-        "storage_transformers": [],
-    }
+    return ChunkLayout(tuple(shape), tuple(chunks), st, "/").metadata(attributes, checksum=True)
 
 
 def _group_doc(attributes: Mapping[str, Any]) -> dict[str, Any]:

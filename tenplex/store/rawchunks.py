@@ -159,8 +159,9 @@ class ChunkLayout:
         """The chunk file of ``coords`` under the ``default`` chunk key encoding (``c.1.0``; ``c`` for 0-d)."""
         return "c" + "".join(f"{self.separator}{k}" for k in coords)
 
-    def metadata(self, attributes: dict[str, Any]) -> dict[str, Any]:
-        """The array's ``zarr.json`` document (zarr v3: regular grid, ``bytes`` codec, no compression)."""
+    def metadata(self, attributes: dict[str, Any], *, checksum: bool = False) -> dict[str, Any]:
+        """The array's ``zarr.json`` document (zarr v3: regular grid, ``bytes`` codec, no compression; with
+        ``checksum`` each chunk carries its crc32c too, zarr's ``crc32c`` codec: the persistent tier's chunks)."""
         codec: dict[str, Any] = {"name": "bytes"}
         if self.itemsize > 1:
             codec["configuration"] = {"endian": "little"}
@@ -174,7 +175,7 @@ class ChunkLayout:
             "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(self.chunks)}},
             "chunk_key_encoding": {"name": "default", "configuration": {"separator": self.separator}},
             "fill_value": fill,
-            "codecs": [codec],
+            "codecs": [codec, {"name": "crc32c"}] if checksum else [codec],
             "attributes": attributes,
             "storage_transformers": [],
         }
