@@ -20,18 +20,13 @@ Routes (added to the store daemon's app; bearer token as for the store)::
     GET    /v1/jobs/{job}/transforms/{version}    one record: state, bytes, rate, error, report
     DELETE /v1/jobs/{job}/transforms/{version}    cancel (nothing is committed) or forget a finished one
 
-A transform is identified by (job, target version), and a submission is
-idempotent: a second one with the same sub-plan (after a scheduler restart,
-or a retried request) attaches to the running or finished transform instead
-of starting another; one with a different sub-plan for the same version is a
-409. Its record is a JSON file on the node's disk,
-``<root>/.transforms/<job>/<version>.json``, next to a lock file that the
-process running it holds, as for every recorded task of the daemon
-(:mod:`tenplex.node.tasks`): a record that says "running" while
-nobody holds the lock belongs to a daemon that died; it reads
-``interrupted``, and a new submission starts it again from nothing (the
-executor drops the uncommitted leftover first). A cancelled transform
-commits nothing. States::
+A transform is identified by (job, target version) and recorded on the
+node's disk (``<root>/.transforms/<job>/<version>.json``) as every task of
+the daemon is (:mod:`tenplex.node.tasks`): the same sub-plan submitted again
+(a scheduler restart, a retried request) attaches to it, another one for the
+same version is a 409, and one its dead daemon left ``interrupted`` starts
+again from nothing (the executor drops the uncommitted leftover first). A
+cancelled transform commits nothing. States::
 
     queued -> running -> committed | failed | cancelled | interrupted
 

@@ -22,16 +22,12 @@ Routes (mounted by the node daemon, behind its bearer token)::
     GET    /v1/jobs/{job}/persistent/{version}/ptc?uri=...   the PTC it was saved in (sent with the commit)
     DELETE /v1/jobs/{job}/persistent/{version}?uri=...   retention: delete a version there
 
-An upload is identified by (job, version) and a submission is idempotent: the
-same shards to the same URI attach to the running or uploaded upload; a
-different request for an upload that failed, was cancelled or interrupted
-starts anew, one for a running or uploaded one is a 409. Records are JSON
-files under ``<root>/.uploads/<job>/`` with a lock file held by the process
-running the upload, as for every recorded task of the daemon
-(:mod:`tenplex.node.tasks`): a record that says running while
-nobody holds its lock belongs to a daemon that died and reads
-``interrupted``. A cancelled upload leaves what it wrote uncommitted.
-States::
+An upload is identified by (job, version) and recorded under
+``<root>/.uploads/<job>/`` as every task of the daemon is
+(:mod:`tenplex.node.tasks`): the same shards to the same URI attach to the
+running or uploaded upload; a different request for one that failed, was
+cancelled or interrupted starts anew, for a running or uploaded one it is a
+409. A cancelled upload leaves what it wrote uncommitted. States::
 
     queued -> running -> uploaded | failed | cancelled | interrupted
 
