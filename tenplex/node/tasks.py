@@ -244,6 +244,7 @@ class RecordedTasks(ABC, Generic[RequestT, StatusT, RunT]):
 
     def submit(self, job: str, request: RequestT) -> tuple[StatusT, bool]:
         """Start ``request`` (True) or attach to the task it already is (False)."""
+        check_job(job)
         version = str(request.version)
         digest = request.digest
         with self._lock:

@@ -408,12 +408,6 @@ class UploadService(RecordedTasks[UploadRequest, UploadStatus, _Run]):
         self._budget = _Budget(self.settings.memory_bytes)
         super().__init__(store, max_running=self.settings.max_running)
 
-    def submit(self, job: str, request: UploadRequest) -> tuple[UploadStatus, bool]:
-        """Start ``request`` (True) or attach to the upload it already is (False): one with the same shards
-        and location attaches to a running or uploaded upload; any other record starts anew."""
-        check_job(job)
-        return super().submit(job, request)
-
     def _what(self, job: str, version: str) -> str:
         return f"upload of {version} of job {job!r}"
 

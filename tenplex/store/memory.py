@@ -167,10 +167,6 @@ class MemoryTier:
     def budget(self) -> int:
         return self.settings.budget
 
-    @property
-    def tier_id(self) -> str:
-        return self.settings.tier_id
-
     def __repr__(self) -> str:
         return f"MemoryTier({str(self.root)!r}, budget {human_bytes(self.budget)}, beside {str(self.disk.path)!r})"
 
