@@ -166,9 +166,6 @@ def serve(
         ("job-scoped credentials" if auth_keys else "admin token only") if token or auth_keys else "off", workers, "" if workers == 1 else "es",
         transforms.max_running, transforms.concurrency, transforms.memory_bytes >> 20,
     )
-    if store.memory is not None:
-        log.info("memory tier %s, budget %d MiB: new versions are written and served there and spilled to %s",
-                 store.memory.root, store.memory.budget >> 20, store.root)
     if relay is not None:
         log.info("relaying this node's workers' heartbeats to %s every %.1fs", relay.scheduler_url, relay.interval_s)
     if workers > 1:

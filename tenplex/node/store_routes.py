@@ -476,9 +476,9 @@ def create_app(
             crc = await to_thread.run_sync(reader.checksum, box, piece_bytes)
             headers[CHECKSUM_HEADER] = format_checksum(crc)
         headers["Content-Length"] = str(nbytes)
-        return StreamingResponse(
-            _stream_region(reader, box, st, metrics, piece_bytes), media_type="application/octet-stream", headers=headers
-        )
+        pieces = _read_pieces(reader, box, st, piece_bytes)
+        first = await to_thread.run_sync(next, pieces)  # a read that fails here is answered with its error
+        return StreamingResponse(_send_views(first, pieces, metrics), media_type="application/octet-stream", headers=headers)
 
     @api.put("/v1/jobs/{job}/versions/{version}/tensors/{tensor:path}")
     async def put_shard(job: str, version: str, tensor: str, request: Request, region: str | None = None) -> dict[str, Any]:
@@ -765,7 +765,7 @@ class _SendfileResponse(Response):
 async def _send_views(
     first: list[memoryview], more: Iterator[list[memoryview]] | None, metrics: _Metrics
 ) -> AsyncIterator[memoryview]:
-    """Yield the views of ``first`` and then of ``more``'s batches, mapping the next batch while one is sent.
+    """Yield the views of ``first`` and then of ``more``'s batches, mapping (or reading) the next while one is sent.
 
     Each view is let go of as soon as it is handed to the transport, so a
     chunk file's map is unmapped once the transport has sent it: the maps
@@ -792,35 +792,13 @@ async def _send_views(
                 await pending
 
 
-async def _stream_region(
-    reader: TensorReader, box: Region, st: np.dtype, metrics: _Metrics, piece_bytes: int
-) -> AsyncIterator[memoryview]:
-    """Yield the region's bytes piece by piece, reading the next piece while the current one is sent.
-
-    A fresh buffer per piece: the transport may still hold a reference to the
-    previous one's memory while it drains it.
-    """
-    pieces = list(slabs(box.shape, st.itemsize, piece_bytes))
-
-    def read(piece: Region) -> np.ndarray:
+def _read_pieces(reader: TensorReader, box: Region, st: np.dtype, piece_bytes: int) -> Iterator[list[memoryview]]:
+    """The region's bytes piece by piece (what :func:`_send_views` sends, reading the next one meanwhile), each in
+    a fresh buffer: the transport may still hold a reference to the previous one's memory while it drains it."""
+    for piece in slabs(box.shape, st.itemsize, piece_bytes):
         buf = np.empty(piece.shape, st)
         reader.read(piece.shift(box.start), buf)
-        return buf
-
-    pending: asyncio.Future[np.ndarray] | None = asyncio.ensure_future(to_thread.run_sync(read, pieces[0]))
-    try:
-        for i in range(len(pieces)):
-            assert pending is not None
-            buf = await pending
-            pending = asyncio.ensure_future(to_thread.run_sync(read, pieces[i + 1])) if i + 1 < len(pieces) else None
-            yield byte_view(buf)
-            metrics.bytes_out.inc(buf.nbytes)
-            del buf
-    finally:
-        if pending is not None:
-            pending.cancel()
-            with contextlib.suppress(BaseException):
-                await pending
+        yield [byte_view(buf)]
 
 
 async def _receive_shard(request: Request, writer: ShardWriter, expected: int) -> None:

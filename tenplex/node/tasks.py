@@ -191,18 +191,13 @@ class RecordedTasks(ABC, Generic[RequestT, StatusT, RunT]):
     def _dir(self, job: str) -> Path:
         return self.store.root / self.RECORDS_DIR / check_job(job)
 
-    def _record_path(self, job: str, version: str) -> Path:
-        return self._dir(job) / f"{version}.json"
-
-    def _lock_path(self, job: str, version: str) -> Path:
-        return self._dir(job) / f"{version}.lock"
-
-    def _cancel_path(self, job: str, version: str) -> Path:
-        return self._dir(job) / f"{version}.cancel"
+    def _file(self, job: str, version: str, kind: str) -> Path:
+        """A task's record (``json``), its lock (``lock``) or its cancel request (``cancel``)."""
+        return self._dir(job) / f"{version}.{kind}"
 
     def _read_record(self, job: str, version: str) -> StatusT | None:
         try:
-            record: StatusT = self.STATUS.from_json(json.loads(self._record_path(job, version).read_text()))
+            record: StatusT = self.STATUS.from_json(json.loads(self._file(job, version, "json").read_text()))
             return record
         except FileNotFoundError:
             return None
@@ -211,11 +206,11 @@ class RecordedTasks(ABC, Generic[RequestT, StatusT, RunT]):
             return None
 
     def _write_record(self, status: StatusT) -> None:
-        atomic_write(self._record_path(status.job, status.version), json.dumps(status.to_json()), make_parents=True)
+        atomic_write(self._file(status.job, status.version, "json"), json.dumps(status.to_json()), make_parents=True)
 
     def _try_lock(self, job: str, version: str) -> int | None:
         """The record's lock, taken without waiting (its fd), or None when another run holds it."""
-        path = self._lock_path(job, version)
+        path = self._file(job, version, "lock")
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -243,12 +238,13 @@ class RecordedTasks(ABC, Generic[RequestT, StatusT, RunT]):
             record = self._read_record(job, path.name[: -len(".json")])
             if record is not None and record.finished and now - (record.finished_at or now) > RECORD_TTL_S:
                 path.unlink(missing_ok=True)
-                self._lock_path(job, record.version).unlink(missing_ok=True)
+                self._file(job, record.version, "lock").unlink(missing_ok=True)
 
     # -- the API --------------------------------------------------------------------------
 
     def submit(self, job: str, request: RequestT) -> tuple[StatusT, bool]:
         """Start ``request`` (True) or attach to the task it already is (False)."""
+        check_job(job)
         version = str(request.version)
         digest = request.digest
         with self._lock:
@@ -270,7 +266,7 @@ class RecordedTasks(ABC, Generic[RequestT, StatusT, RunT]):
                     fd = -1
                     return self._attach(record, digest), False
                 run = self._new_run(job, version, request, record, fd)
-                self._cancel_path(job, version).unlink(missing_ok=True)
+                self._file(job, version, "cancel").unlink(missing_ok=True)
                 self._prune(job)
                 self._write_record(run.status)
             except BaseException:
@@ -350,10 +346,10 @@ class RecordedTasks(ABC, Generic[RequestT, StatusT, RunT]):
             return run.status
         current = self.status(job, version)
         if current.finished:
-            self._record_path(job, version).unlink(missing_ok=True)
-            self._cancel_path(job, version).unlink(missing_ok=True)
+            self._file(job, version, "json").unlink(missing_ok=True)
+            self._file(job, version, "cancel").unlink(missing_ok=True)
             return current
-        self._cancel_path(job, version).touch()  # the process running it looks for this file
+        self._file(job, version, "cancel").touch()  # the process running it looks for this file
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             current = self.status(job, version)
@@ -395,7 +391,7 @@ class RecordedTasks(ABC, Generic[RequestT, StatusT, RunT]):
 
     def _cancel_requested(self, run: RunT) -> bool:
         """Whether the run is cancelled, here or by a cancel file (another process's cancellation)."""
-        if not run.cancel.is_set() and self._cancel_path(run.status.job, run.status.version).exists():
+        if not run.cancel.is_set() and self._file(run.status.job, run.status.version, "cancel").exists():
             run.cancel.set()
         return run.cancel.is_set()
 
@@ -411,7 +407,7 @@ class RecordedTasks(ABC, Generic[RequestT, StatusT, RunT]):
                     self._write_record(final)
                 except OSError as exc:
                     log.error("cannot write the record of %s %s/%s: %s", self.KIND, job, version, exc)
-                self._cancel_path(job, version).unlink(missing_ok=True)
+                self._file(job, version, "cancel").unlink(missing_ok=True)
                 self._runs.pop((job, version), None)
                 os.close(run.lock_fd)
                 self._finished.notify_all()

@@ -20,18 +20,13 @@ Routes (added to the store daemon's app; bearer token as for the store)::
     GET    /v1/jobs/{job}/transforms/{version}    one record: state, bytes, rate, error, report
     DELETE /v1/jobs/{job}/transforms/{version}    cancel (nothing is committed) or forget a finished one
 
-A transform is identified by (job, target version), and a submission is
-idempotent: a second one with the same sub-plan (after a scheduler restart,
-or a retried request) attaches to the running or finished transform instead
-of starting another; one with a different sub-plan for the same version is a
-409. Its record is a JSON file on the node's disk,
-``<root>/.transforms/<job>/<version>.json``, next to a lock file that the
-process running it holds, as for every recorded task of the daemon
-(:mod:`tenplex.node.tasks`): a record that says "running" while
-nobody holds the lock belongs to a daemon that died; it reads
-``interrupted``, and a new submission starts it again from nothing (the
-executor drops the uncommitted leftover first). A cancelled transform
-commits nothing. States::
+A transform is identified by (job, target version) and recorded on the
+node's disk (``<root>/.transforms/<job>/<version>.json``) as every task of
+the daemon is (:mod:`tenplex.node.tasks`): the same sub-plan submitted again
+(a scheduler restart, a retried request) attaches to it, another one for the
+same version is a 409, and one its dead daemon left ``interrupted`` starts
+again from nothing (the executor drops the uncommitted leftover first). A
+cancelled transform commits nothing. States::
 
     queued -> running -> committed | failed | cancelled | interrupted
 
@@ -54,11 +49,9 @@ from dataclasses import dataclass, replace
 from fastapi import APIRouter
 from prometheus_client import CollectorRegistry
 
-from tenplex.core.version import Version
 from tenplex.errors import (
     Conflict,
     InvalidInput,
-    NotFound,
     TenplexError,
     TransformCancelled,
 )
@@ -194,7 +187,7 @@ class TransformService(RecordedTasks[TransformRequest, TransformStatus, _Run]):
         if record is not None and record.state != INTERRUPTED:
             log.warning("transform of %s to %s was %s in a daemon that is gone: starting it again",
                         job, version, record.state)
-        if record is None and self._committed(job, request.version):
+        if record is None and self.store.is_committed(job, request.version):
             raise Conflict(
                 f"version {version} of job {job!r} is already committed on this node, and no transform "
                 "record says which plan wrote it; delete the version to transform into it again"
@@ -215,12 +208,6 @@ class TransformService(RecordedTasks[TransformRequest, TransformStatus, _Run]):
         return replace(record, state=INTERRUPTED, finished_at=record.finished_at or time.time(),
                        error=record.error or "the daemon running this transform stopped before it finished",
                        error_code="interrupted")
-
-    def _committed(self, job: str, version: Version) -> bool:
-        try:
-            return any(v.version == version and v.committed for v in self.store.versions(job))
-        except NotFound:
-            return False
 
     # -- running ------------------------------------------------------------------
 

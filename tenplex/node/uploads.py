@@ -22,16 +22,12 @@ Routes (mounted by the node daemon, behind its bearer token)::
     GET    /v1/jobs/{job}/persistent/{version}/ptc?uri=...   the PTC it was saved in (sent with the commit)
     DELETE /v1/jobs/{job}/persistent/{version}?uri=...   retention: delete a version there
 
-An upload is identified by (job, version) and a submission is idempotent: the
-same shards to the same URI attach to the running or uploaded upload; a
-different request for an upload that failed, was cancelled or interrupted
-starts anew, one for a running or uploaded one is a 409. Records are JSON
-files under ``<root>/.uploads/<job>/`` with a lock file held by the process
-running the upload, as for every recorded task of the daemon
-(:mod:`tenplex.node.tasks`): a record that says running while
-nobody holds its lock belongs to a daemon that died and reads
-``interrupted``. A cancelled upload leaves what it wrote uncommitted.
-States::
+An upload is identified by (job, version) and recorded under
+``<root>/.uploads/<job>/`` as every task of the daemon is
+(:mod:`tenplex.node.tasks`): the same shards to the same URI attach to the
+running or uploaded upload; a different request for one that failed, was
+cancelled or interrupted starts anew, for a running or uploaded one it is a
+409. A cancelled upload leaves what it wrote uncommitted. States::
 
     queued -> running -> uploaded | failed | cancelled | interrupted
 
@@ -58,7 +54,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
@@ -71,6 +67,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from tenplex.core.version import Version
 from tenplex.errors import (
+    ChecksumMismatch,
     Conflict,
     InvalidInput,
     NotFound,
@@ -134,13 +131,6 @@ class UploadRequest:
         text = json.dumps([str(self.version), self.uri, sorted([t, r.format()] for t, r in self.shards)],
                           separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:20]
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"version": str(self.version), "uri": self.uri,
-                               "shards": [[t, r.format()] for t, r in self.shards]}
-        if self.options is not None:
-            out["options"] = dict(self.options)
-        return out
 
     @classmethod
     def from_json(cls, obj: Any) -> UploadRequest:
@@ -242,15 +232,6 @@ class CommitRequest:
     ptc: Mapping[str, Any] | None = None
     """The PTC JSON of the version (its dataset position at the version's step): kept with the version so that
     a job resumed from it plans its layout from it."""
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"uri": self.uri, "shards": [[t, r.format(), c] if c is not None else [t, r.format()]
-                                                           for t, r, c in self.shards]}
-        if self.options is not None:
-            out["options"] = dict(self.options)
-        if self.ptc is not None:
-            out["ptc"] = dict(self.ptc)
-        return out
 
     @classmethod
     def from_json(cls, obj: Any) -> CommitRequest:
@@ -392,6 +373,16 @@ class _Cancelled(Exception):
     pass
 
 
+@contextlib.contextmanager
+def _permanent(only: type[TenplexError] = TenplexError) -> Iterator[None]:
+    """Errors of the node's own copy fail the upload at once, retrying cannot help: the block's ``only`` errors
+    (:class:`ChecksumMismatch` of bytes read here: the copy is damaged, another attempt reads them again)."""
+    try:
+        yield
+    except only as exc:
+        raise _Permanent(exc) from exc
+
+
 @dataclass
 class _Run(TaskRun[UploadRequest, UploadStatus]):
     shards: list[ShardInfo] = field(default_factory=list)
@@ -416,12 +407,6 @@ class UploadService(RecordedTasks[UploadRequest, UploadStatus, _Run]):
         self.metrics = UploadMetrics(registry)
         self._budget = _Budget(self.settings.memory_bytes)
         super().__init__(store, max_running=self.settings.max_running)
-
-    def submit(self, job: str, request: UploadRequest) -> tuple[UploadStatus, bool]:
-        """Start ``request`` (True) or attach to the upload it already is (False): one with the same shards
-        and location attaches to a running or uploaded upload; any other record starts anew."""
-        check_job(job)
-        return super().submit(job, request)
 
     def _what(self, job: str, version: str) -> str:
         return f"upload of {version} of job {job!r}"
@@ -484,10 +469,10 @@ class UploadService(RecordedTasks[UploadRequest, UploadStatus, _Run]):
 
     # -- running ------------------------------------------------------------------------------
 
-    def _progress(self, run: _Run, nbytes: int, shard_done: bool) -> None:
+    def _progress(self, run: _Run, nbytes: int, shards: int = 0) -> None:
         with self._lock:
             run.status = replace(run.status, bytes_done=run.status.bytes_done + nbytes,
-                                 shards_done=run.status.shards_done + (1 if shard_done else 0))
+                                 shards_done=run.status.shards_done + shards)
         self._write_soon(run)
 
     def _check_cancel(self, run: _Run) -> None:
@@ -602,7 +587,7 @@ class UploadService(RecordedTasks[UploadRequest, UploadStatus, _Run]):
                     run.done.add(i)  # uploaded by an earlier attempt or submission
                     todo.remove(i)
                     self.metrics.skipped.inc(info.nbytes)
-                    self._progress(run, info.nbytes, True)
+                    self._progress(run, info.nbytes, 1)
                 else:
                     stale.add(i)  # another copy of it is there: replaced
             if not todo:
@@ -670,28 +655,18 @@ class UploadService(RecordedTasks[UploadRequest, UploadStatus, _Run]):
             with self._stage(run, "read"):
                 for i, info in zip(indices, infos, strict=True):
                     data = np.empty(info.region.shape, storage_dtype(info.dtype))
-                    try:
+                    with _permanent():
                         self.store.read_into(job, v, info.tensor, info.region, data, verify=False)
-                    except TenplexError as exc:
-                        raise _Permanent(exc) from exc
                     batch.append(SmallShard(info.tensor, info.region, info.dtype, info.global_shape, data,
                                             expected=info.checksum, replace=i in stale))
             self._check_cancel(run)
             if run.failed.is_set():
                 return
-            with self._stage(run, "write"):
-                try:
-                    dest.write_shards(job, v, batch)
-                except TenplexError as exc:
-                    if exc.code == "checksum_mismatch":  # the node's copy is damaged: retrying reads it again
-                        raise _Permanent(exc) from exc
-                    raise
+            with self._stage(run, "write"), _permanent(ChecksumMismatch):
+                dest.write_shards(job, v, batch)
         run.done.update(indices)
         self.metrics.bytes.inc(nbytes)
-        with self._lock:
-            run.status = replace(run.status, bytes_done=run.status.bytes_done + nbytes,
-                                 shards_done=run.status.shards_done + len(indices))
-        self._write_soon(run)
+        self._progress(run, nbytes, len(indices))
 
     def _committed_there(self, dest: PersistentStore, job: str, run: _Run) -> bool:
         """A version already committed at the destination holds our shards (a repeated upload: done) or not
@@ -734,30 +709,22 @@ class UploadService(RecordedTasks[UploadRequest, UploadStatus, _Run]):
                     if run.failed.is_set():
                         return
                     view = buf[: piece.volume].reshape(piece.shape)
-                    try:
-                        with self._stage(run, "read"):
-                            self.store.read_into(job, v, info.tensor, piece.shift(info.region.start), view, verify=False)
-                    except TenplexError as exc:
-                        raise _Permanent(exc) from exc
+                    with _permanent(), self._stage(run, "read"):
+                        self.store.read_into(job, v, info.tensor, piece.shift(info.region.start), view, verify=False)
                     with self._stage(run, "write"):
                         writer.write_piece(i, view)
                     nbytes = piece.volume * st.itemsize
                     sent += nbytes
                     self.metrics.bytes.inc(nbytes)
-                    self._progress(run, nbytes, False)
-            try:
-                with self._stage(run, "write"):
-                    writer.finish(expected=info.checksum)
-            except TenplexError as exc:
-                if exc.code == "checksum_mismatch":  # the node's copy is damaged: retrying reads it again
-                    raise _Permanent(exc) from exc
-                raise
+                    self._progress(run, nbytes)
+            with _permanent(ChecksumMismatch), self._stage(run, "write"):
+                writer.finish(expected=info.checksum)
         except BaseException:
             writer.abort()
-            self._progress(run, -sent, False)  # a piece uploaded for a shard not finished counts again next time
+            self._progress(run, -sent)  # a piece uploaded for a shard not finished counts again next time
             raise
         run.done.add(index)
-        self._progress(run, 0, True)
+        self._progress(run, 0, 1)
 
 
 def _query_options(request: Request) -> dict[str, Any]:
@@ -780,51 +747,45 @@ def upload_router(service: UploadService) -> APIRouter:
 
         return await to_thread.run_sync(parse_and_commit)
 
-    @router.get("/v1/jobs/{job}/persistent")
-    async def persistent_versions(job: str, request: Request, uri: str) -> dict[str, Any]:
-        check_job(job)
+    async def with_store(request: Request, uri: str, use: Callable[[PersistentStore], dict[str, Any]]) -> dict[str, Any]:
+        """``use`` of the persistent store at ``uri`` (the request's options), off the event loop."""
 
         def run() -> dict[str, Any]:
             with service.persistent(uri, _query_options(request)) as store:
-                return {"job": job, "uri": store.url, "versions": [vi.to_json() for vi in store.versions(job)]}
+                return use(store)
 
         return await to_thread.run_sync(run)
+
+    @router.get("/v1/jobs/{job}/persistent")
+    async def persistent_versions(job: str, request: Request, uri: str) -> dict[str, Any]:
+        check_job(job)
+        return await with_store(request, uri, lambda store: {"job": job, "uri": store.url,
+                                                             "versions": [vi.to_json() for vi in store.versions(job)]})
 
     @router.get("/v1/jobs/{job}/persistent/{version}")
     async def persistent_manifest(job: str, version: str, request: Request, uri: str) -> dict[str, Any]:
         check_job(job)
         check_version(version)
-
-        def run() -> dict[str, Any]:
-            with service.persistent(uri, _query_options(request)) as store:
-                return store.manifest(job, version).to_json()
-
-        return await to_thread.run_sync(run)
+        return await with_store(request, uri, lambda store: store.manifest(job, version).to_json())
 
     @router.get("/v1/jobs/{job}/persistent/{version}/ptc")
     async def persistent_ptc(job: str, version: str, request: Request, uri: str) -> dict[str, Any]:
         """The PTC a committed persistent version was saved in (its layout and dataset position)."""
         check_job(job)
         check_version(version)
-
-        def run() -> dict[str, Any]:
-            with service.persistent(uri, _query_options(request)) as store:
-                return store.ptc_document(job, version)
-
-        return await to_thread.run_sync(run)
+        return await with_store(request, uri, lambda store: store.ptc_document(job, version))
 
     @router.delete("/v1/jobs/{job}/persistent/{version}")
     async def persistent_delete(job: str, version: str, request: Request, uri: str) -> dict[str, Any]:
         check_job(job)
         v = check_version(version)
 
-        def run() -> dict[str, Any]:
-            with service.persistent(uri, _query_options(request)) as store:
-                store.delete(job, v)
+        def delete(store: PersistentStore) -> dict[str, Any]:
+            store.delete(job, v)
             log.info("deleted version %s of job %s at %s (retention)", v, job, uri)
             return {"job": job, "version": str(v), "uri": check_uri(uri), "deleted": True}
 
-        return await to_thread.run_sync(run)
+        return await with_store(request, uri, delete)
 
     return router
 

@@ -32,16 +32,17 @@ passes stores around (the executor, the worker) stands on it alone.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 import numpy as np
 
 from tenplex.core.version import Version
-from tenplex.errors import NotFound
+from tenplex.errors import InvalidInput, NotFound
 from tenplex.ptc.dtypes import storage_dtype
 from tenplex.ptc.region import Region
 from tenplex.store.buffers import ReceivedCrcs
@@ -242,6 +243,23 @@ class TensorStore(ABC):
         """Remove a version, committed or not (:class:`~tenplex.errors.NotFound` when it is not here); it
         never looks committed and partial on the way."""
 
+    def gc(self, job: str, keep_last: int) -> list[Version]:
+        """Delete all but the newest ``keep_last`` committed versions, and uncommitted ones older than the newest
+        committed (newer ones may still be being written); the versions deleted."""
+        if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
+            raise InvalidInput(f"keep_last must be an integer >= 1 (the newest committed version is never collected), "
+                               f"got {keep_last!r}")
+        infos = self.versions(job)
+        committed = [vi.version for vi in infos if vi.committed]
+        keep = set(committed[-keep_last:])
+        newest = committed[-1] if committed else None
+        doomed = [vi.version for vi in infos
+                  if vi.version not in keep and (vi.committed or (newest is not None and vi.version < newest))]
+        for v in doomed:
+            with contextlib.suppress(NotFound):
+                self.delete(job, v)
+        return doomed
+
     def reserve(self, job: str, version: Version | str, nbytes: int) -> None:  # noqa: B027  (most stores place nothing)
         """Announce that this writer is about to write ``nbytes`` of uncommitted ``version`` (a snapshot, all
         its shards): a store with a memory tier places the version and claims that room once, not shard by
@@ -258,7 +276,7 @@ class TensorStore(ABC):
     def close(self) -> None:  # noqa: B027  (a store with nothing to release keeps this)
         """Release threads and connections; a closed store is not used again."""
 
-    def __enter__(self) -> TensorStore:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

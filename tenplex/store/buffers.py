@@ -20,7 +20,7 @@ import numpy as np
 
 from tenplex.core.buffers import byte_view
 from tenplex.errors import InvalidInput
-from tenplex.ptc.dtypes import itemsize, storage_dtype
+from tenplex.ptc.dtypes import check_dtype, itemsize, storage_dtype
 from tenplex.ptc.region import Region
 
 if TYPE_CHECKING:
@@ -330,8 +330,13 @@ def host_buffer(out: np.ndarray | torch.Tensor, dtype: str, *, what: str) -> Ite
     yield numpy_view(out, dtype, what=what)
 
 
-def host_data(data: np.ndarray | torch.Tensor, dtype: str, *, what: str) -> np.ndarray:
-    """A host numpy view of data to store; GPU tensors are copied to the host, non-contiguous ones made contiguous."""
+def host_data(data: np.ndarray | torch.Tensor, dtype: str, tensor: str, region: Region) -> np.ndarray:
+    """A host numpy view of the data of shard ``region`` of ``tensor`` (its dtype and shape checked) to store; GPU
+    tensors are copied to the host, non-contiguous ones made contiguous."""
+    check_dtype(dtype)
+    if not isinstance(region, Region):
+        raise InvalidInput(f"region must be a Region, got {type(region).__name__}")
+    what = f"data for tensor {tensor!r}"
     if _is_torch(data):
         t = data.detach()  # type: ignore[union-attr]
         if t.device.type != "cpu":
@@ -342,10 +347,14 @@ def host_data(data: np.ndarray | torch.Tensor, dtype: str, *, what: str) -> np.n
 
         if t.dtype != getattr(torch, dtype):
             raise InvalidInput(f"{what}: torch tensor is {t.dtype}, but dtype {dtype!r} was given")
-        return numpy_view(t, dtype, what=what)
-    if not isinstance(data, np.ndarray):
+        arr = numpy_view(t, dtype, what=what)
+    elif not isinstance(data, np.ndarray):
         raise InvalidInput(f"{what} must be a numpy array or a torch tensor, got {type(data).__name__}")
-    st = storage_dtype(dtype)
-    if data.dtype != st:
+    elif data.dtype != storage_dtype(dtype):
+        st = storage_dtype(dtype)
         raise InvalidInput(f"{what}: numpy array is {data.dtype}, dtype {dtype!r} is stored as {st} (give a {st} array)")
-    return data if data.flags.c_contiguous else np.ascontiguousarray(data)  # (a 0-d array stays 0-d)
+    else:
+        arr = data if data.flags.c_contiguous else np.ascontiguousarray(data)  # (a 0-d array stays 0-d)
+    if arr.shape != region.shape:
+        raise InvalidInput(f"data has shape {list(arr.shape)}, region {region.format()!r} has shape {list(region.shape)}")
+    return arr

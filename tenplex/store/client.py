@@ -56,7 +56,7 @@ from tenplex.ptc.dtypes import itemsize, name_of_torch
 from tenplex.ptc.region import Region
 from tenplex.sockets import create_connection
 from tenplex.store.base import RegionRead, TensorStore
-from tenplex.store.buffers import ReceivedCrcs, host_data, numpy_view, payload_offset, slabs
+from tenplex.store.buffers import ReceivedCrcs, host_buffer, host_data, payload_offset, slabs
 from tenplex.store.model import Manifest, ShardInfo, VersionInfo, format_checksum
 from tenplex.store.names import check_job, check_tensor, check_version
 from tenplex.store.wire import (
@@ -268,22 +268,19 @@ class StoreClient(TensorStore):
                                            f"{exc}") from None
                 retry = after
 
-    def _json(self, method: str, path: str) -> Any:
-        return self._call(method, path, lambda resp: json.loads(resp.read()))
+    def _json(self, method: str, path: str, body: bytes | None = None, content_type: str = "application/json") -> Any:
+        """A request answered with JSON; ``body`` (if any) is sent as ``content_type``."""
+        headers = {"Content-Type": content_type} if body is not None else None
+        return self._call(method, path, lambda resp: json.loads(resp.read()), body=body, headers=headers)
 
     def request_json(self, method: str, path: str, body: Any = None, *, content_type: str | None = None) -> Any:
         """A request to another route of the daemon (``path`` from ``/v1/...``) answered with JSON, with the
         client's auth, retries and error mapping; ``body`` (if not None) is sent as JSON, or as it is when it
         is ``bytes`` (a control message in a binary form, e.g. a transform request, sent as ``content_type``).
         For control messages only: bulk bytes never go through JSON."""
-        if body is None:
-            return self._json(method, path)
         if isinstance(body, bytes):
-            data, ctype = body, content_type or "application/octet-stream"
-        else:
-            data, ctype = json.dumps(body, separators=(",", ":")).encode(), "application/json"
-        return self._call(method, path, lambda resp: json.loads(resp.read()), body=data,
-                          headers={"Content-Type": ctype})
+            return self._json(method, path, body, content_type or "application/octet-stream")
+        return self._json(method, path, None if body is None else json.dumps(body, separators=(",", ":")).encode())
 
     # -- reads --------------------------------------------------------------
 
@@ -446,15 +443,8 @@ class StoreClient(TensorStore):
                 raise InvalidInput(f"output buffer of shape {out.shape} is not C-contiguous")
             yield out
             return
-        dtype = name_of_torch(out.dtype)
-        if out.device.type != "cpu":
-            import torch
-
-            staging = torch.empty(tuple(out.shape), dtype=out.dtype, pin_memory=torch.cuda.is_available())
-            yield numpy_view(staging, dtype, what="output buffer")
-            out.copy_(staging)
-            return
-        yield numpy_view(out, dtype, what="output buffer")
+        with host_buffer(out, name_of_torch(out.dtype), what="output buffer") as host:
+            yield host
 
     def read_into(
         self,
@@ -571,24 +561,15 @@ class StoreClient(TensorStore):
     ) -> ShardInfo:
         """Upload a shard (PUT, sent straight from the buffer); replaces the same region of an uncommitted version.
         (``received`` is not used: the daemon checksums the bytes it receives.)"""
-        arr = host_data(data, dtype, what=f"data for tensor {tensor!r}")
-        if not isinstance(region, Region):
-            raise InvalidInput(f"region must be a Region, got {type(region).__name__}")
-        if arr.shape != region.shape:
-            raise InvalidInput(f"data has shape {list(arr.shape)}, region {region.format()!r} has shape {list(region.shape)}")
+        arr = host_data(data, dtype, tensor, region)
         query = urllib.parse.urlencode({"region": region.format()})
         headers = {
             DTYPE_HEADER: dtype,
             GLOBAL_SHAPE_HEADER: format_shape(global_shape),
             "Content-Type": "application/octet-stream",
         }
-        result = self._call(
-            "PUT",
-            f"{versions_path(job, version, tensor)}?{query}",
-            lambda resp: json.loads(resp.read()),
-            body=byte_view(arr),
-            headers=headers,
-        )
+        result = self._call("PUT", f"{versions_path(job, version, tensor)}?{query}", lambda resp: json.loads(resp.read()),
+                            body=byte_view(arr), headers=headers)
         return ShardInfo.from_json(result["stored"])
 
     def manifest(self, job: str, version: Version | str) -> Manifest:
@@ -632,10 +613,7 @@ class StoreClient(TensorStore):
             raise InvalidInput(f"region must be a Region, got {type(region).__name__}")
         body = LinkRequest(from_version=str(check_version(from_version)), tensor=check_tensor(tensor),
                            region=region.format(), verify=verify)
-        result = self._call(
-            "POST", f"{versions_path(job, to_version)}/links", lambda resp: json.loads(resp.read()),
-            body=body.model_dump_json().encode(), headers={"Content-Type": "application/json"},
-        )
+        result = self._json("POST", f"{versions_path(job, to_version)}/links", body.model_dump_json().encode())
         return ShardInfo.from_json(result["linked"])
 
     def commit(self, job: str, version: Version | str) -> Manifest:
@@ -648,9 +626,7 @@ class StoreClient(TensorStore):
         :class:`~tenplex.store.memory.Placement` of its :class:`~tenplex.store.local.LocalStore`): the
         daemon alone takes the tier's budget lock, evicts and moves versions."""
         body = ReservationRequest(nbytes=nbytes).model_dump_json().encode()
-        result = self._call("POST", f"{versions_path(job, version)}/reservation", lambda resp: json.loads(resp.read()),
-                            body=body, headers={"Content-Type": "application/json"})
-        return bool(result["in_memory"])
+        return bool(self._json("POST", f"{versions_path(job, version)}/reservation", body)["in_memory"])
 
     def delete(self, job: str, version: Version | str) -> None:
         self._json("DELETE", versions_path(job, version))
@@ -694,10 +670,4 @@ class StoreClient(TensorStore):
             conn.close()
         if pool is not None:
             pool.shutdown(wait=True)
-
-    def __enter__(self) -> StoreClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 

@@ -23,20 +23,19 @@ entry starts with a dot, which no job name may::
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
 import json
 import logging
 import os
 import shutil
-import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tenplex.core.files import atomic_write, fsync_path
+from tenplex.core.files import atomic_write, fsync_path, syncfs
 from tenplex.core.version import Version
 from tenplex.errors import InvalidInput, NotFound
 from tenplex.store.names import check_job
@@ -86,20 +85,29 @@ class Root:
         """Where shards are written before they are renamed into place (same file system, not inside the job)."""
         return self.path / STAGING / check_job(job)
 
+    def set_aside(self, job: str, path: Path, prefix: str) -> Path:
+        """Rename ``path`` (a version's or a shard's directory) into the job's staging as ``<prefix>-<random>``,
+        where nothing reads it, and return that: the caller removes it once it has let the job's lock go
+        (:func:`clean_staging` removes what a crash left of it)."""
+        moved = self.staging(job) / f"{prefix}-{uuid.uuid4().hex}"
+        moved.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(path, moved)
+        return moved
+
     def jobs(self) -> list[str]:
-        """The job directories under the root (names that are not valid job names are skipped)."""
+        """The job directories under the root, sorted (names that are not valid job names are skipped)."""
         try:
-            entries = os.listdir(self.path)
+            entries = sorted(os.listdir(self.path))
         except FileNotFoundError:
             return []
         out = []
         for entry in entries:
-            if entry.startswith("."):
+            if entry.startswith(".") or not (self.path / entry).is_dir():
                 continue
             try:
                 out.append(check_job(entry))
             except InvalidInput:
-                continue
+                log.warning("ignoring %s: not a job directory of this store", self.path / entry)
         return out
 
     def versions(self, job: str) -> set[Version]:
@@ -276,28 +284,12 @@ def link_tree(src: Path, dst: Path) -> None:
 
 
 def sync_tree(path: Path) -> None:
-    """Make every file and directory entry under ``path`` durable before the commit marker is written.
-
-    One ``syncfs(2)`` of the store's file system (Linux) flushes them all in a single call; a version
-    of a few hundred shards would otherwise cost thousands of fsyncs. Elsewhere, fsync each one.
-    """
-    if _syncfs(path):
-        return
+    """Make every file and directory entry under ``path`` durable before the commit marker is written: one
+    :func:`~tenplex.core.files.syncfs` of the store's file system; where that is not possible, fsync each one."""
+    with contextlib.suppress(OSError):
+        if syncfs(path):
+            return
     _fsync_tree(path)
-
-
-def _syncfs(path: Path) -> bool:
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    except (OSError, AttributeError):
-        return False
-    try:
-        return libc.syncfs(fd) == 0
-    finally:
-        os.close(fd)
 
 
 def _fsync_tree(path: Path) -> None:

@@ -63,7 +63,6 @@ from tenplex.store.tiers import (
     MemorySlots,
     TierSettings,
     check_memory_fs,
-    copy_plain,
     copy_verified,
     lower_priority,
     matches,
@@ -168,10 +167,6 @@ class MemoryTier:
     def budget(self) -> int:
         return self.settings.budget
 
-    @property
-    def tier_id(self) -> str:
-        return self.settings.tier_id
-
     def __repr__(self) -> str:
         return f"MemoryTier({str(self.root)!r}, budget {human_bytes(self.budget)}, beside {str(self.disk.path)!r})"
 
@@ -182,7 +177,8 @@ class MemoryTier:
         with self._lock:
             if self._spiller is None:
                 self._spiller = Spiller(self, poll_s=poll_s, interval_s=interval_s).start()
-                log.info("memory tier of %s: %s, budget %s", self.disk.path, self.root, human_bytes(self.budget))
+                log.info("memory tier %s, budget %s: new versions are written and served there and spilled to %s",
+                         self.root, human_bytes(self.budget), self.disk.path)
             return self._spiller
 
     @property
@@ -411,13 +407,9 @@ class MemoryTier:
                 copy_tree(mdir, staging)
                 vdir = self.disk.version(job, version)
                 if vdir.exists():
-                    old = self.disk.staging(job) / f"replaced-{uuid.uuid4().hex}"
-                    os.rename(vdir, old)
-                    shutil.rmtree(old, ignore_errors=True)
+                    shutil.rmtree(self.disk.set_aside(job, vdir, "replaced"), ignore_errors=True)
                 os.rename(staging, vdir)
-                trash = self.mem.staging(job) / f"deleted-{version}-{uuid.uuid4().hex}"
-                trash.parent.mkdir(parents=True, exist_ok=True)
-                os.rename(mdir, trash)
+                trash = self.mem.set_aside(job, mdir, f"deleted-{version}")
             self.mem.claim(job, version).unlink(missing_ok=True)
         if trash is not None:
             shutil.rmtree(trash, ignore_errors=True)
@@ -475,9 +467,7 @@ class MemoryTier:
                     return None
                 vdir = self.disk.version(job, v)
                 if vdir.exists():  # what a spill killed before its marker left
-                    old = self.disk.staging(job) / f"replaced-{uuid.uuid4().hex}"
-                    os.rename(vdir, old)
-                    shutil.rmtree(old, ignore_errors=True)
+                    shutil.rmtree(self.disk.set_aside(job, vdir, "replaced"), ignore_errors=True)
                 os.rename(staging, vdir)
                 if self.durable:
                     fsync_path(vdir.parent, directory=True)
@@ -496,14 +486,14 @@ class MemoryTier:
         spilled = [(self.mem.version(job, w), self.disk.version(job, w)) for _t, j, w in self.versions(spilled=True)
                    if j == job and w != version]
         dst.mkdir(parents=True, exist_ok=True)
-        copy_plain(src / "zarr.json", dst / "zarr.json")
+        shutil.copyfile(src / "zarr.json", dst / "zarr.json")
         copied = 0
         for tname in sorted(os.listdir(src)):
             tsrc = src / tname
             if not tsrc.is_dir():
                 continue
             (dst / tname).mkdir()
-            copy_plain(tsrc / "zarr.json", dst / tname / "zarr.json")
+            shutil.copyfile(tsrc / "zarr.json", dst / tname / "zarr.json")
             for sname in sorted(os.listdir(tsrc)):
                 if (tsrc / sname).is_dir():
                     copied += self._spill_shard(job, version, tsrc / sname, dst / tname / sname, f"{tname}/{sname}", spilled)
@@ -527,7 +517,7 @@ class MemoryTier:
             for name in files:
                 key = name if sub == "." else f"{sub}/{name}"
                 if key == "zarr.json":
-                    copy_plain(here / name, out / name)
+                    shutil.copyfile(here / name, out / name)
                 elif not _link_kept(here / name, f"{rel}/{key}", spilled, out / name):
                     copy_verified(here / name, out / name, expected.get(key), direct=self.direct_writes)
                     copied += os.stat(out / name).st_size
@@ -557,9 +547,7 @@ class MemoryTier:
                         continue
                     mdir = self.mem.version(job, v)
                     if mdir.is_dir():
-                        trash = self.mem.staging(job) / f"deleted-{v}-{uuid.uuid4().hex}"
-                        trash.parent.mkdir(parents=True, exist_ok=True)
-                        os.rename(mdir, trash)
+                        trash = self.mem.set_aside(job, mdir, f"deleted-{v}")
                     record.unlink()
                 if trash is not None:
                     shutil.rmtree(trash, ignore_errors=True)
@@ -645,7 +633,6 @@ class Spiller:
         self._retry_at: dict[tuple[str, str], tuple[float, float]] = {}  # (job, version) -> (when, delay)
         self.spilled = 0
         self.spilled_bytes = 0
-        self.spill_seconds = 0.0
         self.failures = 0
         self.busy = False
         """Whether a spill is running now."""
@@ -692,7 +679,6 @@ class Spiller:
             when, delay = self._retry_at.get(key, (0.0, 0.0))
             if now < when:
                 continue
-            t0 = time.perf_counter()
             try:
                 self.busy = True
                 nbytes = tier.spill(job, version)
@@ -710,5 +696,4 @@ class Spiller:
                 done += 1
                 self.spilled += 1
                 self.spilled_bytes += nbytes
-                self.spill_seconds += time.perf_counter() - t0
         return done

@@ -7,13 +7,16 @@ a node holds), so they are frozen dataclasses with an explicit JSON mapping.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from tenplex.core.version import Version
 from tenplex.errors import InvalidInput
 from tenplex.ptc.dtypes import check_dtype, itemsize
-from tenplex.ptc.region import Region
+from tenplex.ptc.region import Region, subtract
+
+T = TypeVar("T")
 
 CHECKSUM_PREFIX = "crc32c:"
 
@@ -29,6 +32,21 @@ def parse_checksum(text: str) -> int:
         return int(text[len(CHECKSUM_PREFIX) :], 16)
     except ValueError:
         raise InvalidInput(f"checksum {text!r} is not of the form crc32c:xxxxxxxx") from None
+
+
+def cover(shards: Sequence[T], region_of: Callable[[T], Region], region: Region) -> tuple[list[tuple[T, Region]], str]:
+    """Which of ``shards`` serves which part of ``region`` (the first of overlapping shards wins), and the parts
+    none covers as text (empty when they cover it all; the first 8 named)."""
+    parts: list[tuple[T, Region]] = []
+    missing = [region]
+    for s in shards:
+        common = region_of(s).intersect(region)
+        if common is None or not any(m.overlaps(common) for m in missing):
+            continue  # no part of the region, or one an overlapping shard already served
+        parts.append((s, common))
+        missing = [piece for m in missing for piece in subtract(m, common)]
+    text = ", ".join(m.format() for m in missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+    return parts, text
 
 
 @dataclass(frozen=True, slots=True)

@@ -52,8 +52,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import functools
 import itertools
 import json
 import logging
@@ -78,7 +76,7 @@ from zarr.core.buffer.cpu import Buffer, NDBuffer
 from zarr.core.indexing import BasicIndexer
 from zarr.core.sync import sync
 
-from tenplex.core.files import atomic_write
+from tenplex.core.files import atomic_write, syncfs
 from tenplex.core.version import Version
 from tenplex.errors import (
     ChecksumMismatch,
@@ -91,12 +89,12 @@ from tenplex.errors import (
     TenplexError,
     Unauthorized,
 )
-from tenplex.ptc.dtypes import check_dtype, storage_dtype
-from tenplex.ptc.region import Region, subtract
+from tenplex.ptc.dtypes import storage_dtype
+from tenplex.ptc.region import Region
 from tenplex.store.base import RegionRead, TensorStore
 from tenplex.store.buffers import ReceivedCrcs, crc_of, host_buffer, host_data, numpy_view, slabs
 from tenplex.store.locations import check_options, check_uri
-from tenplex.store.model import Manifest, ShardInfo, VersionInfo, format_checksum
+from tenplex.store.model import Manifest, ShardInfo, VersionInfo, cover, format_checksum
 from tenplex.store.names import (
     check_job,
     check_shard_target,
@@ -107,6 +105,7 @@ from tenplex.store.names import (
     tensor_dirname,
     tensor_from_dirname,
 )
+from tenplex.store.rawchunks import ChunkLayout
 
 if TYPE_CHECKING:
     import torch
@@ -182,25 +181,10 @@ def chunk_shape(shape: Sequence[int], item: int, chunk_bytes: int = DEFAULT_CHUN
     return tuple(out)
 
 
-def _array_doc(shape: Sequence[int], chunks: Sequence[int], st: np.dtype, attributes: Mapping[str, Any]) -> dict[str, Any]:
+def _array_doc(shape: Sequence[int], chunks: Sequence[int], st: np.dtype, attributes: dict[str, Any]) -> dict[str, Any]:
     """A shard's ``zarr.json``: regular grid, ``bytes`` then ``crc32c`` codecs, no compression (weights
     barely compress; a codec would halve read speed)."""
-    codec: dict[str, Any] = {"name": "bytes"}
-    if st.itemsize > 1:
-        codec["configuration"] = {"endian": "little"}
-    fill: Any = False if st.kind == "b" else (0.0 if st.kind == "f" else 0)
-    return {
-        "zarr_format": 3,
-        "node_type": "array",
-        "shape": [int(n) for n in shape],
-        "data_type": st.name,
-        "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [int(c) for c in chunks]}},
-        "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
-        "fill_value": fill,
-        "codecs": [codec, {"name": "crc32c"}],
-        "attributes": dict(attributes),
-        "storage_transformers": [],
-    }
+    return ChunkLayout(tuple(shape), tuple(chunks), st, "/").metadata(attributes, checksum=True)
 
 
 def _group_doc(attributes: Mapping[str, Any]) -> dict[str, Any]:
@@ -223,10 +207,6 @@ def _chunk_objects(meta: Mapping[str, Any]) -> dict[str, int]:
 def _sort_key(info: ShardInfo) -> tuple[str, str]:
     """The node store's manifest order: tensor directory, then shard directory, as names."""
     return tensor_dirname(info.tensor), region_key(info.region)
-
-
-def _missing_text(missing: Sequence[Region]) -> str:
-    return ", ".join(m.format() for m in missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -550,17 +530,10 @@ class PersistentStore(TensorStore):
         region.check_within(shards[0].global_shape)
         if region.empty:
             return []
-        parts: list[tuple[ShardInfo, Region]] = []
-        missing = [region]
-        for s in shards:
-            common = s.region.intersect(region)
-            if common is None or not any(m.overlaps(common) for m in missing):
-                continue
-            parts.append((s, common))
-            missing = [piece for m in missing for piece in subtract(m, common)]
+        parts, missing = cover(shards, lambda s: s.region, region)
         if missing:
             raise StateLost(f"tensor {tensor!r} (shape {list(shards[0].global_shape)}) in {where}: region "
-                            f"{region.format()!r} is not covered by the stored shards; missing {_missing_text(missing)}")
+                            f"{region.format()!r} is not covered by the stored shards; missing {missing}")
         return parts
 
     async def _read_parts(self, job: str, version: Version, tensor: str, region: Region, view: np.ndarray,
@@ -698,9 +671,6 @@ class PersistentStore(TensorStore):
                                f"{shard.info.dtype} {list(shard.info.global_shape)}; got {dtype} {list(gshape)}")
             break
 
-    async def _ensure_groups(self, job: str, version: Version, tensor: str) -> None:
-        await self._ensure_groups_of(job, version, [tensor])
-
     def _group_docs(self, job: str, version: Version, tensors: Sequence[str]) -> dict[str, bytes]:
         """The group documents of the job, the version and these tensors that this instance has not written."""
         docs = {
@@ -711,16 +681,15 @@ class PersistentStore(TensorStore):
         with self._lock:
             return {k: _json_bytes(d) for k, d in docs.items() if k not in self._groups}
 
+    async def _ensure_groups(self, job: str, version: Version, tensors: Sequence[str]) -> None:
+        """The group documents of the job, the version and these tensors, each written once by this instance."""
+        await self._put_groups(self._group_docs(job, version, tensors))
+
     async def _put_groups(self, docs: Mapping[str, bytes]) -> None:
         if docs:
             await self._bounded(self._backend.set(k, Buffer.from_bytes(d)) for k, d in docs.items())
             with self._lock:
                 self._groups.update(docs)
-
-    async def _ensure_groups_of(self, job: str, version: Version, tensors: Sequence[str]) -> None:
-        """The group documents of the job, the version and these tensors, each written once by this instance
-        (concurrently)."""
-        await self._put_groups(self._group_docs(job, version, tensors))
 
     def write_shard(
         self,
@@ -737,12 +706,7 @@ class PersistentStore(TensorStore):
         """Store ``data`` as the shard ``region`` of ``tensor`` in an uncommitted version (the same region again
         replaces it): its chunk objects first, then its metadata with the checksum. (``received`` is not used:
         the chunk objects' crc32c codec checksums them as they are encoded.)"""
-        check_dtype(dtype)
-        arr = host_data(data, dtype, what=f"data for tensor {tensor!r}")
-        if not isinstance(region, Region):
-            raise InvalidInput(f"region must be a Region, got {type(region).__name__}")
-        if arr.shape != region.shape:
-            raise InvalidInput(f"data has shape {list(arr.shape)}, region {region.format()!r} has shape {list(region.shape)}")
+        arr = host_data(data, dtype, tensor, region)
         writer = self.open_writer(job, version, tensor, region, dtype=dtype, global_shape=global_shape)
         try:
             for i, piece in enumerate(writer.pieces):
@@ -844,14 +808,14 @@ class PersistentStore(TensorStore):
                         with contextlib.suppress(FileExistsError):
                             os.mkdir(f"{root}/{d}")
                 for key, data in groups.items():
-                    _put_file(f"{root}/{key}", data)
+                    atomic_write(f"{root}/{key}", data)
                 for key in stale:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(f"{root}/{key}")
                 for key, chunk in chunks:
-                    _put_file(f"{root}/{key}", chunk.as_buffer_like())
+                    atomic_write(f"{root}/{key}", chunk.as_buffer_like())
                 for key, data in metas:
-                    _put_file(f"{root}/{key}", data)
+                    atomic_write(f"{root}/{key}", data)
             except OSError as exc:
                 raise self._map_error(exc, what) or exc from exc
             with self._lock:
@@ -944,7 +908,7 @@ class PersistentStore(TensorStore):
 
             await self._bounded(obstore.copy_async(self._backend.store, f"{src}/{k}", f"{dst}/{k}")  # type: ignore[attr-defined]
                                 for k in chunks)
-        await self._ensure_groups(job, new, info.tensor)
+        await self._ensure_groups(job, new, [info.tensor])
         await self._put_json(f"{dst}/{_META}", shard.meta)
 
     # -- versions ----------------------------------------------------------------------
@@ -1022,8 +986,8 @@ class PersistentStore(TensorStore):
 
         return self._run(get(), f"listing the versions of job {job!r}")
 
-    def verify_version(self, job: str, version: Version | str,
-                       expect: Sequence[tuple[str, Region, str | None]] | None = None) -> tuple[list[ShardInfo], list[str]]:
+    async def _verify(self, job: str, version: Version,
+                      expect: Sequence[tuple[str, Region, str | None]] | None) -> tuple[list[ShardInfo], list[str]]:
         """Check a version without downloading its data; its intact shards and the problems found.
 
         With ``expect`` (tensor, region, crc32c or None), exactly those shards are checked and each must be
@@ -1031,12 +995,6 @@ class PersistentStore(TensorStore):
         intact when its metadata (written after its data) is there, records the expected checksum and every
         chunk object it promises exists with the right size (one listing of the version).
         """
-        v = check_version(version)
-        check_job(job)
-        return self._run(self._verify(job, v, expect), f"checking {v} of job {job!r}")
-
-    async def _verify(self, job: str, version: Version,
-                      expect: Sequence[tuple[str, Region, str | None]] | None) -> tuple[list[ShardInfo], list[str]]:
         # An object store: one listing of the version, alongside the metadata reads. A file system: a stat of
         # each chunk file the metadata promises, after them (a walk of the version's directories costs more).
         sizes_task = asyncio.ensure_future(self._object_sizes(self._vkey(job, version))) if self.root is None else None
@@ -1082,7 +1040,7 @@ class PersistentStore(TensorStore):
     def commit(self, job: str, version: Version | str,
                expect: Sequence[tuple[str, Region, str | None]] | None = None,
                ptc: Mapping[str, Any] | None = None) -> Manifest:
-        """Check the version (:meth:`verify_version`) and write its commit marker, last; its manifest.
+        """Check the version (:meth:`_verify`) and write its commit marker, last; its manifest.
 
         Refused with :class:`~tenplex.errors.Conflict` naming every shard that is missing, incomplete or
         damaged (nothing is written then). Committing a committed version changes nothing; with ``expect``
@@ -1153,22 +1111,6 @@ class PersistentStore(TensorStore):
             for key in [k for k in self._arrays if k[0] == job and k[1] == version]:
                 del self._arrays[key]
             self._groups = {g for g in self._groups if not g.startswith(f"{self._vkey(job, version)}/")}
-
-    def gc(self, job: str, keep_last: int) -> list[Version]:
-        """Delete all but the newest ``keep_last`` committed versions, and uncommitted ones older than the
-        newest committed (newer ones may still be uploading); the versions deleted."""
-        if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1:
-            raise InvalidInput(f"keep_last must be an integer >= 1, got {keep_last!r}")
-        infos = self.versions(job)
-        committed = [vi.version for vi in infos if vi.committed]
-        keep = set(committed[-keep_last:])
-        newest = committed[-1] if committed else None
-        doomed = [vi.version for vi in infos
-                  if vi.version not in keep and (vi.committed or (newest is not None and vi.version < newest))]
-        for v in doomed:
-            with contextlib.suppress(NotFound):
-                self.delete(job, v)
-        return doomed
 
 
 class PersistentShardWriter:
@@ -1247,7 +1189,7 @@ class PersistentShardWriter:
         doc = {**self._doc, "attributes": {ATTR: info.to_json()}}
 
         async def run() -> None:
-            await self.store._ensure_groups(self.job, self.version, self.tensor)
+            await self.store._ensure_groups(self.job, self.version, [self.tensor])
             await self.store._put_json(f"{self.key}/{_META}", doc)
 
         self.store._run(run(), f"uploading the metadata of {self.tensor!r} {self.region} of {self.version}")
@@ -1263,33 +1205,10 @@ def _json_bytes(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
-def _put_file(path: str, data: Any) -> None:
-    """Write an object of a ``file://`` location (its directory exists) as zarr's LocalStore does: renamed
-    over its name from a temporary one beside it, so a reader never sees half of it."""
-    atomic_write(path, data)
-
-
 def _sync_file_system(root: Path) -> None:
-    """Make what was written under ``root`` durable, once for a whole version: ``syncfs(2)`` of the file
-    system that holds it (Linux), which flushes that file system only, not every disk of the machine as
-    ``sync(2)`` does (on a shared node the other disks' writeback is not ours to wait for); ``os.sync``
-    where there is no ``syncfs``."""
-    syncfs = getattr(_libc(), "syncfs", None)
-    if syncfs is None:
+    """What a ``file://`` location wrote made durable: :func:`~tenplex.core.files.syncfs`, else ``sync(2)``."""
+    if not syncfs(root):
         os.sync()
-        return
-    fd = os.open(root, os.O_RDONLY)
-    try:
-        if syncfs(fd) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"syncfs({root}): {os.strerror(err)}")
-    finally:
-        os.close(fd)
-
-
-@functools.lru_cache(maxsize=1)
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)
 
 
 def _stat_sizes(root: str, keys: Sequence[str]) -> dict[str, int]:

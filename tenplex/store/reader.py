@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,10 +22,10 @@ from zarr.core.buffer.cpu import NDBuffer
 from tenplex.core.version import Version
 from tenplex.errors import InvalidInput, InvalidRegion, NotFound, StateLost
 from tenplex.ptc.dtypes import itemsize, storage_dtype
-from tenplex.ptc.region import Region, subtract
+from tenplex.ptc.region import Region
 from tenplex.store.buffers import crc32c_combine, crc_of, slabs
 from tenplex.store.layout import CHUNK_CRCS, read_meta
-from tenplex.store.model import ShardInfo, format_checksum
+from tenplex.store.model import ShardInfo, cover, format_checksum
 from tenplex.store.names import region_from_key
 from tenplex.store.rawchunks import ChunkLayout, ChunkRun, RawChunkReader, checksum_runs
 
@@ -60,7 +59,6 @@ class TensorReader:
         tensor: str,
         committed: bool,
         shards: list[StoredShard],
-        executor: Executor | None = None,
         map_chunks: bool = True,
         in_memory: bool = False,
     ) -> None:
@@ -76,7 +74,6 @@ class TensorReader:
         self.global_shape = first.global_shape
         self._arrays: dict[Path, RawChunkReader | zarr.Array] = {}
         self._lock = threading.Lock()
-        self._executor = executor
         self._map_chunks = map_chunks
         self.in_memory = in_memory
         """Whether the shards are read from the store's memory tier (see :mod:`tenplex.store.tiers`)."""
@@ -125,22 +122,11 @@ class TensorReader:
         region.check_within(self.global_shape)
         if region.empty:
             return []
-        parts: list[tuple[StoredShard, Region]] = []
-        missing = [region]
-        for s in self._shards:
-            common = s.info.region.intersect(region)
-            if common is None:
-                continue
-            if not any(m.overlaps(common) for m in missing):
-                continue  # an overlapping shard already served this part
-            parts.append((s, common))
-            missing = [piece for m in missing for piece in subtract(m, common)]
+        parts, missing = cover(self._shards, lambda s: s.info.region, region)
         if missing:
             raise StateLost(
                 f"tensor {self.tensor!r} (shape {list(self.global_shape)}) in version {self.version} of job "
-                f"{self.job!r}: region {region.format()!r} is not covered by the shards on this node; missing "
-                + ", ".join(m.format() for m in missing[:8])
-                + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+                f"{self.job!r}: region {region.format()!r} is not covered by the shards on this node; missing {missing}"
             )
         return parts
 
@@ -153,7 +139,7 @@ class TensorReader:
             dst = out[common.relative_to(region).slices()] if region.ndim else out  # out[()] would be a copy
             arr = self._array(shard)
             if isinstance(arr, RawChunkReader):
-                arr.read(src, dst, self._executor)
+                arr.read(src, dst)
             else:
                 arr.get_basic_selection(src.slices(), out=NDBuffer.from_numpy_array(dst))
 

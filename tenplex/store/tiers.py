@@ -249,14 +249,6 @@ def _write_all(fd: int, data: memoryview) -> None:
         done += os.write(fd, data[done:])
 
 
-def copy_plain(src: Path, dst: Path) -> None:
-    """A small file (metadata) copied as it is."""
-    with open(src, "rb") as f:
-        data = f.read()
-    with open(dst, "wb") as f:
-        f.write(data)
-
-
 # -- the spiller's priority ---------------------------------------------------------------------
 
 

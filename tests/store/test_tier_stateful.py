@@ -78,7 +78,7 @@ class TierMachine(RuleBasedStateMachine):
         self.spiller = Spiller(tier)  # run by the rules, not by a thread: the machine chooses when
         self.daemon = LocalStore(self.disk, memory=tier, chunk_bytes=2048, durable=False)
         self.worker = LocalStore(self.disk, chunk_bytes=2048, durable=False)
-        assert self.worker.memory is not None and self.worker.memory.tier_id == tier.tier_id
+        assert self.worker.memory is not None and self.worker.memory.settings.tier_id == tier.settings.tier_id
 
     def _close(self) -> None:
         self.worker.close()

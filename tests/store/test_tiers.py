@@ -169,7 +169,7 @@ def test_a_restarted_daemon_finds_its_memory_versions_and_spills_the_unspilled(d
     tier_id = (memory_root / TIER_ID).read_text()
 
     with owned(disk, memory_root, 8 * NBYTES) as again:
-        assert again.memory is not None and again.memory.tier_id == tier_id  # the same tier, kept across the restart
+        assert again.memory is not None and again.memory.settings.tier_id == tier_id  # the same tier, kept across the restart
         assert [str(v.version) for v in again.versions(JOB)] == ["s1-g0", "s2-g0"]
         deadline = time.monotonic() + 30
         while again.memory.unspilled() and time.monotonic() < deadline:
