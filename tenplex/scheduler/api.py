@@ -105,7 +105,15 @@ def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
             raise Forbidden(f"a {principal.describe()} may not call {what} of job {job!r}")
         return principal
 
-    Auth = Depends(auth)
+    async def authorized(request: Request) -> Principal:
+        """``auth`` as the routes' dependency, run on the event loop (a token compare or a cached signature check:
+        microseconds). A plain ``def`` dependency is run in a worker thread, and those threads can all be
+        taken: worker reports and registrations wait in them for a job's lock while its controller holds it
+        across a Kubernetes call (a node loss's pod deletions: up to their 10 s grace), and a
+        ``GET /v1/jobs/{job}``, which never waits on the lock itself, waited that long for a thread."""
+        return auth(request)
+
+    Auth = Depends(authorized)
 
     @app.exception_handler(TenplexError)
     async def _tenplex_error(_: Request, exc: TenplexError) -> JSONResponse:
