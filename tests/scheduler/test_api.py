@@ -193,6 +193,62 @@ def test_a_read_answers_while_every_worker_thread_waits_for_the_job(scheduler):
     assert call(scheduler.url, "DELETE", "/v1/jobs/starved")[0] == 200
 
 
+def test_reports_waiting_for_a_busy_job_leave_the_other_routes_threads(scheduler):
+    """Heartbeat batches that wait for a held job lock take at most REPORT_THREADS worker threads; the rest
+    queue without one, and the synchronous routes (here /v1/hosts) keep the default pool and answer while
+    the lock is held (judged without a clock: they return while the holder still has it)."""
+    import sys
+    import threading
+
+    from tenplex.scheduler.api import REPORT_THREADS
+
+    assert call(scheduler.url, "POST", "/v1/jobs", {**JOB, "name": "beats"})[0] == 201
+    ctl = scheduler.scheduler.get("beats")
+    batch = {"workers": ["beats-g0-r0"], "generations": [0], "steps": [1], "ages": [0.0]}
+
+    def waiting() -> int:
+        """Threads inside the controller's node_heartbeats (blocked on the job's lock: it is held)."""
+        count = 0
+        for frame in sys._current_frames().values():
+            while frame is not None and frame.f_code.co_name != "node_heartbeats":
+                frame = frame.f_back
+            count += frame is not None and frame.f_code.co_filename.endswith("controller.py")
+        return count
+
+    answers: list[int] = []
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with ctl.lock:
+            held.set()
+            release.wait(60)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    reports = [threading.Thread(target=lambda i=i: answers.append(
+        call(scheduler.url, "POST", f"/v1/jobs/beats/nodes/host-{i}/heartbeats", batch)[0])) for i in range(48)]
+    try:
+        assert held.wait(30)
+        for t in reports:
+            t.start()
+        for _ in range(3000):  # at most 30 s: a bound on a hang, not a timing
+            if waiting() >= REPORT_THREADS:
+                break
+            release.wait(0.01)
+        status, body = call(scheduler.url, "GET", "/v1/hosts")
+        assert status == 200 and body["hosts"]
+        assert call(scheduler.url, "GET", "/healthz", token=None) == (200, {"status": "ok"})
+        assert holder.is_alive() and not release.is_set() and not answers, "answered only once the lock was free"
+        assert waiting() == REPORT_THREADS
+    finally:
+        release.set()
+        holder.join()
+        for t in reports:
+            t.join()
+    assert answers == [200] * 48  # every queued report answered (each worker's error in its body: unknown)
+    assert call(scheduler.url, "DELETE", "/v1/jobs/beats")[0] == 200
+
+
 def test_malformed_json_is_400(scheduler):
     status, body = call(scheduler.url, "POST", "/v1/jobs", raw=b"{not json")
     assert status == 400 and body["error"] == "invalid_input"
