@@ -22,6 +22,9 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any, Literal
 
+import anyio
+import anyio.to_thread
+from anyio.lowlevel import RunVar
 from fastapi import Depends, FastAPI, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
@@ -105,7 +108,15 @@ def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
             raise Forbidden(f"a {principal.describe()} may not call {what} of job {job!r}")
         return principal
 
-    Auth = Depends(auth)
+    async def authorized(request: Request) -> Principal:
+        """``auth`` as the routes' dependency, run on the event loop (a token compare or a cached signature check:
+        microseconds). A plain ``def`` dependency is run in a worker thread, and those threads can all be
+        taken: worker reports and registrations wait in them for a job's lock while its controller holds it
+        across a Kubernetes call (a node loss's pod deletions: up to their 10 s grace), and a
+        ``GET /v1/jobs/{job}``, which never waits on the lock itself, waited that long for a thread."""
+        return auth(request)
+
+    Auth = Depends(authorized)
 
     @app.exception_handler(TenplexError)
     async def _tenplex_error(_: Request, exc: TenplexError) -> JSONResponse:
@@ -127,7 +138,7 @@ def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
     # -- health and metrics ----------------------------------------------------
 
     @app.get("/healthz", tags=["ops"], summary="Liveness and readiness (no auth)")
-    def healthz() -> dict[str, str]:
+    async def healthz() -> dict[str, str]:  # on the event loop: never waits for a worker thread
         return {"status": "ok"}
 
     @app.get("/metrics", tags=["ops"], summary="Prometheus metrics", dependencies=[Auth],
@@ -320,6 +331,23 @@ VIEW_REFRESH_FACTOR = 5.0
 """Such a view is made again at most every max(VIEW_REFRESH_S, VIEW_REFRESH_FACTOR x what it cost)."""
 REPORT_WAIT_S = 0.05
 """How long a worker report waits on the event loop for its job's busy lock before a worker thread waits."""
+REPORT_THREADS = 24
+"""At most this many worker threads wait for busy job locks on behalf of worker reports (a limiter of their own);
+further reports queue for one of them without a thread. The other synchronous routes keep all of anyio's
+default limiter (40): a controller holding its job across a slow call (a node loss's pod deletions, 10 s on
+Kubernetes) once had a second's heartbeat batches take all 40, and /v1/hosts, /metrics, registrations and the
+authentication of every route waited as long."""
+_REPORT_LIMITER: RunVar[anyio.CapacityLimiter] = RunVar("tenplex_report_threads")
+
+
+def _report_threads() -> anyio.CapacityLimiter:
+    """The event loop's limiter of :data:`REPORT_THREADS` (made on first use: a limiter belongs to its loop)."""
+    try:
+        return _REPORT_LIMITER.get()
+    except LookupError:
+        limiter = anyio.CapacityLimiter(REPORT_THREADS)
+        _REPORT_LIMITER.set(limiter)
+        return limiter
 
 
 class _Views:
@@ -427,8 +455,9 @@ async def _worker_report(scheduler: Scheduler, kind: str, job: str, worker_id: s
     """A worker report's reply: the body parsed by pydantic from the raw bytes, the reply serialized by it, and
     the controller called on the event loop once its lock is free (held only briefly then: a report is a few
     dictionary updates). A lock held longer than ``REPORT_WAIT_S`` (planning a large job) is waited for in a
-    worker thread, as other routes do; a shorter hold (the controller's tick over its workers) is looked at
-    again every ``VIEW_POLL_S`` from the event loop: a hand-off to a thread costs more than the report."""
+    worker thread, one of at most ``REPORT_THREADS`` (the other routes keep theirs); a shorter hold (the
+    controller's tick over its workers) is looked at again every ``VIEW_POLL_S`` from the event loop: a hand-off
+    to a thread costs more than the report."""
     model, _path, call = _REPORTS[kind]
     try:
         body = model.model_validate_json(raw)
@@ -439,7 +468,7 @@ async def _worker_report(scheduler: Scheduler, kind: str, job: str, worker_id: s
     while not ctl.lock.acquire(blocking=False):
         deadline = deadline or time.monotonic() + REPORT_WAIT_S
         if time.monotonic() > deadline:
-            reply = await run_in_threadpool(call, ctl, worker_id, body)
+            reply = await anyio.to_thread.run_sync(call, ctl, worker_id, body, limiter=_report_threads())
             break
         await asyncio.sleep(VIEW_POLL_S)
     else:

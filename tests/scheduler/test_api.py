@@ -129,6 +129,126 @@ def test_a_read_does_not_wait_for_a_busy_controller(scheduler):
     assert call(scheduler.url, "DELETE", "/v1/jobs/busy")[0] == 200
 
 
+def test_a_read_answers_while_every_worker_thread_waits_for_the_job(scheduler):
+    """A node loss on Kubernetes held the job's lock across its pods' deletions (up to 10 s) while worker reports
+    and registrations queued for it, each in one of the server's worker threads, until all were taken; a status
+    read then waited as long for a thread to authenticate it in (benchmarks/control_plane_k8s.py: one GET of
+    10.4-10.9 s). Here sync routes that need the lock (GET /plan) take every worker thread while the lock is
+    held; the read must still answer. Judged without a clock: it returns while the holder still holds the lock
+    and every thread is known to be waiting for it."""
+    import sys
+    import threading
+
+    import anyio
+    import anyio.to_thread
+
+    async def pool_size() -> int:
+        return int(anyio.to_thread.current_default_thread_limiter().total_tokens)
+
+    threads = anyio.run(pool_size)  # the server's loop gets the same default
+    assert call(scheduler.url, "POST", "/v1/jobs", {**JOB, "name": "starved"})[0] == 201
+    ctl = scheduler.scheduler.get("starved")
+
+    def waiting_for_the_plan() -> int:
+        """Threads inside the /plan route (blocked on the job's lock: it is held)."""
+        count = 0
+        for frame in sys._current_frames().values():
+            while frame is not None and not (frame.f_code.co_name == "get_plan"
+                                             and frame.f_code.co_filename.endswith("api.py")):
+                frame = frame.f_back
+            count += frame is not None
+        return count
+
+    answers: list[int] = []
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with ctl.lock:
+            held.set()
+            release.wait(60)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    plans = [threading.Thread(target=lambda: answers.append(call(scheduler.url, "GET", "/v1/jobs/starved/plan")[0]))
+             for _ in range(threads + 4)]
+    try:
+        assert held.wait(30)
+        for t in plans:
+            t.start()
+        for _ in range(3000):  # every worker thread taken (at most 30 s: a bound on a hang, not a timing)
+            if waiting_for_the_plan() >= threads:
+                break
+            release.wait(0.01)
+        assert waiting_for_the_plan() == threads, "the plan reads did not take every worker thread"
+        status, view = call(scheduler.url, "GET", "/v1/jobs/starved")
+        assert status == 200 and view["spec"]["name"] == "starved"
+        assert holder.is_alive() and not release.is_set() and not answers, \
+            "the read returned only once the lock was let go"
+    finally:
+        release.set()
+        holder.join()
+        for t in plans:
+            t.join()
+    assert len(answers) == threads + 4  # every queued read was answered once the lock was free
+    assert call(scheduler.url, "DELETE", "/v1/jobs/starved")[0] == 200
+
+
+def test_reports_waiting_for_a_busy_job_leave_the_other_routes_threads(scheduler):
+    """Heartbeat batches that wait for a held job lock take at most REPORT_THREADS worker threads; the rest
+    queue without one, and the synchronous routes (here /v1/hosts) keep the default pool and answer while
+    the lock is held (judged without a clock: they return while the holder still has it)."""
+    import sys
+    import threading
+
+    from tenplex.scheduler.api import REPORT_THREADS
+
+    assert call(scheduler.url, "POST", "/v1/jobs", {**JOB, "name": "beats"})[0] == 201
+    ctl = scheduler.scheduler.get("beats")
+    batch = {"workers": ["beats-g0-r0"], "generations": [0], "steps": [1], "ages": [0.0]}
+
+    def waiting() -> int:
+        """Threads inside the controller's node_heartbeats (blocked on the job's lock: it is held)."""
+        count = 0
+        for frame in sys._current_frames().values():
+            while frame is not None and frame.f_code.co_name != "node_heartbeats":
+                frame = frame.f_back
+            count += frame is not None and frame.f_code.co_filename.endswith("controller.py")
+        return count
+
+    answers: list[int] = []
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with ctl.lock:
+            held.set()
+            release.wait(60)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    reports = [threading.Thread(target=lambda i=i: answers.append(
+        call(scheduler.url, "POST", f"/v1/jobs/beats/nodes/host-{i}/heartbeats", batch)[0])) for i in range(48)]
+    try:
+        assert held.wait(30)
+        for t in reports:
+            t.start()
+        for _ in range(3000):  # at most 30 s: a bound on a hang, not a timing
+            if waiting() >= REPORT_THREADS:
+                break
+            release.wait(0.01)
+        status, body = call(scheduler.url, "GET", "/v1/hosts")
+        assert status == 200 and body["hosts"]
+        assert call(scheduler.url, "GET", "/healthz", token=None) == (200, {"status": "ok"})
+        assert holder.is_alive() and not release.is_set() and not answers, "answered only once the lock was free"
+        assert waiting() == REPORT_THREADS
+    finally:
+        release.set()
+        holder.join()
+        for t in reports:
+            t.join()
+    assert answers == [200] * 48  # every queued report answered (each worker's error in its body: unknown)
+    assert call(scheduler.url, "DELETE", "/v1/jobs/beats")[0] == 200
+
+
 def test_malformed_json_is_400(scheduler):
     status, body = call(scheduler.url, "POST", "/v1/jobs", raw=b"{not json")
     assert status == 400 and body["error"] == "invalid_input"
