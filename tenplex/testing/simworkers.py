@@ -225,6 +225,8 @@ class _Generation:
     abort: bool = False
     ptc: PTC | None = None
     parsing: asyncio.Lock = field(default_factory=asyncio.Lock)
+    assigned: int = 0
+    fetched: int = 0
     registered: int = 0
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     done: asyncio.Event = field(default_factory=asyncio.Event)
@@ -369,7 +371,13 @@ class Agent:
         reply = await self._post(r, P.REGISTER_PATH, P.RegisterRequest(
             worker_id=r.worker_id, host=r.host, pid=os.getpid(), rank=r.rank), "register")
         a = r.assignment = P.Assignment.model_validate(reply)
+        g.assigned += 1
+        if g.assigned == (g.world or len(g.ranks)):
+            g.timeline["assigned"] = time.time()  # every rank has its assignment
         await self._fetch_ptc(g, r, a)
+        g.fetched += 1
+        if g.fetched == (g.world or len(g.ranks)):
+            g.timeline["ptc_fetched"] = time.time()  # every rank has the PTC
         if a.restore_version is not None:
             await self._check_restorable(g, r, a.restore_version)
         g.step = max(g.step, Version.parse(a.restore_version).step if a.restore_version else 0)
@@ -519,6 +527,7 @@ class Agent:
             if g.abort:
                 break
             g.step += 1
+            g.timeline.setdefault("first_step", time.time())
             if total is not None and g.step >= total:
                 break
             if g.stop_at is not None and g.step >= g.stop_at:
