@@ -37,9 +37,10 @@ The same daemon hands its workers their generation's PTC
 worker of a generation needs the whole PTC when it starts (0.97 MB gzipped
 for a 405B layout), and 15,360 workers fetching it from the scheduler at once
 is 15 GB of its egress and 15,360 requests at the moment a reconfiguration
-waits for them. The daemon fetches it once per job, generation and
-credential, keeps the gzipped bytes, and serves its node's workers from them;
-a worker whose daemon relays for another scheduler or none fetches it itself.
+waits for them. The daemon fetches it once per job, generation, PTC digest
+and credential, keeps the gzipped bytes, and serves its node's workers from
+them (a daemon of N processes: up to N fetches); a worker whose daemon relays
+for another scheduler or none fetches it itself.
 
 Lives with the store because it is a route of the same daemon and stands on
 the worker protocol only (no control-plane code).
@@ -222,8 +223,8 @@ class CachedPtc:
 class PtcCache:
     """The generations' PTCs the node's workers ask for, each fetched from the scheduler once.
 
-    Keyed by job, generation and the worker's credential (the scheduler issues one per generation, shared by its
-    workers): a credential gets only what the scheduler gave that same credential, so the scheduler still decides
+    Keyed by job, generation, PTC digest and the worker's credential (the scheduler issues one per generation,
+    shared by its workers): a credential gets only what the scheduler gave that same credential, so the scheduler still decides
     who may read a job's PTC, as when each worker fetched it. The daemon's own check (a read of the job) comes
     first, in its authentication. Workers asking at once wait for one fetch; a failed fetch is not kept (each
     waiting worker gets the scheduler's error, and the next ask fetches again). At most ``entries`` PTCs and
@@ -238,8 +239,8 @@ class PtcCache:
         self.timeout_s = timeout_s
         self.entries = entries
         self.max_bytes = max_bytes
-        self._kept: OrderedDict[tuple[str, int, str | None], CachedPtc] = OrderedDict()
-        self._fetching: dict[tuple[str, int, str | None], asyncio.Task[CachedPtc]] = {}
+        self._kept: OrderedDict[tuple[str, int, str | None, str | None], CachedPtc] = OrderedDict()
+        self._fetching: dict[tuple[str, int, str | None, str | None], asyncio.Task[CachedPtc]] = {}
         self.fetches = 0
         """PTCs fetched from the scheduler (``tenplex_relay_ptc_fetches``)."""
         self.served = 0
@@ -248,10 +249,13 @@ class PtcCache:
     def __len__(self) -> int:
         return len(self._kept)
 
-    async def get(self, job: str, generation: int, authorization: str | None) -> CachedPtc:
+    async def get(self, job: str, generation: int, authorization: str | None, digest: str | None) -> CachedPtc:
         """The PTC of ``job``'s ``generation`` for a worker with ``authorization``: kept, or fetched now (raises
-        the scheduler's error as its :class:`~tenplex.errors.TenplexError`)."""
-        key = (job, generation, authorization)
+        the scheduler's error as its :class:`~tenplex.errors.TenplexError`). ``digest`` (from the worker's
+        ``ptc_url``, :func:`tenplex.scheduler.launcher.ptc_digest`) tells this job's PTC from that of a job of the
+        same name created again; the scheduler refuses a digest that is not its PTC's. Without one (a scheduler
+        that sends none) the PTC is fetched for the workers asking at once, and not kept."""
+        key = (job, generation, digest, authorization)
         kept = self._kept.get(key)
         if kept is None:
             task = self._fetching.get(key)
@@ -263,13 +267,15 @@ class PtcCache:
         self.served += 1
         return kept
 
-    async def _fetch(self, key: tuple[str, int, str | None]) -> CachedPtc:
-        job, generation, authorization = key
+    async def _fetch(self, key: tuple[str, int, str | None, str | None]) -> CachedPtc:
+        job, generation, digest, authorization = key
         try:
-            ptc = await asyncio.to_thread(self._get, job, generation, authorization)
+            ptc = await asyncio.to_thread(self._get, job, generation, digest, authorization)
         finally:
             del self._fetching[key]
         self.fetches += 1
+        if digest is None:
+            return ptc
         self._kept[key] = ptc
         size = sum(len(p.body) for p in self._kept.values())
         while len(self._kept) > 1 and (len(self._kept) > self.entries or size > self.max_bytes):
@@ -279,9 +285,10 @@ class PtcCache:
                  len(ptc.body), ", gzipped" if ptc.gzipped else "")
         return ptc
 
-    def _get(self, job: str, generation: int, authorization: str | None) -> CachedPtc:
+    def _get(self, job: str, generation: int, digest: str | None, authorization: str | None) -> CachedPtc:
         """GET the PTC from the scheduler, gzipped as it is sent (kept that way: workers accept gzip)."""
-        url = f"{self.scheduler_url}/v1/jobs/{urllib.parse.quote(job, safe='')}/ptc?generation={generation}"
+        query = urllib.parse.urlencode({"generation": generation, **({"digest": digest} if digest else {})})
+        url = f"{self.scheduler_url}/v1/jobs/{urllib.parse.quote(job, safe='')}/ptc?{query}"
         headers = {"Accept": "application/json", "Accept-Encoding": "gzip"}
         if authorization:
             headers["Authorization"] = authorization
@@ -346,10 +353,11 @@ def relay_router(relay: HeartbeatRelay | None, interval_s: float = DEFAULT_INTER
 
         @router.get(P.RELAY_PTC_PATH)
         async def relay_ptc(job: P.JobName, request: Request, generation: Annotated[int, Query(ge=0, le=1 << 30)],
-                            scheduler_url: Annotated[str, Query(min_length=1, max_length=2048)]) -> Response:
+                            scheduler_url: Annotated[str, Query(min_length=1, max_length=2048)],
+                            digest: Annotated[str | None, Query(min_length=1, max_length=64)] = None) -> Response:
             if scheduler_url.rstrip("/") != relay.scheduler_url:
                 raise Conflict(f"this node daemon relays for {relay.scheduler_url}, not for {scheduler_url}")
-            ptc = await relay.ptc.get(job, generation, request.headers.get("authorization"))
+            ptc = await relay.ptc.get(job, generation, request.headers.get("authorization"), digest)
             if ptc.gzipped and "gzip" in request.headers.get("accept-encoding", ""):
                 return Response(ptc.body, media_type="application/json", headers={"Content-Encoding": "gzip"})
             return Response(await asyncio.to_thread(ptc.json_bytes), media_type="application/json")

@@ -33,10 +33,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tenplex import __version__
 from tenplex.core import protocol as P
 from tenplex.core.auth import Authenticator, Principal, require_admin
-from tenplex.errors import Forbidden, InvalidInput, TenplexError, Unauthorized
+from tenplex.errors import Conflict, Forbidden, InvalidInput, TenplexError, Unauthorized
 from tenplex.ptc import ParallelConfig
 from tenplex.scheduler.controller import JobController
 from tenplex.scheduler.jobspec import JobCreate
+from tenplex.scheduler.launcher import ptc_digest
 from tenplex.scheduler.service import Scheduler
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -232,10 +233,13 @@ def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
     @app.get("/v1/jobs/{job}/ptc", tags=["jobs"], summary="The PTC of a generation (default: current)",
              dependencies=[Auth])
     def get_ptc(request: Request, job: P.JobName,
-                generation: Annotated[int | None, Query(ge=0, le=1 << 30)] = None) -> Response:
+                generation: Annotated[int | None, Query(ge=0, le=1 << 30)] = None,
+                digest: Annotated[str | None, Query(max_length=64)] = None) -> Response:
         ctl = scheduler.get(job)
         gen = ctl.status.generation if generation is None else generation
         ptc = ctl.ptc(gen)
+        if digest is not None and digest != ptc_digest(ptc):  # the ptc_url of a job since deleted and created again
+            raise Conflict(f"generation {gen} of job {job} has another PTC than the one with digest {digest}")
         if "gzip" in request.headers.get("accept-encoding", ""):
             # Every worker of a generation fetches it: gzipped once, 15-20x fewer bytes to send each of them.
             return Response(ptc.gzipped_json, media_type="application/json", headers={"Content-Encoding": "gzip"})

@@ -162,7 +162,9 @@ class ControlClient:
             return PTC.from_json(assignment.ptc)
         assert assignment.ptc_url is not None  # the model guarantees one of them
         if node_url is not None and self.relays_for_me(node_url):
-            query = urllib.parse.urlencode({"generation": assignment.generation, "scheduler_url": self.base_url})
+            digest = urllib.parse.parse_qs(urllib.parse.urlsplit(assignment.ptc_url).query).get("digest")
+            query = urllib.parse.urlencode({"generation": assignment.generation, "scheduler_url": self.base_url,
+                                            **({"digest": digest[0]} if digest else {})})
             path = p.RELAY_PTC_PATH.format(job=urllib.parse.quote(self.job, safe=""))
             try:
                 return PTC.loads(self._request("GET", f"{node_url.rstrip('/')}{path}?{query}", None, 1,

@@ -30,6 +30,7 @@ from tenplex.errors import (
 from tenplex.node.relay import HeartbeatRelay, PtcCache
 from tenplex.ptc import DatasetState, ParallelConfig, Placement
 from tenplex.scheduler.decide import Observations, detect_failure
+from tenplex.scheduler.launcher import ptc_digest
 from tenplex.scheduler.layouts import LayoutSpec
 from tenplex.scheduler.server import LocalScheduler
 from tenplex.scheduler.state import JobSpec, JobStatus, Phase, Stage, StateDir, WorkerRecord
@@ -287,7 +288,8 @@ def test_the_workers_of_a_node_get_the_ptc_through_their_daemon_fetched_once(sch
     node = daemon_url(sched, "host-1")
     base = P.Assignment.model_validate(call(f"{sched.url}/v1/jobs/{JOB}/workers/{wid(2)}/assignment", "GET", "",
                                             token=TOKEN)[1])
-    by_url = base.model_copy(update={"ptc": None, "ptc_url": f"/v1/jobs/{JOB}/ptc?generation=0"})
+    digest = ptc_digest(sched.scheduler.get(JOB).ptc(0))
+    by_url = base.model_copy(update={"ptc": None, "ptc_url": f"/v1/jobs/{JOB}/ptc?generation=0&digest={digest}"})
     before = relay_counters(node)
     for rank in (2, 3):
         assert ControlClient(sched.url, JOB, wid(rank), TOKEN).fetch_ptc(by_url, node).dumps() == expected
@@ -297,7 +299,7 @@ def test_the_workers_of_a_node_get_the_ptc_through_their_daemon_fetched_once(sch
     assert after["tenplex_relay_ptc_fetches_total"] >= 1
     # The daemon's route answers what the scheduler answers, gzipped or not.
     route = node + P.RELAY_PTC_PATH.format(job=JOB)
-    plain = urllib.request.Request(f"{route}?generation=0&scheduler_url={sched.url}",
+    plain = urllib.request.Request(f"{route}?generation=0&scheduler_url={sched.url}&digest={digest}",
                                    headers={"Authorization": f"Bearer {TOKEN}"})
     with urllib.request.urlopen(plain) as resp:
         assert resp.headers.get("Content-Encoding") is None and resp.read().decode() == expected
@@ -307,10 +309,14 @@ def test_the_workers_of_a_node_get_the_ptc_through_their_daemon_fetched_once(sch
     assert status == Conflict.http_status and "relays for" in body["detail"], body
     status, body = call(f"{route}?generation=0&scheduler_url={sched.url}", "GET", "", token="forged")
     assert status == Unauthorized.http_status, body
-    # Through the daemon or not, a worker gets the scheduler's own error (here: a generation it does not have).
+    # Through the daemon or not, a worker gets the scheduler's own error (here: a generation it does not have, and
+    # the ptc_url of a job created again under the same name: another PTC).
     with pytest.raises(NotFound):
         ControlClient(sched.url, JOB, wid(2), TOKEN).fetch_ptc(by_url.model_copy(
             update={"ptc_url": f"/v1/jobs/{JOB}/ptc?generation=7", "generation": 7}), node)
+    with pytest.raises(Conflict, match="another PTC"):
+        ControlClient(sched.url, JOB, wid(2), TOKEN).fetch_ptc(by_url.model_copy(
+            update={"ptc_url": f"/v1/jobs/{JOB}/ptc?generation=0&digest=0123456789abcdef"}), node)
     # A worker of another scheduler does not use this daemon (it fetches ptc_url itself: unreachable here).
     served = relay_counters(node)["tenplex_relay_ptc_served_total"]
     with pytest.raises(SchedulerUnavailable):
@@ -328,17 +334,22 @@ def test_the_daemons_ptc_cache_is_bounded_and_keyed_by_generation_and_credential
     async def fetches() -> list[int]:
         counts = []
         for generation in (0, 0, 1, 0):
-            ptc = await cache.get(JOB, generation, auth)
+            ptc = await cache.get(JOB, generation, auth, ptc_digest(ctl.ptc(generation)))
             assert ptc.json_bytes().decode() == ctl.ptc(generation).dumps()
             counts.append(cache.fetches)
-        asked = await asyncio.gather(*(cache.get(JOB, 1, auth) for _ in range(4)))  # at once: one fetch
-        assert len({id(p) for p in asked}) == 1
+        asked = await asyncio.gather(*(cache.get(JOB, 1, auth, ptc_digest(ctl.ptc(1))) for _ in range(4)))
+        assert len({id(p) for p in asked}) == 1  # asked at once: one fetch
         counts.append(cache.fetches)
-        with pytest.raises(Unauthorized):
-            await cache.get(JOB, 1, "Bearer forged")  # another credential: asked of the scheduler, refused
+        await cache.get(JOB, 1, auth, None)  # without a digest (an older scheduler's ptc_url): fetched, not kept
+        await cache.get(JOB, 1, auth, None)
+        counts.append(cache.fetches)
+        with pytest.raises(Unauthorized):  # another credential: asked of the scheduler, refused
+            await cache.get(JOB, 1, "Bearer forged", ptc_digest(ctl.ptc(1)))
+        with pytest.raises(Conflict, match="another PTC"):
+            await cache.get(JOB, 1, auth, "0123456789abcdef")
         return counts
 
-    assert asyncio.run(fetches()) == [1, 1, 2, 3, 4] and len(cache) == 1
+    assert asyncio.run(fetches()) == [1, 1, 2, 3, 4, 6] and len(cache) == 1
     with pytest.raises(InvalidConfig, match="room for one PTC"):
         PtcCache(sched.url, entries=0)
 
