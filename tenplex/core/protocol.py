@@ -27,6 +27,9 @@ to ``{store_url}{RELAY_HEARTBEAT_PATH}`` and gets the same
 :class:`NodeHeartbeatsReply`. A daemon relays only for the scheduler it was
 started for (``GET {RELAY_PATH}`` says which: :class:`RelayInfo`); a worker
 whose daemon does not relay for its scheduler heartbeats the scheduler itself.
+The same daemon hands the worker its generation's PTC (``GET
+{store_url}{RELAY_PTC_PATH}``, fetched from the scheduler's ``ptc_url`` once
+per node); a worker whose daemon does not, fetches ``ptc_url`` itself.
 
 A stop request ("stop after step N") travels in the :class:`Assignment` and in
 every :class:`HeartbeatReply`; the worker finishes step N, snapshots it,
@@ -123,6 +126,9 @@ RELAY_PATH = API_PREFIX + "/relay"
 """The node daemon's description of its relay (:class:`RelayInfo`)."""
 RELAY_HEARTBEAT_PATH = API_PREFIX + "/relay/jobs/{job}/workers/{worker_id}/heartbeat"
 """The node daemon's route for a worker's heartbeat, relayed to the scheduler in the node's next batch."""
+RELAY_PTC_PATH = API_PREFIX + "/relay/jobs/{job}/ptc"
+"""The node daemon's route for a generation's PTC (``?generation=N&scheduler_url=URL``), fetched from the scheduler
+once per job, generation and credential and served to the node's workers (gzipped for those that accept it)."""
 
 # -- field types -----------------------------------------------------------------------
 

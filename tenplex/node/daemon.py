@@ -301,7 +301,8 @@ class _MemoryTierCollector(Collector):
 
 
 class _RelayCollector(Collector):
-    """The heartbeat relay's counters on every scrape: batches sent, heartbeats in them, batches unanswered."""
+    """The heartbeat relay's counters on every scrape: batches sent, heartbeats in them, batches unanswered; PTCs
+    fetched from the scheduler and handed to workers."""
 
     def __init__(self, relay: HeartbeatRelay) -> None:
         self._relay = relay
@@ -312,6 +313,9 @@ class _RelayCollector(Collector):
                                   value=relay.batches)
         yield CounterMetricFamily("tenplex_relay_heartbeats", "Worker heartbeats relayed in them", value=relay.heartbeats)
         yield CounterMetricFamily("tenplex_relay_failures", "Batches the scheduler did not answer", value=relay.failures)
+        yield CounterMetricFamily("tenplex_relay_ptc_fetches", "Generations' PTCs fetched from the scheduler",
+                                  value=relay.ptc.fetches)
+        yield CounterMetricFamily("tenplex_relay_ptc_served", "PTCs handed to this node's workers", value=relay.ptc.served)
 
 
 class NodeDaemon(BackgroundServer):

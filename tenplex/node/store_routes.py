@@ -96,7 +96,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tenplex.core.auth import Authenticator, Principal, require_admin, require_read, require_write
 from tenplex.core.buffers import byte_view
-from tenplex.core.protocol import RELAY_HEARTBEAT_PATH, RELAY_PATH
+from tenplex.core.protocol import RELAY_HEARTBEAT_PATH, RELAY_PATH, RELAY_PTC_PATH
 from tenplex.core.version import Version
 from tenplex.errors import InvalidInput, TenplexError
 from tenplex.ptc.dtypes import check_dtype, itemsize, storage_dtype
@@ -206,8 +206,10 @@ _VERSIONS = "/v1/jobs/{job}/versions"
 _READ_ROUTES = frozenset({
     ("GET", _VERSIONS), ("GET", _VERSIONS + "/{version}"), ("GET", _VERSIONS + "/{version}/tensors/{tensor:path}"),
     ("POST", _VERSIONS + "/{version}/regions"), ("GET", _VERSIONS + "/{version}/committed"),
+    ("GET", RELAY_PTC_PATH),
 })
-"""Routes a job's ``worker`` or ``reader`` credential may call for its own job."""
+"""Routes a job's ``worker`` or ``reader`` credential may call for its own job (a generation's PTC: the scheduler
+decides too, :class:`tenplex.node.relay.PtcCache`)."""
 _WRITE_ROUTES = frozenset({
     ("PUT", _VERSIONS + "/{version}/tensors/{tensor:path}"), ("POST", _VERSIONS + "/{version}/links"),
     ("POST", _VERSIONS + "/{version}/commit"), ("POST", _VERSIONS + "/{version}/reservation"),

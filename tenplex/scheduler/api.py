@@ -36,10 +36,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tenplex import __version__
 from tenplex.core import protocol as P
 from tenplex.core.auth import Authenticator, Principal, require_admin
-from tenplex.errors import Forbidden, InvalidInput, TenplexError, Unauthorized
+from tenplex.errors import Conflict, Forbidden, InvalidInput, TenplexError, Unauthorized
 from tenplex.ptc import ParallelConfig
 from tenplex.scheduler.controller import JobController
 from tenplex.scheduler.jobspec import JobCreate
+from tenplex.scheduler.launcher import ptc_digest
 from tenplex.scheduler.service import Scheduler
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -243,10 +244,13 @@ def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
     @app.get("/v1/jobs/{job}/ptc", tags=["jobs"], summary="The PTC of a generation (default: current)",
              dependencies=[Auth])
     def get_ptc(request: Request, job: P.JobName,
-                generation: Annotated[int | None, Query(ge=0, le=1 << 30)] = None) -> Response:
+                generation: Annotated[int | None, Query(ge=0, le=1 << 30)] = None,
+                digest: Annotated[str | None, Query(max_length=64)] = None) -> Response:
         ctl = scheduler.get(job)
         gen = ctl.status.generation if generation is None else generation
         ptc = ctl.ptc(gen)
+        if digest is not None and digest != ptc_digest(ptc):  # the ptc_url of a job since deleted and created again
+            raise Conflict(f"generation {gen} of job {job} has another PTC than the one with digest {digest}")
         if "gzip" in request.headers.get("accept-encoding", ""):
             # Every worker of a generation fetches it: gzipped once, 15-20x fewer bytes to send each of them.
             return Response(ptc.gzipped_json, media_type="application/json", headers={"Content-Encoding": "gzip"})
@@ -259,7 +263,8 @@ def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
     # -- the worker protocol -------------------------------------------------------
 
     @app.post(P.REGISTER_PATH, tags=["workers"], summary="A worker registers; returns its assignment",
-              dependencies=[Auth])
+              dependencies=[Auth], description="Answered by the API's worker-report path (see `_WorkerReports`) "
+                                               "before routing; same contract.")
     def register(job: P.JobName, body: P.RegisterRequest) -> P.Assignment:
         return scheduler.get(job).register(body)
 
@@ -445,10 +450,12 @@ _REPORTS: dict[str, tuple[type[BaseModel], str, Callable[[JobController, str, An
     "snapshot": (P.SnapshotReport, P.SNAPSHOT_PATH, lambda ctl, w, body: ctl.snapshot_report(w, body)),
     "exit": (P.ExitReport, P.EXIT_PATH, lambda ctl, w, body: ctl.exit_report(w, body)),
     "heartbeats": (P.NodeHeartbeats, P.NODE_HEARTBEATS_PATH, lambda ctl, node, body: ctl.node_heartbeats(node, body)),
+    "register": (P.RegisterRequest, P.REGISTER_PATH, lambda ctl, _, body: ctl.register(body)),
 }
 """The worker reports every worker sends (``kind`` -> body model, route, controller call): a heartbeat every
 second or so (one batch per node and interval from the node daemons that relay them: ``heartbeats``, called
-with the node's name), and at every planned change a snapshot and an exit report from each worker at once."""
+with the node's name), and at every planned change a snapshot and an exit report from each worker at once, and
+each new worker's registration (the worker id is in its body) within seconds of its generation's launch."""
 
 
 async def _worker_report(scheduler: Scheduler, kind: str, job: str, worker_id: str, raw: bytes) -> bytes:
@@ -479,7 +486,8 @@ async def _worker_report(scheduler: Scheduler, kind: str, job: str, worker_id: s
     return reply.model_dump_json().encode() if reply is not None else _ACK
 
 
-_WORKER_REPORT = re.compile(r"^/v1/jobs/([^/]+)/(?:workers/([^/]+)/(heartbeat|snapshot|exit)|nodes/([^/]+)/(heartbeats))$")
+_WORKER_REPORT = re.compile(
+    r"^/v1/jobs/([^/]+)/(?:workers/([^/]+)/(heartbeat|snapshot|exit)|nodes/([^/]+)/(heartbeats)|workers/(register))$")
 _JOB_NAME = re.compile(P.JOB_NAME_PATTERN)
 _WORKER_ID = re.compile(P.WORKER_ID_PATTERN)
 _NODE_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,251}[A-Za-z0-9])?$")
@@ -488,7 +496,7 @@ _NODE_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,251}[A-Za-z0-9])?$")
 
 class _WorkerReports:
     """Worker reports answered before the app: heartbeats (a worker's own and a node's batch), snapshot and exit
-    reports (:data:`_REPORTS`).
+    reports, registrations (:data:`_REPORTS`).
 
     A thousand workers send a thousand heartbeats a second, and two thousand
     reports within a second or two when a planned change stops them; through
@@ -496,8 +504,10 @@ class _WorkerReports:
     each cost several times the work of the report itself
     (``benchmarks/control_plane.py``). This layer, ahead of the app
     (:class:`_SchedulerApp`), answers
-    ``POST /v1/jobs/{job}/workers/{worker_id}/{heartbeat,snapshot,exit}`` and
-    ``POST /v1/jobs/{job}/nodes/{node}/heartbeats`` itself, with the routes'
+    ``POST /v1/jobs/{job}/workers/{worker_id}/{heartbeat,snapshot,exit}``,
+    ``POST /v1/jobs/{job}/nodes/{node}/heartbeats`` and
+    ``POST /v1/jobs/{job}/workers/register`` (15,360 of them within seconds
+    when a 16,384-GPU job restarts) itself, with the routes'
     contract (bearer token, body and reply models, errors as
     ``{"error", "detail"}``, latency in the request histogram); anything
     else, and a path whose names are malformed, goes on to the app.
@@ -513,10 +523,12 @@ class _WorkerReports:
     async def answered(self, scope: dict[str, Any], receive: Any, send: Any) -> bool:
         """Answer ``scope`` if it is a worker report (True), else leave it to the app (False)."""
         m = _WORKER_REPORT.match(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
-        job, who, kind = "", "", ""
-        if m is not None:
-            job, who, kind = (m.group(1), m.group(2), m.group(3)) if m.group(2) else (m.group(1), m.group(4), m.group(5))
-        if m is None or not _JOB_NAME.match(job) or not (_WORKER_ID if kind != "heartbeats" else _NODE_NAME).match(who):
+        if m is None:
+            return False
+        job, who, kind = (m.group(1), m.group(2), m.group(3)) if m.group(2) else (
+            (m.group(1), m.group(4), m.group(5)) if m.group(4) else (m.group(1), "", "register"))
+        name = {"heartbeats": _NODE_NAME, "register": None}.get(kind, _WORKER_ID)
+        if not _JOB_NAME.match(job) or (name is not None and not name.match(who)):
             return False
         start = time.perf_counter()
         headers: list[tuple[bytes, bytes]] = [(b"content-type", b"application/json")]

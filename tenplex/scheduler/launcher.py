@@ -23,6 +23,7 @@ from tenplex.core.protocol import (
     ENV_WORKER_ID,
     Assignment,
 )
+from tenplex.ptc import PTC
 from tenplex.scheduler import policy as policy_mod
 from tenplex.scheduler.backend import WorkerLaunch
 from tenplex.scheduler.context import JobContext
@@ -32,12 +33,22 @@ LAUNCH_TEARDOWN_GRACE_S = 30.0
 """How long a stopped worker may take to exit before the next generation is started over it (then SIGKILL)."""
 
 
+def ptc_digest(ptc: PTC) -> str:
+    """What tells one PTC from another of the same job and generation (a job deleted and created again under its
+    name): the CRC-32 and size of its JSON, the trailer of the gzipped JSON made once per PTC anyway. In a PTC's
+    ``ptc_url``, so that a node daemon keeps a fetched PTC under it (:class:`tenplex.node.relay.PtcCache`) and the
+    scheduler refuses a digest that is not its PTC's."""
+    return ptc.gzipped_json[-8:].hex()
+
+
 class WorkerLauncher:
     def __init__(self, ctx: JobContext) -> None:
         self.ctx = ctx
         self._ptc_json: dict[int, dict | None] = {}
         """Generation -> its PTC as inlined in assignments (None: too large, fetched from /ptc); made once, not
         once per registering worker."""
+        self._ptc_url: dict[int, str] = {}
+        """Generation -> where its workers fetch a PTC too large to inline (with its :func:`ptc_digest`)."""
         self._standby_generation: int | None = None
 
     def launch(self, decision: policy_mod.Decision, generation: int) -> None:
@@ -123,6 +134,9 @@ class WorkerLauncher:
         if w.generation not in self._ptc_json:
             ptc = ctx.ptc(w.generation)
             self._ptc_json[w.generation] = ptc.to_json() if len(ptc.dumps()) <= ctx.settings.ptc_inline_limit else None
+            if self._ptc_json[w.generation] is None:
+                self._ptc_url[w.generation] = (f"{ctx.settings.url}/v1/jobs/{ctx.name}/ptc?generation={w.generation}"
+                                               f"&digest={ptc_digest(ptc)}")
         inline = self._ptc_json[w.generation]
         return Assignment(
             job=ctx.name,
@@ -138,7 +152,7 @@ class WorkerLauncher:
             restore_version=st.restore_version,
             store_url=ctx.backend.host(w.host).store_url,
             ptc=inline,
-            ptc_url=None if inline is not None else f"{ctx.settings.url}/v1/jobs/{ctx.name}/ptc?generation={w.generation}",
+            ptc_url=None if inline is not None else self._ptc_url[w.generation],
             stop_at_step=st.stop_at_step,
             total_steps=ctx.spec.steps,
             heartbeat_interval_s=ctx.settings.heartbeat_interval,

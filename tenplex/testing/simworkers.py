@@ -4,9 +4,10 @@ For measuring the control plane at scale (``benchmarks/control_plane.py``) on
 one machine. An *agent* process (:func:`run_agent`) runs every rank of every
 job it is given as asyncio tasks, the way a node agent (a kubelet) runs pods.
 Each rank does, over real HTTP, what :class:`tenplex.worker.ElasticWorker`
-does: registers (``RegisterRequest`` -> ``Assignment``), fetches the PTC from
-``ptc_url`` when it is not inline, checks that the version it is to restore is
-committed in its host's store, heartbeats every ``heartbeat_interval_s`` with
+does: registers (``RegisterRequest`` -> ``Assignment``), gets the PTC when it
+is not inline (through its node daemon, which fetches ``ptc_url`` once per
+host and generation, :class:`tenplex.node.relay.PtcCache`), checks that the
+version it is to restore is committed in its host's store, heartbeats every ``heartbeat_interval_s`` with
 its step (as the node daemons relay them: one batch per host and interval,
 :data:`~tenplex.core.protocol.NODE_HEARTBEATS_PATH`), obeys the stop step
 that a heartbeat reply or its assignment carries, snapshots that step into its host's store (the real store, on the
@@ -224,6 +225,8 @@ class _Generation:
     abort: bool = False
     ptc: PTC | None = None
     parsing: asyncio.Lock = field(default_factory=asyncio.Lock)
+    assigned: int = 0
+    fetched: int = 0
     registered: int = 0
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     done: asyncio.Event = field(default_factory=asyncio.Event)
@@ -232,6 +235,8 @@ class _Generation:
     restore_checks: dict[str, asyncio.Future[Any]] = field(default_factory=dict)
     relays: dict[str, list[_Rank]] = field(default_factory=dict)
     """Host -> its registered ranks, whose heartbeats one task per host sends as the host's batch."""
+    ptc_fetches: dict[str, asyncio.Future[tuple[bytes, str]]] = field(default_factory=dict)
+    """Host -> its node daemon's fetch of the generation's PTC, which the host's ranks share."""
     timeline: dict[str, float] = field(default_factory=dict)
     """Wall-clock times of what the generation went through (launched, registered, stop_heard, ...)."""
 
@@ -253,8 +258,8 @@ class Agent:
         self._io = ThreadPoolExecutor(max_workers=store_threads, thread_name_prefix="sim-store")
         self._client: _Http | None = None
         self._replies: dict[bytes, P.NodeHeartbeatsReply] = {}
-        self.counts: dict[str, int] = {"register": 0, "ptc": 0, "heartbeat": 0, "node_report": 0, "snapshot": 0,
-                                       "exit": 0, "shards_written": 0}
+        self.counts: dict[str, int] = {"register": 0, "ptc": 0, "ptc_relayed": 0, "heartbeat": 0, "node_report": 0,
+                                       "snapshot": 0, "exit": 0, "shards_written": 0}
 
     def client(self, url: str) -> _Http:
         if self._client is None:
@@ -366,7 +371,13 @@ class Agent:
         reply = await self._post(r, P.REGISTER_PATH, P.RegisterRequest(
             worker_id=r.worker_id, host=r.host, pid=os.getpid(), rank=r.rank), "register")
         a = r.assignment = P.Assignment.model_validate(reply)
+        g.assigned += 1
+        if g.assigned == (g.world or len(g.ranks)):
+            g.timeline["assigned"] = time.time()  # every rank has its assignment
         await self._fetch_ptc(g, r, a)
+        g.fetched += 1
+        if g.fetched == (g.world or len(g.ranks)):
+            g.timeline["ptc_fetched"] = time.time()  # every rank has the PTC
         if a.restore_version is not None:
             await self._check_restorable(g, r, a.restore_version)
         g.step = max(g.step, Version.parse(a.restore_version).step if a.restore_version else 0)
@@ -403,20 +414,18 @@ class Agent:
         return 0
 
     async def _fetch_ptc(self, g: _Generation, r: _Rank, a: P.Assignment) -> None:
-        """Every rank fetches (the scheduler serves each, as for real workers: gzipped, as they accept it); the
-        agent decompresses and parses once."""
+        """As real workers get it: through their node daemon (:class:`tenplex.node.relay.PtcCache`), which fetches
+        it from the scheduler once per host and generation (gzipped) for the host's ranks; a failed fetch is not
+        kept. The agent decompresses and parses once."""
         raw: bytes | None = None
         encoding = ""
         if a.ptc is None:
             assert a.ptc_url is not None
-            path = a.ptc_url
-            if path.startswith("http"):
-                path = "/" + path.split("://", 1)[1].split("/", 1)[1]
-            status, raw, encoding = await self.client(r.env[P.ENV_SCHEDULER_URL]).request(
-                "GET", path, None, r.env.get(P.ENV_TOKEN), accept_gzip=True)
-            if status != 200:
-                raise TenplexError(f"{r.worker_id}: GET {path}: HTTP {status}: {raw[:300]!r}")
-            self.counts["ptc"] += 1
+            fetch = g.ptc_fetches.get(r.host)
+            if fetch is None or (fetch.done() and fetch.exception() is not None):
+                fetch = g.ptc_fetches[r.host] = asyncio.ensure_future(self._scheduler_ptc(r, a.ptc_url))
+            raw, encoding = await asyncio.shield(fetch)
+            self.counts["ptc_relayed"] += 1
         async with g.parsing:
             if g.ptc is None:
                 def parse() -> PTC:
@@ -425,6 +434,18 @@ class Agent:
                     return PTC.loads(gzip.decompress(raw) if encoding == "gzip" else raw)
 
                 g.ptc = await asyncio.get_running_loop().run_in_executor(self._io, parse)
+
+    async def _scheduler_ptc(self, r: _Rank, ptc_url: str) -> tuple[bytes, str]:
+        """The node daemon's GET of the PTC from the scheduler, with the rank's credential: (body, encoding)."""
+        path = ptc_url
+        if path.startswith("http"):
+            path = "/" + path.split("://", 1)[1].split("/", 1)[1]
+        status, raw, encoding = await self.client(r.env[P.ENV_SCHEDULER_URL]).request(
+            "GET", path, None, r.env.get(P.ENV_TOKEN), accept_gzip=True)
+        if status != 200:
+            raise TenplexError(f"{r.host}: GET {path}: HTTP {status}: {raw[:300]!r}")
+        self.counts["ptc"] += 1
+        return raw, encoding
 
     async def _check_restorable(self, g: _Generation, r: _Rank, version: str) -> None:
         """Wait until the version to restore is committed in the rank's host store, as real workers do (they
@@ -506,6 +527,7 @@ class Agent:
             if g.abort:
                 break
             g.step += 1
+            g.timeline.setdefault("first_step", time.time())
             if total is not None and g.step >= total:
                 break
             if g.stop_at is not None and g.step >= g.stop_at:

@@ -8,7 +8,9 @@ Heartbeats go through the worker's node daemon when it relays for this
 worker's scheduler (:mod:`tenplex.node.relay`: one report per node and
 interval reaches the scheduler, not one per worker); the worker asks its
 daemon once, and heartbeats the scheduler itself when the daemon relays for
-none or another scheduler, or cannot be reached.
+none or another scheduler, or cannot be reached. The generation's PTC comes
+through the same daemon (fetched from the scheduler once per node, not once
+per worker), on the same condition.
 
 Stopping has to be collective: every rank of a job must finish the same step,
 snapshot it, and exit, or the ranks that go on would hang in their next
@@ -149,11 +151,27 @@ class ControlClient:
         )
         self._call("POST", p.EXIT_PATH, body, p.Ack, retries=1)
 
-    def fetch_ptc(self, assignment: p.Assignment) -> PTC:
-        """The PTC of an assignment: inline, or fetched from ``ptc_url``."""
+    def fetch_ptc(self, assignment: p.Assignment, node_url: str | None = None) -> PTC:
+        """The PTC of an assignment: inline, or fetched from ``ptc_url``.
+
+        With ``node_url`` (the node daemon's) it comes through the daemon when the daemon relays for this worker's
+        scheduler (:data:`~tenplex.core.protocol.RELAY_PTC_PATH`: the daemon fetches it once for the node's
+        workers), else, or when that fails, from ``ptc_url`` itself, which answers an error of the worker's own
+        (an unknown generation, a refused credential) as it is."""
         if assignment.ptc is not None:
             return PTC.from_json(assignment.ptc)
         assert assignment.ptc_url is not None  # the model guarantees one of them
+        if node_url is not None and self.relays_for_me(node_url):
+            digest = urllib.parse.parse_qs(urllib.parse.urlsplit(assignment.ptc_url).query).get("digest")
+            query = urllib.parse.urlencode({"generation": assignment.generation, "scheduler_url": self.base_url,
+                                            **({"digest": digest[0]} if digest else {})})
+            path = p.RELAY_PTC_PATH.format(job=urllib.parse.quote(self.job, safe=""))
+            try:
+                return PTC.loads(self._request("GET", f"{node_url.rstrip('/')}{path}?{query}", None, 1,
+                                               accept_gzip=True))
+            except TenplexError as exc:
+                log.warning("fetching the PTC through the node daemon failed (%s): fetching it from the scheduler",
+                            exc.detail)
         url = urllib.parse.urljoin(self.base_url + "/", assignment.ptc_url)
         raw = self._request("GET", url, None, self.retries, accept_gzip=True)
         return PTC.loads(raw)

@@ -191,7 +191,8 @@ class ElasticWorker:
         rank = int(env[p.ENV_RANK]) if env.get(p.ENV_RANK) else None
         assignment = control.register(host=env.get(p.ENV_HOST) or None, rank=rank)
         registered = time.time()
-        ptc = control.fetch_ptc(assignment)
+        daemon = assignment.store_url if assignment.store_url.startswith(("http://", "https://")) else None
+        ptc = control.fetch_ptc(assignment, daemon)  # through the node daemon when it relays for this scheduler
         setup = WorkerSetup.from_assignment(assignment, ptc, control.token)
         log.info(
             "registered as rank %d of %d (%s) on %s, generation %d, restore %s",

@@ -19,10 +19,18 @@ from pathlib import Path
 import pytest
 
 from tenplex.core import protocol as P
-from tenplex.errors import Conflict, InvalidConfig, NotFound
-from tenplex.node.relay import HeartbeatRelay
+from tenplex.errors import (
+    Conflict,
+    InvalidConfig,
+    InvalidInput,
+    NotFound,
+    SchedulerUnavailable,
+    Unauthorized,
+)
+from tenplex.node.relay import HeartbeatRelay, PtcCache
 from tenplex.ptc import DatasetState, ParallelConfig, Placement
 from tenplex.scheduler.decide import Observations, detect_failure
+from tenplex.scheduler.launcher import ptc_digest
 from tenplex.scheduler.layouts import LayoutSpec
 from tenplex.scheduler.server import LocalScheduler
 from tenplex.scheduler.state import JobSpec, JobStatus, Phase, Stage, StateDir, WorkerRecord
@@ -263,3 +271,103 @@ def test_the_daemon_says_whom_it_relays_for(sched: LocalScheduler, tmp_path: Pat
                                                        headers={"Authorization": f"Bearer {TOKEN}"})) as resp:
         info = P.RelayInfo.model_validate_json(resp.read())
     assert info.scheduler_url == sched.url and info.interval_s == 0.5
+
+
+def relay_counters(node: str) -> dict[str, float]:
+    with urllib.request.urlopen(urllib.request.Request(node + "/metrics",
+                                                       headers={"Authorization": f"Bearer {TOKEN}"})) as resp:
+        return {line.split(" ")[0]: float(line.split(" ")[1]) for line in resp.read().decode().splitlines()
+                if line.startswith("tenplex_relay_")}
+
+
+def test_the_workers_of_a_node_get_the_ptc_through_their_daemon_fetched_once(sched: LocalScheduler) -> None:
+    """A generation's PTC comes through the node daemon, which fetches it from the scheduler once for its workers;
+    what the scheduler refuses is refused the same, and a worker of another scheduler fetches it itself."""
+    assert sched.scheduler is not None
+    expected = sched.scheduler.get(JOB).ptc(0).dumps()
+    node = daemon_url(sched, "host-1")
+    base = P.Assignment.model_validate(call(f"{sched.url}/v1/jobs/{JOB}/workers/{wid(2)}/assignment", "GET", "",
+                                            token=TOKEN)[1])
+    digest = ptc_digest(sched.scheduler.get(JOB).ptc(0))
+    by_url = base.model_copy(update={"ptc": None, "ptc_url": f"/v1/jobs/{JOB}/ptc?generation=0&digest={digest}"})
+    before = relay_counters(node)
+    for rank in (2, 3):
+        assert ControlClient(sched.url, JOB, wid(rank), TOKEN).fetch_ptc(by_url, node).dumps() == expected
+    after = relay_counters(node)
+    assert after["tenplex_relay_ptc_fetches_total"] - before.get("tenplex_relay_ptc_fetches_total", 0) == 1
+    assert after["tenplex_relay_ptc_served_total"] - before.get("tenplex_relay_ptc_served_total", 0) == 2
+    assert after["tenplex_relay_ptc_fetches_total"] >= 1
+    # The daemon's route answers what the scheduler answers, gzipped or not.
+    route = node + P.RELAY_PTC_PATH.format(job=JOB)
+    plain = urllib.request.Request(f"{route}?generation=0&scheduler_url={sched.url}&digest={digest}",
+                                   headers={"Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(plain) as resp:
+        assert resp.headers.get("Content-Encoding") is None and resp.read().decode() == expected
+    status, body = call(f"{route}?generation=7&scheduler_url={sched.url}", "GET", "", token=TOKEN)
+    assert status == NotFound.http_status and body["error"] == NotFound.code, body
+    status, body = call(f"{route}?generation=0&scheduler_url=http://127.0.0.1:9", "GET", "", token=TOKEN)
+    assert status == Conflict.http_status and "relays for" in body["detail"], body
+    status, body = call(f"{route}?generation=0&scheduler_url={sched.url}", "GET", "", token="forged")
+    assert status == Unauthorized.http_status, body
+    # Through the daemon or not, a worker gets the scheduler's own error (here: a generation it does not have, and
+    # the ptc_url of a job created again under the same name: another PTC).
+    with pytest.raises(NotFound):
+        ControlClient(sched.url, JOB, wid(2), TOKEN).fetch_ptc(by_url.model_copy(
+            update={"ptc_url": f"/v1/jobs/{JOB}/ptc?generation=7", "generation": 7}), node)
+    with pytest.raises(Conflict, match="another PTC"):
+        ControlClient(sched.url, JOB, wid(2), TOKEN).fetch_ptc(by_url.model_copy(
+            update={"ptc_url": f"/v1/jobs/{JOB}/ptc?generation=0&digest=0123456789abcdef"}), node)
+    # A worker of another scheduler does not use this daemon (it fetches ptc_url itself: unreachable here).
+    served = relay_counters(node)["tenplex_relay_ptc_served_total"]
+    with pytest.raises(SchedulerUnavailable):
+        ControlClient("http://127.0.0.1:9", JOB, wid(2), TOKEN, retries=0).fetch_ptc(by_url, node)
+    assert relay_counters(node)["tenplex_relay_ptc_served_total"] == served
+
+
+def test_the_daemons_ptc_cache_is_bounded_and_keyed_by_generation_and_credential(sched: LocalScheduler) -> None:
+    assert sched.scheduler is not None
+    ctl = sched.scheduler.get(JOB)
+    ctl.ctx.set_ptc(1, ctl.ptc(0))  # a second generation's PTC to ask for
+    cache = PtcCache(sched.url, entries=1)
+    auth = f"Bearer {TOKEN}"
+
+    async def fetches() -> list[int]:
+        counts = []
+        for generation in (0, 0, 1, 0):
+            ptc = await cache.get(JOB, generation, auth, ptc_digest(ctl.ptc(generation)))
+            assert ptc.json_bytes().decode() == ctl.ptc(generation).dumps()
+            counts.append(cache.fetches)
+        asked = await asyncio.gather(*(cache.get(JOB, 1, auth, ptc_digest(ctl.ptc(1))) for _ in range(4)))
+        assert len({id(p) for p in asked}) == 1  # asked at once: one fetch
+        counts.append(cache.fetches)
+        await cache.get(JOB, 1, auth, None)  # without a digest (an older scheduler's ptc_url): fetched, not kept
+        await cache.get(JOB, 1, auth, None)
+        counts.append(cache.fetches)
+        with pytest.raises(Unauthorized):  # another credential: asked of the scheduler, refused
+            await cache.get(JOB, 1, "Bearer forged", ptc_digest(ctl.ptc(1)))
+        with pytest.raises(Conflict, match="another PTC"):
+            await cache.get(JOB, 1, auth, "0123456789abcdef")
+        return counts
+
+    assert asyncio.run(fetches()) == [1, 1, 2, 3, 4, 6] and len(cache) == 1
+    with pytest.raises(InvalidConfig, match="room for one PTC"):
+        PtcCache(sched.url, entries=0)
+
+
+def test_a_registration_is_answered_with_the_route_contract(sched: LocalScheduler) -> None:
+    """Registrations are answered ahead of the app's routing (15,360 at once at a 16,384-GPU restart), with the
+    route's contract: the worker's Assignment, or its error."""
+    url = f"{sched.url}/v1/jobs/{JOB}/workers/register"
+    status, body = post(url, {"worker_id": wid(1), "host": "host-0", "pid": 123, "rank": 1})
+    assert status == 200, body
+    a = P.Assignment.model_validate(body)
+    assert (a.worker_id, a.rank, a.world_size, a.host, a.local_rank, a.generation) == (wid(1), 1, 4, "host-0", 1, 0)
+    assert record(sched, wid(1)).pid == 123 and record(sched, wid(1)).registered
+    assert ControlClient(sched.url, JOB, wid(2), TOKEN).register(host="host-1", rank=2).rank == 2
+    for body, code, says in (({"worker_id": "nobody"}, NotFound, "has no worker 'nobody'"),
+                             ({"worker_id": "Bad Name!"}, InvalidInput, "worker_id"),
+                             ({"worker_id": wid(1), "surprise": 1}, InvalidInput, "surprise")):
+        status, answer = post(url, body)
+        assert status == code.http_status and answer["error"] == code.code and says in answer["detail"], answer
+    assert post(url, {"worker_id": wid(1)}, token="forged")[0] == Unauthorized.http_status
+    assert post(f"{sched.url}/v1/jobs/nojob/workers/register", {"worker_id": wid(1)})[0] == NotFound.http_status

@@ -7,6 +7,7 @@ daemons are :class:`tenplex.testing.simnodes.SimNodes` agents, which decode ever
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import struct
@@ -57,6 +58,8 @@ def test_scale_down_then_host_loss_on_simulated_nodes(tmp_path: Path, monkeypatc
         url = url_for("127.0.0.1", sock.getsockname()[1])
         scheduler = build_scheduler("tenplex.testing.simworkers:simulated_scheduler", tmp_path / "state", url, TOKEN,
                                     hosts_file=tmp_path / "hosts.json", heartbeat_interval=0.2, host_timeout=30.0)
+        # the workers get the PTC from ptc_url (not inlined), through their node daemons
+        scheduler.settings = dataclasses.replace(scheduler.settings, ptc_inline_limit=0)
         server = BackgroundServer(create_app(scheduler, token=TOKEN), sock=sock).start()
 
         # tp2 x pp2 x dp4 on 8 nodes of 2 GPUs (ZeRO-0: every shard on 4 dp replicas), then dp3 on 6 of them
@@ -115,6 +118,9 @@ def test_scale_down_then_host_loss_on_simulated_nodes(tmp_path: Path, monkeypatc
         # every sub-plan of the two changes reached its agent and was decoded; none was refused
         assert c["parts received"] == c["parts decoded"] == 12 and not counts["refused"], counts
         assert c.get("parts refused", 0) == 0
+        # every rank got its generation's PTC through its node daemon, which fetched it once per host
+        ranks = call(f"{agent_url}/counts")
+        assert ranks["ptc_relayed"] == 16 + 12 + 12 and ranks["ptc"] == 8 + 6 + 6, ranks
     finally:
         if server is not None:
             server.stop(timeout=5)
