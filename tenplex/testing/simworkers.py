@@ -243,6 +243,8 @@ class _Generation:
     report_batches: dict[str, tuple[list[P.NodeReport], asyncio.Future[dict[int, P.ErrorBody]]]] = field(
         default_factory=dict)
     """Host -> the reports its node daemon gathers for its next batch, and that batch's answer (its errors)."""
+    report_sends: set[asyncio.Task[None]] = field(default_factory=set)
+    """The batches being sent (held here: the event loop keeps only a weak reference to a task)."""
     timeline: dict[str, float] = field(default_factory=dict)
     """Wall-clock times of what the generation went through (launched, registered, stop_heard, ...)."""
 
@@ -425,7 +427,10 @@ class Agent:
         pending = g.report_batches.get(r.host)
         if pending is None:
             pending = g.report_batches[r.host] = ([], asyncio.get_running_loop().create_future())
-            asyncio.get_running_loop().create_task(self._send_reports(g, r, pending)).add_done_callback(_log_failure)
+            send = asyncio.get_running_loop().create_task(self._send_reports(g, r, pending))
+            g.report_sends.add(send)
+            send.add_done_callback(g.report_sends.discard)
+            send.add_done_callback(_log_failure)
         reports, answer = pending
         index = len(reports)
         reports.append(report)
