@@ -255,7 +255,11 @@ def main() -> None:
             for k, v in sorted(marks.items(), key=lambda kv: kv[1]):
                 print(f"    {v - t_req:+8.2f} s  {k}")
             print(f"    {t_done - t_req:+8.2f} s  training again (the scheduler sees the new generation's first step)")
-            agent_tl = request(f"{agent_url}/timeline").get(f"{JOB}/g{st['generation']}", {})
+            timelines = request(f"{agent_url}/timeline")
+            old_tl = timelines.get(f"{JOB}/g{st['generation'] - 1}", {})
+            print("  the old generation on the agent (its stop): " + ", ".join(
+                f"{k} {v - t_req:+.2f} s" for k, v in sorted(old_tl.items(), key=lambda kv: kv[1]) if v >= t_req))
+            agent_tl = timelines.get(f"{JOB}/g{st['generation']}", {})
             print("  the new generation on the agent: " + ", ".join(
                 f"{k} {v - t_req:+.2f} s" for k, v in sorted(agent_tl.items(), key=lambda kv: kv[1])))
             parts = {k: nodes["counts"].get(k, 0) - nodes_a.get(k, 0) for k in

@@ -122,10 +122,15 @@ PEER_FAILURE_PATH = API_PREFIX + "/jobs/{job}/workers/{worker_id}/peer-failure"
 EXIT_PATH = API_PREFIX + "/jobs/{job}/workers/{worker_id}/exit"
 NODE_HEARTBEATS_PATH = API_PREFIX + "/jobs/{job}/nodes/{node}/heartbeats"
 """The scheduler's route for one node daemon's batch of its workers' heartbeats."""
+NODE_REPORTS_PATH = API_PREFIX + "/jobs/{job}/nodes/{node}/reports"
+"""The scheduler's route for one node daemon's batch of its workers' snapshot and exit reports (:class:`NodeReports`)."""
 RELAY_PATH = API_PREFIX + "/relay"
 """The node daemon's description of its relay (:class:`RelayInfo`)."""
 RELAY_HEARTBEAT_PATH = API_PREFIX + "/relay/jobs/{job}/workers/{worker_id}/heartbeat"
 """The node daemon's route for a worker's heartbeat, relayed to the scheduler in the node's next batch."""
+RELAY_REPORT_PATH = API_PREFIX + "/relay/jobs/{job}/workers/{worker_id}/report"
+"""The node daemon's route for a worker's snapshot or exit report (:class:`RelayedReport`), relayed to the scheduler
+in a batch of the node's reports that came in within a short window."""
 RELAY_PTC_PATH = API_PREFIX + "/relay/jobs/{job}/ptc"
 """The node daemon's route for a generation's PTC (``?generation=N&scheduler_url=URL``), fetched from the scheduler
 once per job, generation and credential and served to the node's workers (gzipped for those that accept it)."""
@@ -398,6 +403,43 @@ class ExitReport(_Model):
     @classmethod
     def _marks_known(cls, v: dict[str, float] | None) -> dict[str, float] | None:
         return _check_marks(v)
+
+
+class NodeReport(_Model):
+    """One worker's snapshot or exit report (exactly one of them) in a node's batch or sent to its node daemon."""
+
+    worker_id: WorkerId
+    snapshot: SnapshotReport | None = None
+    exit: ExitReport | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> NodeReport:
+        if (self.snapshot is None) == (self.exit is None):
+            raise ValueError("a report carries a snapshot or an exit report, exactly one")
+        return self
+
+
+class RelayedReport(NodeReport):
+    """A worker's report sent to its node daemon, with the scheduler it is meant for (the daemon relays only to
+    its own) and the worker's host (the node its batch is reported for)."""
+
+    scheduler_url: str = Field(min_length=1, max_length=2048)
+    host: HostName
+
+
+class NodeReports(_Model):
+    """A node daemon's batch of its workers' snapshot and exit reports of one job, in the order they came in: at a
+    planned change every worker sends both within a second, so the scheduler handles a few requests per node
+    instead of two per worker."""
+
+    reports: list[NodeReport] = Field(min_length=1, max_length=MAX_NODE_HEARTBEATS)
+
+
+class NodeReportsReply(_Model):
+    """The answer to each report of a batch: its error (what the report sent directly would have got) under its
+    index in the batch, an :class:`Ack` for each of the others."""
+
+    errors: dict[int, ErrorBody] = Field(default_factory=dict)
 
 
 class Ack(_Model):

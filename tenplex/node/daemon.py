@@ -312,6 +312,10 @@ class _RelayCollector(Collector):
         yield CounterMetricFamily("tenplex_relay_batches", "Batches of this node's heartbeats sent to the scheduler",
                                   value=relay.batches)
         yield CounterMetricFamily("tenplex_relay_heartbeats", "Worker heartbeats relayed in them", value=relay.heartbeats)
+        yield CounterMetricFamily("tenplex_relay_report_batches", "Batches of this node's snapshot and exit reports sent",
+                                  value=relay.report_batches)
+        yield CounterMetricFamily("tenplex_relay_reports", "Worker snapshot and exit reports relayed in them",
+                                  value=relay.reports)
         yield CounterMetricFamily("tenplex_relay_failures", "Batches the scheduler did not answer", value=relay.failures)
         yield CounterMetricFamily("tenplex_relay_ptc_fetches", "Generations' PTCs fetched from the scheduler",
                                   value=relay.ptc.fetches)

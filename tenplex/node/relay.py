@@ -32,6 +32,14 @@ itself when its daemon relays for another one or for none (see
 (``tenplex store serve --workers N``) each process relays the beats it
 received: up to N batches per node and interval.
 
+Snapshot and exit reports go the same way (:data:`~tenplex.core.protocol.RELAY_REPORT_PATH`): at a planned
+change every worker sends both within a second or so, 32,768 requests at 16,384 workers. The daemon sends the
+reports of a job's workers that came in within ``report_window_s`` (:data:`REPORT_WINDOW_S`, at most the
+heartbeat interval) as one :class:`~tenplex.core.protocol.NodeReports`, and answers each worker with its
+report's part of the answer: its Ack, or the error the report sent directly would have got. A report the daemon
+could not deliver is answered with the failure, and the worker sends it to the scheduler itself, so an exit
+report is never lost (the scheduler's handling of a report is idempotent: one sent twice counts once).
+
 The same daemon hands its workers their generation's PTC
 (:data:`~tenplex.core.protocol.RELAY_PTC_PATH`, :class:`PtcCache`): every
 worker of a generation needs the whole PTC when it starts (0.97 MB gzipped
@@ -73,6 +81,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_INTERVAL_S = 1.0
 """How often a daemon sends its batch, by default: the scheduler's default heartbeat interval."""
+REPORT_WINDOW_S = 0.05
+"""How long a daemon gathers its workers' snapshot and exit reports before it sends them (the reports of a
+node's workers come within milliseconds of each other at a stop; a small job's stop gets this much slower)."""
 PTC_CACHE_ENTRIES = 8
 """The most PTCs a daemon keeps (one per job, generation and credential: its jobs' current generations and the
 ones before, which a worker being replaced may still ask for)."""
@@ -96,6 +107,14 @@ class _Group:
     waiting: dict[str, _Waiting] = field(default_factory=dict)
 
 
+@dataclass
+class _Report:
+    """A worker's snapshot or exit report waiting for its batch, and the request that waits for the answer."""
+
+    report: P.NodeReport
+    answer: asyncio.Future[tuple[int, bytes]]
+
+
 class HeartbeatRelay:
     """Collects the node's workers' heartbeats and sends them to the scheduler as one batch per job and node.
 
@@ -117,6 +136,13 @@ class HeartbeatRelay:
         self._clock = clock
         self._groups: dict[tuple[str, str, str | None], _Group] = {}
         self._task: asyncio.Task[None] | None = None
+        self.report_window_s = min(REPORT_WINDOW_S, interval_s)
+        self._reports: dict[tuple[str, str, str | None], dict[tuple[str, bool], _Report]] = {}
+        self._report_task: asyncio.Task[None] | None = None
+        self.report_batches = 0
+        """Batches of snapshot and exit reports sent (``tenplex_relay_report_batches``)."""
+        self.reports = 0
+        """Reports relayed in them (``tenplex_relay_reports``)."""
         self.batches = 0
         """Batches sent (the daemon's ``tenplex_relay_batches``)."""
         self.heartbeats = 0
@@ -142,6 +168,64 @@ class HeartbeatRelay:
         if self._task is None or self._task.done():
             self._task = loop.create_task(self._run(), name="tenplex-heartbeat-relay")
         return await asyncio.shield(answer)
+
+    async def report(self, job: str, authorization: str | None, relayed: P.RelayedReport) -> tuple[int, bytes]:
+        """Queue a worker's snapshot or exit report for its node's next batch of reports (sent ``report_window_s``
+        after the first report of a quiet spell) and wait for its answer: ``(HTTP status, body)``."""
+        if relayed.scheduler_url.rstrip("/") != self.scheduler_url:
+            raise Conflict(f"this node daemon relays reports to {self.scheduler_url}, not to {relayed.scheduler_url}")
+        loop = asyncio.get_running_loop()
+        report = P.NodeReport(worker_id=relayed.worker_id, snapshot=relayed.snapshot, exit=relayed.exit)
+        group = self._reports.setdefault((job, relayed.host, authorization), {})
+        key = (relayed.worker_id, relayed.exit is not None)
+        previous = group.get(key)
+        answer = previous.answer if previous is not None else loop.create_future()  # a retry joins the first's wait
+        group[key] = _Report(report, answer)
+        if self._report_task is None or self._report_task.done():
+            self._report_task = loop.create_task(self._run_reports(), name="tenplex-report-relay")
+        return await asyncio.shield(answer)
+
+    async def _run_reports(self) -> None:
+        while self._reports:
+            await asyncio.sleep(self.report_window_s)
+            await self.flush_reports()
+
+    async def flush_reports(self) -> int:
+        """Send every waiting report now, one batch per job and node (of at most
+        :data:`~tenplex.core.protocol.MAX_NODE_HEARTBEATS`), and answer each waiting worker; the batches sent."""
+        groups, self._reports = self._reports, {}
+        sent = 0
+        for (job, host, authorization), group in groups.items():
+            waiting = list(group.values())
+            for i in range(0, len(waiting), P.MAX_NODE_HEARTBEATS):
+                await self._send_reports(job, host, authorization, waiting[i:i + P.MAX_NODE_HEARTBEATS])
+                sent += 1
+        return sent
+
+    async def _send_reports(self, job: str, host: str, authorization: str | None, waiting: list[_Report]) -> None:
+        """One batch of reports to the scheduler; each worker answered with its report's part of the answer (every
+        one of them with the failure when there is none: the workers then report directly)."""
+        try:
+            batch = P.NodeReports(reports=[w.report for w in waiting])
+            path = P.NODE_REPORTS_PATH.format(job=urllib.parse.quote(job, safe=""),
+                                              node=urllib.parse.quote(host, safe=""))
+            status, raw = await asyncio.to_thread(self._post, path, batch.model_dump_json(exclude_none=True).encode(),
+                                                  authorization)
+        except TenplexError as exc:
+            log.warning("relaying %d reports of job %s: %s", len(waiting), job, exc.detail)
+            status, raw = exc.http_status, _error_json(exc)
+            self.failures += 1
+        except Exception as exc:  # a batch that cannot be made or sent must not leave its workers waiting
+            log.exception("relaying %d reports of job %s failed", len(waiting), job)
+            unexpected = SchedulerUnavailable(f"the node daemon could not relay the report: {exc}")
+            status, raw = unexpected.http_status, _error_json(unexpected)
+            self.failures += 1
+        self.report_batches += 1
+        self.reports += len(waiting)
+        answers = _report_answers(raw, len(waiting)) if status == 200 else None
+        for i, w in enumerate(waiting):
+            if not w.answer.done():
+                w.answer.set_result(answers[i] if answers is not None else (status, raw))
 
     async def _run(self) -> None:
         while self._groups:
@@ -326,6 +410,26 @@ def _answers(raw: bytes) -> dict[str, tuple[int, bytes]]:
     return parts
 
 
+_ACK = P.Ack().model_dump_json().encode()
+
+
+def _report_answers(raw: bytes, n: int) -> list[tuple[int, bytes]]:
+    """Each report's part of the scheduler's answer to a batch of ``n``, as the report sent directly would read:
+    its error, else an Ack (each a 503 when the answer cannot be read: the workers then report directly)."""
+    try:
+        reply = P.NodeReportsReply.model_validate_json(raw)
+    except ValidationError:
+        log.warning("the scheduler's answer to a node's reports is not a NodeReportsReply: %r", raw[:200])
+        unreadable = SchedulerUnavailable("the scheduler's answer to its node's reports could not be read")
+        return [(unreadable.http_status, _error_json(unreadable))] * n
+    answers: list[tuple[int, bytes]] = [(200, _ACK)] * n
+    for i, error in reply.errors.items():
+        if 0 <= i < n:
+            cls = errors.error_class(error.error) or TenplexError
+            answers[i] = cls.http_status, error.model_dump_json().encode()
+    return answers
+
+
 def _missing(worker_id: str) -> tuple[int, bytes]:
     exc = SchedulerUnavailable(f"the scheduler's answer to its node's heartbeats has none for worker {worker_id}")
     return exc.http_status, _error_json(exc)
@@ -333,7 +437,8 @@ def _missing(worker_id: str) -> tuple[int, bytes]:
 
 def relay_router(relay: HeartbeatRelay | None, interval_s: float = DEFAULT_INTERVAL_S) -> APIRouter:
     """The relay's routes: ``GET`` :data:`~tenplex.core.protocol.RELAY_PATH` (which scheduler, if any) and, with a
-    relay, ``POST`` :data:`~tenplex.core.protocol.RELAY_HEARTBEAT_PATH` (a worker's heartbeat) and ``GET``
+    relay, ``POST`` :data:`~tenplex.core.protocol.RELAY_HEARTBEAT_PATH` (a worker's heartbeat), ``POST``
+    :data:`~tenplex.core.protocol.RELAY_REPORT_PATH` (a worker's snapshot or exit report) and ``GET``
     :data:`~tenplex.core.protocol.RELAY_PTC_PATH` (a generation's PTC)."""
     router = APIRouter()
 
@@ -349,6 +454,17 @@ def relay_router(relay: HeartbeatRelay | None, interval_s: float = DEFAULT_INTER
             except ValidationError as exc:
                 raise InvalidInput(f"bad heartbeat: {exc.errors()[0].get('msg')}") from None
             status, body = await relay.beat(job, worker_id, request.headers.get("authorization"), beat)
+            return Response(body, status_code=status, media_type="application/json")
+
+        @router.post(P.RELAY_REPORT_PATH)
+        async def relay_report(job: P.JobName, worker_id: P.WorkerId, request: Request) -> Response:
+            try:
+                relayed = P.RelayedReport.model_validate_json(await request.body())
+            except ValidationError as exc:
+                raise InvalidInput(f"bad report: {exc.errors()[0].get('msg')}") from None
+            if relayed.worker_id != worker_id:
+                raise InvalidInput(f"the report of worker {relayed.worker_id} was posted for worker {worker_id}")
+            status, body = await relay.report(job, request.headers.get("authorization"), relayed)
             return Response(body, status_code=status, media_type="application/json")
 
         @router.get(P.RELAY_PTC_PATH)

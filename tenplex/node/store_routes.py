@@ -96,7 +96,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tenplex.core.auth import Authenticator, Principal, require_admin, require_read, require_write
 from tenplex.core.buffers import byte_view
-from tenplex.core.protocol import RELAY_HEARTBEAT_PATH, RELAY_PATH, RELAY_PTC_PATH
+from tenplex.core.protocol import (
+    RELAY_HEARTBEAT_PATH,
+    RELAY_PATH,
+    RELAY_PTC_PATH,
+    RELAY_REPORT_PATH,
+)
 from tenplex.core.version import Version
 from tenplex.errors import InvalidInput, TenplexError
 from tenplex.ptc.dtypes import check_dtype, itemsize, storage_dtype
@@ -213,9 +218,9 @@ decides too, :class:`tenplex.node.relay.PtcCache`)."""
 _WRITE_ROUTES = frozenset({
     ("PUT", _VERSIONS + "/{version}/tensors/{tensor:path}"), ("POST", _VERSIONS + "/{version}/links"),
     ("POST", _VERSIONS + "/{version}/commit"), ("POST", _VERSIONS + "/{version}/reservation"),
-    ("POST", RELAY_HEARTBEAT_PATH),
+    ("POST", RELAY_HEARTBEAT_PATH), ("POST", RELAY_REPORT_PATH),
 })
-"""Routes a job's ``worker`` credential may call for its own job (a snapshot: reserve, write, link, commit; a heartbeat the
+"""Routes a job's ``worker`` credential may call for its own job (a snapshot: reserve, write, link, commit; a heartbeat, snapshot or exit report the
 node daemon relays, :mod:`tenplex.node.relay`)."""
 _ANY_ROUTES = frozenset({("GET", "/v1/jobs"), ("GET", RELAY_PATH)})
 """Routes any valid credential may call (the handler narrows the answer to the caller's job)."""

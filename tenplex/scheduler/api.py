@@ -308,6 +308,16 @@ def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
         return Response(await _worker_report(scheduler, "heartbeats", job, node, await request.body()),
                         media_type="application/json")
 
+    @app.post(P.NODE_REPORTS_PATH, tags=["workers"], summary="A node daemon's batch of its workers' reports",
+              name="node_reports", response_model=P.NodeReportsReply, openapi_extra=_json_body(P.NodeReports),
+              description="The snapshot and exit reports of a node's workers, each handled as if sent directly; "
+                          "each one's error under its index. Answered by `_WorkerReports` before routing.")
+    async def node_reports(job: P.JobName, node: Annotated[str, Path(pattern=_NODE_NAME.pattern)],
+                           request: Request) -> Response:
+        auth(request)
+        return Response(await _worker_report(scheduler, "reports", job, node, await request.body()),
+                        media_type="application/json")
+
     return app
 
 
@@ -451,11 +461,28 @@ _REPORTS: dict[str, tuple[type[BaseModel], str, Callable[[JobController, str, An
     "exit": (P.ExitReport, P.EXIT_PATH, lambda ctl, w, body: ctl.exit_report(w, body)),
     "heartbeats": (P.NodeHeartbeats, P.NODE_HEARTBEATS_PATH, lambda ctl, node, body: ctl.node_heartbeats(node, body)),
     "register": (P.RegisterRequest, P.REGISTER_PATH, lambda ctl, _, body: ctl.register(body)),
+    "reports": (P.NodeReports, P.NODE_REPORTS_PATH, lambda ctl, _node, body: _node_reports(ctl, body)),
 }
 """The worker reports every worker sends (``kind`` -> body model, route, controller call): a heartbeat every
 second or so (one batch per node and interval from the node daemons that relay them: ``heartbeats``, called
 with the node's name), and at every planned change a snapshot and an exit report from each worker at once, and
 each new worker's registration (the worker id is in its body) within seconds of its generation's launch."""
+
+
+def _node_reports(ctl: JobController, batch: P.NodeReports) -> P.NodeReportsReply:
+    """A node daemon's batch of snapshot and exit reports, each handled in order as if sent directly (the caller
+    holds the job's lock, so the batch is one hold of it); each report's error is answered under its index."""
+    errors: dict[int, P.ErrorBody] = {}
+    for i, report in enumerate(batch.reports):
+        try:
+            if report.snapshot is not None:
+                ctl.snapshot_report(report.worker_id, report.snapshot)
+            else:
+                assert report.exit is not None  # the model guarantees one of them
+                ctl.exit_report(report.worker_id, report.exit)
+        except TenplexError as exc:
+            errors[i] = P.ErrorBody(error=exc.code, detail=exc.detail[:4000])
+    return P.NodeReportsReply(errors=errors)
 
 
 async def _worker_report(scheduler: Scheduler, kind: str, job: str, worker_id: str, raw: bytes) -> bytes:
@@ -487,7 +514,7 @@ async def _worker_report(scheduler: Scheduler, kind: str, job: str, worker_id: s
 
 
 _WORKER_REPORT = re.compile(
-    r"^/v1/jobs/([^/]+)/(?:workers/([^/]+)/(heartbeat|snapshot|exit)|nodes/([^/]+)/(heartbeats)|workers/(register))$")
+    r"^/v1/jobs/([^/]+)/(?:workers/([^/]+)/(heartbeat|snapshot|exit)|nodes/([^/]+)/(heartbeats|reports)|workers/(register))$")
 _JOB_NAME = re.compile(P.JOB_NAME_PATTERN)
 _WORKER_ID = re.compile(P.WORKER_ID_PATTERN)
 _NODE_NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,251}[A-Za-z0-9])?$")
@@ -505,7 +532,8 @@ class _WorkerReports:
     (``benchmarks/control_plane.py``). This layer, ahead of the app
     (:class:`_SchedulerApp`), answers
     ``POST /v1/jobs/{job}/workers/{worker_id}/{heartbeat,snapshot,exit}``,
-    ``POST /v1/jobs/{job}/nodes/{node}/heartbeats`` and
+    ``POST /v1/jobs/{job}/nodes/{node}/{heartbeats,reports}`` (a node daemon's batch of heartbeats, or of
+    snapshot and exit reports) and
     ``POST /v1/jobs/{job}/workers/register`` (15,360 of them within seconds
     when a 16,384-GPU job restarts) itself, with the routes'
     contract (bearer token, body and reply models, errors as
@@ -527,7 +555,7 @@ class _WorkerReports:
             return False
         job, who, kind = (m.group(1), m.group(2), m.group(3)) if m.group(2) else (
             (m.group(1), m.group(4), m.group(5)) if m.group(4) else (m.group(1), "", "register"))
-        name = {"heartbeats": _NODE_NAME, "register": None}.get(kind, _WORKER_ID)
+        name = {"heartbeats": _NODE_NAME, "reports": _NODE_NAME, "register": None}.get(kind, _WORKER_ID)
         if not _JOB_NAME.match(job) or (name is not None and not name.match(who)):
             return False
         start = time.perf_counter()

@@ -13,7 +13,9 @@ its step (as the node daemons relay them: one batch per host and interval,
 that a heartbeat reply or its assignment carries, snapshots that step into its host's store (the real store, on the
 node daemon's root, the shards the PTC gives it: a shard held by several
 devices of a host is written by the lowest of them; the last writer of a host
-commits), reports the snapshot and its exit. The ranks of a job generation
+commits), reports the snapshot and its exit (as the node daemons relay them: the reports of a host's ranks that
+come within :data:`tenplex.node.relay.REPORT_WINDOW_S` as one batch, :data:`~tenplex.core.protocol.NODE_REPORTS_PATH`;
+a batch that fails is sent rank by rank, as workers then report directly). The ranks of a job generation
 train in lockstep (one simulated step every ``step_seconds``), as SPMD
 training does, and agree on the earliest stop step any of them heard of (the
 all-reduce of :func:`tenplex.worker.control.agree_stop`). Shards hold zeros:
@@ -51,6 +53,7 @@ from fastapi import FastAPI
 from tenplex.core import protocol as P
 from tenplex.core.version import Version
 from tenplex.errors import InvalidConfig, TenplexError
+from tenplex.node.relay import REPORT_WINDOW_S
 from tenplex.ptc import PTC, Region, dtypes
 from tenplex.scheduler.backend import LocalBackend, LocalCluster, WorkerLaunch
 from tenplex.scheduler.controller import SchedulerSettings
@@ -237,6 +240,11 @@ class _Generation:
     """Host -> its registered ranks, whose heartbeats one task per host sends as the host's batch."""
     ptc_fetches: dict[str, asyncio.Future[tuple[bytes, str]]] = field(default_factory=dict)
     """Host -> its node daemon's fetch of the generation's PTC, which the host's ranks share."""
+    report_batches: dict[str, tuple[list[P.NodeReport], asyncio.Future[dict[int, P.ErrorBody]]]] = field(
+        default_factory=dict)
+    """Host -> the reports its node daemon gathers for its next batch, and that batch's answer (its errors)."""
+    report_sends: set[asyncio.Task[None]] = field(default_factory=set)
+    """The batches being sent (held here: the event loop keeps only a weak reference to a task)."""
     timeline: dict[str, float] = field(default_factory=dict)
     """Wall-clock times of what the generation went through (launched, registered, stop_heard, ...)."""
 
@@ -259,7 +267,7 @@ class Agent:
         self._client: _Http | None = None
         self._replies: dict[bytes, P.NodeHeartbeatsReply] = {}
         self.counts: dict[str, int] = {"register": 0, "ptc": 0, "ptc_relayed": 0, "heartbeat": 0, "node_report": 0,
-                                       "snapshot": 0, "exit": 0, "shards_written": 0}
+                                       "snapshot": 0, "exit": 0, "report_batch": 0, "shards_written": 0}
 
     def client(self, url: str) -> _Http:
         if self._client is None:
@@ -403,15 +411,58 @@ class Agent:
         if g.snapshot is not None and not g.abort:
             committed = await g.snapshot
             version = f"s{g.step}-g{g.generation}"
-            await self._post(r, P.SNAPSHOT_PATH, P.SnapshotReport(
+            await self._report(g, r, P.NodeReport(worker_id=r.worker_id, snapshot=P.SnapshotReport(
                 generation=g.generation, step=g.step, version=version, host=r.host,
-                committed=committed.get(r.worker_id, False)), "snapshot")
-        await self._post(r, P.EXIT_PATH, P.ExitReport(generation=g.generation, step=g.step, status=status,
-                                                      exit_code=0), "exit")
+                committed=committed.get(r.worker_id, False))))
+        await self._report(g, r, P.NodeReport(worker_id=r.worker_id, exit=P.ExitReport(
+            generation=g.generation, step=g.step, status=status, exit_code=0)))
         g.finished += 1
         if g.finished == (g.world or len(g.ranks)):
             g.timeline["reported"] = time.time()
         return 0
+
+    async def _report(self, g: _Generation, r: _Rank, report: P.NodeReport) -> None:
+        """A rank's snapshot or exit report as its node daemon relays it (:meth:`HeartbeatRelay.report`): in the
+        batch of the host's reports that come within the window; sent by the rank itself when the batch failed."""
+        pending = g.report_batches.get(r.host)
+        if pending is None:
+            pending = g.report_batches[r.host] = ([], asyncio.get_running_loop().create_future())
+            send = asyncio.get_running_loop().create_task(self._send_reports(g, r, pending))
+            g.report_sends.add(send)
+            send.add_done_callback(g.report_sends.discard)
+            send.add_done_callback(_log_failure)
+        reports, answer = pending
+        index = len(reports)
+        reports.append(report)
+        try:
+            errors = await asyncio.shield(answer)
+        except TenplexError as exc:
+            log.warning("%s: the node's batch of reports failed (%s): reporting directly", r.worker_id, exc)
+            kind = "exit" if report.exit is not None else "snapshot"
+            await self._post(r, P.EXIT_PATH if report.exit is not None else P.SNAPSHOT_PATH,
+                             report.exit or report.snapshot, kind)
+            return
+        if index in errors:
+            raise TenplexError(f"{r.worker_id}: report refused: {errors[index].detail}")
+
+    async def _send_reports(self, g: _Generation, r: _Rank,
+                            pending: tuple[list[P.NodeReport], asyncio.Future[dict[int, P.ErrorBody]]]) -> None:
+        reports, answer = pending
+        await asyncio.sleep(REPORT_WINDOW_S)
+        if g.report_batches.get(r.host) is pending:
+            del g.report_batches[r.host]  # reports from now on go in the next batch
+        try:
+            raw = await self._scheduler_post(
+                r.env, P.NODE_REPORTS_PATH.format(job=r.env[P.ENV_JOB], node=r.host),
+                P.NodeReports(reports=reports).model_dump_json(exclude_none=True).encode(), f"{r.host} reports",
+                "report_batch")
+            errors = P.NodeReportsReply.model_validate_json(raw).errors
+        except Exception as exc:
+            answer.set_exception(exc if isinstance(exc, TenplexError) else TenplexError(str(exc)))
+            return
+        for report in reports:
+            self.counts["exit" if report.exit is not None else "snapshot"] += 1
+        answer.set_result(errors)
 
     async def _fetch_ptc(self, g: _Generation, r: _Rank, a: P.Assignment) -> None:
         """As real workers get it: through their node daemon (:class:`tenplex.node.relay.PtcCache`), which fetches

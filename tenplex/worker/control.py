@@ -8,7 +8,8 @@ Heartbeats go through the worker's node daemon when it relays for this
 worker's scheduler (:mod:`tenplex.node.relay`: one report per node and
 interval reaches the scheduler, not one per worker); the worker asks its
 daemon once, and heartbeats the scheduler itself when the daemon relays for
-none or another scheduler, or cannot be reached. The generation's PTC comes
+none or another scheduler, or cannot be reached. Snapshot and exit reports
+go the same way (falling back to the scheduler when the daemon fails them). The generation's PTC comes
 through the same daemon (fetched from the scheduler once per node, not once
 per worker), on the same condition.
 
@@ -130,8 +131,9 @@ class ControlClient:
             return False
         return True
 
-    def report_snapshot(self, report: p.SnapshotReport) -> None:
-        self._call("POST", p.SNAPSHOT_PATH, report, p.Ack)
+    def report_snapshot(self, report: p.SnapshotReport, *, relay: tuple[str, str] | None = None) -> None:
+        """Report a snapshot written, through the node daemon with ``relay`` (as :meth:`report_exit`)."""
+        self._report(p.SNAPSHOT_PATH, report, p.NodeReport(worker_id=self.worker_id, snapshot=report), relay, None)
 
     def report_peer_failure(self, generation: int, detail: str, step: int | None = None) -> None:
         body = p.PeerFailureReport(generation=generation, step=step, detail=detail[:4000] or "unknown")
@@ -139,8 +141,11 @@ class ControlClient:
 
     def report_exit(
         self, generation: int, step: int, status: str, exit_code: int, detail: str | None = None,
-        marks: dict[str, float] | None = None,
+        marks: dict[str, float] | None = None, *, relay: tuple[str, str] | None = None,
     ) -> None:
+        """Report the exit: to the scheduler or, with ``relay`` (the node daemon's URL, this worker's host),
+        through the daemon, which sends its node's reports in one batch; a report the daemon did not deliver (it
+        answered a failure, or none) goes to the scheduler itself, so it is never lost."""
         body = p.ExitReport(
             generation=generation,
             step=step,
@@ -149,7 +154,20 @@ class ControlClient:
             detail=None if detail is None else detail[:4000],
             marks=marks or None,
         )
-        self._call("POST", p.EXIT_PATH, body, p.Ack, retries=1)
+        self._report(p.EXIT_PATH, body, p.NodeReport(worker_id=self.worker_id, exit=body), relay, 1)
+
+    def _report(self, path: str, body: BaseModel, report: p.NodeReport, relay: tuple[str, str] | None,
+                retries: int | None) -> None:
+        if relay is not None:
+            node_url, host = relay
+            relayed = p.RelayedReport(**dict(report), scheduler_url=self.base_url, host=host)
+            try:
+                self._call("POST", p.RELAY_REPORT_PATH, relayed, p.Ack, base=node_url.rstrip("/"), retries=1)
+                return
+            except TenplexError as exc:
+                # Another error of the report's own comes back from the scheduler itself just the same.
+                log.warning("report through the node daemon failed (%s): sending it to the scheduler", exc.detail)
+        self._call("POST", path, body, p.Ack, retries=retries)
 
     def fetch_ptc(self, assignment: p.Assignment, node_url: str | None = None) -> PTC:
         """The PTC of an assignment: inline, or fetched from ``ptc_url``.
@@ -300,6 +318,11 @@ class Heartbeat:
     def relayed(self) -> bool:
         """Whether the beats go through the node daemon (known after the first beat)."""
         return self._relay is not None
+
+    @property
+    def relay(self) -> tuple[str, str] | None:
+        """The node daemon's URL and this worker's host when the beats go through it (the reports do too)."""
+        return self._relay
 
     @property
     def stop_at_step(self) -> int | None:

@@ -473,7 +473,8 @@ class ElasticWorker:
         code = p.EXIT_FAILED if status == "failed" else p.EXIT_STOPPED
         if self.control is not None:
             try:
-                self.control.report_exit(self.setup.generation, self.step, status, code, detail, marks)
+                self.control.report_exit(self.setup.generation, self.step, status, code, detail, marks,
+                                         relay=self.heartbeat.relay if self.heartbeat is not None else None)
             except Exception as exc:
                 log.error("could not report the exit: %s", exc)
         return code
@@ -491,7 +492,8 @@ class ElasticWorker:
                     bytes_written=result.bytes_written,
                     seconds=result.write_seconds,
                     consumed_samples=result.consumed_samples,
-                )
+                ),
+                relay=self.heartbeat.relay if self.heartbeat is not None else None,
             )
         except Exception as exc:
             log.warning("could not report snapshot %s: %s", result.version, exc)

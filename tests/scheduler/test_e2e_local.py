@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tenplex.core.auth import Authenticator, Principal
-from tenplex.core.protocol import HEARTBEAT_PATH, NODE_HEARTBEATS_PATH
+from tenplex.core.protocol import HEARTBEAT_PATH, NODE_HEARTBEATS_PATH, NODE_REPORTS_PATH
 from tenplex.errors import TenplexError
 from tenplex.scheduler.cli import SchedulerClient
 from tenplex.scheduler.server import LocalScheduler
@@ -106,6 +106,8 @@ def test_scale_up_scale_down_and_worker_sigkill(tmp_path: Path) -> None:
         # Liveness went through the node daemons: one batch per node and interval, no worker's own heartbeat.
         beats = heartbeat_requests(sched)
         assert beats.get(NODE_HEARTBEATS_PATH, 0) > 0 and beats.get(HEARTBEAT_PATH, 0) == 0, beats
+        # and so did the snapshot and exit reports (a node's reports in one batch)
+        assert beats.get(NODE_REPORTS_PATH, 0) > 0, beats
 
     assert st["step"] == 36
     up, down, failure = st["history"]
@@ -122,12 +124,14 @@ def test_scale_up_scale_down_and_worker_sigkill(tmp_path: Path) -> None:
 
 
 def heartbeat_requests(sched: LocalScheduler) -> dict[str, float]:
-    """Requests the scheduler answered per heartbeat route (a worker's own, a node's batch)."""
+    """Requests the scheduler answered per heartbeat route (a worker's own, a node's batch) and of the nodes'
+    batches of reports."""
     assert sched.scheduler is not None
     counts: dict[str, float] = {}
     for metric in sched.scheduler.metrics.requests.collect():
         for sample in metric.samples:
-            if sample.name.endswith("_count") and sample.labels["route"] in (HEARTBEAT_PATH, NODE_HEARTBEATS_PATH):
+            if sample.name.endswith("_count") and sample.labels["route"] in (HEARTBEAT_PATH, NODE_HEARTBEATS_PATH,
+                                                                             NODE_REPORTS_PATH):
                 counts[sample.labels["route"]] = counts.get(sample.labels["route"], 0) + sample.value
     return counts
 

@@ -371,3 +371,77 @@ def test_a_registration_is_answered_with_the_route_contract(sched: LocalSchedule
         assert status == code.http_status and answer["error"] == code.code and says in answer["detail"], answer
     assert post(url, {"worker_id": wid(1)}, token="forged")[0] == Unauthorized.http_status
     assert post(f"{sched.url}/v1/jobs/nojob/workers/register", {"worker_id": wid(1)})[0] == NotFound.http_status
+
+
+def test_a_nodes_snapshot_and_exit_reports_go_to_the_scheduler_in_one_batch(sched: LocalScheduler) -> None:
+    """A node daemon sends the snapshot and exit reports of its workers as one batch, each worker answered with
+    its own report's answer (an Ack, or the error the report sent directly gets), and a report the daemon cannot
+    deliver goes to the scheduler itself: an exit report is never lost."""
+    assert sched.scheduler is not None
+    ctl = sched.scheduler.get(JOB)
+    host = "host-1"
+    node = daemon_url(sched, host)
+
+    def exit_body(worker: str, generation: int = 0) -> dict:
+        return {"worker_id": worker, "exit": {"generation": generation, "step": 9, "status": "stopped", "exit_code": 0}}
+
+    try:
+        # The scheduler's route: one request, each report handled as if sent directly, errors under their index.
+        status, body = post(f"{sched.url}/v1/jobs/{JOB}/nodes/{host}/reports", {"reports": [
+            exit_body(wid(2)), exit_body("nobody"), exit_body(wid(3), generation=5),
+            {"worker_id": wid(3), "snapshot": {"generation": 0, "step": 9, "version": "s9-g0", "host": host,
+                                               "committed": False}}]})
+        assert status == 200, body
+        reply = P.NodeReportsReply.model_validate(body)
+        assert {i: e.error for i, e in reply.errors.items()} == {1: NotFound.code, 2: Conflict.code}, reply
+        with ctl.lock:
+            assert ctl.ctx.exit_reports[wid(2)].step == 9 and wid(3) not in ctl.ctx.exit_reports
+        status, body = post(f"{sched.url}/v1/jobs/{JOB}/nodes/{host}/reports", {"reports": []})
+        assert status == InvalidInput.http_status and body["error"] == InvalidInput.code, body
+        status, body = post(f"{sched.url}/v1/jobs/{JOB}/nodes/{host}/reports", {"reports": [exit_body(wid(2))]},
+                            token="forged")
+        assert status == Unauthorized.http_status, body
+
+        # Through the daemon: the worker's own answer; a stranger's error comes back as its own direct report's.
+        before = relay_counters(node)
+        client = ControlClient(sched.url, JOB, wid(3), TOKEN)
+        client.report_exit(0, 11, "stopped", P.EXIT_STOPPED, relay=(node, host))
+        after = relay_counters(node)
+        assert after["tenplex_relay_reports_total"] - before.get("tenplex_relay_reports_total", 0) == 1, after
+        assert after["tenplex_relay_report_batches_total"] - before.get("tenplex_relay_report_batches_total", 0) == 1
+        with ctl.lock:
+            assert ctl.ctx.exit_reports[wid(3)].step == 11
+        route = node + P.RELAY_REPORT_PATH.format(job=JOB, worker_id="stranger")
+        status, body = post(route, {**exit_body("stranger"), "scheduler_url": sched.url, "host": host})
+        assert status == NotFound.http_status and "has no worker 'stranger'" in body["detail"], body
+        with pytest.raises(NotFound, match="has no worker 'stranger'"):
+            ControlClient(sched.url, JOB, "stranger", TOKEN).report_exit(0, 1, "stopped", 0, relay=(node, host))
+        status, body = post(route, {**exit_body(wid(2)), "scheduler_url": sched.url, "host": host})
+        assert status == InvalidInput.http_status and "posted for worker stranger" in body["detail"], body
+        status, body = post(route, {**exit_body("stranger"), "scheduler_url": "http://127.0.0.1:9", "host": host})
+        assert status == Conflict.http_status and "relays reports to" in body["detail"], body
+
+        # A daemon that is gone: the report goes to the scheduler itself.
+        with ctl.lock:
+            del ctl.ctx.exit_reports[wid(3)]
+        ControlClient(sched.url, JOB, wid(3), TOKEN).report_exit(0, 12, "stopped", 0, relay=("http://127.0.0.1:9", host))
+        with ctl.lock:
+            assert ctl.ctx.exit_reports[wid(3)].step == 12
+
+        # The relay batches what comes in within its window: two workers' reports, one request.
+        async def two_in_one() -> tuple[int, list[tuple[int, bytes]]]:
+            relay = HeartbeatRelay(sched.url, interval_s=3600.0)
+            relay.report_window_s = 3600.0  # sent by hand below
+            auth = f"Bearer {TOKEN}"
+            waits = [asyncio.ensure_future(relay.report(JOB, auth, P.RelayedReport.model_validate(
+                {**exit_body(w), "scheduler_url": sched.url, "host": host}))) for w in (wid(2), "nobody")]
+            await asyncio.sleep(0.01)
+            sent = await relay.flush_reports()
+            return sent, list(await asyncio.gather(*waits))
+
+        sent, answers = asyncio.run(two_in_one())
+        assert sent == 1 and answers[0] == (200, P.Ack().model_dump_json().encode())
+        assert answers[1][0] == NotFound.http_status and b"nobody" in answers[1][1], answers
+    finally:
+        with ctl.lock:
+            ctl.ctx.exit_reports.clear()

@@ -121,6 +121,10 @@ def test_scale_down_then_host_loss_on_simulated_nodes(tmp_path: Path, monkeypatc
         # every rank got its generation's PTC through its node daemon, which fetched it once per host
         ranks = call(f"{agent_url}/counts")
         assert ranks["ptc_relayed"] == 16 + 12 + 12 and ranks["ptc"] == 8 + 6 + 6, ranks
+        # the 16 ranks of the first generation reported their snapshot and exit through their node daemons, whose
+        # batches carry the reports of a host's ranks together
+        assert ranks["snapshot"] >= 16 and ranks["exit"] >= 16, ranks
+        assert ranks["report_batch"] < ranks["snapshot"] + ranks["exit"], ranks
     finally:
         if server is not None:
             server.stop(timeout=5)
