@@ -135,10 +135,12 @@ def _run_everything(api: TestCluster, agents: NodeAgents, tmp_path: Path, watch:
         for ns in JOB_NAMESPACES:  # one after the other: two jobs placed at the same moment race (see README)
             job = f"gpt-{ns}"
             api.create("elasticjobs", elasticjob(job, 2, namespace=ns, max_restarts=5), ns)
+            # The first placement waits for the scheduler's first lists and the agents' first pods: a bound on a
+            # hang, generous for a loaded 2-core machine (20 s ran out once in a clean-clone run beside other tests).
             eventually(lambda j=job, n=ns: [p["status"]["phase"] for p in live_worker_pods(api, j, n)] == ["Running"] * 2,
-                       f"{job}'s pods")
+                       f"{job}'s pods", timeout=90)
             ctl = eventually(lambda j=job: sched.find(j), f"{job} known")
-            eventually(lambda c=ctl: c.status.phase == Phase.RUNNING, f"{job} Running")
+            eventually(lambda c=ctl: c.status.phase == Phase.RUNNING, f"{job} Running", timeout=90)
         for ns in JOB_NAMESPACES:
             job = f"gpt-{ns}"
             ctl = sched.get(job)
