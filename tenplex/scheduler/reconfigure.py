@@ -354,6 +354,12 @@ class Orchestrator:
         try:
             plan = inputs.plan(old_ptc, decision.ptc)
         except StateLost as exc:
+            gone = sorted(set(st.committed.get(str(version), ())) - set(holders))
+            if gone:
+                # A host that held the version was lost after the recovery chose it (its daemon still answered
+                # then): another failure, so choose again from what is left (max_restarts bounds the repeats).
+                self.begin_failure(f"{', '.join(gone)} lost before the plan from {version} was made")
+                return
             self.fail(f"state lost: {exc.detail}")
             return
         ctx.set_ptc(new_gen, decision.ptc)
