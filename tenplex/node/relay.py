@@ -69,7 +69,7 @@ from typing import Annotated
 import urllib3
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from tenplex import errors
 from tenplex.core import protocol as P
@@ -205,21 +205,9 @@ class HeartbeatRelay:
     async def _send_reports(self, job: str, host: str, authorization: str | None, waiting: list[_Report]) -> None:
         """One batch of reports to the scheduler; each worker answered with its report's part of the answer (every
         one of them with the failure when there is none: the workers then report directly)."""
-        try:
-            batch = P.NodeReports(reports=[w.report for w in waiting])
-            path = P.NODE_REPORTS_PATH.format(job=urllib.parse.quote(job, safe=""),
-                                              node=urllib.parse.quote(host, safe=""))
-            status, raw = await asyncio.to_thread(self._post, path, batch.model_dump_json(exclude_none=True).encode(),
-                                                  authorization)
-        except TenplexError as exc:
-            log.warning("relaying %d reports of job %s: %s", len(waiting), job, exc.detail)
-            status, raw = exc.http_status, _error_json(exc)
-            self.failures += 1
-        except Exception as exc:  # a batch that cannot be made or sent must not leave its workers waiting
-            log.exception("relaying %d reports of job %s failed", len(waiting), job)
-            unexpected = SchedulerUnavailable(f"the node daemon could not relay the report: {exc}")
-            status, raw = unexpected.http_status, _error_json(unexpected)
-            self.failures += 1
+        status, raw = await self._post_batch(
+            P.NODE_REPORTS_PATH, job, host, authorization, "report", len(waiting),
+            lambda: P.NodeReports(reports=[w.report for w in waiting]))
         self.report_batches += 1
         self.reports += len(waiting)
         answers = _report_answers(raw, len(waiting)) if status == 200 else None
@@ -248,28 +236,18 @@ class HeartbeatRelay:
     async def _send(self, job: str, host: str, authorization: str | None, waiting: list[tuple[str, _Waiting]]) -> None:
         """One batch to the scheduler; each of its workers answered with its part of the answer (every one of them
         with the error when there is none)."""
-        try:
+        def batch() -> P.NodeHeartbeats:
             now = self._clock()
             beats = [w.beat for _, w in waiting]
-            batch = P.NodeHeartbeats(
+            return P.NodeHeartbeats(
                 workers=[wid for wid, _ in waiting], generations=[b.generation for b in beats],
                 steps=[b.step for b in beats], ages=[max(0.0, now - w.received) for _, w in waiting],
                 losses=[b.loss for b in beats] if any(b.loss is not None for b in beats) else None,
                 marks={wid: w.beat.marks for wid, w in waiting if w.beat.marks} or None,
             )
-            path = P.NODE_HEARTBEATS_PATH.format(job=urllib.parse.quote(job, safe=""),
-                                                 node=urllib.parse.quote(host, safe=""))
-            status, raw = await asyncio.to_thread(self._post, path, batch.model_dump_json(exclude_none=True).encode(),
-                                                  authorization)
-        except TenplexError as exc:
-            log.warning("relaying %d heartbeats of job %s: %s", len(waiting), job, exc.detail)
-            status, raw = exc.http_status, _error_json(exc)
-            self.failures += 1
-        except Exception as exc:  # a batch that cannot be made or sent must not leave its workers waiting
-            log.exception("relaying %d heartbeats of job %s failed", len(waiting), job)
-            unexpected = SchedulerUnavailable(f"the node daemon could not relay the heartbeat: {exc}")
-            status, raw = unexpected.http_status, _error_json(unexpected)
-            self.failures += 1
+
+        status, raw = await self._post_batch(P.NODE_HEARTBEATS_PATH, job, host, authorization, "heartbeat",
+                                             len(waiting), batch)
         self.batches += 1
         self.heartbeats += len(waiting)
         answers = _answers(raw) if status == 200 else {}
@@ -277,6 +255,25 @@ class HeartbeatRelay:
             if not w.answer.done():
                 w.answer.set_result((answers.get(wid) or answers.get("") or _missing(wid)) if status == 200
                                     else (status, raw))
+
+    async def _post_batch(self, path: str, job: str, host: str, authorization: str | None, what: str, count: int,
+                          batch: Callable[[], BaseModel]) -> tuple[int, bytes]:
+        """POST one batch of a node's ``what``s (``path``: its route's template, ``batch()``: its body, made here so
+        that a batch that cannot be made fails like one that cannot be sent) to the scheduler: the answer's status
+        and body, or a failure's as an error answer, which every worker of the batch then gets."""
+        try:
+            url_path = path.format(job=urllib.parse.quote(job, safe=""), node=urllib.parse.quote(host, safe=""))
+            body = batch().model_dump_json(exclude_none=True).encode()
+            return await asyncio.to_thread(self._post, url_path, body, authorization)
+        except TenplexError as exc:
+            log.warning("relaying %d %ss of job %s: %s", count, what, job, exc.detail)
+            self.failures += 1
+            return exc.http_status, _error_json(exc)
+        except Exception as exc:  # a batch that cannot be made or sent must not leave its workers waiting
+            log.exception("relaying %d %ss of job %s failed", count, what, job)
+            self.failures += 1
+            unexpected = SchedulerUnavailable(f"the node daemon could not relay the {what}: {exc}")
+            return unexpected.http_status, _error_json(unexpected)
 
     def _post(self, path: str, body: bytes, authorization: str | None) -> tuple[int, bytes]:
         """POST one batch on a kept-alive connection to the scheduler (tried once more on a connection error: one

@@ -297,26 +297,29 @@ def create_app(scheduler: Scheduler, *, token: str | None) -> FastAPI:
 
     report_route("exit", "exit_report", "A worker is exiting", P.Ack)
 
-    @app.post(P.NODE_HEARTBEATS_PATH, tags=["workers"], summary="A node daemon's batch of its workers' heartbeats",
-              name="node_heartbeats", response_model=P.NodeHeartbeatsReply,
-              openapi_extra=_json_body(P.NodeHeartbeats),
-              description="One report per node and job per interval instead of one per worker; answers each "
-                          "worker as its own heartbeat would be. Answered by `_WorkerReports` before routing.")
-    async def node_heartbeats(job: P.JobName, node: Annotated[str, Path(pattern=_NODE_NAME.pattern)],
-                              request: Request) -> Response:
-        auth(request)
-        return Response(await _worker_report(scheduler, "heartbeats", job, node, await request.body()),
-                        media_type="application/json")
+    def node_route(kind: str, path: str, model: type[BaseModel], reply: type[BaseModel], summary: str,
+                   description: str) -> None:
+        """A node daemon's batch route: answered by `_WorkerReports` before routing; here for the OpenAPI document
+        and for an app without that layer."""
 
-    @app.post(P.NODE_REPORTS_PATH, tags=["workers"], summary="A node daemon's batch of its workers' reports",
-              name="node_reports", response_model=P.NodeReportsReply, openapi_extra=_json_body(P.NodeReports),
-              description="The snapshot and exit reports of a node's workers, each handled as if sent directly; "
-                          "each one's error under its index. Answered by `_WorkerReports` before routing.")
-    async def node_reports(job: P.JobName, node: Annotated[str, Path(pattern=_NODE_NAME.pattern)],
-                           request: Request) -> Response:
-        auth(request)
-        return Response(await _worker_report(scheduler, "reports", job, node, await request.body()),
-                        media_type="application/json")
+        async def answer(job: P.JobName, node: Annotated[str, Path(pattern=_NODE_NAME.pattern)],
+                         request: Request) -> Response:
+            auth(request)
+            return Response(await _worker_report(scheduler, kind, job, node, await request.body()),
+                            media_type="application/json")
+
+        app.post(path, tags=["workers"], summary=summary, name=f"node_{kind}", response_model=reply,
+                 openapi_extra=_json_body(model),
+                 description=f"{description} Answered by `_WorkerReports` before routing.")(answer)
+
+    node_route("heartbeats", P.NODE_HEARTBEATS_PATH, P.NodeHeartbeats, P.NodeHeartbeatsReply,
+               "A node daemon's batch of its workers' heartbeats",
+               "One report per node and job per interval instead of one per worker; answers each worker as its own "
+               "heartbeat would be.")
+    node_route("reports", P.NODE_REPORTS_PATH, P.NodeReports, P.NodeReportsReply,
+               "A node daemon's batch of its workers' reports",
+               "The snapshot and exit reports of a node's workers, each handled as if sent directly; each one's "
+               "error under its index.")
 
     return app
 
